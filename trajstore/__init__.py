@@ -1,0 +1,12 @@
+"""trajstore: a disk-backed trajectory and replay store for reinforcement learning.
+
+Every field is a chunked Zarr v3 array under a ``cache_path`` (local folder, ``.zip`` or
+any fsspec URL); ``create`` / ``load_from`` / ``dumps`` are metadata operations and reads
+are lazy.  See README.md and docs/.
+"""
+
+from . import errors
+from .replay_buffer import ReplayBuffer, ZarrStorage
+from .views import BatchBase, ColumnView, SliceView
+
+__all__ = ["ReplayBuffer", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "errors"]

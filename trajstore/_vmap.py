@@ -1,0 +1,127 @@
+"""One contiguous numpy array over many chunk files (Linux).
+
+An uncompressed zarr chunk file is a raw C-order block of ``chunk_rows`` rows.  We
+reserve one virtual address range for the whole field and map each chunk file at its
+place with ``MAP_FIXED``; unmapped stretches are anonymous zero pages (what zarr reads
+for a missing chunk).  A random gather is then a single numpy fancy index over the
+page cache, which is what a plain ``np.memmap`` of one big file costs.  Chunk byte
+sizes must be multiples of the page size so the pieces tile without gaps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap
+import os
+import sys
+
+import numpy as np
+
+PAGE = _mmap.PAGESIZE
+SUPPORTED = sys.platform.startswith("linux")
+
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+if SUPPORTED:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    _libc.munmap.restype = ctypes.c_int
+    _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _libc.msync.restype = ctypes.c_int
+    _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _check(addr: int | None, what: str) -> int:
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return addr
+
+
+class VirtualArray:
+    """A reserved address range seen as a numpy array of ``n_chunks * chunk_rows`` rows.
+
+    Parameters
+    ----------
+    n_chunks : int
+        Number of chunk slots to reserve.
+    chunk_rows : int
+        Rows per chunk; ``chunk_rows * row_bytes`` must be a multiple of :data:`PAGE`.
+    row_shape : tuple of int
+        Shape of one row.
+    dtype : numpy.dtype
+        Element type (stored little-endian, as zarr's ``bytes`` codec writes it).
+    writable : bool
+        Map chunk files read-write (the writer) or read-only (readers).
+    """
+
+    def __init__(self, n_chunks: int, chunk_rows: int, row_shape: tuple[int, ...], dtype: np.dtype, writable: bool):
+        self.chunk_rows = chunk_rows
+        self.row_shape = tuple(row_shape)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.writable = writable
+        self.chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        if self.chunk_bytes % PAGE:
+            raise ValueError(f"chunk of {self.chunk_bytes} bytes is not a multiple of the page size {PAGE}")
+        self.n_chunks = max(int(n_chunks), 1)
+        self.nbytes = self.n_chunks * self.chunk_bytes
+        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE
+        self.base = _check(_libc.mmap(None, self.nbytes, _PROT_READ, flags, -1, 0), "reserve address range")
+        self.mapped = np.zeros(self.n_chunks, dtype=bool)
+        buf = (ctypes.c_char * self.nbytes).from_address(self.base)
+        arr = np.frombuffer(buf, dtype=self.dtype).reshape((self.n_chunks * chunk_rows, *self.row_shape))
+        # Writes must only ever reach rows of mapped, writable chunk files: anything else is
+        # a read-only zero page and would crash the process, so only the writer's array is writable.
+        arr.flags.writeable = False
+        self.array = arr
+
+    def map_chunk(self, k: int, path: str | os.PathLike[str]) -> None:
+        """Map chunk file ``path`` as chunk ``k`` (replacing whatever was mapped there)."""
+        fd = os.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.chunk_bytes:
+                # Mapping past EOF would SIGBUS on access; report the damage instead.
+                raise EOFError(f"chunk file {os.fspath(path)!r} holds {size} bytes; expected {self.chunk_bytes}")
+            prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
+            addr = self.base + k * self.chunk_bytes
+            _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {path}")
+        finally:
+            os.close(fd)
+        self.mapped[k] = True
+
+    def unmap_chunk(self, k: int) -> None:
+        """Put zero pages back at chunk ``k``."""
+        addr = self.base + k * self.chunk_bytes
+        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
+        _check(_libc.mmap(addr, self.chunk_bytes, _PROT_READ, flags, -1, 0), "unmap chunk")
+        self.mapped[k] = False
+
+    def writable_rows(self, start: int, stop: int) -> np.ndarray:
+        """A writable view of rows ``[start, stop)``; every chunk they touch must be mapped."""
+        view = np.frombuffer(
+            (ctypes.c_char * ((stop - start) * self.chunk_bytes // self.chunk_rows)).from_address(
+                self.base + start * self.chunk_bytes // self.chunk_rows
+            ),
+            dtype=self.dtype,
+        )
+        return view.reshape((stop - start, *self.row_shape))
+
+    def sync(self, k: int) -> None:
+        """``msync`` chunk ``k`` to disk (durability against power loss)."""
+        _libc.msync(self.base + k * self.chunk_bytes, self.chunk_bytes, 4)  # MS_SYNC
+
+    def close(self) -> None:
+        if self.base:
+            _libc.munmap(self.base, self.nbytes)
+            self.base = 0
+            self.array = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,77 @@
+"""Exceptions raised by trajstore.
+
+Every error a user can provoke is one of these classes, so callers can catch
+``trajstore.errors.TrajstoreError`` (or a more specific class) instead of
+matching messages.  Several also subclass the builtin users already expect
+(``FileNotFoundError``, ``ValueError``, ``IndexError``...).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TrajstoreError",
+    "StoreNotFoundError",
+    "NotATrajstoreError",
+    "FormatVersionError",
+    "DamagedStoreError",
+    "ReadOnlyError",
+    "LockedError",
+    "SpaceError",
+    "UnsupportedSpaceError",
+    "SpaceMismatchError",
+    "BadValueError",
+    "StoreExistsError",
+    "MissingDependencyError",
+]
+
+
+class TrajstoreError(Exception):
+    """Base class of every trajstore error."""
+
+
+class StoreNotFoundError(TrajstoreError, FileNotFoundError):
+    """No store exists at the given path."""
+
+
+class StoreExistsError(TrajstoreError, FileExistsError):
+    """``create`` found an existing store and ``overwrite`` was not set."""
+
+
+class NotATrajstoreError(TrajstoreError, ValueError):
+    """The path holds something, but not a trajstore store (or not of the expected kind)."""
+
+
+class FormatVersionError(TrajstoreError):
+    """The store was written by a newer trajstore format than this version reads."""
+
+
+class DamagedStoreError(TrajstoreError):
+    """The store's metadata or commit record is missing, unreadable or inconsistent."""
+
+
+class ReadOnlyError(TrajstoreError, PermissionError):
+    """A write was attempted on a read-only buffer or view."""
+
+
+class LockedError(TrajstoreError, BlockingIOError):
+    """Another writer holds the store's writer lock."""
+
+
+class SpaceError(TrajstoreError, ValueError):
+    """Base class of problems with spaces and with values checked against them."""
+
+
+class UnsupportedSpaceError(SpaceError, TypeError):
+    """A space (or one of its leaves) cannot be stored; the message names the leaf path."""
+
+
+class SpaceMismatchError(SpaceError):
+    """A given space differs from the one stored, or a value's structure differs from the space."""
+
+
+class BadValueError(SpaceError):
+    """A value has the wrong shape, a dtype that cannot be cast safely, or a wrong flattened width."""
+
+
+class MissingDependencyError(TrajstoreError, ImportError):
+    """An optional dependency needed for the requested feature is not installed."""

@@ -1,0 +1,387 @@
+"""Per-field row storage: one zarr array per leaf, read and written by physical row.
+
+Two layouts, both ordinary zarr v3 arrays that any zarr reader opens:
+
+``MappedField`` ("raw" layout on a local folder)
+    Uncompressed chunks (codec ``bytes``, little-endian).  Each chunk file is created at
+    full size and memory-mapped into one contiguous virtual array (:mod:`._vmap`); the
+    writer copies rows straight into the page cache and readers gather with one numpy
+    fancy index.  zarr-python is used only for metadata.
+
+``ChunkedField`` (compressed layouts, and every non-local store)
+    Reads and writes go through zarr-python a whole chunk at a time.  The writer keeps
+    the chunks it is filling in RAM and writes them out complete on ``flush``; decoded
+    chunks are cached (bounded) and dropped whenever another process may have changed them.
+
+Both expose the same small interface used by :class:`trajstore.table.Table`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from . import _vmap
+from .errors import DamagedStoreError
+from .storage import Location, fsync_dir
+
+__all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
+
+#: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few hundred
+#: files, small enough that the writer's partial tail chunk is cheap to create.
+RAW_CHUNK_BYTES = 4 << 20
+#: Compressed chunks are decoded whole on a random read, so they are kept smaller.
+COMPRESSED_CHUNK_BYTES = 1 << 20
+#: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
+CACHE_BYTES = 256 << 20
+
+
+def chunk_key(array_path: str, k: int, ndim: int) -> str:
+    """zarr v3 default chunk key of chunk ``k`` along axis 0 (other axes are one chunk)."""
+    return f"{array_path}/c/{k}" + "/0" * (ndim - 1)
+
+
+def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
+    """Map the user's ``compressor`` option to zarr ``compressors=`` and a short label.
+
+    Accepts ``None``/``"none"`` (raw), ``"lz4"``, ``"zstd"``, a zarr bytes-to-bytes codec,
+    or a numcodecs codec (wrapped with ``zarr.codecs.numcodecs``).
+    """
+    if compressor is None or compressor == "none":
+        return None, "none"
+    if isinstance(compressor, str):
+        names = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
+        if compressor not in names:
+            raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+        cname, level = names[compressor]
+        codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
+        return codec, compressor
+    if isinstance(compressor, zarr.abc.codec.BytesBytesCodec):
+        return compressor, type(compressor).__name__
+    if hasattr(compressor, "get_config") and hasattr(compressor, "codec_id"):
+        import zarr.codecs.numcodecs as zn
+
+        cfg = {k: v for k, v in compressor.get_config().items() if k != "id"}
+        wrapper = getattr(zn, type(compressor).__name__, None)
+        if wrapper is None:
+            raise ValueError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
+        return wrapper(**cfg), compressor.codec_id
+    raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+
+
+class FieldSpec:
+    """Static description of one stored field (written once into the store's attributes)."""
+
+    def __init__(self, array_path: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, layout: str):
+        self.array_path = array_path
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.dtype = np.dtype(dtype)
+        self.chunk_rows = int(chunk_rows)
+        self.layout = layout  # "raw" or "compressed"
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.array_path, "chunk_rows": self.chunk_rows, "layout": self.layout}
+
+
+def _raw_row_align(row_bytes: int) -> int:
+    """Smallest row count whose bytes fill whole pages, so chunks tile an address range."""
+    return _vmap.PAGE // math.gcd(row_bytes, _vmap.PAGE)
+
+
+def make_field_spec(
+    array_path: str,
+    row_shape: tuple[int, ...],
+    dtype: np.dtype,
+    *,
+    capacity: int | None,
+    compressed: bool,
+    chunk_rows: int | None,
+) -> FieldSpec:
+    """Choose the chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES)."""
+    row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    if compressed:
+        rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
+        if capacity is not None:
+            rows = min(rows, capacity)
+        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed")
+    align = _raw_row_align(row_bytes)
+    rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, 1)
+    if capacity is not None:
+        rows = min(rows, capacity)
+    rows = -(-rows // align) * align  # round up to whole pages
+    return FieldSpec(array_path, row_shape, dtype, rows, "raw")
+
+
+class MappedField:
+    """A raw field on a local folder, memory-mapped chunk by chunk into one virtual array."""
+
+    def __init__(self, loc: Location, spec: FieldSpec, allocated: int, writable: bool):
+        self.loc, self.spec, self.writable = loc, spec, writable
+        self.C = spec.chunk_rows
+        self._ndim = len(spec.row_shape) + 1
+        self._synced: set[int] = set()  # chunks written since the last fsync
+        self._va = self._reserve(allocated)
+        self.allocated = allocated
+
+    def _reserve(self, allocated: int) -> _vmap.VirtualArray:
+        va = _vmap.VirtualArray(-(-allocated // self.C), self.C, self.spec.row_shape, self.spec.dtype, self.writable)
+        if self.writable:
+            va.array.flags.writeable = True
+        return va
+
+    def _path(self, k: int, prefix: str = "") -> str:
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        return str(self.loc.path(f"{prefix}/{key}" if prefix else key))
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._va.array
+
+    def grow(self, allocated: int) -> None:
+        """Re-reserve a larger range and map the same chunk files into it."""
+        old = self._va
+        self._va = self._reserve(allocated)
+        for k in np.flatnonzero(old.mapped):
+            self._va.map_chunk(int(k), self._path(int(k)))
+        old.close()
+        self.allocated = allocated
+
+    def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
+        """Map every chunk file touching rows ``[phys_lo, phys_hi)``; the writer creates missing ones."""
+        if phys_hi <= phys_lo:
+            return
+        k_lo, k_hi = phys_lo // self.C, (phys_hi - 1) // self.C + 1
+        todo = np.flatnonzero(~self._va.mapped[k_lo:k_hi])
+        for k in (todo + k_lo).tolist():
+            path = self._path(k)
+            if not os.path.exists(path):
+                if not create:
+                    continue  # never written: reads as zeros, as zarr reads a missing chunk
+                tmp = self.loc.new_tmp_path()
+                with open(tmp, "wb") as f:
+                    f.truncate(self._va.chunk_bytes)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.replace(tmp, path)
+            try:
+                self._va.map_chunk(k, path)
+            except EOFError as e:
+                raise DamagedStoreError(str(e)) from None
+
+    def remap(self, ks: list[int], prefix: str = "") -> None:
+        """Map chunk files again (after they were replaced by rename), optionally from a staging prefix."""
+        for k in ks:
+            path = self._path(k, prefix)
+            if os.path.exists(path):
+                self._va.map_chunk(k, path)
+            elif self._va.mapped[k]:
+                self._va.unmap_chunk(k)
+
+    def write(self, phys_lo: int, data: np.ndarray) -> None:
+        """Copy ``data`` (n, *row_shape) into physical rows ``[phys_lo, phys_lo + n)``."""
+        n = len(data)
+        self.ensure_mapped(phys_lo, phys_lo + n, create=True)
+        self._va.array[phys_lo : phys_lo + n] = data
+        self._synced.update(range(phys_lo // self.C, (phys_lo + n - 1) // self.C + 1))
+
+    def gather(self, phys: np.ndarray) -> np.ndarray:
+        return self._va.array[phys]
+
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self._va.array[lo:hi].copy()
+
+    def read_chunk(self, k: int) -> np.ndarray:
+        return self._va.array[k * self.C : (k + 1) * self.C].copy()
+
+    def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix)."""
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        self.loc.put(f"{prefix}/{key}", np.ascontiguousarray(data, dtype=self._va.dtype).tobytes())
+        return key
+
+    def drop_cache(self) -> None:
+        """Nothing to drop: mapped pages are the files themselves."""
+
+    def flush(self, fsync: bool) -> None:
+        if fsync:
+            for k in sorted(self._synced):
+                if self._va.mapped[k]:
+                    self._va.sync(k)
+            dirs = {os.path.dirname(self._path(k)) for k in self._synced}
+            for d in dirs:
+                fsync_dir(Path(d))
+        self._synced.clear()
+
+    def close(self) -> None:
+        self._va.close()
+
+
+class ChunkedField:
+    """A field read and written through zarr-python, whole chunks at a time."""
+
+    def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array, writable: bool):
+        self.loc, self.spec, self.writable = loc, spec, writable
+        self.C = spec.chunk_rows
+        self.z = zarray
+        self.allocated = int(zarray.shape[0])
+        self._ndim = len(spec.row_shape) + 1
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._dirty: set[int] = set()
+        self._written: set[str] = set()  # keys written since the last fsync (local stores)
+        self._override: dict[int, zarr.Array] = {}
+
+    def grow(self, allocated: int) -> None:
+        if self.writable and self.z.shape[0] < allocated:
+            self.z.resize((allocated, *self.spec.row_shape))
+        elif self.z.shape[0] < allocated:
+            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path, mode="r")
+        self.allocated = allocated
+
+    def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
+        """Nothing to map: chunks are fetched on demand."""
+
+    def _empty_chunk(self) -> np.ndarray:
+        return np.zeros((self.C, *self.spec.row_shape), dtype=self.spec.dtype)
+
+    def _fetch(self, ks: list[int]) -> dict[int, np.ndarray]:
+        """Decode whole chunks ``ks`` (one concurrent zarr read for all of them)."""
+        out: dict[int, np.ndarray] = {}
+        plain = [k for k in ks if k not in self._override]
+        for k in ks:
+            if k in self._override:
+                out[k] = self._read_whole(self._override[k], k)
+        if plain:
+            shape0 = self.z.shape[0]
+            rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
+            data = self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1]
+            pos = 0
+            for k in plain:
+                n = min((k + 1) * self.C, shape0) - k * self.C
+                chunk = self._empty_chunk()
+                chunk[:n] = data[pos : pos + n]
+                out[k] = chunk
+                pos += n
+        return out
+
+    def _read_whole(self, z: zarr.Array, k: int) -> np.ndarray:
+        chunk = self._empty_chunk()
+        hi = min((k + 1) * self.C, z.shape[0])
+        chunk[: hi - k * self.C] = z[k * self.C : hi]
+        return chunk
+
+    def _chunks(self, ks: list[int]) -> dict[int, np.ndarray]:
+        missing = [k for k in ks if k not in self._cache]
+        if missing:
+            self._cache.update(self._fetch(missing))
+        for k in ks:
+            self._cache.move_to_end(k)
+        got = {k: self._cache[k] for k in ks}
+        self._evict()
+        return got
+
+    def _evict(self) -> None:
+        nbytes = self.C * self.spec.row_bytes
+        while len(self._cache) * nbytes > CACHE_BYTES and len(self._cache) > len(self._dirty) + 1:
+            for k in self._cache:
+                if k not in self._dirty:
+                    del self._cache[k]
+                    break
+
+    def write(self, phys_lo: int, data: np.ndarray) -> None:
+        n, pos = len(data), 0
+        while pos < n:
+            r = phys_lo + pos
+            k, off = divmod(r, self.C)
+            take = min(self.C - off, n - pos)
+            if k not in self._cache:
+                # A chunk overwritten whole needs no read; otherwise keep its other rows.
+                self._cache[k] = self._empty_chunk() if take == self.C else self._fetch([k])[k]
+            self._cache[k][off : off + take] = data[pos : pos + take]
+            self._dirty.add(k)
+            pos += take
+
+    def gather(self, phys: np.ndarray) -> np.ndarray:
+        ks = phys // self.C
+        uniq = np.unique(ks).tolist()
+        chunks = self._chunks(uniq)
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        if len(uniq) == 1:
+            out[:] = chunks[uniq[0]][phys - uniq[0] * self.C]
+            return out
+        for k in uniq:
+            sel = ks == k
+            out[sel] = chunks[k][phys[sel] - k * self.C]
+        return out
+
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.gather(np.arange(lo, hi))
+
+    def read_chunk(self, k: int) -> np.ndarray:
+        return self._chunks([k])[k].copy()
+
+    def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        staged = self._staging_array(prefix)
+        hi = min((k + 1) * self.C, staged.shape[0])
+        staged[k * self.C : hi] = data[: hi - k * self.C]
+        return key
+
+    def _staging_array(self, prefix: str) -> zarr.Array:
+        """A zarr array with this field's metadata under ``prefix`` (so staged chunks decode alike)."""
+        meta_key = f"{prefix}/{self.spec.array_path}/zarr.json"
+        if not self.loc.exists(meta_key):
+            self.loc.put(meta_key, self.loc.get(f"{self.spec.array_path}/zarr.json") or b"")
+        return zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
+
+    def remap(self, ks: list[int], prefix: str = "") -> None:
+        """Forget cached copies of ``ks``; with ``prefix``, read them from the staging area."""
+        for k in ks:
+            self._cache.pop(k, None)
+            self._dirty.discard(k)
+            if prefix:
+                self._override[k] = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+            else:
+                self._override.pop(k, None)
+
+    def drop_cache(self) -> None:
+        """Forget clean cached chunks (another process may have rewritten them)."""
+        for k in list(self._cache):
+            if k not in self._dirty:
+                del self._cache[k]
+
+    def flush(self, fsync: bool) -> None:
+        """Write every dirty chunk out whole (zarr never has to read-modify-write)."""
+        shape0 = self.z.shape[0]
+        for k in sorted(self._dirty):
+            hi = min((k + 1) * self.C, shape0)
+            self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+            if self.loc.is_local:
+                self._written.add(chunk_key(self.spec.array_path, k, self._ndim))
+        self._dirty.clear()
+        if fsync and self._written:
+            for key in self._written:
+                with open(self.loc.path(key), "rb+") as f:
+                    os.fsync(f.fileno())
+            for d in {self.loc.path(key).parent for key in self._written}:
+                fsync_dir(d)
+            self._written.clear()
+        self._evict()
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> MappedField | ChunkedField:
+    """The right reader/writer for ``spec`` on ``loc``."""
+    if spec.layout == "raw" and loc.is_local and _vmap.SUPPORTED and (spec.chunk_rows * spec.row_bytes) % _vmap.PAGE == 0 and spec.row_bytes:
+        return MappedField(loc, spec, allocated, writable)
+    return ChunkedField(loc, spec, group[spec.array_path], writable)  # type: ignore[arg-type]

@@ -1,0 +1,166 @@
+"""The commit record (``trajstore.head.json``) and the writer lock.
+
+The head is the only mutable metadata of a store: which rows of each table are
+committed, the operation epoch, buffer-specific state (e.g. the current episode id) and,
+while a rewrite is being moved into place, the list of staged chunks.  It is replaced
+atomically (temp file + rename locally, a single PUT elsewhere) and written last, after
+the data it names.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DamagedStoreError, LockedError
+from .storage import Location
+
+__all__ = ["HEAD_KEY", "LOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
+
+HEAD_KEY = "trajstore.head.json"
+LOCK_KEY = "trajstore.lock"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TableState:
+    """Committed rows ``[start, end)`` (absolute numbers) and the rows allocated in the arrays."""
+
+    start: int = 0
+    end: int = 0
+    allocated: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Head:
+    """One commit record.  ``generation`` grows with every commit; ``epoch`` grows whenever
+    rows change identity or content in place (clear, set_at, remove_at), which tells
+    readers that rows they already read may no longer be current."""
+
+    generation: int = 0
+    epoch: int = 0
+    tables: dict[str, TableState] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+
+    def copy(self) -> "Head":
+        return copy.deepcopy(self)
+
+    def to_json(self) -> bytes:
+        obj = {
+            "format_version": FORMAT_VERSION,
+            "generation": self.generation,
+            "epoch": self.epoch,
+            "tables": {k: {"start": t.start, "end": t.end, "allocated": t.allocated} for k, t in self.tables.items()},
+            "state": self.state,
+            "pending": self.pending,
+        }
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> "Head":
+        try:
+            obj = json.loads(raw)
+            tables = {
+                str(k): TableState(int(v["start"]), int(v["end"]), int(v["allocated"])) for k, v in obj["tables"].items()
+            }
+            head = cls(int(obj["generation"]), int(obj["epoch"]), tables, dict(obj.get("state") or {}), obj.get("pending"))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DamagedStoreError(f"{where}: the commit record {HEAD_KEY} is unreadable ({e})") from None
+        for name, t in tables.items():
+            if not 0 <= t.start <= t.end or (t.allocated and t.end - t.start > t.allocated):
+                raise DamagedStoreError(f"{where}: the commit record names impossible rows for {name!r}: {t}")
+        return head
+
+
+def read_head(loc: Location) -> Head:
+    """Read and validate the commit record of ``loc``."""
+    raw = loc.get(HEAD_KEY)
+    if raw is None:
+        raise DamagedStoreError(f"{loc.url}: the commit record {HEAD_KEY} is missing")
+    return Head.from_json(raw, str(loc.url))
+
+
+def write_head(loc: Location, head: Head, *, fsync: bool = False) -> None:
+    loc.put(HEAD_KEY, head.to_json(), fsync=fsync)
+
+
+def head_signature(loc: Location) -> tuple[int, int, int] | None:
+    """A cheap fingerprint of the local head file (inode, mtime, size); ``None`` elsewhere."""
+    if loc.local_root is None:
+        return None
+    try:
+        st = os.stat(loc.local_root / HEAD_KEY)
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class WriterLock:
+    """``flock`` on ``<store>/trajstore.lock``.
+
+    A single writer holds it exclusively for its lifetime.  In ``multiprocessing`` mode
+    each process holds it shared (so a single writer is still refused) and serializes
+    every write operation with an exclusive ``flock`` on ``trajstore.mplock``.  The lock
+    file records whether the last writer closed cleanly, so the next one knows whether
+    to look for orphaned temp files.  Remote stores have no lock.
+    """
+
+    def __init__(self, loc: Location, shared: bool) -> None:
+        self.loc = loc
+        self.shared = shared
+        self._fd: int | None = None
+        self._mp_fd: int | None = None
+        self.previous_unclean = False
+        if loc.local_root is None:
+            return
+        path = loc.local_root / LOCK_KEY
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise LockedError(
+                f"{loc.url}: another writer holds the store ({holder or 'unknown process'}); "
+                "open it with read_only=True, or use multiprocessing=True in every writer"
+            ) from None
+        self._fd = fd
+        prev = os.pread(fd, 200, 0).decode(errors="replace")
+        self.previous_unclean = prev.startswith("open")
+        if not shared:
+            self._mark(f"open pid={os.getpid()}")
+        else:
+            self._mp_fd = os.open(loc.local_root / "trajstore.mplock", os.O_RDWR | os.O_CREAT, 0o644)
+
+    def _mark(self, text: str) -> None:
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text.encode(), 0)
+
+    def acquire_op(self) -> None:
+        """Start one write operation (multiprocessing mode: wait for the other writers)."""
+        if self._mp_fd is not None:
+            fcntl.flock(self._mp_fd, fcntl.LOCK_EX)
+
+    def release_op(self) -> None:
+        if self._mp_fd is not None:
+            fcntl.flock(self._mp_fd, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            if not self.shared:
+                self._mark("closed")
+            os.close(self._fd)
+            self._fd = None
+        if self._mp_fd is not None:
+            os.close(self._mp_fd)
+            self._mp_fd = None

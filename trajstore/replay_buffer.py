@@ -1,0 +1,436 @@
+"""``ReplayBuffer``: a disk-backed ring (or growing list) of gymnasium-space values.
+
+Layout: ``<cache_path>/step_data/<leaf path>``, one zarr array per leaf of the space, in
+one table (see :mod:`trajstore.store`).  Ring rules follow UniEnv: logical row ``i`` is
+physical row ``(offset + i) % capacity``; an extend past capacity advances ``offset`` by
+the overflow; a batch of ``B >= capacity`` rows keeps its last ``capacity`` rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import gymnasium
+import numpy as np
+
+from .backend import Backend
+from .errors import SpaceMismatchError
+from .fields import make_field_spec
+from .ring import IndexLike, normalize_index
+from .spaces import ValuePlan, flatdim, space_from_json, space_to_json
+from .store import Store, TableSpec, _progress
+from .views import BatchBase
+
+__all__ = ["ReplayBuffer", "ZarrStorage"]
+
+TABLE = "step_data"
+
+
+class ZarrStorage:
+    """The storage class: chunked zarr v3 arrays (the only one; it takes these options).
+
+    Options (``**storage_kwargs`` of ``create``/``load_from``)
+    ---------------------------------------------------------
+    chunk_rows : int, optional
+        Rows per chunk for every field.  Default: ~4 MiB per uncompressed chunk (rounded to
+        whole pages so chunks can be memory-mapped), ~1 MiB per compressed chunk.
+    compressor : None, "lz4", "zstd", zarr codec or numcodecs codec
+        Default None (raw) on local folders and in memory: raw chunks are memory-mapped and
+        sample at numpy-memmap speed (docs/benchmarks.md); "lz4" on remote stores.
+    fsync : bool
+        Make every commit durable against power loss (default False: SIGKILL-safe only).
+    commit_interval : float
+        Seconds between automatic commits while writing (default 1.0).
+    """
+
+    CREATE_OPTIONS = ("chunk_rows", "compressor", "fsync", "commit_interval")
+    OPEN_OPTIONS = ("fsync", "commit_interval")
+
+    @classmethod
+    def check_options(cls, kwargs: dict[str, Any], allowed: Sequence[str]) -> dict[str, Any]:
+        bad = sorted(set(kwargs) - set(allowed))
+        if bad:
+            raise TypeError(f"unexpected storage option(s) {bad}; allowed: {list(allowed)}")
+        if "chunk_rows" in kwargs and kwargs["chunk_rows"] is not None:
+            if not isinstance(kwargs["chunk_rows"], (int, np.integer)) or kwargs["chunk_rows"] < 1:
+                raise ValueError(f"chunk_rows must be a positive int; got {kwargs['chunk_rows']!r}")
+        return dict(kwargs)
+
+
+def _storage_cls_check(storage_cls: Any) -> None:
+    if storage_cls not in (None, ZarrStorage):
+        raise TypeError(f"storage_cls must be None or trajstore.ZarrStorage; got {storage_cls!r}")
+
+
+def _is_remote(cache_path: Any) -> bool:
+    return cache_path is not None and "://" in os.fspath(cache_path) and not os.fspath(cache_path).startswith(
+        ("file://", "memory://")
+    )
+
+
+class ReplayBuffer(BatchBase):
+    """A disk-backed replay buffer; open one with :meth:`create` or :meth:`load_from`.
+
+    Rows are values of ``single_space``: nested dicts (Dict), tuples (Tuple) of arrays of
+    each leaf's shape and dtype.  Batched reads add a leading axis B.  Reads return copies
+    in the chosen backend (numpy arrays, or torch tensors on ``device``).
+    """
+
+    def __init__(self, store: Store, space: gymnasium.Space, backend: Backend, *, open_args: dict[str, Any]):
+        self._store = store
+        self.single_space = space
+        self._plan = ValuePlan(space)
+        self._backend = backend
+        self._table = store.tables[TABLE]
+        self._open_args = open_args
+        self._rng = np.random.default_rng()
+        self._closed = False
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        single_instance_space: gymnasium.Space,
+        storage_cls: Any = None,
+        *,
+        cache_path: str | os.PathLike[str] | None = None,
+        capacity: int | None = None,
+        multiprocessing: bool = False,
+        backend: str = "numpy",
+        device: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        **storage_kwargs: Any,
+    ) -> "ReplayBuffer":
+        """Create an empty buffer.
+
+        Parameters
+        ----------
+        single_instance_space : gymnasium.Space
+            Space of one row (Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, nested).
+        storage_cls : None or ZarrStorage
+        cache_path : str or path-like, optional
+            Local folder, ``.zip`` path or fsspec URL; ``None`` keeps the store in memory.
+        capacity : int, optional
+            Ring size; ``None`` grows without bound.
+        multiprocessing : bool
+            Allow several processes to write (serialized by a lock); the buffer pickles as a handle.
+        backend, device
+            What reads return: ``"numpy"``, or ``"torch"`` tensors on ``device``.
+        storage_options : dict, optional
+            fsspec options for URLs (credentials, endpoint...).
+        overwrite : bool
+            Replace an existing store at ``cache_path``.
+        **storage_kwargs
+            :class:`ZarrStorage` options: ``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``.
+        """
+        _storage_cls_check(storage_cls)
+        opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.CREATE_OPTIONS)
+        if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None; got {capacity!r}")
+        bk = Backend(backend, device)
+        plan = ValuePlan(single_instance_space)  # refuses unsupported spaces before touching disk
+        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        spec = _table_spec(TABLE, plan, capacity, compressor, opts.pop("chunk_rows", None))
+        store = Store.create(
+            cache_path, "ReplayBuffer", [spec], {"spaces": {TABLE: space_to_json(single_instance_space)}},
+            storage_options=storage_options, overwrite=overwrite, multiprocessing=multiprocessing, options=opts,
+        )
+        return cls(store, single_instance_space, bk, open_args=dict(
+            cache_path=cache_path, multiprocessing=multiprocessing, backend=backend, device=device,
+            storage_options=storage_options, options=opts))
+
+    @classmethod
+    def load_from(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        backend: str = "numpy",
+        device: Any = None,
+        read_only: bool = False,
+        multiprocessing: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        single_instance_space: gymnasium.Space | None = None,
+        **storage_kwargs: Any,
+    ) -> "ReplayBuffer":
+        """Open an existing buffer: reads metadata and the commit record only, whatever the size.
+
+        ``read_only=True`` never writes a byte (no lock file, no temp file); any number of
+        readers may open a store while one writer appends.  A given ``single_instance_space``
+        must equal the stored one.
+        """
+        opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.OPEN_OPTIONS)
+        bk = Backend(backend, device)
+        store = Store.open(path, "ReplayBuffer", read_only=read_only, multiprocessing=multiprocessing,
+                           storage_options=storage_options, options=opts)
+        try:
+            space = space_from_json(store.attrs["spaces"][TABLE])
+            if single_instance_space is not None and single_instance_space != space:
+                raise SpaceMismatchError(f"{path}: stored space {space} differs from the given {single_instance_space}")
+        except BaseException:
+            store.close()
+            raise
+        return cls(store, space, bk, open_args=dict(
+            cache_path=path, multiprocessing=multiprocessing, backend=backend, device=device,
+            storage_options=storage_options, options=opts, read_only=read_only))
+
+    def dumps(self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
+              progress: bool | None = None) -> None:
+        """Make everything written so far durable and consistent.
+
+        To the buffer's own ``cache_path`` (or ``path=None``) this is one commit: chunks being
+        filled are written and the commit record replaced (milliseconds at any size).  To another
+        path it copies the store there (progress bar on a terminal) and leaves this one open.
+        """
+        if not self.read_only:
+            self._store.commit()
+        if path is None or self._same_path(path):
+            return
+        self._store.copy_to(path, storage_options=storage_options, progress=progress)
+
+    def _same_path(self, path: Any) -> bool:
+        own = self._store.loc.url
+        if own is None:
+            return False
+        if "://" in own or "://" in os.fspath(path):
+            return os.fspath(path).rstrip("/") == own.rstrip("/")
+        return os.path.abspath(os.fspath(path)) == os.path.abspath(own)
+
+    # -- state -----------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Readers (and multi-process writers) adopt the latest commit before reading."""
+        if self._closed:
+            raise ValueError("I/O operation on a closed buffer")
+        if not self._store.writable or self._store.multiprocessing:
+            self._store.refresh()
+
+    def __len__(self) -> int:
+        self._sync()
+        return self._table.count
+
+    @property
+    def count(self) -> int:
+        return len(self)
+
+    @property
+    def offset(self) -> int:
+        self._sync()
+        return self._table.offset
+
+    @property
+    def capacity(self) -> int | None:
+        return self._table.capacity
+
+    @property
+    def full(self) -> bool:
+        return self.capacity is not None and len(self) == self.capacity
+
+    @property
+    def read_only(self) -> bool:
+        return not self._store.writable
+
+    @property
+    def cache_path(self) -> str | None:
+        return self._store.loc.url
+
+    @property
+    def multiprocessing(self) -> bool:
+        return self._store.multiprocessing
+
+    # -- reads -----------------------------------------------------------------------------
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        self._sync()
+        if isinstance(idx, int):
+            return self._table.read_row(idx, leaf_ids)
+        return self._table.gather(idx, leaf_ids)
+
+    def _read_slice(self, s: slice, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        self._sync()
+        lo, hi, step = s.indices(self._table.count)
+        if step == 1:
+            return self._table.read_contiguous(lo, max(lo, hi), leaf_ids)
+        return self._table.gather(np.arange(lo, hi, step, dtype=np.int64), leaf_ids)
+
+    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
+        """``batch_size`` rows drawn uniformly with replacement.
+
+        ``rng`` is a ``numpy.random.Generator`` (or a seed); by default the buffer's own.  A
+        reader of a ring that a writer is filling re-checks the commit record after reading and
+        redraws rows evicted meanwhile, so it never returns a half-overwritten row.
+        """
+        gen = self._rng if rng is None else np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+        self._sync()
+        n = self._table.count
+        if n == 0:
+            raise ValueError("cannot sample from an empty buffer")
+        idx = gen.integers(0, n, size=batch_size)
+        leaves = self._all_leaves
+        if self._store.writable and not self._store.multiprocessing:
+            arrays = self._table.gather(idx, leaves)
+        else:
+            arrays = self._sample_consistent(idx, gen, leaves)
+        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
+
+    def _sample_consistent(self, idx: np.ndarray, gen: np.random.Generator, leaves: list[int]) -> list[np.ndarray]:
+        """Seqlock-style read: rows evicted while we read are redrawn until none are."""
+        t = self._table
+        for _ in range(100):
+            start, epoch = t.state.start, self._store.committed.epoch
+            absolute = idx + start
+            arrays = t.gather(idx, leaves)
+            if not self._store.refresh():
+                return arrays
+            if self._store.committed.epoch != epoch:
+                idx = gen.integers(0, t.count, size=len(idx))
+                continue
+            stale = absolute < t.state.start
+            if not stale.any():
+                return arrays
+            idx = absolute - t.state.start
+            idx[stale] = gen.integers(0, t.count, size=int(stale.sum()))
+        raise RuntimeError("the writer evicts rows faster than this reader can sample them")
+
+    # -- writes ----------------------------------------------------------------------------
+    def append(self, value: Any) -> None:
+        """Add one row (a value of ``single_space``)."""
+        arrays, n = self._plan.to_arrays(value, batched=False)
+        with self._store.write_op():
+            self._table.extend(arrays, n)
+
+    def extend(self, value: Any) -> None:
+        """Add a batch of rows (leading axis B on every leaf)."""
+        arrays, n = self._plan.to_arrays(value, batched=True)
+        with self._store.write_op():
+            self._table.extend(arrays, n)
+
+    def append_flattened(self, value: Any) -> None:
+        """Add one row given in gymnasium's flattened layout, shape (flatdim,)."""
+        flat = np.asarray(value if type(value).__module__.split(".")[0] != "torch" else value.detach().cpu().numpy())
+        if flat.ndim != 1:
+            from .errors import BadValueError
+
+            raise BadValueError(f"append_flattened expects shape ({flatdim(self.single_space)},); got {flat.shape}")
+        self.extend_flattened(flat[None])
+
+    def extend_flattened(self, value: Any) -> None:
+        """Add rows given in gymnasium's flattened layout, shape (B, flatdim)."""
+        flat = np.asarray(value if type(value).__module__.split(".")[0] != "torch" else value.detach().cpu().numpy())
+        arrays = self._plan.unflatten(flat)
+        with self._store.write_op():
+            self._table.extend(arrays, len(flat))
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Overwrite rows ``idx`` (crash-atomic: the store holds all old or all new rows)."""
+        self._sync()
+        i = normalize_index(idx, self._table.count)
+        single = isinstance(i, int)
+        arrays, n = self._plan.to_arrays(value, batched=not single)
+        rows = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        if not single and n != len(rows):
+            from .errors import BadValueError
+
+            raise BadValueError(f"set_at got {n} rows for {len(rows)} indices")
+        with self._store.write_op():
+            self._store.rewrite(self._table.rewrite_plan_set(rows, arrays, self._all_leaves), lambda: None)
+
+    def remove_at(self, idx: IndexLike) -> None:
+        """Delete rows ``idx``; later rows move up and ``len`` shrinks.  Crash-atomic."""
+        self._sync()
+        rows = np.unique(np.atleast_1d(np.asarray(normalize_index(idx, self._table.count), dtype=np.int64)))
+        if rows.size == 0:
+            return
+        t = self._table
+
+        def shrink() -> None:
+            t.state.end -= int(rows.size)
+
+        with self._store.write_op():
+            self._store.rewrite(t.rewrite_plan_remove(rows), shrink)
+
+    def clear(self) -> None:
+        """Remove every row (committed at once; the arrays keep their size)."""
+        with self._store.write_op():
+            t = self._table
+            t.state.start = t.state.end = 0
+            head = self._store._current_head()
+            head.epoch += 1
+            self._store._write_head(head)
+
+    def extend_from(self, other: BatchBase, chunk_size: int = 8, tqdm: bool = False) -> None:
+        """Append every row of ``other`` (any buffer or view of an equal space), ``chunk_size``
+        rows at a time, with a tqdm progress bar when ``tqdm=True``."""
+        if other.single_space != self.single_space:
+            raise SpaceMismatchError(f"extend_from: spaces differ: {other.single_space} vs {self.single_space}")
+        n = len(other)
+        bar = _progress(n, "extend_from", True if tqdm else False)
+        try:
+            for lo in range(0, n, chunk_size):
+                hi = min(lo + chunk_size, n)
+                arrays = other._read_slice(slice(lo, hi), other._all_leaves)
+                with self._store.write_op():
+                    self._table.extend(arrays, hi - lo)
+                bar.update(hi - lo)
+        finally:
+            bar.close()
+
+    def flush(self, fsync: bool = False) -> None:
+        """Commit everything written so far (``fsync=True``: durable against power loss too)."""
+        if not self.read_only:
+            self._store.commit(fsync=fsync)
+
+    def close(self) -> None:
+        """Commit (writers) and release files, maps and the writer lock."""
+        if self._closed:
+            return
+        try:
+            if not self.read_only:
+                self._store.commit()
+        finally:
+            self._store.close()
+            self._closed = True
+
+    def __enter__(self) -> "ReplayBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else "writer"
+        return (f"ReplayBuffer({self.cache_path!r}, {mode}, len={self._table.count}, capacity={self.capacity}, "
+                f"space={self.single_space})")
+
+    # -- pickling ----------------------------------------------------------------------------
+    def __reduce__(self) -> Any:
+        a = self._open_args
+        if self.cache_path is None:
+            raise TypeError("an in-memory ReplayBuffer (cache_path=None) cannot be pickled")
+        if not (self.read_only or self.multiprocessing):
+            raise TypeError("a single-writer ReplayBuffer cannot be pickled: open it with multiprocessing=True, "
+                            "or pickle a read-only one (load_from(..., read_only=True))")
+        return (_reopen, (self.cache_path, a["backend"], a["device"], self.read_only, self.multiprocessing,
+                          a["storage_options"], a["options"]))
+
+
+def _reopen(path: str, backend: str, device: Any, read_only: bool, multiprocessing: bool,
+            storage_options: dict[str, Any] | None, options: dict[str, Any]) -> ReplayBuffer:
+    open_opts = {k: v for k, v in options.items() if k in ZarrStorage.OPEN_OPTIONS}
+    return ReplayBuffer.load_from(path, backend=backend, device=device, read_only=read_only,
+                                  multiprocessing=multiprocessing, storage_options=storage_options, **open_opts)
+
+
+def _table_spec(name: str, plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None) -> TableSpec:
+    """One field per leaf of ``plan`` under ``name/``."""
+    fields = [
+        make_field_spec(f"{name}/{leaf.name}" if leaf.name else name, leaf.shape, leaf.dtype, capacity=capacity,
+                        compressed=compressor is not None, chunk_rows=chunk_rows)
+        for leaf in plan.leaves
+    ]
+    return TableSpec(name, capacity, fields, compressor)

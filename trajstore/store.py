@@ -1,0 +1,432 @@
+"""A store on disk: the root zarr group, its schema attributes, the commit record and
+the tables inside it.  This module owns the commit protocol (DESIGN.md 3):
+
+1. data first: rows go into chunk files (written whole, or into pre-sized mapped files
+   beyond the committed rows);
+2. before a ring overwrites rows the last commit still counts, it commits a record that
+   no longer counts them (:meth:`Store.ensure_evicted`);
+3. rewrites of committed rows (set_at, remove_at) are staged in ``.trajstore-staging``,
+   named by a commit record, then moved into place (:meth:`Store.rewrite`);
+4. the commit record goes last (:meth:`Store.commit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import zarr
+
+from .errors import (
+    DamagedStoreError,
+    FormatVersionError,
+    NotATrajstoreError,
+    ReadOnlyError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
+from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
+from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, Head, TableState, WriterLock, head_signature, read_head, write_head
+from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
+from .table import Table
+
+__all__ = ["Store", "TableSpec"]
+
+ATTRS_KEY = "trajstore"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("trajstore")
+    except Exception:
+        return "0+unknown"
+
+
+class TableSpec:
+    """What :meth:`Store.create` needs to lay out one table."""
+
+    def __init__(self, name: str, capacity: int | None, fields: list[FieldSpec], compressor: Any = None):
+        self.name, self.capacity, self.fields, self.compressor = name, capacity, fields, compressor
+
+
+class Store:
+    """An open store.  Use :meth:`create` or :meth:`open`; buffers wrap one of these."""
+
+    def __init__(self, loc: Location, group: zarr.Group, attrs: dict[str, Any], head: Head, *, writable: bool,
+                 multiprocessing: bool, lock: WriterLock | None, options: dict[str, Any]):
+        self.loc = loc
+        self.group = group
+        self.attrs = attrs
+        self.writable = writable
+        self.multiprocessing = multiprocessing
+        self.lock = lock
+        self.options = options
+        self.fsync = bool(options.get("fsync", False))
+        self.commit_interval = float(options.get("commit_interval", 1.0))
+        self.committed = head  # the record on disk, as this process last wrote or read it
+        self._sig = head_signature(loc)
+        self._last_commit = time.monotonic()
+        self.tables: dict[str, Table] = {}
+        for name, tspec in attrs["tables"].items():
+            st = head.tables.get(name)
+            if st is None:
+                raise DamagedStoreError(f"{loc.url}: the commit record has no entry for table {name!r}")
+            fields = []
+            for fj in tspec["fields"]:
+                spec = FieldSpec(fj["path"], tuple(fj["shape"]), np.dtype(fj["dtype"]), fj["chunk_rows"], fj["layout"])
+                fields.append(open_field(loc, spec, group, st.allocated, writable))
+            self.tables[name] = Table(self, name, tspec["capacity"], fields, TableState(st.start, st.end, st.allocated))
+        if head.pending:
+            if writable:
+                self._roll_forward(head)
+            else:
+                self._apply_pending(head.pending, staged=True)
+
+    # -- create / open -------------------------------------------------------------------
+    @classmethod
+    def create(cls, cache_path: Any, kind: str, tables: list[TableSpec], schema: dict[str, Any], *,
+               storage_options: dict[str, Any] | None, overwrite: bool, multiprocessing: bool,
+               options: dict[str, Any]) -> "Store":
+        loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
+        if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
+            if not overwrite:
+                raise StoreExistsError(f"{loc.url}: a store already exists here; pass overwrite=True to replace it "
+                                       "or use load_from to open it")
+            _erase(loc)
+        elif loc.local_root is not None and any(p.name not in (TMP_DIR,) for p in loc.local_root.iterdir()):
+            if not overwrite:
+                raise StoreExistsError(f"{loc.url}: the folder is not empty and holds no trajstore store; "
+                                       "pass overwrite=True to use it anyway")
+        lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
+        attrs = {
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "created_by": f"trajstore {_version()}",
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tables": {},
+            **schema,
+        }
+        group = zarr.open_group(loc.zstore, mode="w", attributes={ATTRS_KEY: attrs})
+        head = Head()
+        for t in tables:
+            alloc = t.capacity if t.capacity is not None else max(f.chunk_rows for f in t.fields)
+            for f in t.fields:
+                compressors, _label = parse_compressor(t.compressor if f.layout != "raw" else None, f.dtype)
+                group.create_array(
+                    f.array_path, shape=(alloc, *f.row_shape), chunks=(f.chunk_rows, *f.row_shape), dtype=f.dtype,
+                    compressors=compressors, filters=None, fill_value=np.zeros((), f.dtype)[()],
+                    config={"write_empty_chunks": True},
+                )
+            attrs["tables"][t.name] = {
+                "capacity": t.capacity,
+                "fields": [{"path": f.array_path, "shape": list(f.row_shape), "dtype": f.dtype.str.lstrip("<>|="),
+                            "chunk_rows": f.chunk_rows, "layout": f.layout} for f in t.fields],
+            }
+            head.tables[t.name] = TableState(0, 0, alloc)
+        group.attrs[ATTRS_KEY] = attrs
+        zarr.consolidate_metadata(loc.zstore)
+        write_head(loc, head, fsync=bool(options.get("fsync")))
+        group = open_zarr_group(loc, mode="r+")
+        return cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
+
+    @classmethod
+    def open(cls, path: Any, kind: str | tuple[str, ...], *, read_only: bool, multiprocessing: bool,
+             storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "Store":
+        loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
+        raw_root = loc.get("zarr.json")
+        if raw_root is None:
+            if loc.local_root is not None and not any(loc.local_root.iterdir()):
+                raise StoreNotFoundError(f"no store at {loc.url!r}: the folder is empty")
+            raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
+        try:
+            group = open_zarr_group(loc, mode="r" if read_only else "r+")
+        except Exception as e:
+            raise DamagedStoreError(f"{loc.url}: the root zarr.json cannot be read ({e})") from None
+        attrs = group.attrs.get(ATTRS_KEY)
+        if not isinstance(attrs, dict):
+            raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
+        version = attrs.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
+                                     f"({FORMAT_VERSION}); upgrade trajstore")
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if attrs.get("kind") not in kinds:
+            raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
+        lock = None
+        if not read_only and loc.is_local:
+            lock = WriterLock(loc, shared=multiprocessing)
+        try:
+            head = read_head(loc)
+            if not read_only and lock is not None and lock.previous_unclean:
+                _clean_orphans(loc, head)
+            elif not read_only and loc.is_local:
+                loc.delete_prefix(TMP_DIR)
+            store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
+                        lock=lock, options=options)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        return store
+
+    # -- commit protocol -----------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if not self.writable:
+            raise ReadOnlyError(f"{self.loc.url}: the buffer is open read-only")
+
+    def _write_head(self, head: Head) -> None:
+        head.generation = self.committed.generation + 1
+        write_head(self.loc, head, fsync=self.fsync)
+        self.committed = head
+        self._sig = head_signature(self.loc)
+
+    def _current_head(self) -> Head:
+        head = self.committed.copy()
+        for name, t in self.tables.items():
+            head.tables[name] = TableState(t.state.start, t.state.end, t.state.allocated)
+        head.pending = None
+        return head
+
+    def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None) -> None:
+        """Write all buffered data, then the commit record naming it."""
+        self._check_writable()
+        fsync = self.fsync if fsync is None else fsync
+        for t in self.tables.values():
+            if t.capacity is not None:
+                self.ensure_evicted(t, t.state.end - t.capacity, 0)
+            for f in t.fields:
+                f.flush(fsync)
+        head = self._current_head()
+        if state is not None:
+            head.state = state
+        old = self.fsync
+        self.fsync = fsync
+        try:
+            self._write_head(head)
+        finally:
+            self.fsync = old
+        self._last_commit = time.monotonic()
+
+    def ensure_evicted(self, table: Table, min_start: int, guard: int) -> None:
+        """Before rows whose absolute number is below ``min_start`` are overwritten, commit a
+        record that no longer counts them (plus ``guard`` more, to commit less often)."""
+        c = self.committed.tables[table.name]
+        if c.start >= min_start or c.end <= c.start:
+            return
+        head = self.committed.copy()
+        new_start = min(min_start + guard, c.end)
+        head.tables[table.name] = TableState(new_start, c.end, c.allocated)
+        self._write_head(head)
+
+    def after_write(self) -> None:
+        """Commit every ``commit_interval`` seconds of writing, so a crash loses little."""
+        if not self.multiprocessing and time.monotonic() - self._last_commit >= self.commit_interval:
+            self.commit(state=self.state_provider() if self.state_provider else None)
+
+    state_provider: Callable[[], dict[str, Any]] | None = None
+
+    def metadata_changed(self) -> None:
+        """Array shapes grew: consolidated metadata must be refreshed before the next commit."""
+        zarr.consolidate_metadata(self.loc.zstore)
+
+    def rewrite(self, changes: Iterable[tuple[MappedField | ChunkedField, int, np.ndarray]],
+                apply_state: Callable[[], None]) -> None:
+        """Replace whole chunks of committed rows crash-atomically.
+
+        ``changes`` are staged first; ``apply_state`` then updates the in-memory table
+        states, and one commit record names both the new state and the staged chunks (from
+        that instant the store is "after"); the chunks are then moved into place.
+        """
+        self._check_writable()
+        self.commit(state=self.state_provider() if self.state_provider else None)
+        prefix = f"{STAGING_DIR}/{self.committed.generation + 1}"
+        staged: dict[str, list[int]] = {}
+        fields: dict[str, MappedField | ChunkedField] = {}
+        for f, k, data in changes:
+            f.stage_chunk(prefix, k, data)
+            staged.setdefault(f.spec.array_path, []).append(k)
+            fields[f.spec.array_path] = f
+        apply_state()
+        head = self._current_head()
+        if self.state_provider:
+            head.state = self.state_provider()
+        head.epoch += 1
+        head.pending = {"prefix": prefix, "chunks": staged}
+        if self.fsync and self.loc.is_local:
+            os.sync()
+        self._write_head(head)
+        self._roll_forward(head)
+
+    def _roll_forward(self, head: Head) -> None:
+        """Move staged chunks into place and commit a record without ``pending``."""
+        pending = head.pending or {}
+        prefix = pending["prefix"]
+        by_path = self._fields_by_path()
+        for path, ks in pending["chunks"].items():
+            f = by_path[path]
+            for k in ks:
+                key = f"{path}/c/{k}" + "/0" * len(f.spec.row_shape)
+                if self.loc.exists(f"{prefix}/{key}"):
+                    self.loc.rename(f"{prefix}/{key}", key)
+            f.remap(ks)
+        done = head.copy()
+        done.pending = None
+        self._write_head(done)
+        self.loc.delete_prefix(prefix)
+
+    def _fields_by_path(self) -> dict[str, MappedField | ChunkedField]:
+        return {f.spec.array_path: f for t in self.tables.values() for f in t.fields}
+
+    def _apply_pending(self, pending: dict[str, Any] | None, staged: bool) -> None:
+        if not pending:
+            return
+        by_path = self._fields_by_path()
+        for path, ks in pending["chunks"].items():
+            by_path[path].remap(ks, pending["prefix"] if staged else "")
+
+    # -- readers -------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Adopt the newest commit record (readers, and writers in multiprocessing mode).
+
+        Returns True when the record changed.  Local stores check a file fingerprint first,
+        so calling this before every read costs a ``stat``.
+        """
+        sig = head_signature(self.loc)
+        if sig is not None and sig == self._sig:
+            return False
+        head = read_head(self.loc)
+        self._sig = sig
+        if head.generation == self.committed.generation:
+            return False
+        old = self.committed
+        if old.pending and old.pending != head.pending:
+            self._apply_pending(old.pending, staged=False)
+        if head.epoch != old.epoch:
+            for t in self.tables.values():
+                for f in t.fields:
+                    if isinstance(f, MappedField):
+                        f.remap([int(k) for k in np.flatnonzero(f._va.mapped)])
+        for t in self.tables.values():
+            s = head.tables[t.name]
+            t.state = TableState(s.start, s.end, s.allocated)
+            for f in t.fields:
+                f.drop_cache()
+        self._apply_pending(head.pending, staged=True)
+        self.committed = head
+        return True
+
+    @contextlib.contextmanager
+    def write_op(self) -> Iterator[None]:
+        """One write operation: in multiprocessing mode, serialized with the other writers and
+        committed at its end; otherwise just a writability check."""
+        self._check_writable()
+        if not self.multiprocessing:
+            yield
+            return
+        assert self.lock is not None
+        self.lock.acquire_op()
+        try:
+            self.refresh()
+            yield
+            self.commit(state=self.state_provider() if self.state_provider else None)
+        finally:
+            self.lock.release_op()
+
+    # -- copy ------------------------------------------------------------------------------
+    def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
+                overwrite: bool = True) -> None:
+        """Copy every key of this store to ``dst`` (head last), with an optional progress bar."""
+        target = resolve_location(dst, read_only=False, storage_options=storage_options, must_exist=False)
+        if target.url == self.loc.url and target.url is not None:
+            raise ValueError("copy_to needs a different destination")
+        if target.exists("zarr.json") or target.exists(HEAD_KEY):
+            if not overwrite:
+                raise StoreExistsError(f"{target.url}: a store already exists here")
+            _erase(target)
+        skip = (LOCK_KEY, "trajstore.mplock", HEAD_KEY)
+        keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
+        bar = _progress(len(keys), f"copy to {target.url}", progress)
+        try:
+            for key in keys:
+                if self.loc.is_local and target.is_local:
+                    dest = target.path(key)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(self.loc.path(key), dest)
+                else:
+                    data = self.loc.get(key)
+                    if data is not None:
+                        target.put(key, data)
+                bar.update(1)
+        finally:
+            bar.close()
+        head = self.committed.copy()
+        head.pending = None
+        write_head(target, head, fsync=self.fsync)
+        target.close()
+
+    def close(self) -> None:
+        for t in self.tables.values():
+            for f in t.fields:
+                f.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool | None) -> Any:
+    """A tqdm bar when asked (``None``: only on a terminal and when tqdm is installed)."""
+    import sys
+
+    if enabled is False or (enabled is None and not sys.stderr.isatty()):
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if enabled:
+            from .errors import MissingDependencyError
+
+            raise MissingDependencyError("progress bars need tqdm: pip install tqdm") from None
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="file")
+
+
+def _erase(loc: Location) -> None:
+    """Remove an existing store's keys (``overwrite=True``)."""
+    if loc.local_root is not None:
+        for p in loc.local_root.iterdir():
+            if p.name == LOCK_KEY:
+                continue
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return
+    loc.delete_prefix("")
+
+
+def _clean_orphans(loc: Location, head: Head) -> None:
+    """After a writer died: drop temp files, zarr's ``*.partial`` leftovers and unreferenced staging."""
+    assert loc.local_root is not None
+    shutil.rmtree(loc.local_root / TMP_DIR, ignore_errors=True)
+    keep = (head.pending or {}).get("prefix")
+    staging = loc.local_root / STAGING_DIR
+    if staging.exists():
+        for p in staging.iterdir():
+            if keep is None or f"{STAGING_DIR}/{p.name}" != keep:
+                shutil.rmtree(p, ignore_errors=True)
+    for dirpath, _dirs, files in os.walk(loc.local_root):
+        for name in files:
+            if name.endswith(".partial"):
+                os.unlink(os.path.join(dirpath, name))

@@ -1,0 +1,171 @@
+"""A table: several fields (zarr arrays) whose rows form one ring (or one growing list).
+
+The table applies DESIGN.md's ring rules and the commit protocol for the rows it
+writes; the :class:`trajstore.store.Store` it belongs to owns the commit record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .fields import ChunkedField, MappedField
+from .head import TableState
+from .ring import contiguous_runs, physical
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Table"]
+
+Field = MappedField | ChunkedField
+
+
+class Table:
+    """Rows shared by ``fields``; ``capacity=None`` grows by doubling.
+
+    Parameters
+    ----------
+    store : Store
+        Owner of the commit record.
+    name : str
+        Key of this table in the commit record.
+    capacity : int or None
+        Ring size, or ``None`` for an unbounded table.
+    fields : list of MappedField or ChunkedField
+        One per stored array, in the order callers pass data.
+    """
+
+    def __init__(self, store: "Store", name: str, capacity: int | None, fields: list[Field], state: TableState):
+        self.store = store
+        self.name = name
+        self.capacity = capacity
+        self.fields = fields
+        self.state = state  # in-memory (the writer's latest; a reader's last refresh)
+        self._mapped_upto: tuple[int, int, int] | None = None  # state for which reads are prepared
+        # A ring evicts this many rows beyond what an extend strictly needs, so a full ring
+        # commits an eviction record once per `guard` rows rather than on every append.
+        self.guard = 1 if capacity is None else max(1, min(capacity // 8, 4096))
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def count(self) -> int:
+        return self.state.end - self.state.start
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.capacity is None else self.state.start % self.capacity
+
+    # -- writing -------------------------------------------------------------------------
+    def extend(self, arrays: Sequence[np.ndarray], n: int) -> None:
+        """Append ``n`` rows; ``arrays[j]`` has shape (n, *row_shape of field j)."""
+        if n == 0:
+            return
+        st = self.state
+        cap = self.capacity
+        if cap is not None and n > cap:
+            # Only the last `capacity` rows of an oversized batch survive.
+            arrays = [a[n - cap :] for a in arrays]
+            st.end += n - cap
+            n = cap
+        lo, hi = st.end, st.end + n
+        if cap is None:
+            if hi > st.allocated:
+                self._grow(hi)
+        else:
+            self.store.ensure_evicted(self, hi - cap, self.guard)
+        for phys_lo, off, m in contiguous_runs(lo, hi, cap):
+            for f, a in zip(self.fields, arrays):
+                f.write(phys_lo, a[off : off + m])
+        st.end = hi
+        if cap is not None and st.end - st.start > cap:
+            st.start = st.end - cap
+        self.store.after_write()
+
+    def _grow(self, needed: int) -> None:
+        new = max(self.state.allocated * 2, needed, 1)
+        new = -(-new // max(f.C for f in self.fields)) * max(f.C for f in self.fields)
+        for f in self.fields:
+            f.grow(new)
+        self.state.allocated = new
+        self.store.metadata_changed()
+
+    # -- reading -------------------------------------------------------------------------
+    def prepare_reads(self) -> None:
+        """Map chunk files of all committed rows (once per state change, not per read)."""
+        st = self.state
+        key = (st.start, st.end, st.allocated)
+        if self._mapped_upto == key:
+            return
+        for f in self.fields:
+            if f.allocated < st.allocated:
+                f.grow(st.allocated)
+            for phys_lo, _off, m in contiguous_runs(st.start, st.end, self.capacity):
+                f.ensure_mapped(phys_lo, phys_lo + m, create=False)
+        self._mapped_upto = key
+
+    def physical(self, logical: np.ndarray | int) -> np.ndarray | int:
+        return physical(logical, self.state.start, self.capacity)
+
+    def gather(self, logical: np.ndarray, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of logical rows ``logical`` (B,) of the fields ``which``."""
+        self.prepare_reads()
+        phys = self.physical(logical)
+        return [self.fields[j].gather(phys) for j in which]
+
+    def read_row(self, i: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copy of logical row ``i`` (one unbatched row per field)."""
+        self.prepare_reads()
+        p = self.physical(i)
+        return [self.fields[j].read_range(p, p + 1)[0] for j in which]
+
+    def read_contiguous(self, lo: int, hi: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of logical rows ``[lo, hi)`` without building an index array."""
+        self.prepare_reads()
+        runs = contiguous_runs(self.state.start + lo, self.state.start + hi, self.capacity)
+        out = []
+        for j in which:
+            parts = [self.fields[j].read_range(p, p + m) for p, _o, m in runs]
+            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
+
+    # -- rewriting committed rows (staged, crash-atomic) ---------------------------------
+    def rewrite_plan_set(self, logical: np.ndarray, arrays: Sequence[np.ndarray], which: Sequence[int]):
+        """Yield ``(field, chunk, new_chunk_data)`` for setting rows ``logical`` of fields ``which``."""
+        self.prepare_reads()
+        phys = np.asarray(self.physical(logical))
+        for j, a in zip(which, arrays):
+            f = self.fields[j]
+            ks = phys // f.C
+            for k in np.unique(ks).tolist():
+                sel = ks == k
+                chunk = f.read_chunk(k)
+                chunk[phys[sel] - k * f.C] = a[sel]
+                yield f, k, chunk
+
+    def rewrite_plan_remove(self, logical: np.ndarray):
+        """Yield ``(field, chunk, new_chunk_data)`` that delete rows ``logical`` and move later rows up.
+
+        Sources are read from the current (not yet replaced) chunks, one destination chunk
+        at a time, so memory stays bounded by a chunk per field.
+        """
+        self.prepare_reads()
+        remove = np.unique(logical)
+        if remove.size == 0:
+            return
+        keep = np.ones(self.count, dtype=bool)
+        keep[remove] = False
+        first = int(remove[0])
+        src = np.flatnonzero(keep[first:]) + first  # logical sources of new rows first.. in order
+        new_count = self.count - remove.size
+        dst = np.arange(first, new_count)
+        dst_phys = np.asarray(self.physical(dst))
+        src_phys = np.asarray(self.physical(src))
+        for f in self.fields:
+            ks = dst_phys // f.C
+            for k in np.unique(ks).tolist():
+                sel = ks == k
+                chunk = f.read_chunk(k)
+                chunk[dst_phys[sel] - k * f.C] = f.gather(src_phys[sel])
+                yield f, k, chunk
