@@ -229,8 +229,10 @@ def resolve_location(
     if not _is_url(path) and path.endswith(".zip"):
         if must_exist and not os.path.exists(path):
             raise StoreNotFoundError(f"no store at {path!r}: the file does not exist")
-        mode = "r" if read_only else ("a" if os.path.exists(path) else "w")
-        return Location(ZipStore(path, mode=mode), path, None)
+        # A zip is written once, start to end (dumps/copy); it cannot be updated in place.
+        zstore = ZipStore(path, mode="r" if read_only else "w")
+        sync(zstore._open())
+        return Location(zstore, path, None)
     if _is_url(path):
         store = FsspecStore.from_url(path, storage_options=storage_options or {}, read_only=read_only)
         loc = Location(store, path, None)

@@ -17,6 +17,7 @@ import datetime
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -95,16 +96,23 @@ class Store:
                storage_options: dict[str, Any] | None, overwrite: bool, multiprocessing: bool,
                options: dict[str, Any]) -> "Store":
         loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
-        if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
-            if not overwrite:
-                raise StoreExistsError(f"{loc.url}: a store already exists here; pass overwrite=True to replace it "
-                                       "or use load_from to open it")
-            _erase(loc)
-        elif loc.local_root is not None and any(p.name not in (TMP_DIR,) for p in loc.local_root.iterdir()):
-            if not overwrite:
-                raise StoreExistsError(f"{loc.url}: the folder is not empty and holds no trajstore store; "
-                                       "pass overwrite=True to use it anyway")
+        # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
+        try:
+            if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
+                if not overwrite:
+                    raise StoreExistsError(f"{loc.url}: a store already exists here; pass overwrite=True to replace "
+                                           "it or use load_from to open it")
+                _erase(loc)
+            elif loc.local_root is not None and any(p.name not in (TMP_DIR, LOCK_KEY) for p in loc.local_root.iterdir()):
+                if not overwrite:
+                    raise StoreExistsError(f"{loc.url}: the folder is not empty and holds no trajstore store; "
+                                           "pass overwrite=True to use it anyway")
+                _erase(loc)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         attrs = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
@@ -113,7 +121,8 @@ class Store:
             "tables": {},
             **schema,
         }
-        group = zarr.open_group(loc.zstore, mode="w", attributes={ATTRS_KEY: attrs})
+        # Not mode="w": that would delete the lock file we hold.
+        group = zarr.create_group(loc.zstore, attributes={ATTRS_KEY: attrs}, overwrite=False)
         head = Head()
         for t in tables:
             alloc = t.capacity if t.capacity is not None else max(f.chunk_rows for f in t.fields)
@@ -131,7 +140,7 @@ class Store:
             }
             head.tables[t.name] = TableState(0, 0, alloc)
         group.attrs[ATTRS_KEY] = attrs
-        zarr.consolidate_metadata(loc.zstore)
+        _consolidate(loc)
         write_head(loc, head, fsync=bool(options.get("fsync")))
         group = open_zarr_group(loc, mode="r+")
         return cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
@@ -233,8 +242,8 @@ class Store:
     state_provider: Callable[[], dict[str, Any]] | None = None
 
     def metadata_changed(self) -> None:
-        """Array shapes grew: consolidated metadata must be refreshed before the next commit."""
-        zarr.consolidate_metadata(self.loc.zstore)
+        """Array shapes grew: refresh consolidated metadata before any row beyond the old shape is committed."""
+        _consolidate(self.loc)
 
     def rewrite(self, changes: Iterable[tuple[MappedField | ChunkedField, int, np.ndarray]],
                 apply_state: Callable[[], None]) -> None:
@@ -378,6 +387,13 @@ class Store:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def _consolidate(loc: Location) -> None:
+    """Write consolidated metadata (zarr warns about our non-zarr keys at the root; they are expected)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(loc.zstore)
 
 
 class _NoBar:
