@@ -36,6 +36,7 @@ ZOO = {
     "box_half_bounded": Box(np.array([0.0, -INF], np.float32), np.array([INF, 1.0], np.float32), dtype=np.float32),
     "box_u8_img": Box(0, 255, (4, 4, 3), np.uint8),
     "box_i64_inf": Box(-INF, INF, (2,), np.int64),
+    "box_i32_half_inf": Box(np.array([-INF, 0.0]), np.array([5.0, INF]), dtype=np.int32),
     "box_i32_arr": Box(np.array([[-5, 0], [1, 2]]), np.array([[5, 9], [7, 3]]), dtype=np.int32),
     "box_bool": Box(0, 1, (3,), np.bool_),
     "box_scalar": Box(-2.0, 3.0, (), np.float64),

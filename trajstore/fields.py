@@ -33,9 +33,9 @@ from .storage import Location, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
 
-#: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few hundred
+#: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few thousand
 #: files, small enough that the writer's partial tail chunk is cheap to create.
-RAW_CHUNK_BYTES = 4 << 20
+RAW_CHUNK_BYTES = 1 << 20
 #: Compressed chunks are decoded whole on a random read, so they are kept smaller.
 COMPRESSED_CHUNK_BYTES = 1 << 20
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
@@ -130,6 +130,7 @@ class MappedField:
         self.C = spec.chunk_rows
         self._ndim = len(spec.row_shape) + 1
         self._synced: set[int] = set()  # chunks written since the last fsync
+        self._last_k = -1
         self._va = self._reserve(allocated)
         self.allocated = allocated
 
@@ -189,9 +190,14 @@ class MappedField:
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         """Copy ``data`` (n, *row_shape) into physical rows ``[phys_lo, phys_lo + n)``."""
         n = len(data)
-        self.ensure_mapped(phys_lo, phys_lo + n, create=True)
+        k_lo, k_hi = phys_lo // self.C, (phys_lo + n - 1) // self.C
+        mapped = self._va.mapped
+        if not (mapped[k_lo] and mapped[k_hi]) or (k_hi - k_lo > 1 and not mapped[k_lo : k_hi + 1].all()):
+            self.ensure_mapped(phys_lo, phys_lo + n, create=True)
         self._va.array[phys_lo : phys_lo + n] = data
-        self._synced.update(range(phys_lo // self.C, (phys_lo + n - 1) // self.C + 1))
+        if k_lo != self._last_k or k_hi != k_lo:  # per-step appends stay in one chunk: skip the set update
+            self._synced.update(range(k_lo, k_hi + 1))
+            self._last_k = k_hi
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
         return self._va.array[phys]
@@ -220,6 +226,7 @@ class MappedField:
             for d in dirs:
                 fsync_dir(Path(d))
         self._synced.clear()
+        self._last_k = -1
 
     def close(self) -> None:
         self._va.close()

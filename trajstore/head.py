@@ -95,10 +95,10 @@ def write_head(loc: Location, head: Head, *, fsync: bool = False) -> None:
 
 def head_signature(loc: Location) -> tuple[int, int, int] | None:
     """A cheap fingerprint of the local head file (inode, mtime, size); ``None`` elsewhere."""
-    if loc.local_root is None:
+    if loc.head_path is None:
         return None
     try:
-        st = os.stat(loc.local_root / HEAD_KEY)
+        st = os.stat(loc.head_path)
     except FileNotFoundError:
         return (0, 0, 0)
     return (st.st_ino, st.st_mtime_ns, st.st_size)

@@ -57,6 +57,7 @@ class Location:
         self.zstore = zstore
         self.url = url
         self.local_root = local_root
+        self.head_path = None if local_root is None else str(local_root / "trajstore.head.json")
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -177,10 +178,12 @@ class Location:
             self.delete(key)
 
     def iter_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
-        """``(key, nbytes)`` for every key under ``prefix``."""
+        """``(key, nbytes)`` for every key under ``prefix``; locally the bytes the file occupies on
+        disk (raw chunk files are created sparse and only hold the pages written)."""
         if self.local_root is not None:
             for key in self.list_prefix(prefix):
-                yield key, (self.local_root / key).stat().st_size
+                st = (self.local_root / key).stat()
+                yield key, min(st.st_size, st.st_blocks * 512)
             return
         for key in self.list_prefix(prefix):
             yield key, int(sync(self.zstore.getsize(key)))

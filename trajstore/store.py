@@ -12,13 +12,12 @@ the tables inside it.  This module owns the commit protocol (DESIGN.md 3):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import shutil
 import time
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import zarr
@@ -50,6 +49,36 @@ def _version() -> str:
         return "0+unknown"
 
 
+class _WriteOp:
+    """Reusable context manager for :meth:`Store.write_op` (cheaper than a generator per append)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: "Store") -> None:
+        self.store = store
+
+    def __enter__(self) -> None:
+        s = self.store
+        if s.multiprocessing:
+            assert s.lock is not None
+            s.lock.acquire_op()
+            try:
+                s.refresh()
+            except BaseException:
+                s.lock.release_op()
+                raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        s = self.store
+        if s.multiprocessing:
+            assert s.lock is not None
+            try:
+                if exc_type is None:
+                    s.commit(state=s.state_provider() if s.state_provider else None)
+            finally:
+                s.lock.release_op()
+
+
 class TableSpec:
     """What :meth:`Store.create` needs to lay out one table."""
 
@@ -75,6 +104,7 @@ class Store:
         self._sig = head_signature(loc)
         self._last_commit = time.monotonic()
         self.tables: dict[str, Table] = {}
+        self._op = _WriteOp(self)
         for name, tspec in attrs["tables"].items():
             st = head.tables.get(name)
             if st is None:
@@ -146,7 +176,7 @@ class Store:
         return cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
 
     @classmethod
-    def open(cls, path: Any, kind: str | tuple[str, ...], *, read_only: bool, multiprocessing: bool,
+    def open(cls, path: Any, kind: str | tuple[str, ...] | None, *, read_only: bool, multiprocessing: bool,
              storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "Store":
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
         raw_root = loc.get("zarr.json")
@@ -166,7 +196,7 @@ class Store:
             raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
                                      f"({FORMAT_VERSION}); upgrade trajstore")
         kinds = (kind,) if isinstance(kind, str) else kind
-        if attrs.get("kind") not in kinds:
+        if kinds is not None and attrs.get("kind") not in kinds:
             raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
         lock = None
         if not read_only and loc.is_local:
@@ -331,22 +361,11 @@ class Store:
         self.committed = head
         return True
 
-    @contextlib.contextmanager
-    def write_op(self) -> Iterator[None]:
-        """One write operation: in multiprocessing mode, serialized with the other writers and
-        committed at its end; otherwise just a writability check."""
+    def write_op(self) -> "_WriteOp":
+        """Context of one write operation: in multiprocessing mode it is serialized with the
+        other writers (inter-process lock), sees their commits, and commits at its end."""
         self._check_writable()
-        if not self.multiprocessing:
-            yield
-            return
-        assert self.lock is not None
-        self.lock.acquire_op()
-        try:
-            self.refresh()
-            yield
-            self.commit(state=self.state_provider() if self.state_provider else None)
-        finally:
-            self.lock.release_op()
+        return self._op
 
     # -- copy ------------------------------------------------------------------------------
     def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
