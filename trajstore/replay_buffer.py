@@ -20,6 +20,7 @@ from .fields import make_field_spec
 from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, flatdim, space_from_json, space_to_json
 from .store import Store, TableSpec, _progress
+from .table import RowStager
 from .views import BatchBase
 
 __all__ = ["ReplayBuffer", "ZarrStorage"]
@@ -83,6 +84,8 @@ class ReplayBuffer(BatchBase):
         self._plan = ValuePlan(space)
         self._backend = backend
         self._table = store.tables[TABLE]
+        self._stager = RowStager(self._table, [(leaf.shape, leaf.dtype) for leaf in self._plan.leaves])
+        self._leaf_ids = list(range(len(self._plan.leaves)))
         self._open_args = open_args
         self._rng = np.random.default_rng()
         self._closed = False
@@ -184,6 +187,7 @@ class ReplayBuffer(BatchBase):
         path it copies the store there (progress bar on a terminal) and leaves this one open.
         """
         if not self.read_only:
+            self._stager.drain()
             self._store.commit()
         if path is None or self._same_path(path):
             return
@@ -199,8 +203,11 @@ class ReplayBuffer(BatchBase):
 
     # -- state -----------------------------------------------------------------------------
     def _sync(self) -> None:
-        """Readers (and multi-process writers) adopt the latest commit before reading."""
-        if self._closed:
+        """Before reading: a writer hands staged appends to the table; readers (and multi-process
+        writers) adopt the latest commit."""
+        if self._stager.n:
+            self._stager.drain()
+        elif self._closed:
             raise ValueError("I/O operation on a closed buffer")
         if not self._store.writable or self._store.multiprocessing:
             self._store.refresh()
@@ -265,7 +272,7 @@ class ReplayBuffer(BatchBase):
         if n == 0:
             raise ValueError("cannot sample from an empty buffer")
         idx = gen.integers(0, n, size=batch_size)
-        leaves = self._all_leaves
+        leaves = self._leaf_ids
         if self._store.writable and not self._store.multiprocessing:
             arrays = self._table.gather(idx, leaves)
         else:
@@ -294,14 +301,22 @@ class ReplayBuffer(BatchBase):
     # -- writes ----------------------------------------------------------------------------
     def append(self, value: Any) -> None:
         """Add one row (a value of ``single_space``)."""
-        arrays, n = self._plan.to_arrays(value, batched=False)
-        with self._store.write_op():
-            self._table.extend(arrays, n)
+        if self._store.multiprocessing or not self._store.writable:
+            arrays, n = self._plan.to_arrays(value, batched=False)
+            with self._store.write_op():
+                self._table.extend(arrays, n)
+            return
+        st = self._stager
+        self._plan.write_row(value, st.bufs, st.n)
+        st.n += 1
+        if st.n == st.rows:
+            st.drain()
 
     def extend(self, value: Any) -> None:
         """Add a batch of rows (leading axis B on every leaf)."""
         arrays, n = self._plan.to_arrays(value, batched=True)
         with self._store.write_op():
+            self._stager.drain()
             self._table.extend(arrays, n)
 
     def append_flattened(self, value: Any) -> None:
@@ -318,6 +333,7 @@ class ReplayBuffer(BatchBase):
         flat = np.asarray(value if type(value).__module__.split(".")[0] != "torch" else value.detach().cpu().numpy())
         arrays = self._plan.unflatten(flat)
         with self._store.write_op():
+            self._stager.drain()
             self._table.extend(arrays, len(flat))
 
     def set_at(self, idx: IndexLike, value: Any) -> None:
@@ -332,7 +348,7 @@ class ReplayBuffer(BatchBase):
 
             raise BadValueError(f"set_at got {n} rows for {len(rows)} indices")
         with self._store.write_op():
-            self._store.rewrite(self._table.rewrite_plan_set(rows, arrays, self._all_leaves), lambda: None)
+            self._store.rewrite(self._table.rewrite_plan_set(rows, arrays, self._leaf_ids), lambda: None)
 
     def remove_at(self, idx: IndexLike) -> None:
         """Delete rows ``idx``; later rows move up and ``len`` shrinks.  Crash-atomic."""
@@ -350,6 +366,7 @@ class ReplayBuffer(BatchBase):
 
     def clear(self) -> None:
         """Remove every row (committed at once; the arrays keep their size)."""
+        self._stager.n = 0
         with self._store.write_op():
             t = self._table
             t.state.start = t.state.end = 0
@@ -363,6 +380,7 @@ class ReplayBuffer(BatchBase):
         if other.single_space != self.single_space:
             raise SpaceMismatchError(f"extend_from: spaces differ: {other.single_space} vs {self.single_space}")
         n = len(other)
+        self._stager.drain()
         bar = _progress(n, "extend_from", True if tqdm else False)
         try:
             for lo in range(0, n, chunk_size):
@@ -377,6 +395,7 @@ class ReplayBuffer(BatchBase):
     def flush(self, fsync: bool = False) -> None:
         """Commit everything written so far (``fsync=True``: durable against power loss too)."""
         if not self.read_only:
+            self._stager.drain()
             self._store.commit(fsync=fsync)
 
     def close(self) -> None:
@@ -385,6 +404,7 @@ class ReplayBuffer(BatchBase):
             return
         try:
             if not self.read_only:
+                self._stager.drain()
                 self._store.commit()
         finally:
             self._store.close()

@@ -340,6 +340,9 @@ class ValuePlan:
         self._one_row = [(1, *leaf.shape) for leaf in self.leaves]
         self._cols = np.cumsum([0] + [leaf.flat_dim for leaf in self.leaves]).tolist()
         self._tree = self._compile(space, ())
+        # Keys of a Dict whose values are all leaves: write_row's fast path.
+        self._flat_keys = (tuple(space.spaces) if type(space) is Dict and all(len(leaf.path) == 1 for leaf in self.leaves)
+                           else None)
         self._onehot = [self._onehot_tables(leaf.space) for leaf in self.leaves]
 
     def _compile(self, sp: gymnasium.Space, path: _Path) -> tuple[Any, ...]:
@@ -449,6 +452,34 @@ class ValuePlan:
                                     f"(the batch size of {_at('value', first)})")
             out.append(_cast(arr, leaf.dtype, path))
         return out, (batch if batched else 1)
+
+    def write_row(self, value: Any, out: Sequence[np.ndarray], j: int) -> None:
+        """Validate one row and copy it into ``out[i][j]`` for every leaf ``i``.
+
+        The per-step hot path of ``append``.  A flat Dict (every value a leaf) whose values
+        already have the exact shape and dtype is copied without conversion; anything else goes
+        through the rules of :meth:`to_arrays` (same errors).  On error, rows other than ``j`` of
+        ``out`` are untouched.
+        """
+        keys = self._flat_keys
+        raw: list[Any] | None = None
+        if keys is not None and type(value) is dict and len(value) == len(keys):
+            try:
+                raw = [value[k] for k in keys]
+            except KeyError:
+                raw = None  # the general path names the missing key
+        if raw is None:
+            raw = []
+            self._gather(self._tree, value, raw)
+        for i, leaf in enumerate(self.leaves):
+            x = raw[i]
+            if type(x) is np.ndarray and x.dtype == leaf.dtype and x.shape == leaf.shape:
+                out[i][j] = x
+                continue
+            arr = _to_numpy(x, leaf.path)
+            if arr.shape != leaf.shape:
+                raise BadValueError(f"{_at('value', leaf.path)} has shape {arr.shape}; expected {leaf.shape}")
+            out[i][j] = _cast(arr, leaf.dtype, leaf.path)
 
     def from_arrays(self, arrays: Sequence[Any]) -> Any:
         """Nest per-leaf arrays (numpy, torch, ...; not converted) like the space.

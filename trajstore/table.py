@@ -169,3 +169,25 @@ class Table:
                 chunk = f.read_chunk(k)
                 chunk[dst_phys[sel] - k * f.C] = f.gather(src_phys[sel])
                 yield f, k, chunk
+
+
+class RowStager:
+    """Single-row appends collected in RAM and handed to :meth:`Table.extend` a block at a time.
+
+    Per-step ``append`` then costs a validation and one small copy per leaf; the table (mmap
+    writes, ring bookkeeping, commits) runs once per block.  Owners drain it before every read
+    and commit, so staging is invisible except in what a crash can lose (never committed rows).
+    """
+
+    def __init__(self, table: Table, leaves: Sequence[tuple[tuple[int, ...], np.dtype]]) -> None:
+        self.table = table
+        row_bytes = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in leaves) or 1
+        rows = int(min(256, max(16, (1 << 20) // row_bytes)))
+        self.bufs = [np.empty((rows, *s), d) for s, d in leaves]
+        self.rows = rows
+        self.n = 0
+
+    def drain(self) -> None:
+        if self.n:
+            n, self.n = self.n, 0
+            self.table.extend([b[:n] for b in self.bufs], n)
