@@ -1,0 +1,18 @@
+"""The benchmark scripts keep working (run small; timings are printed, never asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_core_quick(tmp_path: Path) -> None:
+    md = tmp_path / "bench.md"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_core.py"), "--quick", "--markdown", str(md),
+                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| sample(256) transitions (17,) f32 |" in out.stdout
+    assert "## Core store" in md.read_text()
