@@ -19,6 +19,7 @@ from .errors import SpaceMismatchError
 from .fields import make_field_spec
 from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, flatdim, space_from_json, space_to_json
+from .buffer import StoredBuffer
 from .store import Store, TableSpec, _progress
 from .table import RowStager
 from .views import BatchBase
@@ -70,7 +71,7 @@ def _is_remote(cache_path: Any) -> bool:
     )
 
 
-class ReplayBuffer(BatchBase):
+class ReplayBuffer(StoredBuffer):
     """A disk-backed replay buffer; open one with :meth:`create` or :meth:`load_from`.
 
     Rows are values of ``single_space``: nested dicts (Dict), tuples (Tuple) of arrays of
@@ -79,16 +80,13 @@ class ReplayBuffer(BatchBase):
     """
 
     def __init__(self, store: Store, space: gymnasium.Space, backend: Backend, *, open_args: dict[str, Any]):
-        self._store = store
+        super().__init__(store, backend, open_args)
         self.single_space = space
         self._plan = ValuePlan(space)
-        self._backend = backend
         self._table = store.tables[TABLE]
         self._stager = RowStager(self._table, [(leaf.shape, leaf.dtype) for leaf in self._plan.leaves])
+        self._stagers = [self._stager]
         self._leaf_ids = list(range(len(self._plan.leaves)))
-        self._open_args = open_args
-        self._rng = np.random.default_rng()
-        self._closed = False
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -178,76 +176,8 @@ class ReplayBuffer(BatchBase):
             cache_path=path, multiprocessing=multiprocessing, backend=backend, device=device,
             storage_options=storage_options, options=opts, read_only=read_only))
 
-    def dumps(self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
-              progress: bool | None = None) -> None:
-        """Make everything written so far durable and consistent.
-
-        To the buffer's own ``cache_path`` (or ``path=None``) this is one commit: chunks being
-        filled are written and the commit record replaced (milliseconds at any size).  To another
-        path it copies the store there (progress bar on a terminal) and leaves this one open.
-        """
-        if not self.read_only:
-            self._stager.drain()
-            self._store.commit()
-        if path is None or self._same_path(path):
-            return
-        self._store.copy_to(path, storage_options=storage_options, progress=progress)
-
-    def _same_path(self, path: Any) -> bool:
-        own = self._store.loc.url
-        if own is None:
-            return False
-        if "://" in own or "://" in os.fspath(path):
-            return os.fspath(path).rstrip("/") == own.rstrip("/")
-        return os.path.abspath(os.fspath(path)) == os.path.abspath(own)
-
-    # -- state -----------------------------------------------------------------------------
-    def _sync(self) -> None:
-        """Before reading: a writer hands staged appends to the table; readers (and multi-process
-        writers) adopt the latest commit."""
-        if self._stager.n:
-            self._stager.drain()
-        elif self._closed:
-            raise ValueError("I/O operation on a closed buffer")
-        if not self._store.writable or self._store.multiprocessing:
-            self._store.refresh()
-
-    def __len__(self) -> int:
-        self._sync()
-        return self._table.count
-
-    @property
-    def count(self) -> int:
-        return len(self)
-
-    @property
-    def offset(self) -> int:
-        self._sync()
-        return self._table.offset
-
-    @property
-    def capacity(self) -> int | None:
-        return self._table.capacity
-
-    @property
-    def full(self) -> bool:
-        return self.capacity is not None and len(self) == self.capacity
-
-    @property
-    def read_only(self) -> bool:
-        return not self._store.writable
-
-    @property
-    def cache_path(self) -> str | None:
-        return self._store.loc.url
-
-    @property
-    def multiprocessing(self) -> bool:
-        return self._store.multiprocessing
-
     # -- reads -----------------------------------------------------------------------------
-    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
-        self._sync()
+    def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         if isinstance(idx, int):
             return self._table.read_row(idx, leaf_ids)
         return self._table.gather(idx, leaf_ids)
@@ -258,45 +188,6 @@ class ReplayBuffer(BatchBase):
         if step == 1:
             return self._table.read_contiguous(lo, max(lo, hi), leaf_ids)
         return self._table.gather(np.arange(lo, hi, step, dtype=np.int64), leaf_ids)
-
-    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
-        """``batch_size`` rows drawn uniformly with replacement.
-
-        ``rng`` is a ``numpy.random.Generator`` (or a seed); by default the buffer's own.  A
-        reader of a ring that a writer is filling re-checks the commit record after reading and
-        redraws rows evicted meanwhile, so it never returns a half-overwritten row.
-        """
-        gen = self._rng if rng is None else np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
-        self._sync()
-        n = self._table.count
-        if n == 0:
-            raise ValueError("cannot sample from an empty buffer")
-        idx = gen.integers(0, n, size=batch_size)
-        leaves = self._leaf_ids
-        if self._store.writable and not self._store.multiprocessing:
-            arrays = self._table.gather(idx, leaves)
-        else:
-            arrays = self._sample_consistent(idx, gen, leaves)
-        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
-
-    def _sample_consistent(self, idx: np.ndarray, gen: np.random.Generator, leaves: list[int]) -> list[np.ndarray]:
-        """Seqlock-style read: rows evicted while we read are redrawn until none are."""
-        t = self._table
-        for _ in range(100):
-            start, epoch = t.state.start, self._store.committed.epoch
-            absolute = idx + start
-            arrays = t.gather(idx, leaves)
-            if not self._store.refresh():
-                return arrays
-            if self._store.committed.epoch != epoch:
-                idx = gen.integers(0, t.count, size=len(idx))
-                continue
-            stale = absolute < t.state.start
-            if not stale.any():
-                return arrays
-            idx = absolute - t.state.start
-            idx[stale] = gen.integers(0, t.count, size=int(stale.sum()))
-        raise RuntimeError("the writer evicts rows faster than this reader can sample them")
 
     # -- writes ----------------------------------------------------------------------------
     def append(self, value: Any) -> None:
@@ -391,60 +282,6 @@ class ReplayBuffer(BatchBase):
                 bar.update(hi - lo)
         finally:
             bar.close()
-
-    def flush(self, fsync: bool = False) -> None:
-        """Commit everything written so far (``fsync=True``: durable against power loss too)."""
-        if not self.read_only:
-            self._stager.drain()
-            self._store.commit(fsync=fsync)
-
-    def close(self) -> None:
-        """Commit (writers) and release files, maps and the writer lock."""
-        if self._closed:
-            return
-        try:
-            if not self.read_only:
-                self._stager.drain()
-                self._store.commit()
-        finally:
-            self._store.close()
-            self._closed = True
-
-    def __enter__(self) -> "ReplayBuffer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        mode = "read-only" if self.read_only else "writer"
-        return (f"ReplayBuffer({self.cache_path!r}, {mode}, len={self._table.count}, capacity={self.capacity}, "
-                f"space={self.single_space})")
-
-    # -- pickling ----------------------------------------------------------------------------
-    def __reduce__(self) -> Any:
-        a = self._open_args
-        if self.cache_path is None:
-            raise TypeError("an in-memory ReplayBuffer (cache_path=None) cannot be pickled")
-        if not (self.read_only or self.multiprocessing):
-            raise TypeError("a single-writer ReplayBuffer cannot be pickled: open it with multiprocessing=True, "
-                            "or pickle a read-only one (load_from(..., read_only=True))")
-        return (_reopen, (self.cache_path, a["backend"], a["device"], self.read_only, self.multiprocessing,
-                          a["storage_options"], a["options"]))
-
-
-def _reopen(path: str, backend: str, device: Any, read_only: bool, multiprocessing: bool,
-            storage_options: dict[str, Any] | None, options: dict[str, Any]) -> ReplayBuffer:
-    open_opts = {k: v for k, v in options.items() if k in ZarrStorage.OPEN_OPTIONS}
-    return ReplayBuffer.load_from(path, backend=backend, device=device, read_only=read_only,
-                                  multiprocessing=multiprocessing, storage_options=storage_options, **open_opts)
-
 
 def _table_spec(name: str, plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None) -> TableSpec:
     """One field per leaf of ``plan`` under ``name/``."""

@@ -1,0 +1,221 @@
+"""``StoredBuffer``: what every store-backed buffer shares (ReplayBuffer, TrajectoryReplayBuffer):
+opening state, committing (flush / dumps / close), uniform sampling that stays consistent
+while a writer fills a ring, and pickling as a small handle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .backend import Backend
+from .store import Store
+from .table import RowStager, Table
+from .views import BatchBase
+
+__all__ = ["StoredBuffer", "as_generator"]
+
+
+def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
+    """``rng`` as a Generator: ``None`` gives ``default``, an int seeds a new one."""
+    if rng is None:
+        return default
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+class StoredBuffer(BatchBase):
+    """Base of buffers whose rows live in a :class:`~trajstore.store.Store`.
+
+    Subclasses set ``self._table`` (the table whose rows are the buffer's rows), register
+    their row stagers in ``self._stagers`` and implement :meth:`_read_rows`.
+    """
+
+    _table: Table
+    _stagers: list[RowStager]
+
+    def __init__(self, store: Store, backend: Backend, open_args: dict[str, Any]) -> None:
+        self._store = store
+        self._backend = backend
+        self._open_args = open_args
+        self._rng = np.random.default_rng()
+        self._closed = False
+        self._stagers = []
+
+    # -- subclass hook ------------------------------------------------------------------------
+    def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        """Like :meth:`_read` but without synchronizing first."""
+        raise NotImplementedError  # abstract
+
+    # -- state ---------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        for st in self._stagers:
+            st.drain()
+
+    def _sync(self) -> None:
+        """Before reading: a writer hands staged appends to its tables; readers (and
+        multi-process writers) adopt the latest commit."""
+        if self._closed:
+            raise ValueError("I/O operation on a closed buffer")
+        for st in self._stagers:
+            if st.n:
+                st.drain()
+        if not self._store.writable or self._store.multiprocessing:
+            self._store.refresh()
+
+    def __len__(self) -> int:
+        self._sync()
+        return self._table.count
+
+    @property
+    def count(self) -> int:
+        """Rows present (``len(self)``)."""
+        return len(self)
+
+    @property
+    def offset(self) -> int:
+        """Physical row of logical row 0 (ring buffers; 0 when unbounded)."""
+        self._sync()
+        return self._table.offset
+
+    @property
+    def capacity(self) -> int | None:
+        return self._table.capacity
+
+    @property
+    def full(self) -> bool:
+        return self.capacity is not None and len(self) == self.capacity
+
+    @property
+    def read_only(self) -> bool:
+        return not self._store.writable
+
+    @property
+    def cache_path(self) -> str | None:
+        return self._store.loc.url
+
+    @property
+    def multiprocessing(self) -> bool:
+        return self._store.multiprocessing
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        self._sync()
+        return self._read_rows(idx, leaf_ids)
+
+    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
+        """``batch_size`` rows drawn uniformly with replacement.
+
+        ``rng`` is a ``numpy.random.Generator`` (or a seed); by default the buffer's own.  A
+        reader of a ring that a writer is filling re-checks the commit record after reading and
+        redraws rows evicted meanwhile, so it never returns a half-overwritten row.
+        """
+        gen = as_generator(rng, self._rng)
+        self._sync()
+        n = self._table.count
+        if n == 0:
+            raise ValueError("cannot sample from an empty buffer")
+        idx = gen.integers(0, n, size=batch_size)
+        leaves = self._all_leaves
+        if self._store.writable and not self._store.multiprocessing:
+            arrays = self._read_rows(idx, leaves)
+        else:
+            arrays = self._read_consistent(idx, gen, leaves)
+        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
+
+    def _read_consistent(self, idx: np.ndarray, gen: np.random.Generator, leaves: list[int]) -> list[np.ndarray]:
+        """Seqlock-style read: rows evicted (or rewritten) while we read are redrawn until none are."""
+        t = self._table
+        for _ in range(100):
+            start, epoch = t.state.start, self._store.committed.epoch
+            absolute = idx + start
+            arrays = self._read_rows(idx, leaves)
+            if not self._store.refresh():
+                return arrays
+            if self._store.committed.epoch != epoch:
+                idx = gen.integers(0, max(t.count, 1), size=len(idx))
+                continue
+            stale = absolute < t.state.start
+            if not stale.any():
+                return arrays
+            idx = absolute - t.state.start
+            idx[stale] = gen.integers(0, t.count, size=int(stale.sum()))
+        raise RuntimeError("the writer evicts rows faster than this reader can sample them")
+
+    # -- committing ----------------------------------------------------------------------------------
+    def flush(self, fsync: bool = False) -> None:
+        """Commit everything written so far (``fsync=True``: durable against power loss too)."""
+        if not self.read_only:
+            self._drain()
+            self._store.commit(fsync=fsync, state=self._state())
+
+    def _state(self) -> dict[str, Any] | None:
+        """Buffer-specific state saved in the commit record (None: keep what is there)."""
+        return None
+
+    def dumps(self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
+              progress: bool | None = None) -> None:
+        """Make everything written so far durable and consistent.
+
+        To the buffer's own ``cache_path`` (or ``path=None``) this is one commit: chunks being
+        filled are written and the commit record replaced (milliseconds at any size).  To another
+        path it copies the store there (progress bar on a terminal) and leaves this one open.
+        """
+        self.flush()
+        if path is None or self._same_path(path):
+            return
+        self._store.copy_to(path, storage_options=storage_options, progress=progress)
+
+    def _same_path(self, path: Any) -> bool:
+        own = self._store.loc.url
+        if own is None:
+            return False
+        if "://" in own or "://" in os.fspath(path):
+            return os.fspath(path).rstrip("/") == own.rstrip("/")
+        return os.path.abspath(os.fspath(path)) == os.path.abspath(own)
+
+    def close(self) -> None:
+        """Commit (writers) and release files, maps and the writer lock."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._store.close()
+            self._closed = True
+
+    def __enter__(self) -> "StoredBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else "writer"
+        return (f"{type(self).__name__}({self.cache_path!r}, {mode}, len={self._table.count}, "
+                f"capacity={self.capacity}, space={self.single_space})")
+
+    # -- pickling -----------------------------------------------------------------------------------
+    def __reduce__(self) -> Any:
+        name = type(self).__name__
+        if self.cache_path is None:
+            raise TypeError(f"an in-memory {name} (cache_path=None) cannot be pickled")
+        if not (self.read_only or self.multiprocessing):
+            raise TypeError(f"a single-writer {name} cannot be pickled: open it with multiprocessing=True, "
+                            "or pickle a read-only one (load_from(..., read_only=True))")
+        a = self._open_args
+        kwargs = dict(backend=a["backend"], device=a["device"], read_only=self.read_only,
+                      multiprocessing=self.multiprocessing, storage_options=a["storage_options"],
+                      **{k: v for k, v in a["options"].items() if k in ("fsync", "commit_interval")})
+        return (_reopen, (type(self), self.cache_path, kwargs))
+
+
+def _reopen(cls: type, path: str, kwargs: dict[str, Any]) -> StoredBuffer:
+    return cls.load_from(path, **kwargs)  # type: ignore[attr-defined, no-any-return]
