@@ -38,7 +38,7 @@ SPACE = Dict({
     "img": Box(0, 255, (8, 8, 3), np.uint8),
     "d": Discrete(N_DISCRETE),
 })
-_PATTERN = np.arange(8 * 8 * 3, dtype=np.int64).reshape(8, 8, 3)
+_PATTERN = np.arange(8 * 8 * 3, dtype=np.int16).reshape(8, 8, 3)
 
 HEAD = "trajstore.head.json"
 
@@ -89,12 +89,18 @@ def kill(proc: Any, timeout: float = 20.0) -> None:
 # ----------------------------------------------------------------------------------------
 # row contents
 # ----------------------------------------------------------------------------------------
+def _img(base: np.ndarray) -> np.ndarray:
+    """(B, 8, 8, 3) uint8 image ``(base + pattern) % 251`` (computed in int16: cheap for big B)."""
+    b = (np.asarray(base, dtype=np.int64) % 251).astype(np.int16)
+    return ((b[:, None, None, None] + _PATTERN) % 251).astype(np.uint8)
+
+
 def encode(seq: Any) -> dict[str, np.ndarray]:
     """Batch of rows for absolute sequence numbers ``seq`` (B,)."""
     seq = np.asarray(seq, dtype=np.int64).reshape(-1)
     return {
         "obs": np.repeat((seq + 1).astype(np.float32)[:, None], 17, axis=1),
-        "img": ((seq[:, None, None, None] * 7 + _PATTERN) % 251).astype(np.uint8),
+        "img": _img(seq * 7),
         "d": seq % N_DISCRETE,
     }
 
@@ -135,7 +141,7 @@ def encode_kv(key: Any, version: Any) -> dict[str, np.ndarray]:
     obs[:, 8:] = version[:, None]
     return {
         "obs": obs,
-        "img": ((key[:, None, None, None] * 7 + version[:, None, None, None] * 13 + _PATTERN) % 251).astype(np.uint8),
+        "img": _img(key * 7 + version * 13),
         "d": (key * 31 + version) % N_DISCRETE,
     }
 
@@ -256,7 +262,7 @@ def append_loop(store: str, side: str, ready: str, seed: int, max_batch: int, ma
 
 
 def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: float, max_batch: int,
-                     max_unflushed: int) -> None:
+                     max_unflushed: int, pause_s: float = 0.0) -> None:
     """Writer for the concurrent-reader test.  Only explicit flushes commit new rows
     (``commit_interval`` is huge), and *before* each flush the writer records in ``bound``
     how many rows that flush will make visible: an upper bound of what any reader may see."""
@@ -279,6 +285,8 @@ def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: 
             write_atomic(bound, str(seq), fsync=False)
             rb.flush()
             unflushed = 0
+        if pause_s:
+            time.sleep(pause_s)
     write_atomic(bound, str(seq), fsync=False)
     rb.close()
 
@@ -560,7 +568,7 @@ def encode_tag(w: int, i: Any) -> dict[str, np.ndarray]:
     obs[:, 2:] = (w * 100_000 + i)[:, None]
     return {
         "obs": obs,
-        "img": ((w * 31 + i[:, None, None, None] * 7 + _PATTERN) % 251).astype(np.uint8),
+        "img": _img(w * 31 + i * 7),
         "d": (w * 13 + i) % N_DISCRETE,
     }
 
@@ -569,7 +577,6 @@ def decode_tag(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     obs = np.asarray(batch["obs"])
     w = obs[:, 0].astype(np.int64)
     i = obs[:, 1].astype(np.int64)
-    exp = encode_tag(0, i)  # recompute per writer below
     ok = np.ones(len(w), bool)
     for wv in np.unique(w):
         sel = w == wv
@@ -592,7 +599,7 @@ def mp_append(rb: ReplayBuffer, w: int, n: int, result: str) -> None:
             else:
                 rb.extend(encode_tag(w, np.arange(i, i + b)))
             i += b
-        _result(result, ok=True, pickled=not hasattr(rb, "_test_parent_marker"))
+        _result(result, ok=True)
     except BaseException:
         _result(result, ok=False, error=traceback.format_exc())
         raise

@@ -7,6 +7,7 @@ are lazy.  See README.md and docs/.
 
 from . import errors
 from .replay_buffer import ReplayBuffer, ZarrStorage
+from .trajectory import TrajectoryData, TrajectoryReplayBuffer
 from .views import BatchBase, ColumnView, SliceView
 
-__all__ = ["ReplayBuffer", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "errors"]
+__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "errors"]

@@ -41,7 +41,8 @@ class Backend:
         """``arr`` in this backend (no copy for numpy: the gather already copied)."""
         if self._torch is None:
             return arr
-        t = self._torch.from_numpy(np.ascontiguousarray(arr))
+        # np.ascontiguousarray would turn a 0-d array into shape (1,); np.require keeps it.
+        t = self._torch.from_numpy(np.require(arr, requirements="C"))
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def __repr__(self) -> str:

@@ -105,6 +105,7 @@ class Store:
         self._last_commit = time.monotonic()
         self.tables: dict[str, Table] = {}
         self._op = _WriteOp(self)
+        self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
         for name, tspec in attrs["tables"].items():
             st = head.tables.get(name)
             if st is None:
@@ -359,6 +360,8 @@ class Store:
                 f.drop_cache()
         self._apply_pending(head.pending, staged=True)
         self.committed = head
+        for listener in self.refresh_listeners:
+            listener()
         return True
 
     def write_op(self) -> "_WriteOp":

@@ -47,6 +47,8 @@ class Table:
         # A ring evicts this many rows beyond what an extend strictly needs, so a full ring
         # commits an eviction record once per `guard` rows rather than on every append.
         self.guard = 1 if capacity is None else max(1, min(capacity // 8, 4096))
+        # Called as listener(first_absolute_row, arrays) after every extend (episode bookkeeping).
+        self.listeners: list = []
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -81,6 +83,8 @@ class Table:
         st.end = hi
         if cap is not None and st.end - st.start > cap:
             st.start = st.end - cap
+        for listener in self.listeners:
+            listener(lo, arrays)
         self.store.after_write()
 
     def _grow(self, needed: int) -> None:
@@ -126,7 +130,11 @@ class Table:
         runs = contiguous_runs(self.state.start + lo, self.state.start + hi, self.capacity)
         out = []
         for j in which:
-            parts = [self.fields[j].read_range(p, p + m) for p, _o, m in runs]
+            f = self.fields[j]
+            if not runs:
+                out.append(np.zeros((0, *f.spec.row_shape), f.spec.dtype))
+                continue
+            parts = [f.read_range(p, p + m) for p, _o, m in runs]
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
         return out
 

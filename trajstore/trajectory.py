@@ -1,0 +1,623 @@
+"""``TrajectoryReplayBuffer``: steps, the episode id of every step, and per-episode data.
+
+Layout (one store, two tables, one commit record):
+
+- table ``step_data``: ``step_data/<leaf path>`` (one array per step-space leaf) and
+  ``step_episode_ids`` (int64), so the id ring is always aligned with the step ring;
+- table ``episode_data`` (optional): ``episode_data/<leaf path>`` (a leaf episode space is
+  ``episode_data/value``) and ``episode_data/_episode_id`` (int64), one row per episode
+  that has data, in insertion order.
+
+The commit record's ``state`` holds ``current_episode_id`` and ``next_episode_id``.  Episode
+rows are evicted once the last step of their episode has left the step ring.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence, TypedDict
+
+import gymnasium
+import numpy as np
+
+from .backend import Backend
+from .buffer import StoredBuffer, as_generator
+from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
+from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
+from .ring import IndexLike, normalize_index
+from .fields import make_field_spec
+from . import sequences as _seq
+from .spaces import ValuePlan, space_from_json, space_to_json
+from .store import Store, TableSpec, _progress
+from .table import RowStager
+from .views import BatchBase
+
+__all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
+
+STEPS, EPISODES = "step_data", "episode_data"
+STEP_IDS = "step_episode_ids"
+EP_ID_FIELD = "_episode_id"
+_ID = ((), np.dtype(np.int64))
+_WRAPPER_KEYS = frozenset({"step_data", "episode_ids", "episode_data"})
+
+
+class TrajectoryData(TypedDict):
+    """What a trajectory buffer read returns."""
+
+    step_data: Any
+    episode_data: Any | None
+
+
+def _field_paths(prefix: str, plan: ValuePlan, root_leaf_name: str | None) -> list[str]:
+    return [f"{prefix}/{leaf.name}" if leaf.name else (f"{prefix}/{root_leaf_name}" if root_leaf_name else prefix)
+            for leaf in plan.leaves]
+
+
+def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None,
+           extra: list[tuple[str, tuple[int, ...], np.dtype]]) -> list:
+    shapes = [(p, leaf.shape, leaf.dtype) for p, leaf in zip(paths, plan.leaves)] + extra
+    return [make_field_spec(p, s, d, capacity=capacity, compressed=compressor is not None, chunk_rows=chunk_rows)
+            for p, s, d in shapes]
+
+
+class TrajectoryReplayBuffer(StoredBuffer):
+    """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
+
+    Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
+    ``get_at_with_metadata`` adds ``{"episode_ids": ...}``.  ``single_space`` is
+    ``Dict(step_data=..., episode_data=...)`` so flattened rows follow gymnasium's layout.
+    """
+
+    def __init__(self, store: Store, step_space: gymnasium.Space, episode_space: gymnasium.Space | None,
+                 backend: Backend, *, open_args: dict[str, Any]) -> None:
+        super().__init__(store, backend, open_args)
+        self.step_space, self.episode_space = step_space, episode_space
+        parts = {"step_data": step_space} | ({"episode_data": episode_space} if episode_space is not None else {})
+        self.single_space = gymnasium.spaces.Dict(parts)
+        self._plan = ValuePlan(self.single_space)
+        self._step_plan = ValuePlan(step_space)
+        self._ep_plan = ValuePlan(episode_space) if episode_space is not None else None
+        self._table = store.tables[STEPS]
+        self._ep_table = store.tables.get(EPISODES)
+        n_step = len(self._step_plan.leaves)
+        self._id_field = n_step  # the ids array is the step table's last field
+        self._ep_id_field = len(self._ep_plan.leaves) if self._ep_plan else -1
+        # Leaf j of single_space -> ("s", step field) or ("e", episode field).
+        self._src = [("s", self._step_plan_index(leaf.path[1:])) if leaf.path[0] == "step_data"
+                     else ("e", self._ep_plan_index(leaf.path[1:])) for leaf in self._plan.leaves]
+        self._stager = RowStager(self._table, [(lf.shape, lf.dtype) for lf in self._step_plan.leaves] + [_ID])
+        self._stagers = [self._stager]
+        state = store.committed.state
+        self.current_episode_id = int(state.get("current_episode_id", 0))
+        self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
+        self._ep_ids: np.ndarray | None = None  # episode id of each logical episode row (lazy)
+        self._ep_sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self._last_row: dict[int, int] | None = None  # episode id -> absolute row of its last step (writer, lazy)
+        store.state_provider = self._state
+        store.refresh_listeners.append(self._adopt)
+        self._table.listeners.append(self._after_step_extend)
+        if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
+            # A crashed writer's episode may be half written and another process may write
+            # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
+            with store.write_op():
+                self._new_episode()
+                if not store.multiprocessing:
+                    store.commit(state=self._state())
+
+    def _step_plan_index(self, path: tuple) -> int:
+        return next(i for i, lf in enumerate(self._step_plan.leaves) if lf.path == path)
+
+    def _ep_plan_index(self, path: tuple) -> int:
+        assert self._ep_plan is not None
+        return next(i for i, lf in enumerate(self._ep_plan.leaves) if lf.path == path)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        step_data_instance_space: gymnasium.Space,
+        step_data_storage_cls: Any = None,
+        *,
+        step_data_capacity: int | None = None,
+        step_episode_id_storage_cls: Any = None,
+        step_episode_id_capacity: int | None = None,
+        step_episode_id_storage_kwargs: dict[str, Any] | None = None,
+        episode_data_instance_space: gymnasium.Space | None = None,
+        episode_data_storage_cls: Any = None,
+        episode_data_capacity: int | None = None,
+        episode_data_storage_kwargs: dict[str, Any] | None = None,
+        cache_path: str | os.PathLike[str] | None = None,
+        multiprocessing: bool = False,
+        backend: str = "numpy",
+        device: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> "TrajectoryReplayBuffer":
+        """Create an empty trajectory buffer.
+
+        ``step_data_capacity`` bounds the step ring (``None``: unbounded); the episode-id ring is
+        always the same ring (``step_episode_id_capacity``, if given, must equal it).
+        ``episode_data_capacity`` bounds the episode rows.  ``**kwargs`` are storage options for
+        the step data (``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``); the
+        ``*_storage_kwargs`` dicts override ``chunk_rows``/``compressor`` for ids and episode data.
+        """
+        for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
+            _storage_cls_check(c)
+        if step_episode_id_capacity is not None and step_episode_id_capacity != step_data_capacity:
+            raise ValueError(f"step_episode_id_capacity={step_episode_id_capacity} must equal step_data_capacity="
+                             f"{step_data_capacity}: the id ring is aligned with the step ring")
+        opts = ZarrStorage.check_options(dict(kwargs), ZarrStorage.CREATE_OPTIONS)
+        id_opts = ZarrStorage.check_options(dict(step_episode_id_storage_kwargs or {}), ("chunk_rows", "compressor"))
+        ep_opts = ZarrStorage.check_options(dict(episode_data_storage_kwargs or {}), ("chunk_rows", "compressor"))
+        for cap, name in ((step_data_capacity, "step_data_capacity"), (episode_data_capacity, "episode_data_capacity")):
+            if cap is not None and (not isinstance(cap, (int, np.integer)) or cap < 1):
+                raise ValueError(f"{name} must be a positive int or None; got {cap!r}")
+        bk = Backend(backend, device)
+        step_plan = ValuePlan(step_data_instance_space)
+        ep_plan = ValuePlan(episode_data_instance_space) if episode_data_instance_space is not None else None
+        if ep_plan is not None and any(lf.path[:1] == (EP_ID_FIELD,) for lf in ep_plan.leaves):
+            raise UnsupportedSpaceError(f"episode space key {EP_ID_FIELD!r} is reserved for the episode ids")
+        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        chunk_rows = opts.pop("chunk_rows", None)
+        step_fields = _specs(_field_paths(STEPS, step_plan, None), step_plan, step_data_capacity, compressor,
+                             chunk_rows, [])
+        id_field = _specs([], step_plan, step_data_capacity, id_opts.get("compressor", compressor),
+                          id_opts.get("chunk_rows", chunk_rows), [(STEP_IDS, (), np.dtype(np.int64))])
+        tables = [TableSpec(STEPS, step_data_capacity, step_fields + id_field, compressor)]
+        spaces = {STEPS: space_to_json(step_data_instance_space)}
+        if ep_plan is not None:
+            ep_comp = ep_opts.get("compressor", compressor)
+            ep_fields = _specs(_field_paths(EPISODES, ep_plan, "value"), ep_plan, episode_data_capacity, ep_comp,
+                               ep_opts.get("chunk_rows"), [(f"{EPISODES}/{EP_ID_FIELD}", (), np.dtype(np.int64))])
+            tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields, ep_comp))
+            spaces[EPISODES] = space_to_json(episode_data_instance_space)
+        # Ids and steps must share one compressor setting per table; a different id compressor
+        # is honoured by field layout (raw vs compressed) where it differs.
+        store = Store.create(cache_path, "TrajectoryReplayBuffer", tables, {"spaces": spaces},
+                             storage_options=storage_options, overwrite=overwrite, multiprocessing=multiprocessing,
+                             options=opts)
+        store.committed.state = {"current_episode_id": 0, "next_episode_id": 1}
+        return cls(store, step_data_instance_space, episode_data_instance_space, bk, open_args=dict(
+            backend=backend, device=device, storage_options=storage_options, options=opts))
+
+    @classmethod
+    def load_from(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        backend: str = "numpy",
+        device: Any = None,
+        read_only: bool = False,
+        multiprocessing: bool = False,
+        step_storage_kwargs: dict[str, Any] | None = None,
+        step_episode_id_storage_kwargs: dict[str, Any] | None = None,
+        episode_storage_kwargs: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **storage_kwargs: Any,
+    ) -> "TrajectoryReplayBuffer":
+        """Open an existing trajectory buffer (metadata and commit record only).
+
+        The ``*_storage_kwargs`` dicts are accepted for UniEnv compatibility; chunking and codecs
+        are fixed at create, so only ``fsync`` and ``commit_interval`` (in ``**storage_kwargs``) apply.
+        """
+        opts = ZarrStorage.check_options(dict(storage_kwargs), ZarrStorage.OPEN_OPTIONS)
+        for extra in (step_storage_kwargs, step_episode_id_storage_kwargs, episode_storage_kwargs):
+            ZarrStorage.check_options(dict(extra or {}), ZarrStorage.OPEN_OPTIONS + ("chunk_rows", "compressor"))
+        bk = Backend(backend, device)
+        store = Store.open(path, "TrajectoryReplayBuffer", read_only=read_only, multiprocessing=multiprocessing,
+                           storage_options=storage_options, options=opts)
+        try:
+            spaces = store.attrs["spaces"]
+            step_space = space_from_json(spaces[STEPS])
+            ep_space = space_from_json(spaces[EPISODES]) if EPISODES in spaces else None
+            return cls(store, step_space, ep_space, bk, open_args=dict(
+                backend=backend, device=device, storage_options=storage_options, options=opts))
+        except BaseException:
+            store.close()
+            raise
+
+    # -- episode ids -------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"current_episode_id": self.current_episode_id, "next_episode_id": self._next_id}
+
+    def _new_episode(self) -> None:
+        self.current_episode_id = self._next_id
+        self._next_id += 1
+
+    def _adopt(self) -> None:
+        """After a newer commit record was read (readers, multi-process writers)."""
+        state = self._store.committed.state
+        self._next_id = max(self._next_id, int(state.get("next_episode_id", 0)))
+        if self.read_only:
+            self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
+        self._ep_ids = None
+        self._ep_sorted = None
+        self._last_row = None
+
+    def mark_episode_end(self) -> None:
+        """End the current episode: later steps get a new ``current_episode_id``."""
+        with self._store.write_op():
+            self._drain()
+            self._new_episode()
+
+    @property
+    def episode_capacity(self) -> int | None:
+        return None if self._ep_table is None else self._ep_table.capacity
+
+    def _episode_ids_column(self) -> np.ndarray:
+        """Episode id of every logical episode row (cached until the episode table changes)."""
+        if self._ep_ids is None:
+            t = self._ep_table
+            self._ep_ids = np.zeros(0, np.int64) if t is None else t.read_contiguous(0, t.count, [self._ep_id_field])[0]
+            self._ep_sorted = None
+        return self._ep_ids
+
+    def episode_id_to_episode_data_index(self, episode_id: Any) -> Any:
+        """Logical episode-data row(s) of episode id(s); int in, int out; array (numpy or torch) in,
+        int64 array of the same kind out.
+
+        Raises
+        ------
+        KeyError
+            An id that has no episode data (never set, or evicted).
+        """
+        self._sync()
+        is_torch = type(episode_id).__module__.split(".")[0] == "torch"
+        q = episode_id.detach().cpu().numpy() if is_torch else np.asarray(episode_id)
+        rows = self._lookup(q.astype(np.int64).ravel())
+        if (rows < 0).any():
+            raise KeyError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
+        rows = rows.reshape(q.shape)
+        if q.ndim == 0 and not is_torch:
+            return int(rows)
+        if is_torch:
+            import torch
+
+            return torch.as_tensor(rows, device=episode_id.device)
+        return rows
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Episode rows of ``ids`` (-1 where there is none)."""
+        col = self._episode_ids_column()
+        if self._ep_sorted is None:
+            order = np.argsort(col, kind="stable")
+            self._ep_sorted = (col[order], order)
+        keys, order = self._ep_sorted
+        if len(keys) == 0:
+            return np.full(ids.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+        return np.where(keys[pos] == ids, order[pos], -1)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _step_ids(self, idx: int | np.ndarray) -> Any:
+        if isinstance(idx, int):
+            return self._table.read_row(idx, [self._id_field])[0]
+        return self._table.gather(idx, [self._id_field])[0]
+
+    def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        step_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "s"]
+        ep_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "e"]
+        single = isinstance(idx, int)
+        steps = (self._table.read_row(idx, step_f) if single else self._table.gather(idx, step_f)) if step_f else []
+        eps: list[np.ndarray] = []
+        if ep_f:
+            eps = self._episode_rows(np.atleast_1d(self._step_ids(idx)), ep_f)
+            if single:
+                eps = [e[0] for e in eps]
+        it_s, it_e = iter(steps), iter(eps)
+        return [next(it_s) if self._src[j][0] == "s" else next(it_e) for j in leaf_ids]
+
+    def _episode_rows(self, ids: np.ndarray, fields: list[int]) -> list[np.ndarray]:
+        """Episode data of ``ids`` (zeros where an episode has none)."""
+        assert self._ep_table is not None and self._ep_plan is not None
+        rows = self._lookup(ids)
+        have = rows >= 0
+        got = self._ep_table.gather(rows[have], fields) if have.any() else None
+        out = []
+        for k, f in enumerate(fields):
+            leaf = self._ep_plan.leaves[f]
+            arr = np.zeros((len(ids), *leaf.shape), leaf.dtype)
+            if got is not None:
+                arr[have] = got[k]
+            out.append(arr)
+        return out
+
+    def _wrap(self, data: dict[str, Any]) -> TrajectoryData:
+        return TrajectoryData(step_data=data["step_data"], episode_data=data.get("episode_data"))
+
+    def get_at(self, idx: IndexLike) -> TrajectoryData:
+        return self._wrap(super().get_at(idx))
+
+    def get_at_with_metadata(self, idx: IndexLike) -> tuple[TrajectoryData, dict[str, Any]]:
+        """``(get_at(idx), {"episode_ids": ids})`` with ids of shape () or (B,), int64."""
+        self._sync()
+        i = idx if isinstance(idx, slice) else normalize_index(idx, self._table.count)
+        rows = np.arange(*i.indices(self._table.count)) if isinstance(i, slice) else i
+        return self.get_at(rows), {"episode_ids": self._backend.out(np.asarray(self._step_ids(rows)))}
+
+    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
+        return self._wrap(super().sample(batch_size, rng=rng))
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _split(self, value: Any, batched: bool) -> tuple[list[np.ndarray], int, np.ndarray | None, Any]:
+        """Validate an extend/append value: bare step data or {"step_data", "episode_ids"?, "episode_data"?}."""
+        if isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS:
+            step, ids, ep = value["step_data"], value.get("episode_ids"), value.get("episode_data")
+        else:
+            step, ids, ep = value, None, None
+        arrays, n = self._step_plan.to_arrays(step, batched=batched)
+        if ids is not None:
+            raw = ids.detach().cpu().numpy() if type(ids).__module__.split(".")[0] == "torch" else np.asarray(ids)
+            if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
+                raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
+                                    f"got {raw.dtype} {raw.shape}")
+            ids = raw.astype(np.int64).reshape(n)
+        ep_arrays = None
+        if ep is not None:
+            if self._ep_plan is None:
+                raise SpaceMismatchError("this buffer has no episode_data space; create it with "
+                                         "episode_data_instance_space=... to store episode data")
+            ep_arrays, m = self._ep_plan.to_arrays(ep, batched=batched)
+            if m != n:
+                raise BadValueError(f"episode_data has {m} rows; expected one per step ({n})")
+        return arrays, n, ids, ep_arrays
+
+    def append(self, value: Any) -> None:
+        """Add one step (bare step data, or ``{"step_data", "episode_ids"?, "episode_data"?}``)."""
+        if (not self._store.multiprocessing and self._store.writable
+                and not (isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS)):
+            st = self._stager
+            self._step_plan.write_row(value, st.bufs, st.n)
+            st.bufs[-1][st.n] = self.current_episode_id
+            st.n += 1
+            if st.n == st.rows:
+                st.drain()
+            return
+        self._extend(*self._split(value, batched=False))
+
+    def extend(self, value: Any) -> None:
+        """Add steps with a leading batch axis; every step gets ``current_episode_id`` unless the
+        value carries ``"episode_ids"`` (B,).  ``"episode_data"`` (B rows) sets the data of the
+        episodes of those steps (the last row of each episode wins)."""
+        self._extend(*self._split(value, batched=True))
+
+    def extend_flattened(self, value: Any) -> None:
+        """Add steps given in gymnasium's flattened layout of ``single_space`` (B, flatdim)."""
+        flat = value.detach().cpu().numpy() if type(value).__module__.split(".")[0] == "torch" else np.asarray(value)
+        arrays = self._plan.unflatten(flat)
+        nested = self._plan.from_arrays(arrays)
+        self.extend({k: v for k, v in nested.items()})
+
+    def append_flattened(self, value: Any) -> None:
+        flat = value.detach().cpu().numpy() if type(value).__module__.split(".")[0] == "torch" else np.asarray(value)
+        if flat.ndim != 1:
+            raise BadValueError(f"append_flattened expects shape ({self._plan.flat_dim},); got {flat.shape}")
+        self.extend_flattened(flat[None])
+
+    def _extend(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None, ep_arrays: list[np.ndarray] | None) -> None:
+        with self._store.write_op():
+            self._drain()
+            if ids is None:
+                ids = np.full(n, self.current_episode_id, np.int64)
+            elif n:
+                # Explicit ids never advance current_episode_id, but fresh ids must never collide.
+                self._next_id = max(self._next_id, int(ids.max()) + 1)
+            self._table.extend(arrays + [ids], n)
+            if ep_arrays is not None and n:
+                uniq, last = np.unique(ids[::-1], return_index=True)
+                for eid, k in zip(uniq.tolist(), (n - 1 - last).tolist()):
+                    self._set_episode_row(eid, [a[k : k + 1] for a in ep_arrays])
+
+    def _after_step_extend(self, lo: int, arrays: list[np.ndarray]) -> None:
+        """Table listener: remember each episode's last step and evict episodes that left the ring."""
+        if self._last_row is not None:
+            ids = arrays[self._id_field]
+            uniq, last = np.unique(ids[::-1], return_index=True)
+            for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
+                self._last_row[eid] = lo + k
+        if self._ep_table is not None and self._table.capacity is not None and self._ep_table.count:
+            self._evict_dead_episodes()
+
+    def _last_rows(self) -> dict[int, int]:
+        if self._last_row is None:
+            t = self._table
+            ids = t.read_contiguous(0, t.count, [self._id_field])[0]
+            uniq, last = np.unique(ids[::-1], return_index=True)
+            self._last_row = dict(zip(uniq.tolist(), (t.state.start + len(ids) - 1 - last).tolist()))
+        return self._last_row
+
+    def _evict_dead_episodes(self) -> None:
+        """Drop episode rows (oldest first) whose episode has no step left in the ring."""
+        t, et = self._table, self._ep_table
+        assert et is not None
+        last = self._last_rows()
+        col = self._episode_ids_column()
+        k = 0
+        while k < len(col) and last.get(int(col[k]), -1) < t.state.start and int(col[k]) != self.current_episode_id:
+            last.pop(int(col[k]), None)
+            k += 1
+        if k:
+            et.state.start += k
+            self._ep_ids = col[k:]
+            self._ep_sorted = None
+
+    def _set_episode_row(self, episode_id: int, arrays: list[np.ndarray]) -> None:
+        assert self._ep_table is not None
+        row = int(self._lookup(np.array([episode_id]))[0])
+        if row >= 0:
+            self._store.rewrite(self._ep_table.rewrite_plan_set(np.array([row]), arrays, list(range(len(arrays)))),
+                                lambda: None)
+        else:
+            before = self._ep_table.state.start
+            self._ep_table.extend(arrays + [np.array([episode_id], np.int64)], 1)
+            col = np.concatenate([self._episode_ids_column(), [episode_id]])
+            self._ep_ids = col[self._ep_table.state.start - before :]
+        self._ep_sorted = None
+
+    def set_episode_data_at(self, episode_id: int, value: Any) -> None:
+        """Set the data of episode ``episode_id`` (overwritten in place if it already has some)."""
+        if self._ep_plan is None:
+            raise SpaceMismatchError("this buffer has no episode_data space")
+        arrays, _ = self._ep_plan.to_arrays(value, batched=False)
+        with self._store.write_op():
+            self._drain()
+            self._set_episode_row(int(episode_id), arrays)
+
+    def set_current_episode_data(self, value: Any) -> None:
+        """Set the data of the episode being recorded (``current_episode_id``)."""
+        self.set_episode_data_at(self.current_episode_id, value)
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Overwrite step rows ``idx`` (bare step data or ``{"step_data", "episode_ids"?}``); crash-atomic."""
+        self._sync()
+        i = normalize_index(idx, self._table.count)
+        single = isinstance(i, int)
+        if isinstance(value, dict) and "step_data" in value and "episode_data" in value:
+            value = {k: v for k, v in value.items() if k != "episode_data"} if value["episode_data"] is None else value
+        arrays, n, ids, ep = self._split(value, batched=not single)
+        rows = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        if not single and n != len(rows):
+            raise BadValueError(f"set_at got {n} rows for {len(rows)} indices")
+        fields = list(range(len(arrays))) + ([self._id_field] if ids is not None else [])
+        data = arrays + ([ids] if ids is not None else [])
+        with self._store.write_op():
+            self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._forget)
+            if ep is not None:
+                all_ids = np.atleast_1d(self._step_ids(rows))
+                uniq, first = np.unique(all_ids, return_index=True)
+                for eid, k in zip(uniq.tolist(), first.tolist()):
+                    self._set_episode_row(eid, [a[k : k + 1] for a in ep])
+
+    def _forget(self) -> None:
+        self._last_row = None
+        self._ep_ids = None
+        self._ep_sorted = None
+
+    def remove_at(self, idx: IndexLike) -> None:
+        """Delete steps ``idx`` (later steps move up); episodes left without steps lose their
+        episode data.  One crash-atomic rewrite covers both."""
+        self._sync()
+        rows = np.unique(np.atleast_1d(np.asarray(normalize_index(idx, self._table.count), dtype=np.int64)))
+        if rows.size == 0:
+            return
+        t, et = self._table, self._ep_table
+        ids = t.read_contiguous(0, t.count, [self._id_field])[0]
+        keep = np.ones(len(ids), bool)
+        keep[rows] = False
+        gone = np.setdiff1d(np.unique(ids[rows]), np.unique(ids[keep]))
+        ep_rows = self._lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
+        ep_rows = np.unique(ep_rows[ep_rows >= 0])
+
+        def changes():
+            yield from t.rewrite_plan_remove(rows)
+            if et is not None and ep_rows.size:
+                yield from et.rewrite_plan_remove(ep_rows)
+
+        def shrink() -> None:
+            t.state.end -= int(rows.size)
+            if et is not None:
+                et.state.end -= int(ep_rows.size)
+            self._forget()
+
+        with self._store.write_op():
+            self._store.rewrite(changes(), shrink)
+
+    def clear(self) -> None:
+        """Remove every step and episode; ids are never reused (a fresh episode starts)."""
+        with self._store.write_op():
+            self._stager.n = 0
+            for tab in (self._table, self._ep_table):
+                if tab is not None:
+                    tab.state.start = tab.state.end = 0
+            self._forget()
+            self._new_episode()
+            head = self._store._current_head()
+            head.epoch += 1
+            head.state = self._state()
+            self._store._write_head(head)
+
+    def extend_from(self, other: BatchBase, chunk_size: int = 8, tqdm: bool = False) -> None:
+        """Append every step of ``other``, ``chunk_size`` steps at a time.
+
+        From a trajectory buffer, episode boundaries and episode data are kept; its episodes get
+        fresh ids here.  From any other batch whose space equals ``step_space`` (a ReplayBuffer,
+        a view), the steps join the current episode.
+        """
+        src_traj = isinstance(other, TrajectoryReplayBuffer)
+        src_space = other.step_space if src_traj else other.single_space  # type: ignore[attr-defined]
+        if src_space != self.step_space:
+            raise SpaceMismatchError(f"extend_from: step spaces differ: {src_space} vs {self.step_space}")
+        copy_episodes = src_traj and self._ep_plan is not None and other.episode_space == self.episode_space  # type: ignore[attr-defined]
+        n = len(other)
+        fresh: dict[int, int] = {}
+        bar = _progress(n, "extend_from", True if tqdm else False)
+        try:
+            for lo in range(0, n, chunk_size):
+                hi = min(lo + chunk_size, n)
+                if src_traj:
+                    step_leaves = [j for j, src in enumerate(other._src) if src[0] == "s"]
+                    arrays = other._read_rows(np.arange(lo, hi), step_leaves)
+                    src_ids = other._step_ids(np.arange(lo, hi))
+                    for eid in np.unique(src_ids).tolist():
+                        if eid not in fresh:
+                            fresh[eid] = self._next_id
+                            self._next_id += 1
+                    ids = np.array([fresh[e] for e in src_ids.tolist()], np.int64)
+                    order = [other._src[j][1] for j in step_leaves]  # step fields, in other's plan order
+                    step_arrays = [arrays[order.index(f)] for f in range(len(self._step_plan.leaves))]
+                    self._extend(step_arrays, hi - lo, ids, None)
+                else:
+                    self._extend(other._read_slice(slice(lo, hi), other._all_leaves), hi - lo, None, None)
+                bar.update(hi - lo)
+        finally:
+            bar.close()
+        if not fresh:
+            return
+        with self._store.write_op():
+            if copy_episodes:
+                src = np.array(list(fresh), np.int64)
+                rows = other._lookup(src)  # type: ignore[attr-defined]
+                have = rows >= 0
+                if have.any():
+                    data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
+                    for k, eid in enumerate(src[have].tolist()):
+                        self._set_episode_row(fresh[eid], [a[k : k + 1] for a in data])
+            self._new_episode()
+
+    # -- episodes and sequences -------------------------------------------------------------------
+    def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray, *, pad: str = "edge"
+                      ) -> tuple[TrajectoryData, Any]:
+        """Windows of frames around anchor rows.
+
+        Frame ``t`` of anchor ``b`` is row ``idx[b] + offsets[t]``; it is valid when that row exists
+        and belongs to the anchor's episode.  Invalid frames are filled by ``pad``: ``"edge"``
+        repeats the nearest valid frame (before the anchor the earliest valid one, after it the
+        latest), ``"zero"`` fills zeros.
+
+        Returns
+        -------
+        data : TrajectoryData
+            ``step_data`` leaves of shape (B, T, ...); ``episode_data`` of each anchor's episode, (B, ...).
+        valid_mask : (B, T) bool
+        """
+        data, mask = _seq.get_sequences(self, idx, offsets, pad)
+        return self._wrap(data), mask
+
+    def sample_sequences(self, batch_size: int, seq_len: int, *, rng: np.random.Generator | int | None = None,
+                         pad: str = "edge", within_episode: bool = False) -> tuple[TrajectoryData, Any]:
+        """``batch_size`` windows of ``seq_len`` consecutive rows from uniformly drawn first rows
+        (``within_episode=True``: only windows wholly inside one episode).  Returns
+        ``(data with step_data (B, T, ...), valid_mask (B, T))`` as :meth:`get_sequences`."""
+        data, mask = _seq.sample_sequences(self, batch_size, seq_len, as_generator(rng, self._rng), pad, within_episode)
+        return self._wrap(data), mask
+
+    def episodes(self) -> dict[str, np.ndarray]:
+        """One entry per episode with steps present: ``episode_id``, ``start`` (logical row of its
+        first step), ``length`` (steps) and ``live`` (still being recorded), ordered by ``start``."""
+        return _seq.episode_table(self)
+
+    def get_episode(self, episode_id: int) -> TrajectoryData:
+        """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
+        return self.get_at(_seq.episode_rows(self, int(episode_id)))
+
