@@ -87,7 +87,7 @@ def test_reader_never_sees_uncommitted_rows(tmp_path, procs, compressor, capacit
         assert out["errors"] == [], "\n".join(out["errors"])
         assert out["loops"] > 10 and out["sampled"] > 0, out
     if capacity:
-        assert total > 5 * capacity, f"the writer wrote only {total} rows: too few ring overwrites"
+        assert total > 2 * capacity, f"the writer wrote only {total} rows: too few ring overwrites"
     # And what the writer left is whole.
     with ReplayBuffer.load_from(store, read_only=True) as ro:
         seq, ok = W.decode(ro[:])

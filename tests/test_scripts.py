@@ -16,3 +16,12 @@ def test_bench_core_quick(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "| sample(256) transitions (17,) f32 |" in out.stdout
     assert "## Core store" in md.read_text()
+
+
+def test_bench_trajectory_quick(tmp_path: Path) -> None:
+    md = tmp_path / "bench.md"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trajectory.py"), "--quick", "--markdown",
+                          str(md), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "Ratio 100,000 rows / 10,000 rows" in out.stdout
+    assert "## Sequence sampling" in md.read_text()

@@ -1,0 +1,100 @@
+"""Sequence sampling benchmark: TrajectoryReplayBuffer.sample_sequences(256, 32) on stores of
+1e5 and 1e7 rows of (17,) float32 (the cost must not grow with the store), against a numpy
+in-RAM gather of the same windows, in one run.
+
+    python scripts/bench_trajectory.py                         # 1e5 and 1e7 rows
+    python scripts/bench_trajectory.py --quick                 # 1e4 and 1e5 rows (smoke test)
+    python scripts/bench_trajectory.py --markdown docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import _median_time, _replace_section  # noqa: E402
+
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
+
+B, T = 256, 32
+
+
+def build(path: Path, rows: int, mean_episode: int = 500) -> TrajectoryReplayBuffer:
+    """A store of ``rows`` steps of (17,) float32 in episodes of random length."""
+    rng = np.random.default_rng(0)
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)})
+    tb = TrajectoryReplayBuffer.create(space, cache_path=path, overwrite=True)
+    lengths = rng.integers(mean_episode // 2, mean_episode * 3 // 2, size=rows // mean_episode * 2 + 2)
+    ends = np.cumsum(lengths)
+    ids = np.searchsorted(ends, np.arange(rows), side="right").astype(np.int64)
+    block = 1 << 18
+    for lo in range(0, rows, block):
+        hi = min(lo + block, rows)
+        obs = rng.standard_normal((hi - lo, 17)).astype(np.float32)
+        tb.extend({"step_data": {"obs": obs}, "episode_ids": ids[lo:hi]})
+    tb.close()
+    return TrajectoryReplayBuffer.load_from(path, read_only=True)
+
+
+def bench(tb: TrajectoryReplayBuffer, within: bool, repeats: int) -> float:
+    rng = np.random.default_rng(1)
+    return _median_time(lambda: tb.sample_sequences(B, T, rng=rng, within_episode=within), repeats, 20)
+
+
+def numpy_baseline(rows: int, repeats: int) -> float:
+    """The same windows gathered from in-RAM numpy arrays (obs and ids), mask included."""
+    rng = np.random.default_rng(2)
+    obs = rng.standard_normal((rows, 17)).astype(np.float32)
+    ids = np.repeat(np.arange(rows // 500 + 1), 500)[:rows]
+    offs = np.arange(T)
+
+    def gather() -> None:
+        a = rng.integers(0, rows, B)
+        r = np.minimum(a[:, None] + offs, rows - 1)
+        valid = ids[r] == ids[a][:, None]
+        _ = obs[r], valid
+
+    return _median_time(gather, repeats, 20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    small, large = (10_000, 100_000) if args.quick else (100_000, 10_000_000)
+    repeats = 3 if args.quick else 9
+    lines = ["| store rows | within_episode | trajstore ms | numpy in-RAM ms | ratio vs numpy |", "|---|---|---|---|---|"]
+    times: dict[tuple[int, bool], float] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for rows in (small, large):
+            tb = build(Path(d) / f"t{rows}", rows)
+            base = numpy_baseline(rows, repeats)
+            for within in (False, True):
+                t = times[(rows, within)] = bench(tb, within, repeats)
+                lines.append(f"| {rows:,} | {within} | {t * 1e3:.3f} | {base * 1e3:.3f} | {t / base:.2f}x |")
+            tb.close()
+    scale = [f"within_episode={w}: {times[(large, w)] / times[(small, w)]:.2f}" for w in (False, True)]
+    text = "\n".join(lines) + f"\n\nRatio {large:,} rows / {small:,} rows (target <= 1.3): " + "; ".join(scale) + "\n"
+    print(text)
+    if args.markdown:
+        env = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
+        cmd = "python scripts/bench_trajectory.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
+        section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
+                   f"`sample_sequences({B}, {T})` from a read-only TrajectoryReplayBuffer of (17,) float32 steps in "
+                   f"episodes of 250-750 steps, medians, page cache warm.\n\n{text}")
+        _replace_section(args.markdown, "## Sequence sampling", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
