@@ -323,21 +323,22 @@ def reader_loop(store: str, bound: str, result: str, ready: str, duration_s: flo
             if n == 0:
                 continue
             # rb[-1]
-            for _ in range(5):
+            for j in range(16):
+                i = -1 if j % 2 == 0 else int(rng.integers(0, n))
                 b0 = read_int(bound)
                 try:
-                    last = rb[-1]
+                    last = rb[i]
                 except IndexError:
                     continue  # the ring shrank between len() and the read (eviction): allowed
                 s, ok = decode(batched(last))
                 b = read_int(bound)
                 if not ok[0]:
-                    err(f"rb[-1] is garbage: obs[0]={float(last['obs'][0])} d={int(last['d'])}")
+                    err(f"rb[{i}] is garbage: obs[0]={float(last['obs'][0])} d={int(last['d'])}")
                 elif s[0] >= b:
-                    err(f"rb[-1] returned row {s[0]} but only {b} rows were committed")
+                    err(f"rb[{i}] returned row {s[0]} but only {b} rows were committed")
                 elif cap is not None and s[0] < b0 - cap:
-                    err(f"rb[-1] returned row {s[0]}, overwritten before the read began ({b0} rows were written)")
-                elif cap is None and s[0] + 1 < n:
+                    err(f"rb[{i}] returned row {s[0]}, overwritten before the read began ({b0} rows were written)")
+                elif cap is None and i == -1 and s[0] + 1 < n:
                     err(f"rb[-1] returned row {s[0]} after len() said {n}")
             # rb[:]
             x = rb[:]

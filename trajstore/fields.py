@@ -78,8 +78,10 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
 class FieldSpec:
     """Static description of one stored field (written once into the store's attributes)."""
 
-    def __init__(self, array_path: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, layout: str):
+    def __init__(self, array_path: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, layout: str,
+                 compressor: Any = None):
         self.array_path = array_path
+        self.compressor = compressor  # only used at create; afterwards zarr's metadata holds the codec
         self.row_shape = tuple(int(s) for s in row_shape)
         self.dtype = np.dtype(dtype)
         self.chunk_rows = int(chunk_rows)
@@ -104,16 +106,16 @@ def make_field_spec(
     dtype: np.dtype,
     *,
     capacity: int | None,
-    compressed: bool,
+    compressor: Any,
     chunk_rows: int | None,
 ) -> FieldSpec:
     """Choose the chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES)."""
     row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
-    if compressed:
+    if compressor is not None and compressor != "none":
         rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
         if capacity is not None:
             rows = min(rows, capacity)
-        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed")
+        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
     align = _raw_row_align(row_bytes)
     rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, 1)
     if capacity is not None:

@@ -287,7 +287,7 @@ def _table_spec(name: str, plan: ValuePlan, capacity: int | None, compressor: An
     """One field per leaf of ``plan`` under ``name/``."""
     fields = [
         make_field_spec(f"{name}/{leaf.name}" if leaf.name else name, leaf.shape, leaf.dtype, capacity=capacity,
-                        compressed=compressor is not None, chunk_rows=chunk_rows)
+                        compressor=compressor, chunk_rows=chunk_rows)
         for leaf in plan.leaves
     ]
-    return TableSpec(name, capacity, fields, compressor)
+    return TableSpec(name, capacity, fields)

@@ -82,8 +82,8 @@ class _WriteOp:
 class TableSpec:
     """What :meth:`Store.create` needs to lay out one table."""
 
-    def __init__(self, name: str, capacity: int | None, fields: list[FieldSpec], compressor: Any = None):
-        self.name, self.capacity, self.fields, self.compressor = name, capacity, fields, compressor
+    def __init__(self, name: str, capacity: int | None, fields: list[FieldSpec]):
+        self.name, self.capacity, self.fields = name, capacity, fields
 
 
 class Store:
@@ -158,7 +158,7 @@ class Store:
         for t in tables:
             alloc = t.capacity if t.capacity is not None else max(f.chunk_rows for f in t.fields)
             for f in t.fields:
-                compressors, _label = parse_compressor(t.compressor if f.layout != "raw" else None, f.dtype)
+                compressors, _label = parse_compressor(f.compressor if f.layout != "raw" else None, f.dtype)
                 group.create_array(
                     f.array_path, shape=(alloc, *f.row_shape), chunks=(f.chunk_rows, *f.row_shape), dtype=f.dtype,
                     compressors=compressors, filters=None, fill_value=np.zeros((), f.dtype)[()],

@@ -56,7 +56,7 @@ def _field_paths(prefix: str, plan: ValuePlan, root_leaf_name: str | None) -> li
 def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None,
            extra: list[tuple[str, tuple[int, ...], np.dtype]]) -> list:
     shapes = [(p, leaf.shape, leaf.dtype) for p, leaf in zip(paths, plan.leaves)] + extra
-    return [make_field_spec(p, s, d, capacity=capacity, compressed=compressor is not None, chunk_rows=chunk_rows)
+    return [make_field_spec(p, s, d, capacity=capacity, compressor=compressor, chunk_rows=chunk_rows)
             for p, s, d in shapes]
 
 
@@ -164,16 +164,14 @@ class TrajectoryReplayBuffer(StoredBuffer):
                              chunk_rows, [])
         id_field = _specs([], step_plan, step_data_capacity, id_opts.get("compressor", compressor),
                           id_opts.get("chunk_rows", chunk_rows), [(STEP_IDS, (), np.dtype(np.int64))])
-        tables = [TableSpec(STEPS, step_data_capacity, step_fields + id_field, compressor)]
+        tables = [TableSpec(STEPS, step_data_capacity, step_fields + id_field)]
         spaces = {STEPS: space_to_json(step_data_instance_space)}
         if ep_plan is not None:
             ep_comp = ep_opts.get("compressor", compressor)
             ep_fields = _specs(_field_paths(EPISODES, ep_plan, "value"), ep_plan, episode_data_capacity, ep_comp,
                                ep_opts.get("chunk_rows"), [(f"{EPISODES}/{EP_ID_FIELD}", (), np.dtype(np.int64))])
-            tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields, ep_comp))
+            tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields))
             spaces[EPISODES] = space_to_json(episode_data_instance_space)
-        # Ids and steps must share one compressor setting per table; a different id compressor
-        # is honoured by field layout (raw vs compressed) where it differs.
         store = Store.create(cache_path, "TrajectoryReplayBuffer", tables, {"spaces": spaces},
                              storage_options=storage_options, overwrite=overwrite, multiprocessing=multiprocessing,
                              options=opts)
