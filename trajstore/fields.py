@@ -252,7 +252,8 @@ class ChunkedField:
         if self.writable and self.z.shape[0] < allocated:
             self.z.resize((allocated, *self.spec.row_shape))
         elif self.z.shape[0] < allocated:
-            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path, mode="r")
+            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path, mode="r").with_config(
+                {"write_empty_chunks": True})
         self.allocated = allocated
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
@@ -349,7 +350,9 @@ class ChunkedField:
         meta_key = f"{prefix}/{self.spec.array_path}/zarr.json"
         if not self.loc.exists(meta_key):
             self.loc.put(meta_key, self.loc.get(f"{self.spec.array_path}/zarr.json") or b"")
-        return zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
+        staged = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
+        # Roll-forward moves every staged key into place, so even an all-zero chunk must be written.
+        return staged.with_config({"write_empty_chunks": True})
 
     def remap(self, ks: list[int], prefix: str = "") -> None:
         """Forget cached copies of ``ks``; with ``prefix``, read them from the staging area."""
@@ -393,4 +396,5 @@ def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int
     """The right reader/writer for ``spec`` on ``loc``."""
     if spec.layout == "raw" and loc.is_local and _vmap.SUPPORTED and (spec.chunk_rows * spec.row_bytes) % _vmap.PAGE == 0 and spec.row_bytes:
         return MappedField(loc, spec, allocated, writable)
-    return ChunkedField(loc, spec, group[spec.array_path], writable)  # type: ignore[arg-type]
+    zarray = group[spec.array_path].with_config({"write_empty_chunks": True})  # type: ignore[union-attr]
+    return ChunkedField(loc, spec, zarray, writable)  # type: ignore[arg-type]
