@@ -93,6 +93,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._ep_ids: np.ndarray | None = None  # episode id of each logical episode row (lazy)
         self._ep_sorted: tuple[np.ndarray, np.ndarray] | None = None
         self._last_row: dict[int, int] | None = None  # episode id -> absolute row of its last step (writer, lazy)
+        self._min_last: int | None = None  # earliest last step among episodes with data (None: unknown)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
         self._table.listeners.append(self._after_step_extend)
@@ -229,9 +230,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._next_id = max(self._next_id, int(state.get("next_episode_id", 0)))
         if self.read_only:
             self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
-        self._ep_ids = None
-        self._ep_sorted = None
-        self._last_row = None
+        self._forget()
 
     def mark_episode_end(self) -> None:
         """End the current episode: later steps get a new ``current_episode_id``."""
@@ -426,19 +425,35 @@ class TrajectoryReplayBuffer(StoredBuffer):
         return self._last_row
 
     def _evict_dead_episodes(self) -> None:
-        """Drop episode rows (oldest first) whose episode has no step left in the ring."""
+        """Drop the episode rows whose episode has no step left in the ring.
+
+        Checked only once the ring's start passes the earliest last step among episodes with
+        data (``_min_last``), so a steady stream costs O(episode rows) per evicted episode.
+        Dead rows at the front just advance the table's start; dead rows behind a live one
+        (data set out of order) are removed by a staged rewrite, so they never push a live
+        episode's data out of a bounded episode table.
+        """
         t, et = self._table, self._ep_table
         assert et is not None
+        if self._min_last is not None and self._min_last >= t.state.start:
+            return
         last = self._last_rows()
         col = self._episode_ids_column()
-        k = 0
-        while k < len(col) and last.get(int(col[k]), -1) < t.state.start and int(col[k]) != self.current_episode_id:
-            last.pop(int(col[k]), None)
-            k += 1
-        if k:
+        lasts = np.fromiter((last.get(e, -1) for e in col.tolist()), np.int64, len(col))
+        dead = (lasts < t.state.start) & (col != self.current_episode_id)
+        self._min_last = int(lasts[~dead].min()) if (~dead).any() else None
+        if not dead.any():
+            return
+        k = int(np.argmin(dead)) if not dead.all() else len(dead)  # length of the dead prefix
+        for e in col[dead].tolist():
+            last.pop(e, None)
+        if dead[k:].any():
+            rows = np.flatnonzero(dead)
+            self._store.rewrite(et.rewrite_plan_remove(rows), lambda: setattr(et.state, "end", et.state.end - len(rows)))
+        else:
             et.state.start += k
-            self._ep_ids = col[k:]
-            self._ep_sorted = None
+        self._ep_ids = col[~dead]
+        self._ep_sorted = None
 
     def _set_episode_row(self, episode_id: int, arrays: list[np.ndarray]) -> None:
         assert self._ep_table is not None
@@ -451,6 +466,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             self._ep_table.extend(arrays + [np.array([episode_id], np.int64)], 1)
             col = np.concatenate([self._episode_ids_column(), [episode_id]])
             self._ep_ids = col[self._ep_table.state.start - before :]
+            self._min_last = None
         self._ep_sorted = None
 
     def set_episode_data_at(self, episode_id: int, value: Any) -> None:
@@ -489,6 +505,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     def _forget(self) -> None:
         self._last_row = None
+        self._min_last = None
         self._ep_ids = None
         self._ep_sorted = None
 
@@ -576,7 +593,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
             if copy_episodes:
                 src = np.array(list(fresh), np.int64)
                 rows = other._lookup(src)  # type: ignore[attr-defined]
-                have = rows >= 0
+                # Only episodes that still have steps here (a small ring may have dropped some).
+                last, start = self._last_rows(), self._table.state.start
+                alive = np.array([last.get(fresh[e], -1) >= start for e in src.tolist()], bool)
+                have = (rows >= 0) & alive
                 if have.any():
                     data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
                     for k, eid in enumerate(src[have].tolist()):

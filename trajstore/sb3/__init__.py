@@ -1,0 +1,28 @@
+"""stable-baselines3 integration: disk-backed replay and rollout buffers.
+
+- :class:`ZarrReplayBuffer`, :class:`ZarrDictReplayBuffer`: SB3's replay buffers (SAC, TD3,
+  DDPG, DQN) with observations in a trajstore store under ``cache_path``; reopened (not
+  truncated) when the same ``cache_path`` is used again, e.g. by ``SAC.load``.
+- :class:`ZarrRolloutBuffer`, :class:`ZarrDictRolloutBuffer`: SB3's rollout buffers (PPO, A2C)
+  with the rollout's observations on disk and an optional history of every rollout.
+- :class:`DummyVecRolloutBuffer`: a rollout facade that gives every env its own sub-buffer.
+
+Under one ``np.random`` seed they return the same batches as SB3's own buffers, bit for bit.
+See docs/sb3.md.
+"""
+
+from __future__ import annotations
+
+from ..errors import MissingDependencyError
+
+try:
+    import stable_baselines3  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError("trajstore.sb3 needs stable-baselines3: pip install 'trajstore[sb3]'") from None
+
+from .dummy_vec import DummyVecRolloutBuffer  # noqa: E402
+from .replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
+from .rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
+
+__all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
+           "DummyVecRolloutBuffer"]

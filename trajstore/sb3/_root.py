@@ -1,0 +1,230 @@
+"""The folder of one stable-baselines3 buffer: ``sb3.json`` plus trajstore stores inside it.
+
+Layout of ``cache_path`` (a local folder or an fsspec URL)::
+
+    sb3.json            what the buffer is: kind, spaces (JSON), n_envs, per-env capacity, flags;
+                        written once when the buffer is created, checked on every reopen
+    transitions/        trajstore ReplayBuffer stores (replay buffers) ...
+    pending/, rollout/, history/, env_0/ ...   ... or rollout / facade parts (see each class)
+
+Every part is an ordinary trajstore store (``trajstore info cache_path/transitions``).
+``sb3.json`` is written last at creation, so a folder without it holds no finished buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from typing import Any
+
+import fsspec
+import gymnasium
+
+from ..errors import FormatVersionError, NotATrajstoreError, SpaceMismatchError, StoreExistsError
+from ..spaces import space_from_json, space_to_json
+
+__all__ = ["StoreRoot", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
+
+CONFIG_KEY = "sb3.json"
+CONFIG_VERSION = 1
+
+#: Open buffers of this process by root key (see :func:`register`).
+_OPEN: dict[str, "weakref.ReferenceType[Any]"] = {}
+
+CREATE_ONLY_OPTIONS = ("chunk_rows", "compressor")
+
+
+def storage_split(storage_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(create options, open options)`` of the trajstore storage options a buffer was given.
+
+    Chunking and codecs are fixed when a store is created; reopening (``SAC.load`` passes the
+    same kwargs again) keeps only ``fsync`` and ``commit_interval``.
+    """
+    opts = dict(storage_kwargs)
+    return opts, {k: v for k, v in opts.items() if k not in CREATE_ONLY_OPTIONS}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("trajstore", "stable-baselines3"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "unknown"
+    return out
+
+
+class StoreRoot:
+    """Where one buffer lives, and its ``sb3.json`` record.
+
+    Parameters
+    ----------
+    cache_path : str, path-like or None
+        ``None`` makes a fresh temporary folder that :meth:`remove` deletes (``temporary``).
+    storage_options : dict, optional
+        fsspec options for URLs.
+    """
+
+    def __init__(self, cache_path: str | os.PathLike[str] | None, storage_options: dict[str, Any] | None) -> None:
+        self.temporary = cache_path is None
+        if cache_path is None:
+            cache_path = tempfile.mkdtemp(prefix="trajstore-sb3-")
+        path = os.fspath(cache_path)
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        self.is_url = "://" in path
+        self.path = path.rstrip("/") if self.is_url else os.path.abspath(os.path.expanduser(path))
+        self.storage_options = storage_options
+        self.fs, self._fs_root = fsspec.core.url_to_fs(self.path, **(storage_options or {}))
+
+    # -- paths ----------------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        """Identity of the root within this process (registry key)."""
+        return self.path if self.is_url else os.path.realpath(self.path)
+
+    def sub(self, name: str) -> str:
+        """Path or URL of part ``name`` (``"transitions"``, ``"env_3"``, ``"history/env_0"``)."""
+        return f"{self.path}/{name}" if self.is_url else os.path.join(self.path, *name.split("/"))
+
+    def _fs_path(self, name: str) -> str:
+        return f"{self._fs_root.rstrip('/')}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self._fs_path(name)))
+
+    def is_empty(self) -> bool:
+        root = self._fs_root
+        if not self.fs.exists(root):
+            return True
+        return not self.fs.ls(root, detail=False)
+
+    # -- sb3.json ---------------------------------------------------------------------------------
+    def read_config(self) -> dict[str, Any] | None:
+        """The stored record, or ``None`` when there is none."""
+        p = self._fs_path(CONFIG_KEY)
+        if not self.fs.exists(p):
+            return None
+        try:
+            cfg = json.loads(self.fs.cat_file(p))
+        except (ValueError, OSError) as e:
+            raise NotATrajstoreError(f"{self.path}: {CONFIG_KEY} cannot be read ({e})") from None
+        if not isinstance(cfg, dict) or "trajstore_sb3" not in cfg:
+            raise NotATrajstoreError(f"{self.path}: {CONFIG_KEY} is not a trajstore stable-baselines3 record")
+        if not isinstance(cfg["trajstore_sb3"], int) or cfg["trajstore_sb3"] > CONFIG_VERSION:
+            raise FormatVersionError(f"{self.path}: {CONFIG_KEY} has version {cfg['trajstore_sb3']!r}, newer than this "
+                                     f"trajstore reads ({CONFIG_VERSION}); upgrade trajstore")
+        return cfg
+
+    def write_config(self, cfg: dict[str, Any]) -> None:
+        """Write the record (atomically on local folders: temp file + rename)."""
+        data = json.dumps({"trajstore_sb3": CONFIG_VERSION, **cfg, "created_by": _versions()}, indent=1,
+                          allow_nan=False).encode()
+        if self.is_url:
+            self.fs.pipe_file(self._fs_path(CONFIG_KEY), data)
+            return
+        os.makedirs(self.path, exist_ok=True)
+        tmp = os.path.join(self.path, f".{CONFIG_KEY}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(self.path, CONFIG_KEY))
+
+    def prepare(self, kind: str, config: dict[str, Any], parts: list[str], overwrite: bool) -> bool:
+        """Decide between reopening and creating; return True when the buffer must be created.
+
+        An existing record of the same ``kind`` whose ``config`` matches is reopened (never
+        truncated).  ``overwrite=True`` removes the ``parts`` of an existing buffer first.  A
+        folder that holds other files and no record is refused unless ``overwrite``.
+
+        Raises
+        ------
+        NotATrajstoreError
+            The record describes another kind of buffer.
+        SpaceMismatchError
+            A space, ``n_envs``, capacity or layout flag differs from the record (the message
+            names the stored and the given value).
+        StoreExistsError
+            The folder holds something that is not a buffer and ``overwrite`` is False.
+        """
+        cfg = None if self.temporary else self.read_config()
+        if cfg is not None and not overwrite:
+            self._validate(kind, cfg, config)
+            return False
+        if cfg is None and not self.is_empty() and not overwrite:
+            names = set(self.fs.ls(self._fs_root, detail=False))
+            ours = {self._fs_path(p.split("/")[0]) for p in parts}
+            if not names <= ours:  # parts of an unfinished create are ours to replace
+                raise StoreExistsError(f"{self.path}: the folder is not empty and holds no trajstore "
+                                       f"stable-baselines3 buffer ({CONFIG_KEY} missing); pass overwrite=True "
+                                       "to use it anyway")
+        for p in {p.split("/")[0] for p in parts} | {CONFIG_KEY}:
+            if self.exists(p):
+                self.fs.rm(self._fs_path(p), recursive=True)
+        return True
+
+    def _validate(self, kind: str, cfg: dict[str, Any], config: dict[str, Any]) -> None:
+        if cfg.get("kind") != kind:
+            raise NotATrajstoreError(f"{self.path}: holds a {cfg.get('kind')!r} buffer; expected {kind!r}")
+        for name, want in config.items():
+            have = cfg.get(name)
+            if name.endswith("_space"):
+                stored = space_from_json(have) if have is not None else None
+                given = space_from_json(want)
+                if stored != given:
+                    raise SpaceMismatchError(f"{self.path}: the stored {name} {stored} differs from the given {given}")
+                continue
+            if have != want:
+                raise SpaceMismatchError(f"{self.path}: the buffer was created with {name}={have!r}; got {name}={want!r} "
+                                         "(reopen it with the same value, or pass overwrite=True to replace it)")
+
+    def remove(self) -> None:
+        """Delete the folder (temporary roots only)."""
+        if self.temporary:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def space_config(observation_space: gymnasium.Space, action_space: gymnasium.Space) -> dict[str, Any]:
+    """The spaces as JSON for ``sb3.json`` (never pickled)."""
+    return {"observation_space": space_to_json(observation_space), "action_space": space_to_json(action_space)}
+
+
+# -- buffers open in this process ---------------------------------------------------------------
+def register(root: StoreRoot, buf: Any) -> None:
+    """Record that ``buf`` holds ``root``; a live previous holder is closed first.
+
+    A second writer on one store would be refused by its lock; within one process the usual
+    reason is ``SAC.load`` rebuilding a buffer that an older model still holds, so the older
+    buffer is committed and closed and the new one takes over.
+    """
+    if root.temporary:
+        return
+    old = lookup(root.key)
+    if old is not None and old is not buf:
+        import warnings
+
+        warnings.warn(f"{type(old).__name__} on {root.path} was still open in this process; it is committed and "
+                      f"closed so the new {type(buf).__name__} can open the same cache_path", stacklevel=4)
+        old.close()
+    _OPEN[root.key] = weakref.ref(buf)
+
+
+def unregister(root: StoreRoot, buf: Any) -> None:
+    ref = _OPEN.get(root.key)
+    if ref is not None and ref() is buf:
+        del _OPEN[root.key]
+
+
+def lookup(key: str) -> Any | None:
+    """The live, open buffer holding root ``key`` in this process, if any."""
+    ref = _OPEN.get(key)
+    buf = ref() if ref is not None else None
+    if buf is None or getattr(buf, "closed", True):
+        return None
+    return buf
+

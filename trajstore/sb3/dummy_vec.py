@@ -1,0 +1,346 @@
+"""``DummyVecRolloutBuffer``: a RolloutBuffer facade over one sub-buffer per env.
+
+The facade receives PPO's / A2C's calls for ``n_envs`` envs and hands env ``i`` its own slice
+of every argument, so each env's stream lives in its own sub-store (``cache_path/env_{i}``).
+Unlike the experimental class of the same name in sb3-extra-buffers (which broadcasts every
+call to every buffer and cannot be built by PPO), it splits, merges ``get`` into SB3's
+env-major minibatches, and is a plain class with explicit methods (picklable).
+
+Bit-identical to SB3's ``RolloutBuffer(n_envs)`` under one seed: GAE runs per env column
+(every column of SB3's vectorised loop is independent), ``get`` draws one
+``np.random.permutation(T * n_envs)`` and maps flat index ``j`` to env ``j // T``, step ``j % T``.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Generator, Sequence
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
+from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from ..errors import SpaceMismatchError
+from . import _root
+from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer
+
+__all__ = ["DummyVecRolloutBuffer"]
+
+KIND = "DummyVecRolloutBuffer"
+_OPTIONS = ("gamma", "gae_lambda", "buffer_class", "buffer_kwargs", "cache_path", "storage_options", "max_workers")
+
+
+def _prepare(sub: Any) -> None:
+    """Run a sub-buffer's first-``get`` preparation without drawing from ``np.random``."""
+    if getattr(sub, "generator_ready", False):
+        return
+    if hasattr(sub, "_prepare_get"):
+        sub._prepare_get()
+        return
+    if isinstance(sub.observations, dict):  # SB3's (Dict)RolloutBuffer: its get() preparation
+        for key, obs in sub.observations.items():
+            sub.observations[key] = sub.swap_and_flatten(obs)
+    else:
+        sub.observations = sub.swap_and_flatten(sub.observations)
+    for name in FLAT:
+        sub.__dict__[name] = sub.swap_and_flatten(sub.__dict__[name])
+    sub.generator_ready = True
+
+
+def _sub_arrays(sub: Any, steps: np.ndarray) -> RolloutArrays:
+    """Numpy minibatch content of steps ``steps`` of a prepared one-env sub-buffer."""
+    if hasattr(sub, "_sample_arrays"):
+        return sub._sample_arrays(steps)
+    obs = sub.observations
+    obs = {k: v[steps] for k, v in obs.items()} if isinstance(obs, dict) else obs[steps]
+    return (obs, sub.actions[steps].astype(np.float32, copy=False), sub.values[steps].flatten(),
+            sub.log_probs[steps].flatten(), sub.advantages[steps].flatten(), sub.returns[steps].flatten())
+
+
+class DummyVecRolloutBuffer(RolloutBuffer):
+    """A RolloutBuffer facade that forwards the rollout API to one sub-buffer per env.
+
+    Parameters
+    ----------
+    buffer_size : int
+        Steps per rollout (``n_steps``) of every env.
+    observation_space, action_space : gymnasium.Space
+    device : str or torch.device
+        Device of the minibatch tensors (and of the sub-buffers it builds).
+    n_envs : int
+        Number of envs; one sub-buffer each.
+    use_threads : bool
+        Run per-env work (``add``, ``reset``, ``compute_returns_and_advantage``, minibatch
+        reads) in a thread pool; results are assembled by env index, bit-identical to
+        ``use_threads=False``.
+    buffers : sequence of RolloutBuffer, optional
+        Ready sub-buffers, one per env, each with ``n_envs == 1``, this ``buffer_size``,
+        ``gamma``, ``gae_lambda`` and these spaces.  They are pickled with the facade, and PPO
+        saves ``rollout_buffer_kwargs`` in its zip: prefer ``buffer_class`` / ``buffer_kwargs``.
+    **kwargs
+        ``gamma`` (0.99), ``gae_lambda`` (1): as in RolloutBuffer (PPO/A2C pass them).
+        ``buffer_class``: class of the sub-buffers built when ``buffers`` is None
+        (default :class:`ZarrRolloutBuffer`, :class:`ZarrDictRolloutBuffer` for Dict spaces).
+        ``buffer_kwargs``: extra keyword arguments of every sub-buffer (e.g. ``keep_history``).
+        ``cache_path``: sub-buffer ``i`` gets ``cache_path/env_{i}`` (None: each its own
+        temporary folder).  ``storage_options``: fsspec options for URLs.
+        ``max_workers``: threads (default ``min(n_envs, os.cpu_count())``).
+
+    Attributes
+    ----------
+    values, returns, advantages : ndarray (buffer_size, n_envs) float32
+        Gathered from the sub-buffers by ``compute_returns_and_advantage``; flattened
+        env-major to (buffer_size * n_envs, 1) by the first ``get``, as SB3's own arrays.
+    buffers : list
+        The sub-buffers, env order.
+
+    Examples
+    --------
+    >>> PPO("MlpPolicy", vec_env, rollout_buffer_class=DummyVecRolloutBuffer,
+    ...     rollout_buffer_kwargs=dict(cache_path="runs/ppo", use_threads=True))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: gymnasium.Space,
+        action_space: gymnasium.Space,
+        device: Any = "auto",
+        n_envs: int = 1,
+        use_threads: bool = False,
+        buffers: Sequence[RolloutBuffer] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(f"DummyVecRolloutBuffer got unexpected keyword(s) {unknown}; it takes {list(_OPTIONS)} "
+                            "(options of the sub-buffers go in buffer_kwargs=)")
+        self._buffers: list[Any] = []
+        self._executor: ThreadPoolExecutor | None = None
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self.gamma = kwargs.get("gamma", 0.99)
+        self.gae_lambda = kwargs.get("gae_lambda", 1)
+        self.use_threads = use_threads
+        self.max_workers = kwargs.get("max_workers") or min(n_envs, os.cpu_count() or 1)
+        self.cache_path = kwargs.get("cache_path")
+        self.generator_ready = False
+        if buffers is not None:
+            self._buffers = self._check_buffers(list(buffers))
+        else:
+            self._buffers = self._build(kwargs.get("buffer_class"), dict(kwargs.get("buffer_kwargs") or {}),
+                                        kwargs.get("storage_options"))
+        self.reset()
+
+    # -- construction -------------------------------------------------------------------------------
+    def _build(self, buffer_class: type | None, buffer_kwargs: dict[str, Any],
+               storage_options: dict[str, Any] | None) -> list[Any]:
+        if buffer_class is None:
+            buffer_class = ZarrDictRolloutBuffer if isinstance(self.observation_space, spaces.Dict) else ZarrRolloutBuffer
+        root = None
+        if self.cache_path is not None:
+            root = _root.StoreRoot(self.cache_path, storage_options)
+            config = {**_root.space_config(self.observation_space, self.action_space), "n_envs": self.n_envs,
+                      "buffer_size": self.buffer_size}
+            if root.prepare(KIND, config, [f"env_{i}" for i in range(self.n_envs)],
+                            bool(buffer_kwargs.get("overwrite", False))):
+                root.write_config({"kind": KIND, **config})
+            if storage_options is not None:
+                buffer_kwargs.setdefault("storage_options", storage_options)
+        subs: list[Any] = []
+        try:
+            for i in range(self.n_envs):
+                extra = {} if root is None else {"cache_path": root.sub(f"env_{i}")}
+                subs.append(buffer_class(self.buffer_size, self.observation_space, self.action_space, device=self.device,
+                                         gae_lambda=self.gae_lambda, gamma=self.gamma, n_envs=1,
+                                         **extra, **buffer_kwargs))
+        except BaseException:
+            for sub in subs:
+                if hasattr(sub, "close"):
+                    sub.close()
+            raise
+        return subs
+
+    def _check_buffers(self, buffers: list[Any]) -> list[Any]:
+        if len(buffers) != self.n_envs:
+            raise ValueError(f"buffers has {len(buffers)} sub-buffers; expected one per env (n_envs={self.n_envs})")
+        for i, sub in enumerate(buffers):
+            for name in ("n_envs", "buffer_size", "gamma", "gae_lambda"):
+                want = 1 if name == "n_envs" else getattr(self, name)
+                if getattr(sub, name, None) != want:
+                    raise ValueError(f"buffers[{i}].{name} is {getattr(sub, name, None)!r}; expected {want!r}")
+            for name in ("observation_space", "action_space"):
+                if getattr(sub, name) != getattr(self, name):
+                    raise SpaceMismatchError(f"buffers[{i}].{name} is {getattr(sub, name)}; expected {getattr(self, name)}")
+        return buffers
+
+    # -- per-env execution -----------------------------------------------------------------------
+    def _each(self, fn: Callable[[int, Any], Any], envs: Sequence[int] | None = None) -> list[Any]:
+        """``[fn(i, buffers[i]) for i in envs]``, in a thread pool when ``use_threads``; results in
+        env order, the first failure (in env order) re-raised after all calls finished."""
+        envs = range(self.n_envs) if envs is None else envs
+        if not self.use_threads or len(envs) < 2:
+            return [fn(i, self._buffers[i]) for i in envs]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="trajstore-sb3")
+        futures = [self._executor.submit(fn, i, self._buffers[i]) for i in envs]
+        return [f.result() for f in futures]
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def buffers(self) -> list[Any]:
+        return list(self._buffers)
+
+    @property  # type: ignore[override]
+    def full(self) -> bool:
+        """True when every sub-buffer is full (False when there are none)."""
+        return bool(self._buffers) and all(sub.full for sub in self._buffers)
+
+    @full.setter
+    def full(self, value: bool) -> None:
+        """Ignored: fullness is the sub-buffers' (BaseBuffer assigns it)."""
+
+    def size(self) -> int:
+        return self.buffer_size if self.full else self.pos
+
+    def _stack(self, name: str) -> np.ndarray:
+        return np.concatenate([getattr(sub, name) for sub in self._buffers], axis=1)
+
+    @property
+    def rewards(self) -> np.ndarray:  # type: ignore[override]
+        """(buffer_size, n_envs) float32 copy of the sub-buffers' rewards."""
+        return self._stack("rewards")
+
+    @property
+    def episode_starts(self) -> np.ndarray:  # type: ignore[override]
+        """(buffer_size, n_envs) float32 copy of the sub-buffers' episode starts."""
+        return self._stack("episode_starts")
+
+    # -- rollout API --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Reset every sub-buffer; facade pos 0, values/returns/advantages zeroed (buffer_size, n_envs)."""
+        self._each(lambda i, sub: sub.reset())
+        for name in ("values", "returns", "advantages"):
+            setattr(self, name, np.zeros((self.buffer_size, self.n_envs), dtype=np.float32))
+        self.generator_ready = False
+        self.pos = 0
+
+    def add(self, obs: Any, action: np.ndarray, reward: np.ndarray, episode_start: np.ndarray, value: Any,
+            log_prob: Any) -> None:
+        """Add one step of every env; env ``i`` gets row ``i`` of every argument.
+
+        Parameters
+        ----------
+        obs : ndarray (n_envs, *obs_shape) or dict of those
+        action : ndarray, reshaped to (n_envs, action_dim)
+        reward, episode_start : ndarray (n_envs,)
+        value : Tensor (n_envs, 1) ; log_prob : Tensor (n_envs,)
+        """
+        n = self.n_envs
+        if len(log_prob.shape) == 0:
+            log_prob = log_prob.reshape(-1)
+        if isinstance(self.observation_space, spaces.Discrete):
+            obs = obs.reshape((n, *self.obs_shape))
+        action = action.reshape((n, self.action_dim))
+
+        def one(i: int, sub: Any) -> None:
+            sl = slice(i, i + 1)
+            o = {k: v[sl] for k, v in obs.items()} if isinstance(obs, dict) else obs[sl]
+            sub.add(o, action[sl], reward[sl], episode_start[sl], value[sl], log_prob[sl])
+
+        self._each(one)
+        self.pos += 1
+
+    def compute_returns_and_advantage(self, last_values: Any, dones: np.ndarray) -> None:
+        """GAE(lambda) per env (env ``i`` gets ``last_values[i]`` and ``dones[i]``); then the facade's
+        values, returns, advantages (buffer_size, n_envs) are gathered from the sub-buffers."""
+        self._each(lambda i, sub: sub.compute_returns_and_advantage(last_values[i : i + 1], dones[i : i + 1]))
+        for name in ("values", "returns", "advantages"):
+            setattr(self, name, self._stack(name))
+
+    def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
+        """Minibatches of one ``np.random.permutation(buffer_size * n_envs)`` over the env-major
+        order of SB3 (flat index ``j``: env ``j // buffer_size``, step ``j % buffer_size``)."""
+        assert self.full, ""
+        total = self.buffer_size * self.n_envs
+        indices = np.random.permutation(total)
+        if not self.generator_ready:
+            self._each(lambda i, sub: _prepare(sub))
+            for name in ("values", "returns", "advantages"):
+                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+            self.generator_ready = True
+        if batch_size is None:
+            batch_size = total
+        start_idx = 0
+        while start_idx < total:
+            yield self._get_samples(indices[start_idx : start_idx + batch_size])
+            start_idx += batch_size
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
+        """The minibatch at env-major flat indices ``batch_inds`` (B,): obs (B, ...) in the obs
+        dtype, actions (B, action_dim) float32, old_values / old_log_prob / advantages / returns (B,)."""
+        batch_inds = np.asarray(batch_inds)
+        env_of, step = np.divmod(batch_inds, self.buffer_size)
+        envs = np.unique(env_of).tolist()
+        sels = {e: np.flatnonzero(env_of == e) for e in envs}
+        parts = dict(zip(envs, self._each(lambda i, sub: _sub_arrays(sub, step[sels[i]]), envs)))
+        out: list[Any] = []
+        for j in range(6):
+            first = parts[envs[0]][j]
+            if isinstance(first, dict):
+                out.append({k: self._merge([(sels[e], parts[e][j][k]) for e in envs], len(batch_inds)) for k in first})
+            else:
+                out.append(self._merge([(sels[e], parts[e][j]) for e in envs], len(batch_inds)))
+        obs, rest = out[0], [self.to_torch(a) for a in out[1:]]
+        if isinstance(obs, dict):
+            return DictRolloutBufferSamples({k: self.to_torch(v) for k, v in obs.items()}, *rest)
+        return RolloutBufferSamples(self.to_torch(obs), *rest)
+
+    @staticmethod
+    def _merge(pieces: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+        """Scatter per-env pieces (positions in the batch, values) into one (n, ...) array."""
+        first = pieces[0][1]
+        if len(pieces) == 1:
+            return first
+        out = np.empty((n, *first.shape[1:]), first.dtype)
+        for sel, values in pieces:
+            out[sel] = values
+        return out
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Commit every sub-buffer that has a store."""
+        for sub in self._buffers:
+            if hasattr(sub, "flush"):
+                sub.flush()
+
+    def close(self) -> None:
+        """Close every sub-buffer (temporary sub-stores are deleted) and stop the threads."""
+        executor, self._executor = getattr(self, "_executor", None), None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        for sub in getattr(self, "_buffers", []):
+            if hasattr(sub, "close"):
+                sub.close()
+
+    def __enter__(self) -> "DummyVecRolloutBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_executor"] = None  # rebuilt on demand
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

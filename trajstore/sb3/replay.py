@@ -1,0 +1,377 @@
+"""``ZarrReplayBuffer`` / ``ZarrDictReplayBuffer``: SB3's replay buffers with observations on disk.
+
+Layout of ``cache_path``::
+
+    sb3.json                 spaces, n_envs, per-env capacity, optimize_memory_usage
+    transitions/             trajstore ReplayBuffer, a ring of ``buffer_size`` rows; row p is
+                             SB3 position p of every env: obs.{env}[.{key}], next_obs.{env}[.{key}]
+                             (not with optimize_memory_usage), action (n_envs, action_dim),
+                             reward / done / timeout (n_envs,) float32, step () int64
+    pending/                 optimize_memory_usage only: the next observation of the last row
+
+Sampling draws exactly what SB3 draws (``batch_inds`` in ``sample``, ``env_indices`` in
+``_get_samples``), so under one ``np.random`` seed the batches are bit-identical to SB3's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from ..errors import UnsupportedSpaceError
+from ._base import PositionView, ZarrBufferMixin
+from ._layout import ObsLayout, scalar_box, storage_box
+from ._root import space_config
+
+__all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
+
+SMALL = ("action", "reward", "done", "timeout")  # stored leaf -> RAM array (see _small)
+
+
+class _ZarrReplayMixin(ZarrBufferMixin):
+    """Everything of the two replay classes; they differ only in the observation space they take."""
+
+    _main = "transitions"
+    actions: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    timeouts: np.ndarray
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: gymnasium.Space,
+        action_space: gymnasium.Space,
+        device: Any = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        *,
+        cache_path: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        **storage_kwargs: Any,
+    ) -> None:
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self._check_space(observation_space, optimize_memory_usage)
+        if optimize_memory_usage and handle_timeout_termination:
+            raise ValueError("ReplayBuffer does not support optimize_memory_usage = True "
+                             "and handle_timeout_termination = True simultaneously.")
+        self.optimize_memory_usage = optimize_memory_usage
+        self.handle_timeout_termination = handle_timeout_termination
+        self._layout = ObsLayout(observation_space, n_envs)
+        size, n = self.buffer_size, self.n_envs
+        self.actions = np.zeros((size, n, self.action_dim), dtype=self._maybe_cast_dtype(action_space.dtype))
+        self.rewards = np.zeros((size, n), dtype=np.float32)
+        self.dones = np.zeros((size, n), dtype=np.float32)
+        self.timeouts = np.zeros((size, n), dtype=np.float32)
+        self._count = 0  # rows held (== buffer_size when full)
+        self._steps = 0  # transitions ever added (the ``step`` of the next row)
+        self._step = np.zeros((), np.int64)
+        self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
+        self._pending_saved = -1
+        config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
+                  "optimize_memory_usage": bool(optimize_memory_usage)}
+        created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
+                                  storage_kwargs)
+        try:
+            self._rb = self._open_replay("transitions", self._row_space(), size, created)
+            if optimize_memory_usage:
+                self._pending_rb = self._open_replay("pending", self._pending_space(), 1, created, required=False)
+            self._row: dict[str, Any] = dict.fromkeys(self._row_space().spaces)
+            if created:
+                self._finish_create()
+            else:
+                self._load_state()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- layout ---------------------------------------------------------------------------------
+    @staticmethod
+    def _check_space(observation_space: gymnasium.Space, optimize_memory_usage: bool) -> None:
+        if isinstance(observation_space, spaces.Dict):
+            raise UnsupportedSpaceError("ZarrReplayBuffer takes Box, Discrete, MultiDiscrete or MultiBinary "
+                                        f"observations; got a Dict space: use ZarrDictReplayBuffer")
+
+    def _row_space(self) -> spaces.Dict:
+        lay, n = self._layout, self.n_envs
+        leaves = lay.leaves("obs") + ([] if self.optimize_memory_usage else lay.leaves("next_obs"))
+        leaves += [("action", storage_box((n, self.action_dim), self.actions.dtype))]
+        leaves += [(name, storage_box((n,), np.float32)) for name in SMALL[1:]]
+        leaves += [("step", scalar_box(np.int64))]
+        return spaces.Dict(leaves)
+
+    def _pending_space(self) -> spaces.Dict:
+        return spaces.Dict(self._layout.leaves("obs") + [("step", scalar_box(np.int64))])
+
+    def _small(self) -> dict[str, np.ndarray]:
+        return {"action": self.actions, "reward": self.rewards, "done": self.dones, "timeout": self.timeouts}
+
+    # -- positions ----------------------------------------------------------------------------------
+    @property
+    def _offset(self) -> int:
+        """Position of the oldest row (0 until the ring wraps; ``pos`` once full)."""
+        return (self.pos - self._count) % self.buffer_size
+
+    def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logical = (positions - self._offset) % self.buffer_size
+        return logical, logical < self._count
+
+    def _load_state(self, read_pending: bool = True) -> None:
+        """Rebuild pos, full and the RAM arrays from the committed rows (reopen)."""
+        rb, size = self._rb, self.buffer_size
+        count, offset = len(rb), rb.offset
+        self._count, self.full, self.pos = count, count == size, (offset + count) % size
+        if count:
+            phys = (offset + np.arange(count)) % size
+            for name, arr in self._small().items():
+                arr[phys] = self._column(name)[:]
+            self._steps = int(self._column("step")[count - 1]) + 1
+        if self.optimize_memory_usage and count and read_pending:
+            pr = self._pending_rb
+            if len(pr) and int(pr.get_column(["step"])[0]) == self._steps - 1:
+                row = pr[0]
+                for k in self._layout.keys:
+                    self._pending[k][:] = np.stack([row[self._layout.leaf("obs", e, k)] for e in range(self.n_envs)])
+                self._pending_saved = self._steps - 1
+            else:
+                # Killed after the last row was committed but before its next observation was:
+                # end that transition (as SB3's _setup_learn does) so its unknown next obs is never used.
+                self.dones[(self.pos - 1) % size] = True
+
+    # -- SB3 API ----------------------------------------------------------------------------------
+    def add(self, obs: Any, next_obs: Any, action: np.ndarray, reward: np.ndarray, done: np.ndarray,
+            infos: list[dict[str, Any]]) -> None:
+        """Add one transition of every env (SB3's signature and semantics).
+
+        Parameters
+        ----------
+        obs, next_obs : ndarray (n_envs, *obs_shape), or dict of those
+            Stored in the observation space's dtype (Discrete: shape (n_envs,) is accepted).
+        action : ndarray
+            Reshaped to (n_envs, action_dim).
+        reward, done : ndarray (n_envs,)
+        infos : list of dict
+            ``info["TimeLimit.truncated"]`` sets the timeout flag (``handle_timeout_termination``).
+        """
+        self._check_open()
+        lay, p = self._layout, self.pos
+        o, no = lay.batch(obs), lay.batch(next_obs)
+        action = np.asarray(action).reshape((self.n_envs, self.action_dim))
+        self.actions[p] = np.array(action)
+        self.rewards[p] = np.array(reward)
+        self.dones[p] = np.array(done)
+        if self.handle_timeout_termination:
+            self.timeouts[p] = np.array([info.get("TimeLimit.truncated", False) for info in infos])
+        row = self._row
+        lay.put_row(row, "obs", o)
+        if self.optimize_memory_usage:
+            for k in lay.keys:
+                self._pending[k][:] = no[k]
+        else:
+            lay.put_row(row, "next_obs", no)
+        row["action"], row["reward"], row["done"], row["timeout"] = (
+            self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p])
+        self._step[...] = self._steps
+        row["step"] = self._step
+        self._rb.append(row)
+        self._steps += 1
+        self._count = min(self._count + 1, self.buffer_size)
+        self.full = self._count == self.buffer_size
+        self.pos = (p + 1) % self.buffer_size
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
+        """``batch_size`` transitions; draws ``np.random`` exactly as SB3's ``sample``.
+
+        Returns
+        -------
+        ReplayBufferSamples (DictReplayBufferSamples for Dict observations)
+            observations, next_observations (B, *obs_shape) in the obs dtype; actions (B,
+            action_dim); dones = done * (1 - timeout) and rewards (B, 1) float32.
+        """
+        self._check_open()
+        size = self.buffer_size
+        if not (self.full or self._offset == 0):
+            # Only after reopening a store killed while full: rows offset .. offset+count-1.
+            batch_inds = (self._offset + np.random.randint(0, self._count, size=batch_size)) % size
+        elif not self.optimize_memory_usage:
+            batch_inds = np.random.randint(0, size if self.full else self.pos, size=batch_size)
+        elif self.full:  # never the row at pos: its next observation was overwritten
+            batch_inds = (np.random.randint(1, size, size=batch_size) + self.pos) % size
+        else:
+            batch_inds = np.random.randint(0, self.pos, size=batch_size)
+        return self._get_samples(batch_inds, env=env)
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
+        """Transitions at positions ``batch_inds`` (B,), each from an env drawn here as SB3 does."""
+        env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        lay = self._layout
+        logical, _ = self._logical_of(batch_inds)
+        obs = lay.wrap(self._gather("obs", logical, env_indices))
+        if self.optimize_memory_usage:
+            nxt = (batch_inds + 1) % self.buffer_size
+            pending = nxt == self.pos
+            rows, _ = self._logical_of(np.where(pending, batch_inds, nxt))
+            per_key = self._gather("obs", rows, env_indices)
+            if pending.any():
+                for k in lay.keys:
+                    per_key[k][pending] = self._pending[k][env_indices[pending]]
+            next_obs = lay.wrap(per_key)
+        else:
+            next_obs = lay.wrap(self._gather("next_obs", logical, env_indices))
+        next_obs = self._normalize_obs(next_obs, env)
+        obs = self._normalize_obs(obs, env)
+        actions = self.actions[batch_inds, env_indices, :]
+        dones = (self.dones[batch_inds, env_indices] * (1 - self.timeouts[batch_inds, env_indices])).reshape(-1, 1)
+        rewards = self._normalize_reward(self.rewards[batch_inds, env_indices].reshape(-1, 1), env)
+        if lay.is_dict:
+            return DictReplayBufferSamples(
+                observations={k: self.to_torch(v) for k, v in obs.items()},  # type: ignore[union-attr]
+                actions=self.to_torch(actions),
+                next_observations={k: self.to_torch(v) for k, v in next_obs.items()},  # type: ignore[union-attr]
+                dones=self.to_torch(dones),
+                rewards=self.to_torch(rewards),
+            )
+        return ReplayBufferSamples(*tuple(map(self.to_torch, (obs, actions, next_obs, dones, rewards))))
+
+    def reset(self) -> None:
+        """Empty the buffer (the store is cleared at once)."""
+        self._check_open()
+        self._rb.clear()
+        for arr in self._small().values():
+            arr[:] = 0
+        for k in self._layout.keys:
+            self._pending[k][:] = 0
+        self._count = self.pos = 0
+        self.full = False
+
+    def size(self) -> int:
+        return self._count
+
+    # -- stored observations ---------------------------------------------------------------------
+    @property
+    def observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+        """Read-only (buffer_size, n_envs, *obs_shape) view of the stored observations."""
+        return self._views("obs")
+
+    @property
+    def next_observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+        """Read-only view of the next observations (absent with optimize_memory_usage, as in SB3)."""
+        if self.optimize_memory_usage:
+            raise AttributeError("with optimize_memory_usage, next observations live in `observations` (as in SB3)")
+        return self._views("next_obs")
+
+    def _patch_grid(self, prefix: str, key: str | None, positions: np.ndarray, out: np.ndarray) -> None:
+        if self.optimize_memory_usage and prefix == "obs" and self._count:
+            out[positions == self.pos] = self._pending[key]
+
+    # -- committing --------------------------------------------------------------------------------
+    def _before_commit(self) -> None:
+        """Write RAM edits of committed rows (SB3's ``dones[pos] = True``) and the pending obs."""
+        count = self._count
+        if count:
+            phys = (self._offset + np.arange(count)) % self.buffer_size
+            changed = np.zeros(count, bool)
+            for name, arr in self._small().items():
+                stored, mine = self._column(name)[:], arr[phys]
+                changed |= (stored.view(np.uint8) != mine.view(np.uint8)).reshape(count, -1).any(axis=1)
+            rows = np.flatnonzero(changed)
+            if rows.size:
+                batch = self._rb[rows]
+                for name, arr in self._small().items():
+                    batch[name] = arr[phys[rows]]
+                self._rb.set_at(rows, batch)
+        if self.optimize_memory_usage and count and self._pending_saved != self._steps - 1:
+            row = {name: None for name in self._pending_space().spaces}
+            self._layout.put_row(row, "obs", self._pending)
+            row["step"] = np.asarray(self._steps - 1, np.int64)
+            self._pending_rb.append(row)
+            self._pending_saved = self._steps - 1
+
+    # -- pickling ----------------------------------------------------------------------------------
+    def _ctor_kwargs(self) -> dict[str, Any]:
+        return dict(buffer_size=self.buffer_size * self.n_envs, observation_space=self.observation_space,
+                    action_space=self.action_space, n_envs=self.n_envs,
+                    optimize_memory_usage=self.optimize_memory_usage,
+                    handle_timeout_termination=self.handle_timeout_termination)
+
+    def _snapshot(self) -> dict[str, Any]:
+        self.flush()
+        return {"rows": self._rb[:] if self._count else None, "offset": self._offset, "steps": self._steps,
+                "pending": {k: v.copy() for k, v in self._pending.items()}}
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        rows = snap["rows"]
+        if rows is not None:
+            offset = snap["offset"]
+            if offset:  # full ring whose oldest row sits at `offset`: keep that position
+                self._rb.extend({k: np.zeros((offset, *v.shape[1:]), v.dtype) for k, v in rows.items()})
+            self._rb.extend(rows)
+        self._load_state(read_pending=False)
+        self._steps = snap["steps"]
+        for k, v in snap["pending"].items():
+            self._pending[k][:] = v
+
+
+class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):
+    """SB3's ``ReplayBuffer`` with observations and next observations in a trajstore store.
+
+    Same constructor as SB3's, plus keyword-only storage arguments.  Capacity per env is
+    ``max(buffer_size // n_envs, 1)``; ``optimize_memory_usage`` and
+    ``handle_timeout_termination`` behave as in SB3.  ``actions`` (buffer_size, n_envs,
+    action_dim), ``rewards``, ``dones``, ``timeouts`` (buffer_size, n_envs) float32 are RAM
+    arrays (SB3's shapes and dtypes) stored with every row; in-place edits such as SB3's
+    ``dones[pos] = True`` are written at the next :meth:`flush`.
+
+    Parameters
+    ----------
+    buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage, handle_timeout_termination
+        As in ``stable_baselines3.common.buffers.ReplayBuffer``.
+    cache_path : str or path-like, optional
+        Folder or fsspec URL of the buffer.  An existing buffer there is reopened (its spaces,
+        n_envs, capacity and optimize_memory_usage must match) with every committed
+        transition, so ``SAC.load`` continues where the saved run stopped.  ``None``: a
+        temporary folder deleted by :meth:`close`.
+    storage_options : dict, optional
+        fsspec options for URLs.
+    overwrite : bool
+        Replace an existing buffer at ``cache_path`` instead of reopening it.
+    **storage_kwargs
+        trajstore storage options: ``chunk_rows``, ``compressor`` (fixed at creation),
+        ``fsync``, ``commit_interval`` (seconds between automatic commits, default 1).
+
+    Examples
+    --------
+    >>> model = SAC("MlpPolicy", env, replay_buffer_class=ZarrReplayBuffer,
+    ...             replay_buffer_kwargs=dict(cache_path="runs/sac_buffer"))  # doctest: +SKIP
+    """
+
+    KIND = "ZarrReplayBuffer"
+
+
+class ZarrDictReplayBuffer(_ZarrReplayMixin, DictReplayBuffer):
+    """SB3's ``DictReplayBuffer`` with every observation key in a trajstore store.
+
+    Same arguments as :class:`ZarrReplayBuffer`; the observation space must be a Dict and
+    ``optimize_memory_usage`` is not supported (as in SB3).  Samples are
+    ``DictReplayBufferSamples``.
+    """
+
+    KIND = "ZarrDictReplayBuffer"
+
+    @staticmethod
+    def _check_space(observation_space: gymnasium.Space, optimize_memory_usage: bool) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise UnsupportedSpaceError(f"ZarrDictReplayBuffer needs a Dict observation space; got {observation_space}: "
+                                        "use ZarrReplayBuffer")
+        if optimize_memory_usage:
+            raise ValueError("DictReplayBuffer does not support optimize_memory_usage")

@@ -1,0 +1,339 @@
+"""``ZarrRolloutBuffer`` / ``ZarrDictRolloutBuffer``: SB3's rollout buffers with observations on disk.
+
+Layout of ``cache_path``::
+
+    sb3.json         spaces, n_envs, n_steps (buffer_size)
+    rollout/         trajstore ReplayBuffer of ``buffer_size`` rows, leaves obs.{env}[.{key}]:
+                     the observations of the rollout being collected (cleared by ``reset``)
+    history/         keep_history=True: TrajectoryReplayBuffer of every finished rollout
+                     (``history/env_{i}`` per env when n_envs > 1), episodes split at episode_starts
+
+The small per-step arrays (actions, rewards, episode_starts, values, log_probs, advantages,
+returns) stay in RAM with SB3's shapes and dtypes; ``compute_returns_and_advantage`` is SB3's
+own code, and ``get`` draws the same ``np.random.permutation`` as SB3, so minibatches are
+bit-identical to SB3's under one seed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Generator
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from stable_baselines3.common.buffers import BaseBuffer, DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from ..errors import UnsupportedSpaceError
+from ..trajectory import TrajectoryReplayBuffer
+from ._base import PositionView, ZarrBufferMixin, concat, take
+from ._layout import ObsLayout, scalar_box, storage_box
+from ._root import space_config
+
+__all__ = ["ZarrRolloutBuffer", "ZarrDictRolloutBuffer", "RolloutArrays", "to_numpy"]
+
+#: Per-step RAM arrays, in the order SB3's ``get`` flattens them.
+FLAT = ("actions", "values", "log_probs", "advantages", "returns")
+#: History step fields (besides "obs") and the RAM array each one comes from.
+HISTORY_FIELDS = {"action": "actions", "reward": "rewards", "episode_start": "episode_starts", "value": "values",
+                  "log_prob": "log_probs", "advantage": "advantages", "return": "returns"}
+
+#: What a rollout minibatch is made of, as numpy: (observations (B, ...) or dict, actions (B,
+#: action_dim) float32, old_values, old_log_prob, advantages, returns (B,) float32).
+RolloutArrays = tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A torch tensor (detached, on CPU) or array-like as a numpy array."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _slice(value: Any, s: slice) -> Any:
+    return {k: _slice(v, s) for k, v in value.items()} if isinstance(value, dict) else value[s]
+
+
+class _ZarrRolloutMixin(ZarrBufferMixin):
+    """Everything of the two rollout classes; they differ only in the observation space they take."""
+
+    _main = "rollout"
+    actions: np.ndarray
+    rewards: np.ndarray
+    returns: np.ndarray
+    episode_starts: np.ndarray
+    values: np.ndarray
+    log_probs: np.ndarray
+    advantages: np.ndarray
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: gymnasium.Space,
+        action_space: gymnasium.Space,
+        device: Any = "auto",
+        gae_lambda: float = 1,
+        gamma: float = 0.99,
+        n_envs: int = 1,
+        *,
+        cache_path: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        keep_history: bool = False,
+        history_capacity: int | None = None,
+        load_obs_on_get: bool = True,
+        **storage_kwargs: Any,
+    ) -> None:
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self._check_space(observation_space)
+        self.gae_lambda = gae_lambda
+        self.gamma = gamma
+        self.generator_ready = False
+        self.keep_history = keep_history
+        self.history_capacity = history_capacity
+        self.load_obs_on_get = load_obs_on_get
+        self._layout = ObsLayout(observation_space, n_envs)
+        self._env_obs: list[dict] | None = None  # per-env observations read for the history
+        self._flat_obs: dict | None = None  # env-major observations of the prepared rollout
+        self._written = True  # rows in the rollout store since the last clear (unknown: True)
+        config = {**space_config(observation_space, action_space), "n_envs": self.n_envs, "buffer_size": buffer_size}
+        created = self._init_root(cache_path, storage_options, overwrite, config, ["rollout", "history"], storage_kwargs)
+        try:
+            obs_space = spaces.Dict(self._layout.leaves("obs"))
+            self._rb = self._open_replay("rollout", obs_space, buffer_size, created)
+            self._row: dict[str, Any] = dict.fromkeys(obs_space.spaces)
+            self.history: list[TrajectoryReplayBuffer] = [
+                self._open_trajectory(self._history_name(e), self._history_space(), history_capacity)
+                for e in range(self.n_envs)] if keep_history else []
+            self._rollouts = max([self._last_rollout(tb) + 1 for tb in self.history], default=0)
+            if created:
+                self._finish_create()
+            self.reset()
+        except BaseException:
+            self._release()
+            raise
+
+    @staticmethod
+    def _check_space(observation_space: gymnasium.Space) -> None:
+        if isinstance(observation_space, spaces.Dict):
+            raise UnsupportedSpaceError("ZarrRolloutBuffer takes Box, Discrete, MultiDiscrete or MultiBinary "
+                                        "observations; got a Dict space: use ZarrDictRolloutBuffer")
+
+    # -- history --------------------------------------------------------------------------------
+    def _history_name(self, env: int) -> str:
+        return "history" if self.n_envs == 1 else f"history/env_{env}"
+
+    def _history_space(self) -> spaces.Dict:
+        """One step of the history stream: obs, action (action_dim,), float32 scalars, rollout index."""
+        fields: list[tuple[str, gymnasium.Space]] = [("obs", self._layout.env_space()),
+                                                     ("action", storage_box((self.action_dim,), self.action_space.dtype))]
+        fields += [(name, scalar_box(np.float32)) for name in list(HISTORY_FIELDS)[1:]]
+        return spaces.Dict(fields + [("rollout", scalar_box(np.int64))])
+
+    @staticmethod
+    def _last_rollout(tb: TrajectoryReplayBuffer) -> int:
+        n = len(tb)
+        return int(tb.get_column(["step_data", "rollout"])[n - 1]) if n else -1
+
+    def _record_history(self) -> None:
+        """Append the finished rollout to every env's history stream, one episode per
+        ``episode_starts`` segment; an episode that runs on from the last rollout keeps its id."""
+        steps = self.buffer_size
+        self._env_obs = [self._read_env("obs", e, 0, steps) for e in range(self.n_envs)]
+        for e, tb in enumerate(self.history):
+            data = {"obs": self._layout.wrap(self._env_obs[e])}
+            data.update({name: getattr(self, attr)[:, e] for name, attr in HISTORY_FIELDS.items()})
+            data["rollout"] = np.full(steps, self._rollouts, np.int64)
+            starts = np.flatnonzero(self.episode_starts[:, e] != 0)
+            cuts = [0, *starts[starts > 0].tolist(), steps]
+            if self.episode_starts[0, e] != 0 and len(tb):
+                tb.mark_episode_end()
+            for i, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+                if i:
+                    tb.mark_episode_end()
+                tb.extend(_slice(data, slice(lo, hi)))
+            tb.flush()
+        self._rollouts += 1
+
+    # -- SB3 API ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new rollout: zeroed RAM arrays (SB3's), the stored observations cleared."""
+        self._check_open()
+        steps, n = self.buffer_size, self.n_envs
+        self.actions = np.zeros((steps, n, self.action_dim), dtype=self.action_space.dtype)
+        for name in ("rewards", "returns", "episode_starts", "values", "log_probs", "advantages"):
+            setattr(self, name, np.zeros((steps, n), dtype=np.float32))
+        self.generator_ready = False
+        self._env_obs = self._flat_obs = None
+        if self._written:
+            self._rb.clear()
+            self._written = False
+        BaseBuffer.reset(self)
+
+    def add(self, obs: Any, action: np.ndarray, reward: np.ndarray, episode_start: np.ndarray, value: Any,
+            log_prob: Any) -> None:
+        """Add one step of every env (SB3's signature and semantics).
+
+        Parameters
+        ----------
+        obs : ndarray (n_envs, *obs_shape), or dict of those
+        action : ndarray, reshaped to (n_envs, action_dim)
+        reward, episode_start : ndarray (n_envs,)
+        value : Tensor (n_envs, 1) ; log_prob : Tensor (n_envs,)
+        """
+        self._check_open()
+        if len(log_prob.shape) == 0:
+            log_prob = log_prob.reshape(-1, 1)
+        o = self._layout.batch(obs)
+        action = np.asarray(action).reshape((self.n_envs, self.action_dim))
+        p = self.pos
+        self.actions[p] = np.array(action)
+        self.rewards[p] = np.array(reward)
+        self.episode_starts[p] = np.array(episode_start)
+        self.values[p] = to_numpy(value).flatten()
+        self.log_probs[p] = to_numpy(log_prob)
+        self._layout.put_row(self._row, "obs", o)
+        self._rb.append(self._row)
+        self._written = True
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full = True
+
+    def compute_returns_and_advantage(self, last_values: Any, dones: np.ndarray) -> None:
+        """SB3's GAE(lambda) (its own code); then, with ``keep_history``, the rollout is recorded."""
+        super().compute_returns_and_advantage(last_values, dones)  # type: ignore[misc]
+        if self.keep_history:
+            self._record_history()
+
+    def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
+        """Minibatches of one ``np.random.permutation(buffer_size * n_envs)``, as SB3's ``get``."""
+        assert self.full, ""
+        indices = np.random.permutation(self.buffer_size * self.n_envs)
+        if not self.generator_ready:
+            self._prepare_get()
+        if batch_size is None:
+            batch_size = self.buffer_size * self.n_envs
+        start_idx = 0
+        while start_idx < self.buffer_size * self.n_envs:
+            yield self._get_samples(indices[start_idx : start_idx + batch_size])
+            start_idx += batch_size
+
+    def _prepare_get(self) -> None:
+        """SB3's first-``get`` step: flatten the RAM arrays env-major; read the observations
+        (one sequential read per env) when ``load_obs_on_get``."""
+        for name in FLAT:
+            self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+        if self.load_obs_on_get:
+            steps = self.buffer_size
+            self._flat_obs = concat(self._env_obs or [self._read_env("obs", e, 0, steps) for e in range(self.n_envs)])
+        self.generator_ready = True
+
+    def _sample_arrays(self, batch_inds: np.ndarray) -> RolloutArrays:
+        """Numpy content of the minibatch at env-major flat indices ``batch_inds`` (prepared buffer)."""
+        if self._flat_obs is not None:
+            obs = take(self._flat_obs, batch_inds)
+        else:
+            env, step = np.divmod(batch_inds, self.buffer_size)
+            obs = self._gather("obs", step, env)
+        return (self._layout.wrap(obs), self.actions[batch_inds].astype(np.float32, copy=False),
+                self.values[batch_inds].flatten(), self.log_probs[batch_inds].flatten(),
+                self.advantages[batch_inds].flatten(), self.returns[batch_inds].flatten())
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
+        """Rollout(Dict)BufferSamples: obs (B, ...) in the obs dtype, actions (B, action_dim)
+        float32, old_values / old_log_prob / advantages / returns (B,) float32."""
+        return self._samples(self._sample_arrays(batch_inds))
+
+    def _samples(self, arrays: RolloutArrays) -> Any:
+        obs, rest = arrays[0], [self.to_torch(a) for a in arrays[1:]]
+        if self._layout.is_dict:
+            return DictRolloutBufferSamples({k: self.to_torch(v) for k, v in obs.items()}, *rest)
+        return RolloutBufferSamples(self.to_torch(obs), *rest)
+
+    # -- stored observations ---------------------------------------------------------------------
+    @property
+    def observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+        """Read-only (buffer_size, n_envs, *obs_shape) view of this rollout's observations."""
+        return self._views("obs")
+
+    def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return positions, positions < self.pos
+
+    # -- pickling ----------------------------------------------------------------------------------
+    def _ctor_kwargs(self) -> dict[str, Any]:
+        return dict(buffer_size=self.buffer_size, observation_space=self.observation_space,
+                    action_space=self.action_space, gae_lambda=self.gae_lambda, gamma=self.gamma, n_envs=self.n_envs,
+                    keep_history=self.keep_history, history_capacity=self.history_capacity,
+                    load_obs_on_get=self.load_obs_on_get)
+
+    def _snapshot(self) -> dict[str, Any]:
+        names = ("actions", "rewards", "returns", "episode_starts", "values", "log_probs", "advantages")
+        return {"arrays": {n: getattr(self, n).copy() for n in names}, "pos": self.pos, "full": self.full,
+                "generator_ready": self.generator_ready, "rollouts": self._rollouts,
+                "obs": [self._read_env("obs", e, 0, self.pos) for e in range(self.n_envs)] if self.pos else None}
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        if snap["obs"] is not None:
+            lay = self._layout
+            self._rb.extend({lay.leaf("obs", e, k): part[k] for e, part in enumerate(snap["obs"]) for k in lay.keys})
+            self._written = True
+        self.__dict__.update(snap["arrays"])
+        self.pos, self.full, self._rollouts = snap["pos"], snap["full"], snap["rollouts"]
+        self.generator_ready = snap["generator_ready"]
+        if self.generator_ready and self.load_obs_on_get:
+            self._flat_obs = concat([self._read_env("obs", e, 0, self.pos) for e in range(self.n_envs)])
+
+
+class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):
+    """SB3's ``RolloutBuffer`` with the rollout's observations in a trajstore store.
+
+    Same constructor as SB3's (``buffer_size`` is ``n_steps``), plus keyword-only arguments.
+    ``compute_returns_and_advantage`` is SB3's own; ``get`` yields the same minibatches as SB3
+    under one seed.  After the first ``get`` the RAM arrays are flattened env-major, as in SB3.
+
+    Parameters
+    ----------
+    buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs
+        As in ``stable_baselines3.common.buffers.RolloutBuffer``.
+    cache_path : str or path-like, optional
+        Folder or fsspec URL; ``None``: a temporary folder deleted by :meth:`close`.  An
+        existing buffer there is reopened (spaces, n_envs and buffer_size must match; the
+        current rollout restarts, the history is kept).
+    storage_options : dict, optional
+        fsspec options for URLs.
+    overwrite : bool
+        Replace an existing buffer (and its history) at ``cache_path``.
+    keep_history : bool
+        Also append every finished rollout (at ``compute_returns_and_advantage``) to
+        :attr:`history`: one :class:`trajstore.TrajectoryReplayBuffer` per env whose steps hold
+        obs, action, reward, episode_start, value, log_prob, advantage, return and the rollout
+        index, with a new episode id at every ``episode_starts``.  PPO's experience becomes an
+        offline dataset (``TrajectoryReplayBuffer.load_from(cache_path + "/history")``).
+    history_capacity : int, optional
+        Steps kept per env in the history (a ring); ``None``: unbounded.
+    load_obs_on_get : bool
+        True: the first ``get`` reads the rollout's observations with one sequential read per
+        env (as SB3's first ``get`` copies them); False: every minibatch reads its rows.
+    **storage_kwargs
+        trajstore storage options (``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``).
+    """
+
+    KIND = "ZarrRolloutBuffer"
+
+
+class ZarrDictRolloutBuffer(_ZarrRolloutMixin, DictRolloutBuffer):
+    """SB3's ``DictRolloutBuffer`` with every observation key in a trajstore store.
+
+    Same arguments as :class:`ZarrRolloutBuffer`; the observation space must be a Dict.
+    Minibatches are ``DictRolloutBufferSamples``.
+    """
+
+    KIND = "ZarrDictRolloutBuffer"
+
+    @staticmethod
+    def _check_space(observation_space: gymnasium.Space) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise UnsupportedSpaceError(f"ZarrDictRolloutBuffer needs a Dict observation space; got {observation_space}: "
+                                        "use ZarrRolloutBuffer")
