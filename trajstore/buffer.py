@@ -5,17 +5,35 @@ while a writer fills a ring, and pickling as a small handle.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
 from .backend import Backend
 from .store import Store
+from .ring import IndexLike, normalize_index
 from .table import RowStager, Table
 from .views import BatchBase
 
 __all__ = ["StoredBuffer", "as_generator"]
+
+# Writers left open at interpreter exit are committed by an atexit hook.  It is registered
+# after zarr's own (zarr is imported first), so it runs before zarr stops its event loop;
+# a commit from __del__ during finalization could wait forever on that loop.
+_OPEN: "weakref.WeakSet[StoredBuffer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for buf in list(_OPEN):
+        try:
+            buf.close()
+        except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
+            pass
 
 
 def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
@@ -42,6 +60,7 @@ class StoredBuffer(BatchBase):
         self._rng = np.random.default_rng()
         self._closed = False
         self._stagers = []
+        _OPEN.add(self)
 
     # -- subclass hook ------------------------------------------------------------------------
     def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
@@ -101,8 +120,30 @@ class StoredBuffer(BatchBase):
 
     # -- reads -----------------------------------------------------------------------------------
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
-        self._sync()
+        # No refresh here: ``idx`` was just resolved against len(self), i.e. the current commit.
+        if self._closed:
+            raise ValueError("I/O operation on a closed buffer")
+        self._drain()
         return self._read_rows(idx, leaf_ids)
+
+    def _raw(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
+        """Top-level reads; a reader (or multiprocessing writer) retries until what it read is
+        still what the latest commit record names (no row evicted or rewritten meanwhile)."""
+        if self._store.writable and not self._store.multiprocessing:
+            return super()._raw(idx)
+        leaves = self._all_leaves
+        for _ in range(100):
+            self._sync()
+            t, epoch = self._table, self._store.committed.epoch
+            start = t.state.start
+            i = normalize_index(idx, t.count)
+            arrays = self._read_rows(i, leaves)
+            if not self._store.refresh():
+                return arrays, not isinstance(i, int)
+            lowest = i if isinstance(i, int) else (int(i.min()) if len(i) else t.count)
+            if self._store.committed.epoch == epoch and start + lowest >= t.state.start:
+                return arrays, not isinstance(i, int)
+        raise RuntimeError("the writer changes rows faster than this reader can read them")
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly with replacement.
@@ -144,8 +185,11 @@ class StoredBuffer(BatchBase):
         raise RuntimeError("the writer evicts rows faster than this reader can sample them")
 
     # -- committing ----------------------------------------------------------------------------------
-    def flush(self, fsync: bool = False) -> None:
-        """Commit everything written so far (``fsync=True``: durable against power loss too)."""
+    def flush(self, fsync: bool | None = None) -> None:
+        """Commit everything written so far.
+
+        ``fsync=True`` makes it durable against power loss too; ``None`` follows the store's
+        ``fsync`` option (default False: safe against process crashes only)."""
         if not self.read_only:
             self._drain()
             self._store.commit(fsync=fsync, state=self._state())
@@ -184,6 +228,7 @@ class StoredBuffer(BatchBase):
         finally:
             self._store.close()
             self._closed = True
+            _OPEN.discard(self)
 
     def __enter__(self) -> "StoredBuffer":
         return self
@@ -192,6 +237,8 @@ class StoredBuffer(BatchBase):
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the atexit hook already committed; zarr's loop may be gone
         try:
             self.close()
         except Exception:

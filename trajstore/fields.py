@@ -181,13 +181,23 @@ class MappedField:
                 raise DamagedStoreError(str(e)) from None
 
     def remap(self, ks: list[int], prefix: str = "") -> None:
-        """Map chunk files again (after they were replaced by rename), optionally from a staging prefix."""
+        """Map chunk files again (after they were replaced by rename), optionally from a staging prefix.
+
+        A staged file that is gone has already been moved into place: the main file is it.  A
+        mapping keeps its file's content even if the file is renamed afterwards.
+        """
         for k in ks:
-            path = self._path(k, prefix)
-            if os.path.exists(path):
-                self._va.map_chunk(k, path)
-            elif self._va.mapped[k]:
-                self._va.unmap_chunk(k)
+            for path in ([self._path(k, prefix)] if prefix else []) + [self._path(k)]:
+                try:
+                    self._va.map_chunk(k, path)
+                    break
+                except FileNotFoundError:
+                    continue
+                except EOFError as e:
+                    raise DamagedStoreError(str(e)) from None
+            else:
+                if self._va.mapped[k]:
+                    self._va.unmap_chunk(k)
 
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         """Copy ``data`` (n, *row_shape) into physical rows ``[phys_lo, phys_lo + n)``."""
@@ -227,8 +237,9 @@ class MappedField:
             dirs = {os.path.dirname(self._path(k)) for k in self._synced}
             for d in dirs:
                 fsync_dir(Path(d))
-        self._synced.clear()
-        self._last_k = -1
+            # Only an fsync makes them durable: chunks written before a plain flush stay listed.
+            self._synced.clear()
+            self._last_k = -1
 
     def close(self) -> None:
         self._va.close()
@@ -246,14 +257,14 @@ class ChunkedField:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._dirty: set[int] = set()
         self._written: set[str] = set()  # keys written since the last fsync (local stores)
-        self._override: dict[int, zarr.Array] = {}
+        self._override: dict[int, str] = {}  # chunk -> staging prefix it is read from (pending rewrite)
 
     def grow(self, allocated: int) -> None:
+        if self.z.shape[0] < allocated:  # another process may have resized it already
+            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path,
+                                     mode="r+" if self.writable else "r").with_config({"write_empty_chunks": True})
         if self.writable and self.z.shape[0] < allocated:
             self.z.resize((allocated, *self.spec.row_shape))
-        elif self.z.shape[0] < allocated:
-            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path, mode="r").with_config(
-                {"write_empty_chunks": True})
         self.allocated = allocated
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
@@ -265,10 +276,13 @@ class ChunkedField:
     def _fetch(self, ks: list[int]) -> dict[int, np.ndarray]:
         """Decode whole chunks ``ks`` (one concurrent zarr read for all of them)."""
         out: dict[int, np.ndarray] = {}
-        plain = [k for k in ks if k not in self._override]
+        plain = []
         for k in ks:
-            if k in self._override:
-                out[k] = self._read_whole(self._override[k], k)
+            staged = self._read_staged(k) if k in self._override else None
+            if staged is None:
+                plain.append(k)
+            else:
+                out[k] = staged
         if plain:
             shape0 = self.z.shape[0]
             rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
@@ -282,11 +296,24 @@ class ChunkedField:
                 pos += n
         return out
 
-    def _read_whole(self, z: zarr.Array, k: int) -> np.ndarray:
-        chunk = self._empty_chunk()
-        hi = min((k + 1) * self.C, z.shape[0])
-        chunk[: hi - k * self.C] = z[k * self.C : hi]
-        return chunk
+    def _read_staged(self, k: int) -> np.ndarray | None:
+        """Chunk ``k`` from its staging area, or None once it has been moved into place.
+
+        The staged key is checked before and after the read: a rename is one-way, so if it
+        still exists afterwards the read saw the staged bytes.
+        """
+        prefix = self._override[k]
+        key = f"{prefix}/{chunk_key(self.spec.array_path, k, self._ndim)}"
+        if not self.loc.exists(key):
+            return None
+        try:
+            z = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+            chunk = self._empty_chunk()
+            hi = min((k + 1) * self.C, z.shape[0])
+            chunk[: hi - k * self.C] = z[k * self.C : hi]
+        except (FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
+            return None
+        return chunk if self.loc.exists(key) else None
 
     def _chunks(self, ks: list[int]) -> dict[int, np.ndarray]:
         missing = [k for k in ks if k not in self._cache]
@@ -360,7 +387,7 @@ class ChunkedField:
             self._cache.pop(k, None)
             self._dirty.discard(k)
             if prefix:
-                self._override[k] = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+                self._override[k] = prefix
             else:
                 self._override.pop(k, None)
 

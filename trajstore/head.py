@@ -19,10 +19,11 @@ from typing import Any
 from .errors import DamagedStoreError, LockedError
 from .storage import Location
 
-__all__ = ["HEAD_KEY", "LOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
+__all__ = ["HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
 
 HEAD_KEY = "trajstore.head.json"
 LOCK_KEY = "trajstore.lock"
+MPLOCK_KEY = "trajstore.mplock"
 FORMAT_VERSION = 1
 
 
@@ -107,11 +108,12 @@ def head_signature(loc: Location) -> tuple[int, int, int] | None:
 class WriterLock:
     """``flock`` on ``<store>/trajstore.lock``.
 
-    A single writer holds it exclusively for its lifetime.  In ``multiprocessing`` mode
-    each process holds it shared (so a single writer is still refused) and serializes
-    every write operation with an exclusive ``flock`` on ``trajstore.mplock``.  The lock
-    file records whether the last writer closed cleanly, so the next one knows whether
-    to look for orphaned temp files.  Remote stores have no lock.
+    A single writer holds it exclusively for its lifetime.  In ``multiprocessing`` mode each
+    process holds it shared (so a single writer is still refused) and serializes every write
+    operation with an exclusive ``flock`` on ``trajstore.mplock``, opened per process (a flock
+    belongs to an open file, which ``fork`` would share).  ``sole`` says whether this writer was
+    alone when it opened (so it may remove temp files); the lock file records whether the last
+    single writer closed cleanly.  Remote stores have no lock.
     """
 
     def __init__(self, loc: Location, shared: bool) -> None:
@@ -119,43 +121,60 @@ class WriterLock:
         self.shared = shared
         self._fd: int | None = None
         self._mp_fd: int | None = None
+        self._pid = os.getpid()
         self.previous_unclean = False
+        self.sole = loc.local_root is not None
         if loc.local_root is None:
             return
-        path = loc.local_root / LOCK_KEY
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(loc.local_root / LOCK_KEY, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise LockedError(
-                f"{loc.url}: another writer holds the store ({holder or 'unknown process'}); "
-                "open it with read_only=True, or use multiprocessing=True in every writer"
-            ) from None
+            if not shared:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise LockedError(
+                    f"{loc.url}: another writer holds the store ({holder or 'unknown process'}); "
+                    "open it with read_only=True, or use multiprocessing=True in every writer"
+                ) from None
+            self.sole = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise LockedError(f"{loc.url}: a single (multiprocessing=False) writer holds the store") from None
         self._fd = fd
-        prev = os.pread(fd, 200, 0).decode(errors="replace")
-        self.previous_unclean = prev.startswith("open")
+        self.previous_unclean = os.pread(fd, 200, 0).decode(errors="replace").startswith("open")
         if not shared:
             self._mark(f"open pid={os.getpid()}")
-        else:
-            self._mp_fd = os.open(loc.local_root / "trajstore.mplock", os.O_RDWR | os.O_CREAT, 0o644)
 
     def _mark(self, text: str) -> None:
         assert self._fd is not None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, text.encode(), 0)
 
+    def share(self) -> None:
+        """Multiprocessing mode: after the sole writer's clean-up, let other writers in."""
+        if self.shared and self._fd is not None and self.sole:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+
     def acquire_op(self) -> None:
         """Start one write operation (multiprocessing mode: wait for the other writers)."""
-        if self._mp_fd is not None:
-            fcntl.flock(self._mp_fd, fcntl.LOCK_EX)
+        if not self.shared or self.loc.local_root is None:
+            return
+        if self._mp_fd is None or self._pid != os.getpid():
+            # First use, or a forked child: open our own file description.
+            self._mp_fd = os.open(self.loc.local_root / MPLOCK_KEY, os.O_RDWR | os.O_CREAT, 0o644)
+            self._pid = os.getpid()
+        fcntl.flock(self._mp_fd, fcntl.LOCK_EX)
 
     def release_op(self) -> None:
         if self._mp_fd is not None:
             fcntl.flock(self._mp_fd, fcntl.LOCK_UN)
 
     def release(self) -> None:
+        if self._pid != os.getpid():
+            return  # a forked child does not own the parent's lock
         if self._fd is not None:
             if not self.shared:
                 self._mark("closed")

@@ -25,13 +25,14 @@ import zarr
 from .errors import (
     DamagedStoreError,
     FormatVersionError,
+    LockedError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreExistsError,
     StoreNotFoundError,
 )
 from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
-from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, Head, TableState, WriterLock, head_signature, read_head, write_head
+from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, head_signature, read_head, write_head
 from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from .table import Table
 
@@ -64,6 +65,8 @@ class _WriteOp:
             s.lock.acquire_op()
             try:
                 s.refresh()
+                if s.committed.pending:  # left by a writer that died mid-rewrite
+                    s._roll_forward(s.committed)
             except BaseException:
                 s.lock.release_op()
                 raise
@@ -116,9 +119,9 @@ class Store:
                 fields.append(open_field(loc, spec, group, st.allocated, writable))
             self.tables[name] = Table(self, name, tspec["capacity"], fields, TableState(st.start, st.end, st.allocated))
         if head.pending:
-            if writable:
+            if writable and (lock is None or lock.sole):
                 self._roll_forward(head)
-            else:
+            else:  # a reader, or a multiprocessing writer that rolls forward under the op lock
                 self._apply_pending(head.pending, staged=True)
 
     # -- create / open -------------------------------------------------------------------
@@ -130,12 +133,14 @@ class Store:
         # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
         try:
+            if lock is not None and not lock.sole:
+                raise LockedError(f"{loc.url}: other writers have this store open; it cannot be created anew")
             if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
                 if not overwrite:
                     raise StoreExistsError(f"{loc.url}: a store already exists here; pass overwrite=True to replace "
                                            "it or use load_from to open it")
                 _erase(loc)
-            elif loc.local_root is not None and any(p.name not in (TMP_DIR, LOCK_KEY) for p in loc.local_root.iterdir()):
+            elif loc.local_root is not None and any(p.name not in (TMP_DIR, LOCK_KEY, MPLOCK_KEY) for p in loc.local_root.iterdir()):
                 if not overwrite:
                     raise StoreExistsError(f"{loc.url}: the folder is not empty and holds no trajstore store; "
                                            "pass overwrite=True to use it anyway")
@@ -174,7 +179,10 @@ class Store:
         _consolidate(loc)
         write_head(loc, head, fsync=bool(options.get("fsync")))
         group = open_zarr_group(loc, mode="r+")
-        return cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
+        store = cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
+        if lock is not None:
+            lock.share()
+        return store
 
     @classmethod
     def open(cls, path: Any, kind: str | tuple[str, ...] | None, *, read_only: bool, multiprocessing: bool,
@@ -204,12 +212,16 @@ class Store:
             lock = WriterLock(loc, shared=multiprocessing)
         try:
             head = read_head(loc)
-            if not read_only and lock is not None and lock.previous_unclean:
-                _clean_orphans(loc, head)
-            elif not read_only and loc.is_local:
-                loc.delete_prefix(TMP_DIR)
+            if lock is not None and lock.sole:
+                # Temp files are only removed when no other writer can be using them.
+                if lock.previous_unclean:
+                    _clean_orphans(loc, head)
+                else:
+                    loc.delete_prefix(TMP_DIR)
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
                         lock=lock, options=options)
+            if lock is not None:
+                lock.share()
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -381,7 +393,7 @@ class Store:
             if not overwrite:
                 raise StoreExistsError(f"{target.url}: a store already exists here")
             _erase(target)
-        skip = (LOCK_KEY, "trajstore.mplock", HEAD_KEY)
+        skip = (LOCK_KEY, MPLOCK_KEY, HEAD_KEY)
         keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
         bar = _progress(len(keys), f"copy to {target.url}", progress)
         try:
@@ -447,7 +459,7 @@ def _erase(loc: Location) -> None:
     """Remove an existing store's keys (``overwrite=True``)."""
     if loc.local_root is not None:
         for p in loc.local_root.iterdir():
-            if p.name == LOCK_KEY:
+            if p.name in (LOCK_KEY, MPLOCK_KEY):
                 continue
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         return

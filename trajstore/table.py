@@ -75,6 +75,7 @@ class Table:
         if cap is None:
             if hi > st.allocated:
                 self._grow(hi)
+            self._match_allocation()
         else:
             self.store.ensure_evicted(self, hi - cap, self.guard)
         for phys_lo, off, m in contiguous_runs(lo, hi, cap):
@@ -95,6 +96,16 @@ class Table:
         self.state.allocated = new
         self.store.metadata_changed()
 
+    def invalidate_reads(self) -> None:
+        """Chunk files were replaced: map them again before the next read."""
+        self._mapped_upto = None
+
+    def _match_allocation(self) -> None:
+        """Grow this process's view of the arrays after another process grew the table."""
+        for f in self.fields:
+            if f.allocated < self.state.allocated:
+                f.grow(self.state.allocated)
+
     # -- reading -------------------------------------------------------------------------
     def prepare_reads(self) -> None:
         """Map chunk files of all committed rows (once per state change, not per read)."""
@@ -102,9 +113,8 @@ class Table:
         key = (st.start, st.end, st.allocated)
         if self._mapped_upto == key:
             return
+        self._match_allocation()
         for f in self.fields:
-            if f.allocated < st.allocated:
-                f.grow(st.allocated)
             for phys_lo, _off, m in contiguous_runs(st.start, st.end, self.capacity):
                 f.ensure_mapped(phys_lo, phys_lo + m, create=False)
         self._mapped_upto = key

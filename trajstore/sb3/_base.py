@@ -5,13 +5,15 @@ observations, read-only SB3-shaped views, committing, closing and pickling as a 
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 from typing import Any, Sequence
 
 import gymnasium
 import numpy as np
 
-from ..errors import DamagedStoreError, ReadOnlyError, SpaceMismatchError
+from ..errors import DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
+from ..spaces import space_from_json
 from ..replay_buffer import ReplayBuffer as StoreBuffer
 from ..trajectory import TrajectoryReplayBuffer
 from ..views import ColumnView
@@ -287,6 +289,12 @@ class ZarrBufferMixin:
 
     # -- pickling ---------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments besides the spaces, sizes and storage arguments."""
+        raise NotImplementedError  # abstract
+
+    @classmethod
+    def _sizes_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Constructor arguments ``buffer_size``, ``n_envs`` recorded in ``sb3.json``."""
         raise NotImplementedError  # abstract
 
     def _snapshot(self) -> dict[str, Any]:
@@ -295,29 +303,46 @@ class ZarrBufferMixin:
     def _restore(self, snap: dict[str, Any]) -> None:
         raise NotImplementedError  # abstract
 
+    @classmethod
+    def open(cls, cache_path: str | os.PathLike[str], *, device: Any = "auto",
+             storage_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """Reopen the buffer at ``cache_path`` with the spaces and sizes recorded there.
+
+        ``kwargs`` are the other constructor arguments (e.g. ``handle_timeout_termination``,
+        ``commit_interval``).  Raises ``StoreNotFoundError`` when there is no buffer.
+        """
+        cfg = _root.StoreRoot(cache_path, storage_options).read_config()
+        if cfg is None:
+            raise StoreNotFoundError(f"no trajstore stable-baselines3 buffer at {os.fspath(cache_path)!r}")
+        spaces_ = {name: space_from_json(cfg[name]) for name in ("observation_space", "action_space")}
+        return cls(**spaces_, **cls._sizes_from_config(cfg), device=device, cache_path=cache_path,
+                   storage_options=storage_options, **kwargs)
+
     def __reduce__(self) -> Any:
         """Pickle as a small handle: the buffer is committed and reopens from ``cache_path``.
 
-        This is what ``save_replay_buffer`` writes: a pointer, not the data (the file is
-        not self-contained).  Unpickling in a process where a buffer already holds that
-        ``cache_path`` (e.g. the one ``SAC.load`` rebuilt) returns that buffer.  A temporary
-        buffer (``cache_path=None``) has no folder to point to: it pickles its data, like SB3.
+        This is what ``save_replay_buffer`` writes: a pointer of about a kilobyte, not the data
+        (so the file is not self-contained).  Unpickling in a process where a buffer already
+        holds that ``cache_path`` (e.g. the one ``SAC.load`` rebuilt) returns that buffer.  A
+        temporary buffer (``cache_path=None``) has no folder to point to: it pickles its data,
+        like SB3's buffers.
         """
         self._check_open()
         kwargs = self._ctor_kwargs()
         if self.temporary:
-            return (_restore, (type(self), kwargs, str(self.device), self._snapshot()))
+            full = dict(kwargs, observation_space=self.observation_space, action_space=self.action_space,
+                        **self._sizes_from_config(self._config))
+            return (_restore, (type(self), full, str(self.device), self._snapshot()))
         self.flush()
-        return (_reopen, (type(self), self._root.path, self._root.storage_options, self._open_opts, kwargs,
+        return (_reopen, (type(self), self._root.path, self._root.storage_options, {**self._open_opts, **kwargs},
                           str(self.device)))
 
 
-def _reopen(cls: type, path: str, storage_options: dict[str, Any] | None, open_opts: dict[str, Any],
-            kwargs: dict[str, Any], device: str) -> Any:
+def _reopen(cls: Any, path: str, storage_options: dict[str, Any] | None, kwargs: dict[str, Any], device: str) -> Any:
     live = _root.lookup(_root.StoreRoot(path, storage_options).key)
     if live is not None and isinstance(live, cls):
         return live
-    return cls(**kwargs, device=device, cache_path=path, storage_options=storage_options, **open_opts)
+    return cls.open(path, device=device, storage_options=storage_options, **kwargs)
 
 
 def _restore(cls: type, kwargs: dict[str, Any], device: str, snap: dict[str, Any]) -> Any:

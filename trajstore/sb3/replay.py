@@ -299,10 +299,12 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
     # -- pickling ----------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:
-        return dict(buffer_size=self.buffer_size * self.n_envs, observation_space=self.observation_space,
-                    action_space=self.action_space, n_envs=self.n_envs,
-                    optimize_memory_usage=self.optimize_memory_usage,
+        return dict(optimize_memory_usage=self.optimize_memory_usage,
                     handle_timeout_termination=self.handle_timeout_termination)
+
+    @classmethod
+    def _sizes_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return dict(buffer_size=cfg["buffer_size"] * cfg["n_envs"], n_envs=cfg["n_envs"])
 
     def _snapshot(self) -> dict[str, Any]:
         self.flush()

@@ -263,10 +263,12 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
 
     # -- pickling ----------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:
-        return dict(buffer_size=self.buffer_size, observation_space=self.observation_space,
-                    action_space=self.action_space, gae_lambda=self.gae_lambda, gamma=self.gamma, n_envs=self.n_envs,
-                    keep_history=self.keep_history, history_capacity=self.history_capacity,
-                    load_obs_on_get=self.load_obs_on_get)
+        return dict(gae_lambda=self.gae_lambda, gamma=self.gamma, keep_history=self.keep_history,
+                    history_capacity=self.history_capacity, load_obs_on_get=self.load_obs_on_get)
+
+    @classmethod
+    def _sizes_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return dict(buffer_size=cfg["buffer_size"], n_envs=cfg["n_envs"])
 
     def _snapshot(self) -> dict[str, Any]:
         names = ("actions", "rewards", "returns", "episode_starts", "values", "log_probs", "advantages")
