@@ -146,6 +146,19 @@ def encode_kv(key: Any, version: Any) -> dict[str, np.ndarray]:
     }
 
 
+def describe_kv(batch: dict[str, Any], i: int) -> str:
+    """Which leaves of row ``i`` disagree with the key/version its obs claims (for messages)."""
+    obs = np.asarray(batch["obs"])[i]
+    key, ver = int(obs[0]) - 1, int(obs[8])
+    exp = encode_kv([max(key, 0)], [max(ver, 0)])
+    parts = [f"obs claims key {key} version {ver}"]
+    for leaf in ("obs", "img", "d"):
+        got = np.asarray(batch[leaf])[i]
+        if not np.array_equal(got, exp[leaf][0]):
+            parts.append(f"{leaf} differs{' (all zeros)' if not np.any(got) else ''}")
+    return ", ".join(parts)
+
+
 def decode_kv(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(key, version, ok)`` of every row; ok: all leaves agree with :func:`encode_kv`."""
     obs = np.asarray(batch["obs"], dtype=np.float32)
@@ -262,7 +275,7 @@ def append_loop(store: str, side: str, ready: str, seed: int, max_batch: int, ma
 
 
 def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: float, max_batch: int,
-                     max_unflushed: int, pause_s: float = 0.0) -> None:
+                     max_unflushed: int, pause_s: float = 0.0, min_rows: int = 0) -> None:
     """Writer for the concurrent-reader test.  Only explicit flushes commit new rows
     (``commit_interval`` is huge), and *before* each flush the writer records in ``bound``
     how many rows that flush will make visible: an upper bound of what any reader may see."""
@@ -272,8 +285,9 @@ def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: 
     write_atomic(bound, str(seq), fsync=False)
     touch(ready)
     t_end = time.monotonic() + duration_s
+    t_max = t_end + 60.0
     unflushed = 0
-    while time.monotonic() < t_end:
+    while time.monotonic() < t_end or (seq < min_rows and time.monotonic() < t_max):
         b = int(rng.integers(1, max_batch + 1))
         if b == 1:
             rb.append(one(encode([seq])))
@@ -295,9 +309,10 @@ def _result(path: str, **kw: Any) -> None:
     write_atomic(path, json.dumps(kw), fsync=False)
 
 
-def reader_loop(store: str, bound: str, result: str, ready: str, duration_s: float, seed: int) -> None:
-    """Read-only reader next to :func:`committed_writer`: loops len(), rb[-1], rb[:] and
-    sample(256) and checks every row it gets.  Writes ``{"errors": [...], ...}`` to ``result``."""
+def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed: int) -> None:
+    """Read-only reader next to :func:`committed_writer`: loops len(), rb[-1], rb[i], rb[:]
+    and sample(256) until ``stop`` exists, and checks every row it gets.  Writes
+    ``{"errors": [...], ...}`` to ``result``."""
     errors: list[str] = []
     stats = {"loops": 0, "rows_checked": 0, "sampled": 0, "excluded_evicted": 0, "max_len": 0}
     try:
@@ -305,13 +320,13 @@ def reader_loop(store: str, bound: str, result: str, ready: str, duration_s: flo
         rb = ReplayBuffer.load_from(store, read_only=True)
         cap = rb.capacity
         touch(ready)
-        t_end = time.monotonic() + duration_s
+        t_max = time.monotonic() + 120.0
 
         def err(msg: str) -> None:
             if len(errors) < 20:
                 errors.append(msg)
 
-        while time.monotonic() < t_end and len(errors) < 20:
+        while not os.path.exists(stop) and time.monotonic() < t_max and len(errors) < 20:
             stats["loops"] += 1
             n = len(rb)
             b = read_int(bound)
@@ -330,12 +345,25 @@ def reader_loop(store: str, bound: str, result: str, ready: str, duration_s: flo
                     last = rb[i]
                 except IndexError:
                     continue  # the ring shrank between len() and the read (eviction): allowed
+                used = (int(rb._table.state.start), int(rb._table.state.end))  # white box: state the read used
                 s, ok = decode(batched(last))
                 b = read_int(bound)
+                if cap is not None and i >= 0:
+                    # A ring row read by index is not re-checked after the read (only sample is),
+                    # so it is only guaranteed whole if it is still committed afterwards.
+                    a = used[0] + i
+                    if a >= used[1]:
+                        err(f"rb[{i}] read absolute row {a}, past the end {used[1]} of the commit record it used "
+                            f"(it returned row {s[0]}, ok={bool(ok[0])}; {b} rows committed)")
+                    elif a >= read_head(store)["tables"]["step_data"]["start"] and (not ok[0] or s[0] != a):
+                        err(f"rb[{i}] (absolute row {a}, committed before and after the read) returned "
+                            f"{'garbage' if not ok[0] else f'row {s[0]}'}")
+                    continue
                 if not ok[0]:
                     err(f"rb[{i}] is garbage: obs[0]={float(last['obs'][0])} d={int(last['d'])}")
-                elif s[0] >= b:
-                    err(f"rb[{i}] returned row {s[0]} but only {b} rows were committed")
+                elif s[0] >= b or (cap is not None and not used[0] <= s[0] < used[1]):
+                    err(f"rb[{i}] returned row {s[0]}; {b} rows were committed, and the commit record "
+                        f"the read used names rows [{used[0]}, {used[1]})")
                 elif cap is not None and s[0] < b0 - cap:
                     err(f"rb[{i}] returned row {s[0]}, overwritten before the read began ({b0} rows were written)")
                 elif cap is None and i == -1 and s[0] + 1 < n:
@@ -491,8 +519,7 @@ def rewrite_reader(store: str, result: str, ready: str, duration_s: float) -> No
             key, ver, ok = decode_kv(x)
             if not ok.all():
                 bad = int(np.flatnonzero(~ok)[0])
-                errors.append(f"read {loops}: row {bad} of {len(ok)} is torn or zero: obs[0]={float(x['obs'][bad, 0])} "
-                              f"obs[8]={float(x['obs'][bad, 8])} d={int(x['d'][bad])}")
+                errors.append(f"read {loops}: row {bad} of {len(ok)} is not a whole row: {describe_kv(x, bad)}")
             elif len(key) and not (np.diff(key) > 0).all():
                 errors.append(f"read {loops}: keys are not increasing (rows duplicated or out of order)")
         rb.close()

@@ -64,30 +64,30 @@ def test_reader_never_sees_uncommitted_rows(tmp_path, procs, compressor, capacit
     with ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor,
                              chunk_rows=64) as rb:
         rb.extend(W.encode(np.arange(10)))
-    bound, wready = str(tmp_path / "bound"), str(tmp_path / "wready")
-    duration = 2.5
-    # A ring writer runs flat out (many overwrites); an unbounded one is paced so the
-    # reader's rb[:] stays cheap.
-    writer = W.start(W.committed_writer, store, bound, wready, 5, duration + 0.5, 48, 300,
-                     0.0 if capacity else 0.002)
+    bound, wready, stop = (str(tmp_path / n) for n in ("bound", "wready", "stop"))
+    # A ring writer runs flat out and writes at least 3 laps; an unbounded one is paced so
+    # the readers' rb[:] stays cheap.
+    writer = W.start(W.committed_writer, store, bound, wready, 5, 2.5, 48, 300, 0.0 if capacity else 0.002,
+                     3 * capacity if capacity else 0)
     procs.append(writer)
     W.wait_for_file(wready, writer)
     results = []
     for k in range(2):
         res, rready = str(tmp_path / f"result{k}"), str(tmp_path / f"rready{k}")
-        reader = W.start(W.reader_loop, store, bound, res, rready, duration, k)
+        reader = W.start(W.reader_loop, store, bound, res, rready, stop, k)
         procs.append(reader)
         results.append((reader, res))
+    _join_ok(writer, 90)
+    W.touch(stop)
     for reader, res in results:
         _join_ok(reader, 60)
-    _join_ok(writer, 60)
     total = W.read_int(bound)
     for reader, res in results:
         out = _load(res)
         assert out["errors"] == [], "\n".join(out["errors"])
-        assert out["loops"] > 10 and out["sampled"] > 0, out
+        assert out["loops"] >= 3 and out["sampled"] > 0, out
     if capacity:
-        assert total > 2 * capacity, f"the writer wrote only {total} rows: too few ring overwrites"
+        assert total >= 3 * capacity, f"the writer wrote only {total} rows: too few ring overwrites"
     # And what the writer left is whole.
     with ReplayBuffer.load_from(store, read_only=True) as ro:
         seq, ok = W.decode(ro[:])
@@ -254,13 +254,17 @@ def test_multiprocessing_writers(tmp_path, procs, method, chunk_rows):
     results = [str(tmp_path / f"result{w}") for w in range(4)]
     ps = [W.start(W.mp_append, rb, w, n_per, results[w], ctx=ctx) for w in range(4)]
     procs.extend(ps)
+    errors = []
     # While multiprocessing writers are open, a plain writer is refused (readers are not).
     with pytest.raises(LockedError, match=re.escape(store)):
         ReplayBuffer.load_from(store)
     with ReplayBuffer.load_from(store, read_only=True) as ro:
-        w_, _i, ok = W.decode_tag(ro[:])
-        assert ok.all(), "a reader saw a torn row while multiprocessing writers append"
-    errors = []
+        for _ in range(20):
+            w_, i_, ok = W.decode_tag(ro[:])
+            if not ok.all():
+                errors.append(f"a reader saw {int((~ok).sum())} torn rows of {len(ok)} while the writers append")
+                break
+            time.sleep(0.05)
     for w, p in enumerate(ps):
         p.join(180)
         if p.is_alive():
@@ -268,25 +272,27 @@ def test_multiprocessing_writers(tmp_path, procs, method, chunk_rows):
             p.join(5)
         out = _load(results[w]) if os.path.exists(results[w]) else {"ok": False, "error": f"exit code {p.exitcode}"}
         if not out["ok"]:
-            errors.append(f"writer {w}: {out['error']}")
-    assert not errors, "\n".join(errors)
+            errors.append(f"writer {w} failed: {out['error']}")
     try:
         for who, buf in (("parent multiprocessing handle", rb), ("read-only open", None)):
             buf = buf or ReplayBuffer.load_from(store, read_only=True)
             x = buf[:]
             w_, i_, ok = W.decode_tag(x)
-            assert ok.all(), f"{who}: {int((~ok).sum())} torn rows"
+            if not ok.all():
+                errors.append(f"{who}: {int((~ok).sum())} torn rows")
             pairs = w_ * n_per + i_
             uniq, counts = np.unique(pairs, return_counts=True)
             missing = 4 * n_per - len(uniq)
-            assert (counts == 1).all() and missing == 0 and len(pairs) == 4 * n_per, (
-                f"{who}: {len(pairs)} rows, {missing} of the {4 * n_per} (writer, i) rows missing, "
-                f"{int((counts > 1).sum())} duplicated")
+            if not ((counts == 1).all() and missing == 0 and len(pairs) == 4 * n_per):
+                errors.append(f"{who}: {len(pairs)} rows; {missing} of the {4 * n_per} (writer, i) rows missing, "
+                              f"{int((counts > 1).sum())} duplicated")
             for w in range(4):  # each writer's rows keep their order
-                assert (np.diff(i_[w_ == w]) > 0).all(), f"{who}: writer {w}'s rows out of order"
+                if not (np.diff(i_[w_ == w]) > 0).all():
+                    errors.append(f"{who}: writer {w}'s rows out of order")
             if buf is not rb:
                 buf.close()
     finally:
         rb.close()
+    assert not errors, "\n".join(errors)
     with ReplayBuffer.load_from(store) as w:  # all multiprocessing writers gone: a plain writer opens
         assert len(w) == 4 * n_per

@@ -131,19 +131,16 @@ class StoredBuffer(BatchBase):
         still what the latest commit record names (no row evicted or rewritten meanwhile)."""
         if self._store.writable and not self._store.multiprocessing:
             return super()._raw(idx)
+        # Indices are resolved against one commit record and the read is kept only if that record
+        # is still the latest afterwards, so the result is exactly that record's rows.
         leaves = self._all_leaves
-        for _ in range(100):
-            self._sync()
-            t, epoch = self._table, self._store.committed.epoch
-            start = t.state.start
-            i = normalize_index(idx, t.count)
+        self._sync()
+        for _ in range(1000):
+            i = normalize_index(idx, self._table.count)
             arrays = self._read_rows(i, leaves)
             if not self._store.refresh():
                 return arrays, not isinstance(i, int)
-            lowest = i if isinstance(i, int) else (int(i.min()) if len(i) else t.count)
-            if self._store.committed.epoch == epoch and start + lowest >= t.state.start:
-                return arrays, not isinstance(i, int)
-        raise RuntimeError("the writer changes rows faster than this reader can read them")
+        raise RuntimeError("the writer commits faster than this reader can read")
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly with replacement.
@@ -190,9 +187,18 @@ class StoredBuffer(BatchBase):
 
         ``fsync=True`` makes it durable against power loss too; ``None`` follows the store's
         ``fsync`` option (default False: safe against process crashes only)."""
-        if not self.read_only:
-            self._drain()
-            self._store.commit(fsync=fsync, state=self._state())
+        if self.read_only:
+            return
+        if self._store.multiprocessing:
+            # Under the op lock, on top of the other writers' latest commit: committing this
+            # handle's stale view would drop their rows.
+            with self._store.write_op():
+                self._drain()
+                if fsync:
+                    self._store.commit(fsync=True, state=self._state())
+            return
+        self._drain()
+        self._store.commit(fsync=fsync, state=self._state())
 
     def _state(self) -> dict[str, Any] | None:
         """Buffer-specific state saved in the commit record (None: keep what is there)."""

@@ -35,8 +35,9 @@ class ZarrStorage:
     Options (``**storage_kwargs`` of ``create``/``load_from``)
     ---------------------------------------------------------
     chunk_rows : int, optional
-        Rows per chunk for every field.  Default: ~4 MiB per uncompressed chunk (rounded to
-        whole pages so chunks can be memory-mapped), ~1 MiB per compressed chunk.
+        Rows per chunk for every field.  Default: ~1 MiB per uncompressed chunk, ~1 MiB of data
+        per compressed chunk.  Uncompressed chunks are always rounded up to whole memory pages
+        (e.g. a multiple of 1024 rows for (17,) float32) so they can be mapped side by side.
     compressor : None, "lz4", "zstd", zarr codec or numcodecs codec
         Default None (raw) on local folders and in memory: raw chunks are memory-mapped and
         sample at numpy-memmap speed (docs/benchmarks.md); "lz4" on remote stores.
@@ -272,7 +273,7 @@ class ReplayBuffer(StoredBuffer):
             raise SpaceMismatchError(f"extend_from: spaces differ: {other.single_space} vs {self.single_space}")
         n = len(other)
         self._stager.drain()
-        bar = _progress(n, "extend_from", True if tqdm else False)
+        bar = _progress(n, "extend_from", True if tqdm else False, unit="row")
         try:
             for lo in range(0, n, chunk_size):
                 hi = min(lo + chunk_size, n)

@@ -67,6 +67,8 @@ class _WriteOp:
                 s.refresh()
                 if s.committed.pending:  # left by a writer that died mid-rewrite
                     s._roll_forward(s.committed)
+                for listener in s.op_listeners:
+                    listener()
             except BaseException:
                 s.lock.release_op()
                 raise
@@ -109,6 +111,7 @@ class Store:
         self.tables: dict[str, Table] = {}
         self._op = _WriteOp(self)
         self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
+        self.op_listeners: list[Callable[[], None]] = []  # multiprocessing: called at the start of each write op
         for name, tspec in attrs["tables"].items():
             st = head.tables.get(name)
             if st is None:
@@ -438,7 +441,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str, enabled: bool | None) -> Any:
+def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -> Any:
     """A tqdm bar when asked (``None``: only on a terminal and when tqdm is installed)."""
     import sys
 
@@ -452,7 +455,7 @@ def _progress(total: int, desc: str, enabled: bool | None) -> Any:
 
             raise MissingDependencyError("progress bars need tqdm: pip install tqdm") from None
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit="file")
+    return tqdm(total=total, desc=desc, unit=unit)
 
 
 def _erase(loc: Location) -> None:

@@ -132,7 +132,7 @@ class Table:
         """Copy of logical row ``i`` (one unbatched row per field)."""
         self.prepare_reads()
         p = self.physical(i)
-        return [self.fields[j].read_range(p, p + 1)[0] for j in which]
+        return [self.fields[j].read_range(p, p + 1)[0, ...] for j in which]  # [0, ...]: 0-d arrays, not scalars
 
     def read_contiguous(self, lo: int, hi: int, which: Sequence[int]) -> list[np.ndarray]:
         """Copies of logical rows ``[lo, hi)`` without building an index array."""

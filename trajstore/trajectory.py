@@ -96,6 +96,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._min_last: int | None = None  # earliest last step among episodes with data (None: unknown)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
+        store.op_listeners.append(self._check_fork)
+        self._pid = os.getpid()
         self._table.listeners.append(self._after_step_extend)
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
@@ -231,6 +233,12 @@ class TrajectoryReplayBuffer(StoredBuffer):
         if self.read_only:
             self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
         self._forget()
+
+    def _check_fork(self) -> None:
+        """Multiprocessing: a forked copy of this handle must not continue the parent's episode."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._new_episode()
 
     def mark_episode_end(self) -> None:
         """End the current episode: later steps get a new ``current_episode_id``."""
@@ -566,7 +574,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         copy_episodes = src_traj and self._ep_plan is not None and other.episode_space == self.episode_space  # type: ignore[attr-defined]
         n = len(other)
         fresh: dict[int, int] = {}
-        bar = _progress(n, "extend_from", True if tqdm else False)
+        bar = _progress(n, "extend_from", True if tqdm else False, unit="row")
         try:
             for lo in range(0, n, chunk_size):
                 hi = min(lo + chunk_size, n)

@@ -107,8 +107,10 @@ class BatchBase:
         return SliceView(self, idx)
 
     def get_column(self, nested_keys: Sequence[str | int] | str) -> "ColumnView":
-        """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]``)."""
-        if isinstance(nested_keys, (str, int)):
+        """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]`` or ``"obs/pos"``)."""
+        if isinstance(nested_keys, str):
+            nested_keys = nested_keys.split("/")
+        elif isinstance(nested_keys, int):
             nested_keys = [nested_keys]
         return ColumnView(self, list(nested_keys))
 

@@ -78,6 +78,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._step = np.zeros((), np.int64)
         self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
         self._pending_saved = -1
+        self._last_done = b""  # dones of the last stored row, as stored
         config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
                   "optimize_memory_usage": bool(optimize_memory_usage)}
         created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
@@ -136,6 +137,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             for name, arr in self._small().items():
                 arr[phys] = self._column(name)[:]
             self._steps = int(self._column("step")[count - 1]) + 1
+            self._last_done = self.dones[(self.pos - 1) % size].tobytes()
         if self.optimize_memory_usage and count and read_pending:
             pr = self._pending_rb
             if len(pr) and int(pr.get_column(["step"])[0]) == self._steps - 1:
@@ -165,6 +167,9 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         """
         self._check_open()
         lay, p = self._layout, self.pos
+        if self._count and self.dones[(p - 1) % self.buffer_size].tobytes() != self._last_done:
+            # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
+            self._persist_edits(np.array([(p - 1) % self.buffer_size]))
         o, no = lay.batch(obs), lay.batch(next_obs)
         action = np.asarray(action).reshape((self.n_envs, self.action_dim))
         self.actions[p] = np.array(action)
@@ -184,6 +189,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._step[...] = self._steps
         row["step"] = self._step
         self._rb.append(row)
+        self._last_done = self.dones[p].tobytes()
         self._steps += 1
         self._count = min(self._count + 1, self.buffer_size)
         self.full = self._count == self.buffer_size
@@ -276,26 +282,35 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
     # -- committing --------------------------------------------------------------------------------
     def _before_commit(self) -> None:
-        """Write RAM edits of committed rows (SB3's ``dones[pos] = True``) and the pending obs."""
-        count = self._count
-        if count:
-            phys = (self._offset + np.arange(count)) % self.buffer_size
-            changed = np.zeros(count, bool)
-            for name, arr in self._small().items():
-                stored, mine = self._column(name)[:], arr[phys]
-                changed |= (stored.view(np.uint8) != mine.view(np.uint8)).reshape(count, -1).any(axis=1)
-            rows = np.flatnonzero(changed)
-            if rows.size:
-                batch = self._rb[rows]
-                for name, arr in self._small().items():
-                    batch[name] = arr[phys[rows]]
-                self._rb.set_at(rows, batch)
-        if self.optimize_memory_usage and count and self._pending_saved != self._steps - 1:
+        """Write RAM edits of stored rows (SB3's ``dones[pos] = True``) and the pending obs."""
+        self._persist_edits()
+        if self.optimize_memory_usage and self._count and self._pending_saved != self._steps - 1:
             row = {name: None for name in self._pending_space().spaces}
             self._layout.put_row(row, "obs", self._pending)
             row["step"] = np.asarray(self._steps - 1, np.int64)
             self._pending_rb.append(row)
             self._pending_saved = self._steps - 1
+
+    def _persist_edits(self, positions: np.ndarray | None = None) -> None:
+        """Rewrite stored rows (all, or those at ``positions``) whose RAM fields were edited."""
+        if not self._count:
+            return
+        if positions is None:
+            logical = np.arange(self._count)
+            phys = (self._offset + logical) % self.buffer_size
+        else:
+            phys = positions
+            logical, _ = self._logical_of(positions)
+        changed = np.zeros(len(logical), bool)
+        for name, arr in self._small().items():
+            stored, mine = self._column(name)[logical if positions is not None else slice(None)], arr[phys]
+            changed |= (stored.view(np.uint8) != mine.view(np.uint8)).reshape(len(logical), -1).any(axis=1)
+        if changed.any():
+            rows = logical[changed]
+            batch = self._rb[rows]
+            for name, arr in self._small().items():
+                batch[name] = arr[phys[changed]]
+            self._rb.set_at(rows, batch)
 
     # -- pickling ----------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,172 @@
+"""stable-baselines3 benchmark: trajstore's SB3 buffers against SB3's default in-RAM buffers, as
+ratios measured in one run (runs alternate, so machine load drifts hit both sides alike).
+
+- SAC on Pendulum-v1 (20,000 steps) with ZarrReplayBuffer vs SB3's ReplayBuffer (target <= 1.05);
+- PPO on CartPole-v1 with 8 envs (65,536 steps) with DummyVecRolloutBuffer and with
+  ZarrRolloutBuffer vs SB3's RolloutBuffer (target <= 1.10);
+- ``add`` and ``sample(256)`` of (84,84,4) uint8 observations (Atari frames), ZarrReplayBuffer vs
+  SB3's ReplayBuffer.
+
+    python scripts/bench_sb3.py                                  # full sizes (about 15 minutes on 2 cores)
+    python scripts/bench_sb3.py --quick                          # small sizes (smoke test)
+    python scripts/bench_sb3.py --markdown docs/benchmarks.md    # also (re)write its section
+
+Training runs use CPU, one torch thread, a fixed seed; both sides train the same policy (the
+buffers return bit-identical batches), so the wall-clock difference is the buffers' cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import _median_time, _replace_section  # noqa: E402
+
+import torch as th  # noqa: E402
+from gymnasium import spaces  # noqa: E402
+from stable_baselines3 import PPO, SAC  # noqa: E402
+from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+
+from trajstore.sb3 import DummyVecRolloutBuffer, ZarrReplayBuffer, ZarrRolloutBuffer  # noqa: E402
+
+Row = dict[str, Any]
+
+
+def _alternate(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median of each run's seconds: ``repeats`` rounds calling every run once, in an order
+    rotated each round (so warm-up and load drift do not favour one side)."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(runs[name]())
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _learn_seconds(model: Any, steps: int) -> float:
+    t = time.perf_counter()
+    model.learn(steps)
+    seconds = time.perf_counter() - t
+    buf = getattr(model, "replay_buffer", None) or model.rollout_buffer
+    if hasattr(buf, "close"):
+        buf.close()
+    return seconds
+
+
+def bench_sac(tmp: Path, steps: int, repeats: int) -> list[Row]:
+    def run(**kw: Any) -> Callable[[], float]:
+        def go() -> float:
+            env = make_vec_env("Pendulum-v1", n_envs=1, seed=0)
+            return _learn_seconds(SAC("MlpPolicy", env, seed=0, device="cpu", **kw), steps)
+        return go
+
+    t = _alternate({"sb3": run(), "ours": run(replay_buffer_class=ZarrReplayBuffer,
+                                              replay_buffer_kwargs=dict(cache_path=tmp / "sac", overwrite=True))},
+                   repeats)
+    return [{"what": f"SAC Pendulum-v1, {steps:,} steps (ZarrReplayBuffer)", "unit": "s", "ours": t["ours"],
+             "sb3": t["sb3"], "target": 1.05}]
+
+
+def bench_ppo(tmp: Path, steps: int, n_steps: int, repeats: int) -> list[Row]:
+    def run(**kw: Any) -> Callable[[], float]:
+        def go() -> float:
+            env = make_vec_env("CartPole-v1", n_envs=8, seed=0)
+            return _learn_seconds(PPO("MlpPolicy", env, n_steps=n_steps, seed=0, device="cpu", **kw), steps)
+        return go
+
+    t = _alternate({
+        "sb3": run(),
+        "dummyvec": run(rollout_buffer_class=DummyVecRolloutBuffer,
+                        rollout_buffer_kwargs=dict(cache_path=tmp / "ppo_dv", buffer_kwargs=dict(overwrite=True))),
+        "zarr": run(rollout_buffer_class=ZarrRolloutBuffer,
+                    rollout_buffer_kwargs=dict(cache_path=tmp / "ppo_z", overwrite=True)),
+    }, repeats)
+    label = f"PPO CartPole-v1, 8 envs, n_steps {n_steps}, {steps:,} steps"
+    return [{"what": f"{label} (DummyVecRolloutBuffer)", "unit": "s", "ours": t["dummyvec"], "sb3": t["sb3"],
+             "target": 1.10},
+            {"what": f"{label} (ZarrRolloutBuffer)", "unit": "s", "ours": t["zarr"], "sb3": t["sb3"], "target": 1.10}]
+
+
+def bench_images(tmp: Path, rows: int, repeats: int) -> list[Row]:
+    """add (steady state, after the ring wrapped) and sample(256) of (84,84,4) uint8 frames."""
+    obs_space, act_space = spaces.Box(0, 255, (84, 84, 4), np.uint8), spaces.Discrete(4)
+    ref = ReplayBuffer(rows, obs_space, act_space, "cpu")
+    ours = ZarrReplayBuffer(rows, obs_space, act_space, "cpu", cache_path=tmp / "img", overwrite=True)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, size=(64, 1, 84, 84, 4), dtype=np.uint8)
+    act, rew, done, infos = np.zeros((1, 1), np.int64), np.zeros(1, np.float32), np.zeros(1, bool), [{}]
+    k = [0]
+
+    def add(buf: Any) -> Callable[[], None]:
+        def go() -> None:
+            i = k[0] = (k[0] + 1) % 63
+            buf.add(frames[i], frames[i + 1], act, rew, done, infos)
+        return go
+
+    for buf in (ref, ours):
+        for _ in range(rows + rows // 4):  # wrap: steady state, pages resident
+            add(buf)()
+    def timed(fn: Callable[[], Any], inner: int) -> Callable[[], float]:
+        return lambda: _median_time(fn, 1, inner)
+
+    t_add = _alternate({"sb3": timed(add(ref), 200), "ours": timed(add(ours), 200)}, repeats)
+    t_smp = _alternate({"sb3": timed(lambda: ref.sample(256), 10), "ours": timed(lambda: ours.sample(256), 10)},
+                       repeats)
+    ours.close()
+    label = f"(84,84,4) uint8, {rows:,} transitions"
+    return [{"what": f"add, {label}", "unit": "µs", "ours": t_add["ours"] * 1e6, "sb3": t_add["sb3"] * 1e6},
+            {"what": f"sample(256), {label}", "unit": "ms", "ours": t_smp["ours"] * 1e3, "sb3": t_smp["sb3"] * 1e3}]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| measurement | unit | trajstore | SB3 default | ratio | target |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        target = f"<= {r['target']:.2f}" if "target" in r else "-"
+        lines.append(f"| {r['what']} | {r['unit']} | {r['ours']:.3g} | {r['sb3']:.3g} | {r['ours'] / r['sb3']:.2f}x "
+                     f"| {target} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--markdown", type=Path, default=None, help="write the results into this markdown file")
+    p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    args = p.parse_args(argv)
+    th.set_num_threads(1)
+    if args.quick:
+        sac_steps, ppo_steps, n_steps, img_rows, repeats = 600, 8 * 64 * 3, 64, 2_000, 2
+    else:
+        sac_steps, ppo_steps, n_steps, img_rows, repeats = 20_000, 65_536, 2048, 20_000, 2
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        tmp = Path(d)
+        rows = bench_images(tmp, img_rows, 5 if args.quick else 9)
+        rows += bench_ppo(tmp, ppo_steps, n_steps, repeats)
+        rows += bench_sac(tmp, sac_steps, repeats)
+    text = table(rows)
+    print(text)
+    if args.markdown:
+        cmd = "python scripts/bench_sb3.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
+        env = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {th.__version__}"
+               f" (1 thread, CPU)")
+        section = (f"## stable-baselines3 (scripts/bench_sb3.py)\n\nReproduce: `{cmd}` ({env}). Training: wall-clock "
+                   "of `learn`, medians of alternating runs, same seed on both sides (identical policies). add / "
+                   "sample: medians, page cache warm. Ratio = trajstore / SB3 default (lower is better).\n\n"
+                   f"{text}\n")
+        _replace_section(args.markdown, "## stable-baselines3", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
