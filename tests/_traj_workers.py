@@ -204,3 +204,32 @@ def mp_steady_writer(store: str, n: int, ready: str, result: str) -> None:
     except BaseException:
         W._result(result, ok=False, error=traceback.format_exc())
         raise
+
+
+# ----------------------------------------------------------------------------------------
+# child: remove_at killed at random (crash-atomic rewrite of steps and episode data)
+# ----------------------------------------------------------------------------------------
+def remove_loop(store: str, ready: str, seed: int, deadline_s: float = 60.0) -> None:
+    """Open ``store`` as the writer and alternate: delete a few random steps (sometimes every
+    step of an episode, which must also drop its episode data) with ``remove_at``, then record
+    a new episode with data so the store never runs dry.  Runs until SIGKILLed."""
+    rng = np.random.default_rng(seed)
+    rb = TrajectoryReplayBuffer.load_from(store)
+    W.touch(ready)
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        n = len(rb)
+        if n > 20:
+            eps = rb.episodes()
+            if rng.random() < 0.5 and len(eps["episode_id"]) > 1:
+                j = int(rng.integers(0, len(eps["episode_id"]) - 1))
+                rows = np.arange(eps["start"][j], eps["start"][j] + eps["length"][j])
+            else:
+                rows = rng.choice(n, size=int(rng.integers(1, 6)), replace=False)
+            rb.remove_at(rows)
+        eid = rb.current_episode_id
+        length = int(rng.integers(2, 9))
+        rb.extend(encode_steps(np.full(length, eid), np.arange(length)))
+        rb.set_current_episode_data(encode_episode(eid, 1))
+        rb.mark_episode_end()
+    os._exit(0)

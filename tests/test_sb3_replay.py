@@ -271,14 +271,21 @@ def test_setup_learn_edit_is_stored_by_next_add(tmp_path: Path) -> None:
     obs_space, act_space = OBS["float"], ACT["float"]
     kw = dict(optimize_memory_usage=True, handle_timeout_termination=False, commit_interval=3600)
     rb = ZarrReplayBuffer(8, obs_space, act_space, cache_path=tmp_path / "a", **kw)
-    _fill([rb], obs_space, act_space, 1, 11, seed=17)
+
+    def add(t: int) -> None:
+        o = np.full((1, 5), t, np.float32)
+        rb.add(o, o + 0.5, np.zeros((1, 2), np.float32), np.zeros(1, np.float32), np.zeros(1, bool), [{}])
+
+    for t in range(11):
+        add(t)
     edited = (rb.pos - 1) % rb.buffer_size
     rb.dones[edited] = True  # what _setup_learn does with optimize_memory_usage
-    _fill([rb], obs_space, act_space, 1, 1, seed=18)
+    add(11)
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # the folder as a SIGKILL now leaves it
     rb.close()
-    with ZarrReplayBuffer(8, obs_space, act_space, cache_path=tmp_path / "b", **kw) as again:
-        assert again.dones[edited, 0] == 1.0
+    with StoreBuffer.load_from(tmp_path / "b" / "transitions", read_only=True) as stored:
+        row = stored[(edited - stored.offset) % 8]
+        assert int(row["step"]) == 10 and row["done"][0] == 1.0
 
 
 def test_reopen_validates(tmp_path: Path) -> None:
