@@ -22,6 +22,7 @@ import numpy as np
 
 from .backend import Backend
 from .buffer import StoredBuffer, as_generator
+from .episodes import EpisodeIndex
 from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
 from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
 from .ring import IndexLike, normalize_index
@@ -90,15 +91,13 @@ class TrajectoryReplayBuffer(StoredBuffer):
         state = store.committed.state
         self.current_episode_id = int(state.get("current_episode_id", 0))
         self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
-        self._ep_ids: np.ndarray | None = None  # episode id of each logical episode row (lazy)
-        self._ep_sorted: tuple[np.ndarray, np.ndarray] | None = None
-        self._last_row: dict[int, int] | None = None  # episode id -> absolute row of its last step (writer, lazy)
-        self._min_last: int | None = None  # earliest last step among episodes with data (None: unknown)
+        self._episodes = EpisodeIndex(store, self._table, self._id_field, self._ep_table, self._ep_id_field,
+                                      lambda: self.current_episode_id)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
         store.op_listeners.append(self._check_fork)
         self._pid = os.getpid()
-        self._table.listeners.append(self._after_step_extend)
+        self._table.listeners.append(self._episodes.after_step_extend)
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
             # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
@@ -232,7 +231,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._next_id = max(self._next_id, int(state.get("next_episode_id", 0)))
         if self.read_only:
             self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
-        self._forget()
+        self._episodes.forget()
 
     def _check_fork(self) -> None:
         """Multiprocessing: a forked copy of this handle must not continue the parent's episode."""
@@ -250,14 +249,6 @@ class TrajectoryReplayBuffer(StoredBuffer):
     def episode_capacity(self) -> int | None:
         return None if self._ep_table is None else self._ep_table.capacity
 
-    def _episode_ids_column(self) -> np.ndarray:
-        """Episode id of every logical episode row (cached until the episode table changes)."""
-        if self._ep_ids is None:
-            t = self._ep_table
-            self._ep_ids = np.zeros(0, np.int64) if t is None else t.read_contiguous(0, t.count, [self._ep_id_field])[0]
-            self._ep_sorted = None
-        return self._ep_ids
-
     def episode_id_to_episode_data_index(self, episode_id: Any) -> Any:
         """Logical episode-data row(s) of episode id(s); int in, int out; array (numpy or torch) in,
         int64 array of the same kind out.
@@ -270,7 +261,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._sync()
         is_torch = type(episode_id).__module__.split(".")[0] == "torch"
         q = episode_id.detach().cpu().numpy() if is_torch else np.asarray(episode_id)
-        rows = self._lookup(q.astype(np.int64).ravel())
+        rows = self._episodes.lookup(q.astype(np.int64).ravel())
         if (rows < 0).any():
             raise KeyError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
         rows = rows.reshape(q.shape)
@@ -281,18 +272,6 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
             return torch.as_tensor(rows, device=episode_id.device)
         return rows
-
-    def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Episode rows of ``ids`` (-1 where there is none)."""
-        col = self._episode_ids_column()
-        if self._ep_sorted is None:
-            order = np.argsort(col, kind="stable")
-            self._ep_sorted = (col[order], order)
-        keys, order = self._ep_sorted
-        if len(keys) == 0:
-            return np.full(ids.shape, -1, np.int64)
-        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
-        return np.where(keys[pos] == ids, order[pos], -1)
 
     # -- reads ---------------------------------------------------------------------------------
     def _step_ids(self, idx: int | np.ndarray) -> Any:
@@ -316,7 +295,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
     def _episode_rows(self, ids: np.ndarray, fields: list[int]) -> list[np.ndarray]:
         """Episode data of ``ids`` (zeros where an episode has none)."""
         assert self._ep_table is not None and self._ep_plan is not None
-        rows = self._lookup(ids)
+        rows = self._episodes.lookup(ids)
         have = rows >= 0
         got = self._ep_table.gather(rows[have], fields) if have.any() else None
         out = []
@@ -412,70 +391,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             if ep_arrays is not None and n:
                 uniq, last = np.unique(ids[::-1], return_index=True)
                 for eid, k in zip(uniq.tolist(), (n - 1 - last).tolist()):
-                    self._set_episode_row(eid, [a[k : k + 1] for a in ep_arrays])
-
-    def _after_step_extend(self, lo: int, arrays: list[np.ndarray]) -> None:
-        """Table listener: remember each episode's last step and evict episodes that left the ring."""
-        if self._last_row is not None:
-            ids = arrays[self._id_field]
-            uniq, last = np.unique(ids[::-1], return_index=True)
-            for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
-                self._last_row[eid] = lo + k
-        if self._ep_table is not None and self._table.capacity is not None and self._ep_table.count:
-            self._evict_dead_episodes()
-
-    def _last_rows(self) -> dict[int, int]:
-        if self._last_row is None:
-            t = self._table
-            ids = t.read_contiguous(0, t.count, [self._id_field])[0]
-            uniq, last = np.unique(ids[::-1], return_index=True)
-            self._last_row = dict(zip(uniq.tolist(), (t.state.start + len(ids) - 1 - last).tolist()))
-        return self._last_row
-
-    def _evict_dead_episodes(self) -> None:
-        """Drop the episode rows whose episode has no step left in the ring.
-
-        Checked only once the ring's start passes the earliest last step among episodes with
-        data (``_min_last``), so a steady stream costs O(episode rows) per evicted episode.
-        Dead rows at the front just advance the table's start; dead rows behind a live one
-        (data set out of order) are removed by a staged rewrite, so they never push a live
-        episode's data out of a bounded episode table.
-        """
-        t, et = self._table, self._ep_table
-        assert et is not None
-        if self._min_last is not None and self._min_last >= t.state.start:
-            return
-        last = self._last_rows()
-        col = self._episode_ids_column()
-        lasts = np.fromiter((last.get(e, -1) for e in col.tolist()), np.int64, len(col))
-        dead = (lasts < t.state.start) & (col != self.current_episode_id)
-        self._min_last = int(lasts[~dead].min()) if (~dead).any() else None
-        if not dead.any():
-            return
-        k = int(np.argmin(dead)) if not dead.all() else len(dead)  # length of the dead prefix
-        for e in col[dead].tolist():
-            last.pop(e, None)
-        if dead[k:].any():
-            rows = np.flatnonzero(dead)
-            self._store.rewrite(et.rewrite_plan_remove(rows), lambda: setattr(et.state, "end", et.state.end - len(rows)))
-        else:
-            et.state.start += k
-        self._ep_ids = col[~dead]
-        self._ep_sorted = None
-
-    def _set_episode_row(self, episode_id: int, arrays: list[np.ndarray]) -> None:
-        assert self._ep_table is not None
-        row = int(self._lookup(np.array([episode_id]))[0])
-        if row >= 0:
-            self._store.rewrite(self._ep_table.rewrite_plan_set(np.array([row]), arrays, list(range(len(arrays)))),
-                                lambda: None)
-        else:
-            before = self._ep_table.state.start
-            self._ep_table.extend(arrays + [np.array([episode_id], np.int64)], 1)
-            col = np.concatenate([self._episode_ids_column(), [episode_id]])
-            self._ep_ids = col[self._ep_table.state.start - before :]
-            self._min_last = None
-        self._ep_sorted = None
+                    self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
 
     def set_episode_data_at(self, episode_id: int, value: Any) -> None:
         """Set the data of episode ``episode_id`` (overwritten in place if it already has some)."""
@@ -484,7 +400,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         arrays, _ = self._ep_plan.to_arrays(value, batched=False)
         with self._store.write_op():
             self._drain()
-            self._set_episode_row(int(episode_id), arrays)
+            self._episodes.set_row(int(episode_id), arrays)
 
     def set_current_episode_data(self, value: Any) -> None:
         """Set the data of the episode being recorded (``current_episode_id``)."""
@@ -504,18 +420,12 @@ class TrajectoryReplayBuffer(StoredBuffer):
         fields = list(range(len(arrays))) + ([self._id_field] if ids is not None else [])
         data = arrays + ([ids] if ids is not None else [])
         with self._store.write_op():
-            self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._forget)
+            self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._episodes.forget)
             if ep is not None:
                 all_ids = np.atleast_1d(self._step_ids(rows))
                 uniq, first = np.unique(all_ids, return_index=True)
                 for eid, k in zip(uniq.tolist(), first.tolist()):
-                    self._set_episode_row(eid, [a[k : k + 1] for a in ep])
-
-    def _forget(self) -> None:
-        self._last_row = None
-        self._min_last = None
-        self._ep_ids = None
-        self._ep_sorted = None
+                    self._episodes.set_row(eid, [a[k : k + 1] for a in ep])
 
     def remove_at(self, idx: IndexLike) -> None:
         """Delete steps ``idx`` (later steps move up); episodes left without steps lose their
@@ -529,7 +439,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         keep = np.ones(len(ids), bool)
         keep[rows] = False
         gone = np.setdiff1d(np.unique(ids[rows]), np.unique(ids[keep]))
-        ep_rows = self._lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
+        ep_rows = self._episodes.lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
         ep_rows = np.unique(ep_rows[ep_rows >= 0])
 
         def changes():
@@ -541,7 +451,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             t.state.end -= int(rows.size)
             if et is not None:
                 et.state.end -= int(ep_rows.size)
-            self._forget()
+            self._episodes.forget()
 
         with self._store.write_op():
             self._store.rewrite(changes(), shrink)
@@ -553,7 +463,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             for tab in (self._table, self._ep_table):
                 if tab is not None:
                     tab.state.start = tab.state.end = 0
-            self._forget()
+            self._episodes.forget()
             self._new_episode()
             head = self._store._current_head()
             head.epoch += 1
@@ -600,15 +510,15 @@ class TrajectoryReplayBuffer(StoredBuffer):
         with self._store.write_op():
             if copy_episodes:
                 src = np.array(list(fresh), np.int64)
-                rows = other._lookup(src)  # type: ignore[attr-defined]
+                rows = other._episodes.lookup(src)  # type: ignore[attr-defined]
                 # Only episodes that still have steps here (a small ring may have dropped some).
-                last, start = self._last_rows(), self._table.state.start
+                last, start = self._episodes.last_rows(), self._table.state.start
                 alive = np.array([last.get(fresh[e], -1) >= start for e in src.tolist()], bool)
                 have = (rows >= 0) & alive
                 if have.any():
                     data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
                     for k, eid in enumerate(src[have].tolist()):
-                        self._set_episode_row(fresh[eid], [a[k : k + 1] for a in data])
+                        self._episodes.set_row(fresh[eid], [a[k : k + 1] for a in data])
             self._new_episode()
 
     # -- episodes and sequences -------------------------------------------------------------------

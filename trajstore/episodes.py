@@ -1,0 +1,137 @@
+"""The episode index of a trajectory buffer: which episode-data row holds which episode id,
+where each episode's last step is, and eviction of data whose episode left the step ring.
+
+Everything here is derived from the stored arrays (the episode-id column of the episode
+table, the step-id column of the step table) and cached in RAM until they change, so
+opening a store stays a metadata operation: the caches fill on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from .table import Table
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["EpisodeIndex"]
+
+
+class EpisodeIndex:
+    """Id lookups and eviction for one trajectory store.
+
+    Parameters
+    ----------
+    store : Store
+        Owner of the commit record (rewrites go through it).
+    steps : Table
+        The step table; field ``step_id_field`` holds each step's episode id.
+    episodes : Table or None
+        The episode-data table; field ``episode_id_field`` holds each row's episode id.
+    current_id : callable
+        Returns the id of the episode being recorded (its data is never evicted).
+    """
+
+    def __init__(self, store: "Store", steps: Table, step_id_field: int, episodes: Table | None,
+                 episode_id_field: int, current_id: Callable[[], int]) -> None:
+        self.store, self.steps, self.episodes = store, steps, episodes
+        self.step_id_field, self.episode_id_field = step_id_field, episode_id_field
+        self.current_id = current_id
+        self._ids: np.ndarray | None = None  # episode id of each logical episode row
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self._last: dict[int, int] | None = None  # episode id -> absolute row of its last step
+        self._min_last: int | None = None  # earliest last step among episodes with data (None: unknown)
+
+    def forget(self) -> None:
+        """Drop every cache (the arrays changed under us)."""
+        self._ids = self._sorted = self._last = self._min_last = None
+
+    # -- lookups ---------------------------------------------------------------------------
+    def column(self) -> np.ndarray:
+        """Episode id of every logical episode-data row, shape (E,) int64."""
+        if self._ids is None:
+            t = self.episodes
+            self._ids = np.zeros(0, np.int64) if t is None else t.read_contiguous(0, t.count, [self.episode_id_field])[0]
+            self._sorted = None
+        return self._ids
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Episode-data rows of ``ids`` (any shape, int64); -1 where an id has no data."""
+        col = self.column()
+        if self._sorted is None:
+            order = np.argsort(col, kind="stable")
+            self._sorted = (col[order], order)
+        keys, order = self._sorted
+        if len(keys) == 0:
+            return np.full(ids.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+        return np.where(keys[pos] == ids, order[pos], -1)
+
+    def last_rows(self) -> dict[int, int]:
+        """Absolute row of the last step of every episode with steps present (built once, O(rows))."""
+        if self._last is None:
+            t = self.steps
+            ids = t.read_contiguous(0, t.count, [self.step_id_field])[0]
+            uniq, last = np.unique(ids[::-1], return_index=True)
+            self._last = dict(zip(uniq.tolist(), (t.state.start + len(ids) - 1 - last).tolist()))
+        return self._last
+
+    # -- writes -------------------------------------------------------------------------------
+    def set_row(self, episode_id: int, arrays: list[np.ndarray]) -> None:
+        """Write episode data (one row per leaf array): in place for a known id, else a new row."""
+        et = self.episodes
+        assert et is not None
+        row = int(self.lookup(np.array([episode_id]))[0])
+        if row >= 0:
+            self.store.rewrite(et.rewrite_plan_set(np.array([row]), arrays, list(range(len(arrays)))), lambda: None)
+        else:
+            before = et.state.start
+            et.extend(arrays + [np.array([episode_id], np.int64)], 1)
+            col = np.concatenate([self.column(), [episode_id]])
+            self._ids = col[et.state.start - before :]  # a full ring dropped its oldest row
+            self._min_last = None
+        self._sorted = None
+
+    def after_step_extend(self, lo: int, arrays: list[np.ndarray]) -> None:
+        """Step-table listener: remember each episode's last step, then evict dead episodes."""
+        if self._last is not None:
+            ids = arrays[self.step_id_field]
+            uniq, last = np.unique(ids[::-1], return_index=True)
+            for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
+                self._last[eid] = lo + k
+        if self.episodes is not None and self.steps.capacity is not None and self.episodes.count:
+            self.evict_dead()
+
+    def evict_dead(self) -> None:
+        """Drop the episode rows whose episode has no step left in the ring.
+
+        Checked only once the ring's start passes the earliest last step among episodes with
+        data, so a steady stream costs O(episode rows) per evicted episode.  Dead rows at the
+        front just advance the table's start; dead rows behind a live one (data set out of
+        order) are removed by a staged rewrite, so they never push a live episode's data out of
+        a bounded episode table.
+        """
+        t, et = self.steps, self.episodes
+        assert et is not None
+        if self._min_last is not None and self._min_last >= t.state.start:
+            return
+        last = self.last_rows()
+        col = self.column()
+        lasts = np.fromiter((last.get(e, -1) for e in col.tolist()), np.int64, len(col))
+        dead = (lasts < t.state.start) & (col != self.current_id())
+        self._min_last = int(lasts[~dead].min()) if (~dead).any() else None
+        if not dead.any():
+            return
+        k = int(np.argmin(dead)) if not dead.all() else len(dead)  # length of the dead prefix
+        for e in col[dead].tolist():
+            last.pop(e, None)
+        if dead[k:].any():
+            rows = np.flatnonzero(dead)
+            self.store.rewrite(et.rewrite_plan_remove(rows), lambda: setattr(et.state, "end", et.state.end - len(rows)))
+        else:
+            et.state.start += k
+        self._ids = col[~dead]
+        self._sorted = None
