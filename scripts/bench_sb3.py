@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     th.set_num_threads(1)
     if args.quick:
-        sac_steps, ppo_steps, n_steps, img_rows, repeats = 600, 8 * 64 * 3, 64, 2_000, 2
+        sac_steps, ppo_steps, n_steps, img_rows, repeats = 150, 8 * 32 * 3, 32, 1_000, 2
     else:
         sac_steps, ppo_steps, n_steps, img_rows, repeats = 20_000, 65_536, 2048, 20_000, 2
     with tempfile.TemporaryDirectory(dir=args.dir) as d:

@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,7 @@ def test_constructor_like_sb3(tmp_path: Path) -> None:
         ZarrDictReplayBuffer(10, DICT_OBS, act, optimize_memory_usage=True, handle_timeout_termination=False)
     with ZarrReplayBuffer(7, obs, act, "cpu", n_envs=3) as rb:
         assert rb.buffer_size == 2 and rb.n_envs == 3 and rb.device.type == "cpu"
-        assert isinstance(rb, ReplayBuffer) and not hasattr(ZarrReplayBuffer(1, obs, act), "nonexistent")
+        assert isinstance(rb, ReplayBuffer) and rb.temporary
     with ZarrReplayBuffer(2, obs, act, n_envs=4, optimize_memory_usage=True, handle_timeout_termination=False) as rb:
         assert rb.buffer_size == 1 and not hasattr(rb, "next_observations")
 
@@ -288,6 +289,18 @@ def test_setup_learn_edit_is_stored_by_next_add(tmp_path: Path) -> None:
         assert int(row["step"]) == 10 and row["done"][0] == 1.0
 
 
+def test_commits_every_commit_interval_while_adding(tmp_path: Path) -> None:
+    """Transitions are committed at least every commit_interval even when nothing samples
+    (e.g. before learning_starts), so a crash loses at most about that much."""
+    obs_space, act_space = OBS["float"], ACT["float"]
+    with ZarrReplayBuffer(100, obs_space, act_space, cache_path=tmp_path / "rb", commit_interval=0.05) as rb:
+        _fill([rb], obs_space, act_space, 1, 3, seed=20)
+        time.sleep(0.1)
+        _fill([rb], obs_space, act_space, 1, 1, seed=21)
+        with StoreBuffer.load_from(tmp_path / "rb" / "transitions", read_only=True) as reader:
+            assert len(reader) == 4
+
+
 def test_reopen_validates(tmp_path: Path) -> None:
     obs, act, p = OBS["float"], ACT["float"], tmp_path / "rb"
     ZarrReplayBuffer(20, obs, act, n_envs=2, cache_path=p).close()
@@ -312,8 +325,14 @@ def test_reopen_validates(tmp_path: Path) -> None:
     with pytest.raises(StoreExistsError, match="not empty"):
         ZarrReplayBuffer(20, obs, act, cache_path=foreign)
     assert (foreign / "notes.txt").read_text() == "mine"
-    with ZarrReplayBuffer(20, obs, act, n_envs=4, cache_path=p, overwrite=True) as rb:  # replaced
-        assert rb.size() == 0 and rb.buffer_size == 5
+    with ZarrReplayBuffer(20, obs, act, n_envs=4, cache_path=p, overwrite=True, optimize_memory_usage=True,
+                          handle_timeout_termination=False) as rb:  # replaced
+        _fill([rb], obs, act, 4, 3, seed=19)
+        assert rb.size() == 3 and rb.buffer_size == 5
+    assert sorted(os.listdir(p)) == ["pending", "sb3.json", "transitions"]
+    with ZarrReplayBuffer(20, obs, act, n_envs=2, cache_path=p, overwrite=True) as rb:
+        assert rb.size() == 0
+    assert sorted(os.listdir(p)) == ["sb3.json", "transitions"]  # the parts of the old layout went
 
 
 def test_pickle_is_a_handle(tmp_path: Path) -> None:

@@ -216,7 +216,13 @@ def test_facade_reopen_validates(tmp_path: Path) -> None:
     with pytest.raises(SpaceMismatchError, match="n_envs=2; got n_envs=3"):
         DummyVecRolloutBuffer(T, obs_space, act_space, n_envs=3, cache_path=tmp_path / "f")
     DummyVecRolloutBuffer(T, obs_space, act_space, n_envs=3, cache_path=tmp_path / "f",
+                          buffer_kwargs=dict(overwrite=True, keep_history=True)).close()
+    assert sorted(os.listdir(tmp_path / "f")) == ["env_0", "env_1", "env_2", "sb3.json"]
+    assert sorted(os.listdir(tmp_path / "f" / "env_2")) == ["history", "rollout", "sb3.json"]
+    DummyVecRolloutBuffer(T, obs_space, act_space, n_envs=1, cache_path=tmp_path / "f",
                           buffer_kwargs=dict(overwrite=True)).close()
+    assert sorted(os.listdir(tmp_path / "f")) == ["env_0", "sb3.json"]
+    assert sorted(os.listdir(tmp_path / "f" / "env_0")) == ["rollout", "sb3.json"]
 
 
 @pytest.mark.parametrize("where", ["temporary", "folder"])
@@ -296,3 +302,20 @@ def test_dummyvec_history_per_env(tmp_path: Path) -> None:
             obs = tb[:]["step_data"]["obs"]
             for k in ("img", "vec", "d"):
                 np.testing.assert_array_equal(obs[k], ref.observations[k][:, e])
+
+
+def test_sb3_allocation_is_never_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SB3's RolloutBuffer.__init__ / reset (dense observation arrays) are never called."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("SB3's RolloutBuffer.__init__ or reset called")
+
+    for cls in (RolloutBuffer, DictRolloutBuffer):
+        monkeypatch.setattr(cls, "__init__", refuse)
+        monkeypatch.setattr(cls, "reset", refuse)
+    obs_space, act_space = OBS["image"]
+    with DummyVecRolloutBuffer(4096, obs_space, act_space, n_envs=2, gamma=GAMMA, gae_lambda=LAMBDA,
+                               cache_path=tmp_path / "f") as f:
+        f.reset()
+        assert f.buffers[0].observations.shape == (4096, 1, 10, 10, 3)
+    with ZarrDictRolloutBuffer(16, OBS["dict"][0], act_space, n_envs=3) as z:
+        z.reset()

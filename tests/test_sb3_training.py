@@ -56,6 +56,7 @@ def close_buffer(model: Any) -> None:
 # ------------------------------------------------------------------------------- same parameters
 
 
+@pytest.mark.slow
 def test_sac_pendulum_same_parameters(tmp_path: Path) -> None:
     def train(**kw: Any) -> SAC:
         env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
@@ -82,6 +83,7 @@ def test_td3_ddpg_same_parameters(tmp_path: Path, algo: type) -> None:
     close_buffer(ours)
 
 
+@pytest.mark.filterwarnings("ignore:The last trajectory in the replay buffer will be truncated")
 def test_dqn_optimize_memory_same_parameters(tmp_path: Path) -> None:
     """optimize_memory_usage, and the ``dones[pos] = True`` that a second ``learn`` writes."""
     def train(buffer_class: Any = None, **buffer_kwargs: Any) -> DQN:
@@ -276,3 +278,15 @@ def test_docs_examples_run(tmp_path: Path) -> None:
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "resuming with 300 transitions" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_sb3_quick(tmp_path: Path) -> None:
+    """scripts/bench_sb3.py keeps working (small sizes; timings are printed, never asserted)."""
+    md = tmp_path / "bench.md"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_sb3.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--markdown", str(md), "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "| SAC Pendulum-v1, 150 steps (ZarrReplayBuffer) |" in out.stdout
+    assert "## stable-baselines3" in md.read_text()

@@ -200,9 +200,7 @@ class ReplayBuffer(StoredBuffer):
             return
         st = self._stager
         self._plan.write_row(value, st.bufs, st.n)
-        st.n += 1
-        if st.n == st.rows:
-            st.drain()
+        st.added()
 
     def extend(self, value: Any) -> None:
         """Add a batch of rows (leading axis B on every leaf)."""

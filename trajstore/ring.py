@@ -64,10 +64,11 @@ def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TypeError(f"index arrays must be 1-D integers or booleans; got shape {arr.shape} dtype {arr.dtype}")
     out = arr.astype(np.int64, copy=True)
-    neg = out < 0
-    if neg.any():
-        out[neg] += length
-    if out.size and (out.min() < 0 or out.max() >= length):
+    lo, hi = out.min(), out.max()  # two reductions; the common all-non-negative case needs no more
+    if lo < 0:
+        out[out < 0] += length
+        lo, hi = out.min(), out.max()
+    if lo < 0 or hi >= length:
         bad = arr[(out < 0) | (out >= length)][0]
         raise IndexError(f"index {int(bad)} is out of range for a buffer of length {length}")
     return out

@@ -280,9 +280,13 @@ class Store:
         head.tables[table.name] = TableState(new_start, c.end, c.allocated)
         self._write_head(head)
 
+    def commit_due(self) -> bool:
+        """``commit_interval`` seconds have passed since the last commit."""
+        return time.monotonic() - self._last_commit >= self.commit_interval
+
     def after_write(self) -> None:
         """Commit every ``commit_interval`` seconds of writing, so a crash loses little."""
-        if not self.multiprocessing and time.monotonic() - self._last_commit >= self.commit_interval:
+        if not self.multiprocessing and self.commit_due():
             self.commit(state=self.state_provider() if self.state_provider else None)
 
     state_provider: Callable[[], dict[str, Any]] | None = None

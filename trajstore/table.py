@@ -205,6 +205,13 @@ class RowStager:
         self.rows = rows
         self.n = 0
 
+    def added(self) -> None:
+        """One row was written into ``bufs[*][n]``: count it; hand the block over when it is
+        full, or when the store's ``commit_interval`` says staged rows are due."""
+        self.n += 1
+        if self.n == self.rows or self.table.store.commit_due():
+            self.drain()
+
     def drain(self) -> None:
         if self.n:
             n, self.n = self.n, 0

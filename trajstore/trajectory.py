@@ -354,9 +354,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             st = self._stager
             self._step_plan.write_row(value, st.bufs, st.n)
             st.bufs[-1][st.n] = self.current_episode_id
-            st.n += 1
-            if st.n == st.rows:
-                st.drain()
+            st.added()
             return
         self._extend(*self._split(value, batched=False))
 

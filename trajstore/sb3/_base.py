@@ -13,8 +13,8 @@ import gymnasium
 import numpy as np
 
 from ..errors import DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
-from ..spaces import space_from_json
 from ..replay_buffer import ReplayBuffer as StoreBuffer
+from ..spaces import space_from_json
 from ..trajectory import TrajectoryReplayBuffer
 from ..views import ColumnView
 from . import _root
@@ -92,7 +92,8 @@ class ZarrBufferMixin:
     that reopen the buffer).
     """
 
-    KIND = ""
+    KIND = ""  # the class name, recorded in sb3.json
+    _main = ""  # the part holding the observations ("transitions", "rollout")
     _layout: ObsLayout
     _root: _root.StoreRoot
     buffer_size: int
@@ -109,6 +110,7 @@ class ZarrBufferMixin:
         self._root = _root.StoreRoot(cache_path, storage_options)
         self._create_opts, self._open_opts = _root.storage_split(storage_kwargs)
         self._config = config
+        self._parts = parts
         created = self._root.prepare(self.KIND, config, parts, overwrite)
         _root.register(self._root, self)
         self.closed = False
@@ -116,14 +118,15 @@ class ZarrBufferMixin:
         return created
 
     def _finish_create(self) -> None:
-        """Write ``sb3.json`` (last, so a half-created folder has none)."""
+        """Drop parts of a replaced buffer that were not recreated, then write ``sb3.json`` (last,
+        so a half-created folder has none)."""
+        self._root.drop_parts(self._parts, {name.split("/")[0] for name in self._stores})
         self._root.write_config({"kind": self.KIND, **self._config})
 
     def _store_opts(self, create: bool) -> dict[str, Any]:
-        opts = dict(self._create_opts if create else self._open_opts)
-        if create and "compressor" not in opts and not self._root.is_url:
-            opts["compressor"] = None  # raw, memory-mapped chunks: sampling at memmap speed
-        return opts
+        """Storage options for creating or for reopening a part (trajstore's defaults otherwise:
+        raw memory-mapped chunks on local folders, lz4 on remote URLs)."""
+        return dict(self._create_opts if create else self._open_opts)
 
     def _open_replay(self, name: str, space: gymnasium.Space, capacity: int | None, create: bool,
                      required: bool = True) -> StoreBuffer:
@@ -147,31 +150,29 @@ class ZarrBufferMixin:
         self._stores[name] = rb
         return rb
 
-    def _open_trajectory(self, name: str, step_space: gymnasium.Space, capacity: int | None) -> TrajectoryReplayBuffer:
-        """Create or open the trajstore TrajectoryReplayBuffer ``name`` of this buffer's folder."""
+    def _open_trajectory(self, name: str, step_space: gymnasium.Space, capacity: int | None,
+                         create: bool) -> TrajectoryReplayBuffer:
+        """Create (``create``, or when missing) or open the TrajectoryReplayBuffer ``name``."""
         path = self._root.sub(name)
         so = self._root.storage_options
-        if self._root.exists(name):
+        if not create and self._root.exists(name):
             tb = TrajectoryReplayBuffer.load_from(path, storage_options=so, **self._store_opts(False))
             if tb.step_space != step_space:
                 tb.close()
                 raise SpaceMismatchError(f"{path}: stored step space {tb.step_space} differs from {step_space}")
         else:
             tb = TrajectoryReplayBuffer.create(step_space, step_data_capacity=capacity, cache_path=path,
-                                               storage_options=so, **self._store_opts(True))
+                                               storage_options=so, overwrite=True, **self._store_opts(True))
         self._stores[name] = tb
         return tb
 
     # -- reads --------------------------------------------------------------------------------------
-    def _column(self, leaf: str, store: str | None = None) -> ColumnView:
-        """Cached lazy view of one stored leaf."""
-        key = f"{store}:{leaf}"
-        col = self._cols.get(key)
+    def _column(self, leaf: str) -> ColumnView:
+        """Cached lazy view of one leaf of the main part."""
+        col = self._cols.get(leaf)
         if col is None:
-            col = self._cols[key] = self._stores[store or self._main].get_column([leaf])
+            col = self._cols[leaf] = self._stores[self._main].get_column([leaf])
         return col
-
-    _main = ""
 
     def _gather(self, prefix: str, logical: np.ndarray, env_indices: np.ndarray | None) -> PerKey:
         """Observations of store rows ``logical`` (B,), env ``env_indices[b]`` for row b (None: env 0).
@@ -189,10 +190,10 @@ class ZarrBufferMixin:
                 out[k][sel] = self._column(lay.leaf(prefix, e, k))[rows]
         return out
 
-    def _read_env(self, prefix: str, env: int, lo: int, hi: int, store: str | None = None) -> PerKey:
+    def _read_env(self, prefix: str, env: int, lo: int, hi: int) -> PerKey:
         """Contiguous store rows ``[lo, hi)`` of env ``env``: ``{key: (hi - lo, *shape)}``."""
         lay = self._layout
-        return {k: self._column(lay.leaf(prefix, env, k), store)[lo:hi] for k in lay.keys}
+        return {k: self._column(lay.leaf(prefix, env, k))[lo:hi] for k in lay.keys}
 
     def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store rows of SB3 positions and which positions hold a row."""
@@ -212,6 +213,10 @@ class ZarrBufferMixin:
 
     def _patch_grid(self, prefix: str, key: str | None, positions: np.ndarray, out: np.ndarray) -> None:
         """Hook: fill positions whose observation is not a store row (replay: the pending one)."""
+
+    def _tensor(self, array: np.ndarray) -> Any:
+        """A tensor on ``device`` of a fresh, private array (shares its memory on CPU)."""
+        return self.to_torch(array, copy=False)  # type: ignore[attr-defined]
 
     def _views(self, prefix: str) -> PositionView | dict[str, PositionView]:
         lay = self._layout

@@ -99,6 +99,12 @@ class StoreRoot:
     def exists(self, name: str) -> bool:
         return bool(self.fs.exists(self._fs_path(name)))
 
+    def names(self) -> list[str]:
+        """Names of the entries at the top of the folder."""
+        if not self.fs.exists(self._fs_root):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._fs_root, detail=False))
+
     def is_empty(self) -> bool:
         root = self._fs_root
         if not self.fs.exists(root):
@@ -139,8 +145,12 @@ class StoreRoot:
         """Decide between reopening and creating; return True when the buffer must be created.
 
         An existing record of the same ``kind`` whose ``config`` matches is reopened (never
-        truncated).  ``overwrite=True`` removes the ``parts`` of an existing buffer first.  A
-        folder that holds other files and no record is refused unless ``overwrite``.
+        truncated).  With ``overwrite=True`` nothing is erased here: the caller replaces the
+        parts (trajstore's ``create(overwrite=True)`` takes each part's writer lock before
+        erasing it, so a buffer another process writes is never touched), then
+        :meth:`drop_parts` removes the parts it did not recreate and :meth:`write_config`
+        replaces the record.  A folder that holds anything but ``parts`` and no record is
+        refused unless ``overwrite``.
 
         Raises
         ------
@@ -156,17 +166,20 @@ class StoreRoot:
         if cfg is not None and not overwrite:
             self._validate(kind, cfg, config)
             return False
-        if cfg is None and not self.is_empty() and not overwrite:
+        if cfg is None and not overwrite and not self.is_empty():
             names = set(self.fs.ls(self._fs_root, detail=False))
             ours = {self._fs_path(p.split("/")[0]) for p in parts}
             if not names <= ours:  # parts of an unfinished create are ours to replace
                 raise StoreExistsError(f"{self.path}: the folder is not empty and holds no trajstore "
                                        f"stable-baselines3 buffer ({CONFIG_KEY} missing); pass overwrite=True "
                                        "to use it anyway")
-        for p in {p.split("/")[0] for p in parts} | {CONFIG_KEY}:
-            if self.exists(p):
-                self.fs.rm(self._fs_path(p), recursive=True)
         return True
+
+    def drop_parts(self, parts: list[str], keep: set[str]) -> None:
+        """Remove the top-level folders of ``parts`` that are not in ``keep`` (after a create)."""
+        for name in sorted({p.split("/")[0] for p in parts} - keep):
+            if self.exists(name):
+                self.fs.rm(self._fs_path(name), recursive=True)
 
     def _validate(self, kind: str, cfg: dict[str, Any], config: dict[str, Any]) -> None:
         if cfg.get("kind") != kind:

@@ -14,7 +14,7 @@ Bit-identical to SB3's ``RolloutBuffer(n_envs)`` under one seed: GAE runs per en
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Generator, Sequence
 
 import gymnasium
@@ -26,7 +26,8 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from ..errors import SpaceMismatchError
 from . import _root
-from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer
+from ._layout import ObsLayout
+from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
 
 __all__ = ["DummyVecRolloutBuffer"]
 
@@ -133,6 +134,8 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         else:
             self._buffers = self._build(kwargs.get("buffer_class"), dict(kwargs.get("buffer_kwargs") or {}),
                                         kwargs.get("storage_options"))
+        self._ours = bool(self._buffers) and all(isinstance(b, _ZarrRolloutMixin) for b in self._buffers)
+        self._layout = ObsLayout(observation_space, n_envs)
         self.reset()
 
     # -- construction -------------------------------------------------------------------------------
@@ -140,20 +143,19 @@ class DummyVecRolloutBuffer(RolloutBuffer):
                storage_options: dict[str, Any] | None) -> list[Any]:
         if buffer_class is None:
             buffer_class = ZarrDictRolloutBuffer if isinstance(self.observation_space, spaces.Dict) else ZarrRolloutBuffer
-        root = None
+        root, created = None, False
+        parts = [f"env_{i}" for i in range(self.n_envs)]
         if self.cache_path is not None:
             root = _root.StoreRoot(self.cache_path, storage_options)
             config = {**_root.space_config(self.observation_space, self.action_space), "n_envs": self.n_envs,
                       "buffer_size": self.buffer_size}
-            if root.prepare(KIND, config, [f"env_{i}" for i in range(self.n_envs)],
-                            bool(buffer_kwargs.get("overwrite", False))):
-                root.write_config({"kind": KIND, **config})
+            created = root.prepare(KIND, config, parts, bool(buffer_kwargs.get("overwrite", False)))
             if storage_options is not None:
                 buffer_kwargs.setdefault("storage_options", storage_options)
         subs: list[Any] = []
         try:
             for i in range(self.n_envs):
-                extra = {} if root is None else {"cache_path": root.sub(f"env_{i}")}
+                extra = {} if root is None else {"cache_path": root.sub(parts[i])}
                 subs.append(buffer_class(self.buffer_size, self.observation_space, self.action_space, device=self.device,
                                          gae_lambda=self.gae_lambda, gamma=self.gamma, n_envs=1,
                                          **extra, **buffer_kwargs))
@@ -162,6 +164,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
                 if hasattr(sub, "close"):
                     sub.close()
             raise
+        if root is not None and created:  # sub-stores of a replaced facade with more envs go
+            root.drop_parts([n for n in root.names() if n.startswith("env_")], keep=set(parts))
+            root.write_config({"kind": KIND, **config})
         return subs
 
     def _check_buffers(self, buffers: list[Any]) -> list[Any]:
@@ -187,6 +192,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="trajstore-sb3")
         futures = [self._executor.submit(fn, i, self._buffers[i]) for i in envs]
+        wait(futures)
         return [f.result() for f in futures]
 
     # -- state ------------------------------------------------------------------------------------
@@ -242,14 +248,22 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         n = self.n_envs
         if len(log_prob.shape) == 0:
             log_prob = log_prob.reshape(-1)
-        if isinstance(self.observation_space, spaces.Discrete):
-            obs = obs.reshape((n, *self.obs_shape))
         action = action.reshape((n, self.action_dim))
+        if self._ours:  # trajstore sub-buffers: normalise and convert once, hand out numpy rows
+            o, v, lp = self._layout.batch(obs), to_numpy(value).reshape(n, -1), to_numpy(log_prob).reshape(n)
 
-        def one(i: int, sub: Any) -> None:
-            sl = slice(i, i + 1)
-            o = {k: v[sl] for k, v in obs.items()} if isinstance(obs, dict) else obs[sl]
-            sub.add(o, action[sl], reward[sl], episode_start[sl], value[sl], log_prob[sl])
+            def one(i: int, sub: Any) -> None:
+                sl = slice(i, i + 1)
+                sub._add_arrays({k: a[sl] for k, a in o.items()}, action[sl], reward[sl], episode_start[sl],
+                                v[i], lp[sl])
+        else:
+            if isinstance(self.observation_space, spaces.Discrete):
+                obs = obs.reshape((n, *self.obs_shape))
+
+            def one(i: int, sub: Any) -> None:
+                sl = slice(i, i + 1)
+                o = {k: v[sl] for k, v in obs.items()} if isinstance(obs, dict) else obs[sl]
+                sub.add(o, action[sl], reward[sl], episode_start[sl], value[sl], log_prob[sl])
 
         self._each(one)
         self.pos += 1
@@ -294,10 +308,11 @@ class DummyVecRolloutBuffer(RolloutBuffer):
                 out.append({k: self._merge([(sels[e], parts[e][j][k]) for e in envs], len(batch_inds)) for k in first})
             else:
                 out.append(self._merge([(sels[e], parts[e][j]) for e in envs], len(batch_inds)))
-        obs, rest = out[0], [self.to_torch(a) for a in out[1:]]
+        # The merged arrays are fresh copies: tensors share their memory (values as SB3's to_torch).
+        obs, rest = out[0], [self.to_torch(a, copy=False) for a in out[1:]]
         if isinstance(obs, dict):
-            return DictRolloutBufferSamples({k: self.to_torch(v) for k, v in obs.items()}, *rest)
-        return RolloutBufferSamples(self.to_torch(obs), *rest)
+            return DictRolloutBufferSamples({k: self.to_torch(v, copy=False) for k, v in obs.items()}, *rest)
+        return RolloutBufferSamples(self.to_torch(obs, copy=False), *rest)
 
     @staticmethod
     def _merge(pieces: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:

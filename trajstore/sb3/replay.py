@@ -16,6 +16,7 @@ Sampling draws exactly what SB3 draws (``batch_inds`` in ``sample``, ``env_indic
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import gymnasium
@@ -79,6 +80,8 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
         self._pending_saved = -1
         self._last_done = b""  # dones of the last stored row, as stored
+        self._commit_interval = float(storage_kwargs.get("commit_interval", 1.0))
+        self._last_commit = time.monotonic()
         config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
                   "optimize_memory_usage": bool(optimize_memory_usage)}
         created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
@@ -101,7 +104,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     def _check_space(observation_space: gymnasium.Space, optimize_memory_usage: bool) -> None:
         if isinstance(observation_space, spaces.Dict):
             raise UnsupportedSpaceError("ZarrReplayBuffer takes Box, Discrete, MultiDiscrete or MultiBinary "
-                                        f"observations; got a Dict space: use ZarrDictReplayBuffer")
+                                        "observations; got a Dict space: use ZarrDictReplayBuffer")
 
     def _row_space(self) -> spaces.Dict:
         lay, n = self._layout, self.n_envs
@@ -189,6 +192,12 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._step[...] = self._steps
         row["step"] = self._step
         self._rb.append(row)
+        now = time.monotonic()
+        if now - self._last_commit >= self._commit_interval:
+            # trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer
+            # only when they are handed over; commit here so a crash loses at most commit_interval.
+            self._rb.flush()
+            self._last_commit = now
         self._last_done = self.dones[p].tobytes()
         self._steps += 1
         self._count = min(self._count + 1, self.buffer_size)
@@ -239,15 +248,18 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         actions = self.actions[batch_inds, env_indices, :]
         dones = (self.dones[batch_inds, env_indices] * (1 - self.timeouts[batch_inds, env_indices])).reshape(-1, 1)
         rewards = self._normalize_reward(self.rewards[batch_inds, env_indices].reshape(-1, 1), env)
+        # Every array here is a fresh private copy (gathered or computed), so tensors can share
+        # its memory instead of copying it once more (SB3's to_torch copies; values are the same).
+        t = self._tensor
         if lay.is_dict:
             return DictReplayBufferSamples(
-                observations={k: self.to_torch(v) for k, v in obs.items()},  # type: ignore[union-attr]
-                actions=self.to_torch(actions),
-                next_observations={k: self.to_torch(v) for k, v in next_obs.items()},  # type: ignore[union-attr]
-                dones=self.to_torch(dones),
-                rewards=self.to_torch(rewards),
+                observations={k: t(v) for k, v in obs.items()},  # type: ignore[union-attr]
+                actions=t(actions),
+                next_observations={k: t(v) for k, v in next_obs.items()},  # type: ignore[union-attr]
+                dones=t(dones),
+                rewards=t(rewards),
             )
-        return ReplayBufferSamples(*tuple(map(self.to_torch, (obs, actions, next_obs, dones, rewards))))
+        return ReplayBufferSamples(*tuple(map(t, (obs, actions, next_obs, dones, rewards))))
 
     def reset(self) -> None:
         """Empty the buffer (the store is cleared at once)."""
@@ -302,8 +314,9 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             phys = positions
             logical, _ = self._logical_of(positions)
         changed = np.zeros(len(logical), bool)
+        rows_read = slice(None) if positions is None else logical
         for name, arr in self._small().items():
-            stored, mine = self._column(name)[logical if positions is not None else slice(None)], arr[phys]
+            stored, mine = self._column(name)[rows_read], arr[phys]
             changed |= (stored.view(np.uint8) != mine.view(np.uint8)).reshape(len(logical), -1).any(axis=1)
         if changed.any():
             rows = logical[changed]
@@ -346,8 +359,9 @@ class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):
     ``max(buffer_size // n_envs, 1)``; ``optimize_memory_usage`` and
     ``handle_timeout_termination`` behave as in SB3.  ``actions`` (buffer_size, n_envs,
     action_dim), ``rewards``, ``dones``, ``timeouts`` (buffer_size, n_envs) float32 are RAM
-    arrays (SB3's shapes and dtypes) stored with every row; in-place edits such as SB3's
-    ``dones[pos] = True`` are written at the next :meth:`flush`.
+    arrays (SB3's shapes and dtypes) stored with every row; in-place edits of stored rows are
+    written at the next :meth:`flush` (the ``dones[pos - 1] = True`` of SB3's ``_setup_learn``
+    already at the next ``add``).
 
     Parameters
     ----------

@@ -105,7 +105,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
             self._rb = self._open_replay("rollout", obs_space, buffer_size, created)
             self._row: dict[str, Any] = dict.fromkeys(obs_space.spaces)
             self.history: list[TrajectoryReplayBuffer] = [
-                self._open_trajectory(self._history_name(e), self._history_space(), history_capacity)
+                self._open_trajectory(self._history_name(e), self._history_space(), history_capacity, created)
                 for e in range(self.n_envs)] if keep_history else []
             self._rollouts = max([self._last_rollout(tb) + 1 for tb in self.history], default=0)
             if created:
@@ -186,15 +186,21 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         self._check_open()
         if len(log_prob.shape) == 0:
             log_prob = log_prob.reshape(-1, 1)
-        o = self._layout.batch(obs)
         action = np.asarray(action).reshape((self.n_envs, self.action_dim))
+        self._add_arrays(self._layout.batch(obs), action, reward, episode_start, to_numpy(value).flatten(),
+                         to_numpy(log_prob))
+
+    def _add_arrays(self, obs: dict[str | None, np.ndarray], action: np.ndarray, reward: np.ndarray,
+                    episode_start: np.ndarray, value: np.ndarray, log_prob: np.ndarray) -> None:
+        """``add`` of normalised numpy arguments: obs ``{key: (n_envs, *shape)}``, action
+        (n_envs, action_dim), reward / episode_start / value / log_prob (n_envs,)."""
         p = self.pos
-        self.actions[p] = np.array(action)
+        self.actions[p] = np.array(action)  # an IndexError once full, as SB3's
         self.rewards[p] = np.array(reward)
         self.episode_starts[p] = np.array(episode_start)
-        self.values[p] = to_numpy(value).flatten()
-        self.log_probs[p] = to_numpy(log_prob)
-        self._layout.put_row(self._row, "obs", o)
+        self.values[p] = value
+        self.log_probs[p] = log_prob
+        self._layout.put_row(self._row, "obs", obs)
         self._rb.append(self._row)
         self._written = True
         self.pos += 1
@@ -247,10 +253,11 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         return self._samples(self._sample_arrays(batch_inds))
 
     def _samples(self, arrays: RolloutArrays) -> Any:
-        obs, rest = arrays[0], [self.to_torch(a) for a in arrays[1:]]
+        """Tensors of fresh minibatch arrays (see :meth:`_tensor`)."""
+        obs, rest = arrays[0], [self._tensor(a) for a in arrays[1:]]
         if self._layout.is_dict:
-            return DictRolloutBufferSamples({k: self.to_torch(v) for k, v in obs.items()}, *rest)
-        return RolloutBufferSamples(self.to_torch(obs), *rest)
+            return DictRolloutBufferSamples({k: self._tensor(v) for k, v in obs.items()}, *rest)
+        return RolloutBufferSamples(self._tensor(obs), *rest)
 
     # -- stored observations ---------------------------------------------------------------------
     @property
