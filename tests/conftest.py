@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -279,3 +280,14 @@ def buffers(tmp_path: Path):
         yield b
     finally:
         b.close_all()
+
+
+@pytest.fixture
+def procs():
+    """Children started by a test; any still alive at teardown are SIGKILLed."""
+    started: list = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(10)

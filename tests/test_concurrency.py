@@ -28,17 +28,6 @@ from trajstore import ReplayBuffer  # noqa: E402
 from trajstore.errors import LockedError  # noqa: E402
 
 
-@pytest.fixture
-def procs():
-    """Children started by a test; any still alive at teardown are SIGKILLed."""
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-
-
 def _join_ok(p, timeout: float = 120.0) -> None:
     p.join(timeout)
     if p.is_alive():

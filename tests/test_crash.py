@@ -28,17 +28,6 @@ from trajstore import _vmap  # noqa: E402
 STAGING = ".trajstore-staging"
 
 
-@pytest.fixture
-def procs():
-    """Children started by a test; any still alive at teardown are SIGKILLed."""
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-
-
 # ----------------------------------------------------------------------------------------
 # append loops killed at random (DESIGN 3.1-3.3)
 # ----------------------------------------------------------------------------------------

@@ -33,17 +33,6 @@ from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.errors import LockedError  # noqa: E402
 
 
-@pytest.fixture
-def procs():
-    """Children started by a test; any still alive at teardown are SIGKILLed."""
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-
-
 def _load(path) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -281,7 +270,7 @@ def _check_mp_store(buf, episodes: dict, who: str) -> None:
     for w in range(N_WRITERS):
         sel = wr == w
         order = np.argsort(i[sel])
-        w_i, w_ids, w_ed = i[sel][order], ids[sel][order], ep_data[sel][order]
+        w_ids, w_ed = ids[sel][order], ep_data[sel][order]
         assert (np.diff(i[sel]) > 0).all(), (
             f"{who}: writer {w}'s steps are out of order")
         for j, (first, length, has_data) in enumerate(episodes[w]):
