@@ -343,3 +343,20 @@ def test_bad_chunk_rows_option(buffers):
         buffers.create(box_space(), chunk_rows=0)
     with pytest.raises(TypeError):
         buffers.create(box_space(), no_such_option=1)
+
+
+@pytest.mark.parametrize("compressor", [None, "lz4"])
+def test_plain_zarr_reads_every_row_after_unbounded_growth(tmp_path, compressor):
+    """An unbounded store doubles its arrays as it grows; zarr.json (and the consolidated
+    metadata) must follow, or plain zarr readers would stop at the first allocation."""
+    import zarr
+
+    space = Box(-np.inf, np.inf, (17,), np.float32)
+    data = np.arange(9000 * 17, dtype=np.float32).reshape(9000, 17)
+    with ReplayBuffer.create(space, cache_path=tmp_path / "s", chunk_rows=1024, compressor=compressor) as rb:
+        for lo in range(0, 9000, 700):
+            rb.extend(data[lo:lo + 700])
+    for consolidated in (True, False):
+        arr = zarr.open_group(tmp_path / "s", mode="r", use_consolidated=consolidated)["step_data"]
+        assert arr.shape[0] >= 9000
+        np.testing.assert_array_equal(arr[:9000], data)

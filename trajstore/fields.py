@@ -151,7 +151,10 @@ class MappedField:
         return self._va.array
 
     def grow(self, allocated: int) -> None:
-        """Re-reserve a larger range and map the same chunk files into it."""
+        """Re-reserve a larger range and map the same chunk files into it (the writer first
+        resizes the zarr array, so plain zarr readers see every committed row)."""
+        if self.writable:
+            _open_zarr(self.loc, self.spec, allocated, writable=True)
         old = self._va
         self._va = self._reserve(allocated)
         for k in np.flatnonzero(old.mapped):
@@ -261,10 +264,7 @@ class ChunkedField:
 
     def grow(self, allocated: int) -> None:
         if self.z.shape[0] < allocated:  # another process may have resized it already
-            self.z = zarr.open_array(self.loc.zstore, path=self.spec.array_path,
-                                     mode="r+" if self.writable else "r").with_config({"write_empty_chunks": True})
-        if self.writable and self.z.shape[0] < allocated:
-            self.z.resize((allocated, *self.spec.row_shape))
+            self.z = _open_zarr(self.loc, self.spec, allocated, self.writable)
         self.allocated = allocated
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
@@ -417,6 +417,15 @@ class ChunkedField:
 
     def close(self) -> None:
         self._cache.clear()
+
+
+def _open_zarr(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array:
+    """The field's zarr array, re-read from the store; a writer resizes it to ``allocated`` rows
+    if another handle has not already (zarr.json only; no chunk is touched)."""
+    z = zarr.open_array(loc.zstore, path=spec.array_path, mode="r+" if writable else "r")
+    if writable and z.shape[0] < allocated:
+        z.resize((allocated, *spec.row_shape))
+    return z.with_config({"write_empty_chunks": True})
 
 
 def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> MappedField | ChunkedField:

@@ -1,0 +1,83 @@
+"""The ``trajstore`` command line: inspect, verify, repair, copy and plot stores.
+
+Every command opens stores read-only unless it exists to change them (``repair``, ``copy``'s
+destination, ``demo``), accepts any fsspec URL with ``--storage-options JSON``, prints a human
+table by default and JSON with ``--json``, writes errors as one line to stderr (the full
+traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2 on usage
+errors.  Progress bars (tqdm) appear only when stderr is a terminal.
+
+Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
+:mod:`.maintain` (verify, repair, copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import show as _show
+from . import maintain as _maintain
+from ._common import CLIError
+
+__all__ = ["main", "build_parser"]
+
+_EPILOG = """\
+exit status: 0 ok, 1 a problem was found (or an error), 2 usage error.
+
+examples:
+  trajstore demo demo_store                 record 5 CartPole episodes and show them
+  trajstore info demo_store                 what a store holds
+  trajstore episodes demo_store --sort return --limit 10
+  trajstore verify runs/buffer --deep       check every committed chunk
+  trajstore copy runs/buffer buffer.zip     copy (verified) into a zip
+  trajstore info s3://bucket/buf --storage-options '{"anon": true}'
+
+'trajstore COMMAND --help' describes each command."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback on errors")
+    p = argparse.ArgumentParser(
+        prog="trajstore", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
+        description="Inspect, check, repair, copy and plot trajstore stores (zarr v3 replay and trajectory data).")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _show.register(sub, common)
+    _maintain.register(sub, common)
+    # Subcommands in a sensible order in --help.
+    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "plot", "demo"]
+    sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``trajstore`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # output piped into `head` and closed early
+        return 0
+    except KeyboardInterrupt:
+        print(f"trajstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except CLIError as e:
+        if debug:
+            raise
+        print(f"trajstore {args.command}: error: {e}", file=sys.stderr)
+        return e.code
+    except Exception as e:  # every other failure: one line, the traceback only with --debug
+        if debug:
+            raise
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        msg = " ".join(msg.split()) or type(e).__name__
+        print(f"trajstore {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

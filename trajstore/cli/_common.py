@@ -1,0 +1,155 @@
+"""Helpers shared by the command modules: arguments, output, progress bars, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["CLIError", "json_arg", "add_store_args", "print_json", "fmt_bytes", "fmt_num", "print_table", "progress"]
+
+
+class CLIError(Exception):
+    """A problem to report as one line; ``code`` is the exit status (1: problem, 2: usage)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def json_arg(text: str) -> dict[str, Any]:
+    """argparse type of ``--storage-options`` and friends: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}'; got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {n}")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {n}")
+    return n
+
+
+def add_store_args(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    p.add_argument("path", metavar="PATH", help="store: a folder, a .zip file or an fsspec URL (memory://, s3://...)")
+    p.add_argument("--storage-options", type=json_arg, default=None, metavar="JSON",
+                   help="fsspec options for a URL, as a JSON object (e.g. '{\"anon\": true}')")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return _finite(o.item())
+    if isinstance(o, np.ndarray):
+        return [_default(x) if isinstance(x, np.generic) else x for x in o.tolist()]
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else str(v)
+    return v
+
+
+def _sanitize(o: Any) -> Any:
+    """NaN becomes null and infinities strings, so the output is strict JSON."""
+    if isinstance(o, float):
+        return _finite(o)
+    if isinstance(o, dict):
+        return {k: _sanitize(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_sanitize(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return _sanitize(o.tolist())
+    if isinstance(o, np.generic):
+        return _finite(o.item())
+    return o
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(_sanitize(obj), indent=2, default=_default, allow_nan=False))
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def fmt_num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        if not math.isfinite(v):
+            return str(v)
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.4g}"
+        return f"{v:.4f}".rstrip("0").rstrip(".") if v != int(v) else f"{v:.1f}"
+    return str(v)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = (), indent: str = "") -> None:
+    """A plain aligned text table (numbers right-aligned when named in ``right``)."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(vals: Sequence[str]) -> str:
+        out = [v.rjust(w) if h in right else v.ljust(w) for v, w, h in zip(vals, widths, headers)]
+        return (indent + "  ".join(out)).rstrip()
+
+    print(line(list(headers)))
+    for r in cells:
+        print(line(r))
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "it") -> Any:
+    """A tqdm bar on stderr, silent (no output at all) when stderr is not a terminal or tqdm is missing."""
+    if not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)

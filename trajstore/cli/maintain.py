@@ -1,0 +1,298 @@
+"""Commands that check or change stores: ``verify``, ``repair``, ``copy``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import numpy as np
+
+from ..summary import iter_blocks, open_store
+from ..verify import RepairReport, VerifyReport, repair_store, verify_store
+from ._common import CLIError, add_store_args, json_arg, positive_int, print_json, progress
+
+__all__ = ["register", "copy_store"]
+
+
+# -- verify ---------------------------------------------------------------------------------------
+def _print_verify(rep: VerifyReport, indent: str = "") -> None:
+    c = rep.checked
+    what = f"{c['arrays']} arrays, {c['chunks']} chunks, {c['rows']} committed rows"
+    if rep.deep:
+        what += f", {c['decoded']} chunks decoded"
+    for f in rep.faults:
+        print(f"{indent}FAULT {f.kind}: {f.message}")
+    for note in rep.notes:
+        print(f"{indent}note: {note}")
+    if rep.ok:
+        print(f"{indent}OK: {rep.url} ({what})")
+    else:
+        print(f"{indent}{len(rep.faults)} fault(s) in {rep.url} ({what})")
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    rep = verify_store(args.path, storage_options=args.storage_options, deep=args.deep,
+                       progress=lambda n, d: progress(n, d, unit="chunk"))
+    if args.json:
+        print_json(rep.to_json())
+    else:
+        _print_verify(rep)
+    return 0 if rep.ok else 1
+
+
+# -- repair --------------------------------------------------------------------------------------------
+def _print_repair(rep: RepairReport) -> None:
+    verb = {"delete": "would delete" if rep.dry_run else "deleted", "write": "would write" if rep.dry_run else "wrote",
+            "rollback": "would roll back" if rep.dry_run else "rolled back",
+            "resize": "would resize" if rep.dry_run else "resized", "keep": "would keep" if rep.dry_run else "kept"}
+    if rep.before is not None and rep.before.faults:
+        print("found:")
+        for f in rep.before.faults:
+            print(f"  FAULT {f.kind}: {f.message}")
+    for ch in rep.changes:
+        print(f"{verb[ch['action']]} {ch['key']}: {ch['why']}")
+    for p in rep.problems:
+        print(f"recovery impossible: {p}" if not rep.recovered else f"problem: {p}")
+    if not rep.changes and rep.recovered:
+        print("nothing to repair")
+    if rep.after is not None:
+        _print_verify(rep.after)
+    elif rep.dry_run and rep.changes:
+        print(f"dry run: {len(rep.changes)} change(s) listed, nothing written")
+
+
+def _cmd_repair(args: argparse.Namespace) -> int:
+    rep = repair_store(args.path, storage_options=args.storage_options, dry_run=args.dry_run, deep=args.deep,
+                       progress=lambda n, d: progress(n, d, unit="chunk"))
+    if args.json:
+        print_json(rep.to_json())
+    else:
+        _print_repair(rep)
+    return 0 if rep.recovered else 1
+
+
+# -- copy ------------------------------------------------------------------------------------------------
+def _is_url(p: str) -> bool:
+    return "://" in p or "::" in p
+
+
+def _exists(path: str, options: dict[str, Any] | None) -> bool:
+    if _is_url(path):
+        from ..storage import resolve_location
+
+        loc = resolve_location(path, read_only=True, storage_options=options, must_exist=False)
+        try:
+            return bool(loc.list_prefix(""))
+        finally:
+            loc.close()
+    return os.path.exists(path) and (not os.path.isdir(path) or any(os.scandir(path)))
+
+
+def _same(a: str, b: str) -> bool:
+    if _is_url(a) or _is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _source_codec(store: Any, path: str) -> Any:
+    """The bytes-to-bytes codec of a source array (None for raw), reusable at create."""
+    z = store.group[path]
+    codecs = [c for c in z.metadata.codecs if c.to_dict()["name"] != "bytes"]
+    return codecs[0] if codecs else None
+
+
+def _compare(src: Any, dst: Any, bar: Any) -> int:
+    """Every committed row of every array equal (NaN equal to NaN); returns the arrays compared."""
+    n = 0
+    for name, st in src.tables.items():
+        dt = dst.tables.get(name)
+        if dt is None or dt.count != st.count:
+            raise CLIError(f"copy verification failed: table {name!r} has {None if dt is None else dt.count} rows in "
+                           f"the copy, {st.count} in the source")
+        dpaths = {f.spec.array_path: j for j, f in enumerate(dt.fields)}
+        for j, f in enumerate(st.fields):
+            p = f.spec.array_path
+            if p not in dpaths:
+                raise CLIError(f"copy verification failed: the copy lacks array {p}")
+            for lo, (a,) in iter_blocks(st, [j]):
+                b = dt.read_contiguous(lo, lo + len(a), [dpaths[p]])[0]
+                if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+                    raise CLIError(f"copy verification failed: {p} differs within rows [{lo}, {lo + len(a)})")
+                bar.update(len(a))
+            n += 1
+    return n
+
+
+def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_rows: int | None = None,
+               src_options: dict[str, Any] | None = None, dst_options: dict[str, Any] | None = None,
+               overwrite: bool = False) -> dict[str, Any]:
+    """Copy the store ``src`` to ``dst`` (any locations, a ``.zip`` included), then verify the copy.
+
+    Unchanged layout (``compressor="keep"``, no ``chunk_rows``): a byte copy of the committed store
+    (``dumps``).  Otherwise a new store with the same kind, spaces and capacities and the requested
+    layout is created and every committed row (and, for trajectories, every episode id, every
+    episode-data row and the episode counters) is copied through the buffer API, a bounded block of
+    rows at a time.  The copy is then compared row by row with the source and verified.
+    """
+    from .. import ReplayBuffer, TrajectoryReplayBuffer
+    from ..spaces import ValuePlan, space_from_json
+    from ..summary import STEPS
+
+    if _same(src, dst):
+        raise CLIError("SRC and DST are the same store", code=2)
+    if _exists(dst, dst_options) and not overwrite:
+        raise CLIError(f"{dst}: something already exists there; pass --overwrite to replace it")
+    source = open_store(src, src_options)
+    try:
+        kind = source.attrs.get("kind")
+        rows_total = sum(t.count for t in source.tables.values())
+        relayout = compressor != "keep" or chunk_rows is not None
+        if not relayout:
+            cls = ReplayBuffer if kind == "ReplayBuffer" else TrajectoryReplayBuffer
+            buf = cls.load_from(src, read_only=True, storage_options=src_options)
+            try:
+                buf.dumps(dst, storage_options=dst_options)
+            finally:
+                buf.close()
+        else:
+            _relayout(source, kind, dst, compressor, chunk_rows, dst_options, ValuePlan, space_from_json, STEPS,
+                      ReplayBuffer, TrajectoryReplayBuffer, rows_total)
+        copy = open_store(dst, dst_options)
+        try:
+            bar = progress(rows_total, "verify copy", unit="row")
+            try:
+                n_arrays = _compare(source, copy, bar)
+            finally:
+                bar.close()
+            if kind == "TrajectoryReplayBuffer":
+                for key in ("current_episode_id", "next_episode_id"):
+                    if source.committed.state.get(key) != copy.committed.state.get(key):
+                        raise CLIError(f"copy verification failed: {key} is {copy.committed.state.get(key)} in the "
+                                       f"copy, {source.committed.state.get(key)} in the source")
+        finally:
+            copy.close()
+    finally:
+        source.close()
+    rep = verify_store(dst, storage_options=dst_options)
+    if not rep.ok:
+        raise CLIError(f"copy verification failed: {rep.faults[0].message}")
+    return {"source": src, "destination": dst, "kind": kind, "method": "relayout" if relayout else "byte copy",
+            "rows": rows_total, "arrays": n_arrays, "verified": True}
+
+
+def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_rows: int | None,
+              dst_options: dict[str, Any] | None, ValuePlan: Any, space_from_json: Any, STEPS: str,
+              ReplayBuffer: Any, TrajectoryReplayBuffer: Any, rows_total: int) -> None:
+    to_zip = not _is_url(dst) and dst.endswith(".zip")
+    target = None if to_zip else dst  # a zip is written once: build in memory, then dump it
+    spaces = source.attrs["spaces"]
+    steps = source.tables[STEPS]
+
+    def comp(path: str) -> Any:
+        if compressor == "keep":
+            return _source_codec(source, path)
+        return None if compressor == "none" else compressor
+
+    step_plan = ValuePlan(space_from_json(spaces[STEPS]))
+    n_leaves = len(step_plan.leaves)
+    bar = progress(rows_total, f"copy to {dst}", unit="row")
+    try:
+        if kind == "ReplayBuffer":
+            out = ReplayBuffer.create(step_plan.space, cache_path=target, capacity=steps.capacity, overwrite=True,
+                                      storage_options=None if to_zip else dst_options,
+                                      compressor=comp(steps.fields[0].spec.array_path), chunk_rows=chunk_rows)
+        else:
+            ep_space = space_from_json(spaces["episode_data"]) if "episode_data" in spaces else None
+            et = source.tables.get("episode_data")
+            out = TrajectoryReplayBuffer.create(
+                step_plan.space, step_data_capacity=steps.capacity, cache_path=target, overwrite=True,
+                storage_options=None if to_zip else dst_options,
+                step_episode_id_storage_kwargs={"compressor": comp("step_episode_ids"), "chunk_rows": chunk_rows},
+                episode_data_instance_space=ep_space, episode_data_capacity=None if et is None else et.capacity,
+                episode_data_storage_kwargs=({"compressor": comp(et.fields[0].spec.array_path), "chunk_rows": chunk_rows}
+                                             if et is not None else None),
+                compressor=comp(steps.fields[0].spec.array_path), chunk_rows=chunk_rows)
+        try:
+            which = list(range(len(steps.fields)))
+            for _lo, arrays in iter_blocks(steps, which):
+                value = step_plan.from_arrays(arrays[:n_leaves])
+                if kind == "ReplayBuffer":
+                    out.extend(value)
+                else:
+                    out.extend({"step_data": value, "episode_ids": arrays[n_leaves]})
+                bar.update(len(arrays[0]))
+            if kind == "TrajectoryReplayBuffer":
+                et = source.tables.get("episode_data")
+                if et is not None and et.count:
+                    ep_plan = ValuePlan(space_from_json(spaces["episode_data"]))
+                    m = len(ep_plan.leaves)
+                    for _lo, arrays in iter_blocks(et, list(range(len(et.fields)))):
+                        for i, eid in enumerate(arrays[m].tolist()):
+                            out.set_episode_data_at(int(eid), ep_plan.from_arrays([a[i] for a in arrays[:m]]))
+                        bar.update(len(arrays[0]))
+                state = source.committed.state
+                out.current_episode_id = int(state.get("current_episode_id", 0))
+                # No public setter for the next fresh id: keep the source's so ids are never reused.
+                out._next_id = max(int(state.get("next_episode_id", 0)), out.current_episode_id + 1)
+            if to_zip:
+                out.dumps(dst)
+        finally:
+            out.close()
+    finally:
+        bar.close()
+
+
+def _cmd_copy(args: argparse.Namespace) -> int:
+    if args.storage_options is not None:
+        args.src_options = args.src_options or args.storage_options
+        args.dst_options = args.dst_options or args.storage_options
+    out = copy_store(args.src, args.dst, compressor=args.compressor, chunk_rows=args.chunk_rows,
+                     src_options=args.src_options, dst_options=args.dst_options, overwrite=args.overwrite)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"copied {out['rows']} rows ({out['arrays']} arrays, {out['method']}) from {out['source']} to "
+              f"{out['destination']}; the copy matches the source and verifies")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("verify", parents=[common], help="check a store for damage (exit 1 when a fault is found)",
+                       description="Check the commit record against the arrays, that every chunk holding a committed "
+                                   "row exists and has its full size, and (trajectory stores) the episode table.  "
+                                   "--deep also decodes every committed chunk.  Each fault names the key and the "
+                                   "rows it damages.  Exit status 0: no fault; 1: faults found.  Read-only.")
+    add_store_args(p)
+    p.add_argument("--deep", action="store_true", help="also decode every chunk that holds committed rows")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("repair", parents=[common], help="fix a damaged store, or say why it cannot be fixed",
+                       description="Remove orphaned temp files, unfinished staging and chunks beyond the committed "
+                                   "rows; roll a commit record that names missing or damaged rows back to the intact "
+                                   "rows it named; replace a lost commit record only when that is provably safe.  "
+                                   "Lists exactly what it changed.  Exit status 0: the store verifies afterwards; 1: "
+                                   "recovery impossible (nothing is changed then).  Local stores are locked while "
+                                   "repaired; stop any writer of a remote store first.")
+    add_store_args(p)
+    p.add_argument("--dry-run", action="store_true", help="list the changes without writing anything")
+    p.add_argument("--deep", action="store_true", help="also treat chunks that do not decode as damaged rows")
+    p.set_defaults(func=_cmd_repair)
+
+    p = sub.add_parser("copy", parents=[common], help="copy, rechunk or recompress a store (the copy is verified)",
+                       description="Copy the store SRC to DST: local folders, .zip files and fsspec URLs in any "
+                                   "direction.  Without --compressor/--chunk-rows the bytes are copied as they are; "
+                                   "with them a new store with the requested layout is written.  The copy is then "
+                                   "compared row by row with the source and verified.")
+    p.add_argument("src", metavar="SRC", help="source store (folder, .zip or URL)")
+    p.add_argument("dst", metavar="DST", help="destination (folder, .zip or URL)")
+    p.add_argument("--compressor", choices=("keep", "none", "lz4", "zstd"), default="keep",
+                   help="codec of the copy: keep the source's (default), none (raw), lz4 or zstd")
+    p.add_argument("--chunk-rows", type=positive_int, default=None, metavar="N", help="rows per chunk in the copy")
+    p.add_argument("--src-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for SRC")
+    p.add_argument("--dst-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for DST")
+    p.add_argument("--storage-options", type=json_arg, default=None, metavar="JSON",
+                   help="fsspec options for both (when --src-options/--dst-options are not given)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_copy)

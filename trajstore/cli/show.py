@@ -1,0 +1,281 @@
+"""Read-only commands: ``info``, ``ls``, ``episodes``, ``head``, ``stats``, ``plot``, and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from ..summary import episode_table, field_stats, head_rows, open_store, store_info
+from ._common import (CLIError, add_store_args, fmt_bytes, fmt_num, non_negative_int, positive_int, print_json,
+                      print_table, progress)
+
+__all__ = ["register", "print_info"]
+
+
+# -- info ----------------------------------------------------------------------------------------
+def print_info(info: dict[str, Any]) -> None:
+    print(f"store          {info['path']}")
+    print(f"kind           {info['kind']} (format v{info['format_version']}, {info['created_by']}, {info['created_at']})")
+    for name, t in info["tables"].items():
+        cap = "unbounded" if t["capacity"] is None else str(t["capacity"])
+        print(f"table {name:<8} rows={t['rows']} capacity={cap} offset={t['offset']}")
+    eps = info.get("episodes")
+    if eps is not None:
+        if eps["source"] == "episode ids":
+            print(f"episodes       {eps['present']} present / {eps['total']} recorded in total, current id "
+                  f"{eps['current_id']}, {eps['with_data']} with episode data")
+        else:
+            print(f"episodes       {eps['present']} ({eps['complete']} ended), from {eps['source']}")
+    ratio = info["compression_ratio"]
+    ratio_s = "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
+    print(f"size on disk   {fmt_bytes(info['stored_bytes'])} (data {fmt_bytes(info['logical_bytes'])} "
+          f"committed, ratio {ratio_s})")
+    print("spaces")
+    for name, tree in info["spaces_text"].items():
+        print(f"  {name}:")
+        for line in tree.splitlines():
+            print(f"    {line}")
+    print("arrays")
+    print_table(["path", "shape", "dtype", "chunks", "codec", "stored"],
+                [[a["path"], str(tuple(a["shape"])), a["dtype"], a["chunk_rows"], a["codec"], fmt_bytes(a["stored_bytes"])]
+                 for a in info["arrays"]], right=("stored",), indent="  ")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = store_info(args.path, storage_options=args.storage_options)
+    if args.json:
+        print_json({k: v for k, v in info.items() if k != "spaces_text"})
+    else:
+        print_info(info)
+    return 0
+
+
+# -- ls --------------------------------------------------------------------------------------------
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from ..summary import array_list
+
+    store = open_store(args.path, args.storage_options)
+    try:
+        arrays = array_list(store)
+    finally:
+        store.close()
+    if args.json:
+        print_json(arrays)
+        return 0
+    print_table(["path", "shape", "rows", "dtype", "chunks", "codec", "stored", "ratio"],
+                [[a["path"], str(tuple(a["shape"])), a["committed_rows"], a["dtype"], str(tuple(a["chunks"])), a["codec"],
+                  fmt_bytes(a["stored_bytes"]), "-" if a["ratio"] is None else f"{a['ratio']:.2f}x"] for a in arrays],
+                right=("rows", "stored", "ratio"))
+    return 0
+
+
+# -- episodes ----------------------------------------------------------------------------------------
+def _episodes(args: argparse.Namespace) -> dict[str, Any]:
+    store = open_store(args.path, args.storage_options)
+    try:
+        return episode_table(store, getattr(args, "reward_field", None))
+    finally:
+        store.close()
+
+
+def _cmd_episodes(args: argparse.Namespace) -> int:
+    eps = _episodes(args)
+    n = len(eps["episode_id"])
+    order = np.arange(n)
+    if args.sort == "length":
+        order = np.argsort(-eps["length"], kind="stable")
+    elif args.sort == "return":
+        if "return" not in eps:
+            raise CLIError("--sort return: the store has no reward field; name one with --reward-field")
+        order = np.argsort(-eps["return"], kind="stable")
+    if args.limit is not None:
+        order = order[: args.limit]
+    cols = ["episode_id", "start", "length"] + [c for c in ("return", "terminated", "truncated") if c in eps] + ["live"]
+    records = [{c: eps[c][i].item() for c in cols} for i in order.tolist()]
+    if args.json:
+        print_json({"source": eps["source"], "reward_field": eps["reward_field"], "episodes_total": n,
+                    "episodes": [{("id" if c == "episode_id" else c): r[c] for c in cols} for r in records]})
+        return 0
+    print(f"{n} episode(s) (from {eps['source']}" + (f", returns from {eps['reward_field']}" if eps["reward_field"] else
+                                                    ", no reward field") + ")")
+    headers = ["id", "first row", "length"] + [c for c in ("return", "terminated", "truncated") if c in eps] + ["live"]
+    print_table(headers, [[fmt_num(r[c]) for c in cols] for r in records],
+                right=("id", "first row", "length", "return"))
+    if args.limit is not None and n > args.limit:
+        print(f"... {n - args.limit} more (raise --limit)")
+    return 0
+
+
+# -- head ----------------------------------------------------------------------------------------------
+def _cmd_head(args: argparse.Namespace) -> int:
+    store = open_store(args.path, args.storage_options)
+    try:
+        out = head_rows(store, args.n, args.field, args.episode)
+    finally:
+        store.close()
+    if args.json:
+        print_json(out)
+        return 0
+    where = f"episode {args.episode}, " if args.episode is not None else ""
+    print(f"{len(out['rows'])} row(s) of table {out['table']} ({where}{len(out['fields'])} array(s))")
+    for row, values in zip(out["rows"], out["values"]):
+        print(f"row {row}")
+        for name, v in values.items():
+            if isinstance(v, dict):
+                s = f"shape={tuple(v['shape'])} {v['dtype']} min={fmt_num(v['min'])} max={fmt_num(v['max'])}"
+            elif isinstance(v, list):
+                s = np.array2string(np.asarray(v), precision=5, separator=", ", max_line_width=100)
+            else:
+                s = fmt_num(v) if isinstance(v, float) else str(v)
+            print(f"  {name}: {s}")
+    return 0
+
+
+# -- stats -----------------------------------------------------------------------------------------------
+def _cmd_stats(args: argparse.Namespace) -> int:
+    store = open_store(args.path, args.storage_options)
+    try:
+        if args.field is None:
+            total = sum(t.count for t in store.tables.values())
+        else:
+            from ..summary import select_fields
+
+            total = sum({t.name: t.count for t, _j in select_fields(store, args.field)}.values())
+        bar = progress(total, "stats", unit="row")
+        try:
+            stats = field_stats(store, args.field, progress=bar.update)
+        finally:
+            bar.close()
+    finally:
+        store.close()
+    if args.json:
+        print_json(stats)
+        return 0
+    print_table(["path", "rows", "dtype", "min", "max", "mean", "std", "nan", "inf"],
+                [[s["path"], s["rows"], s["dtype"], fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["mean"]),
+                  fmt_num(s["std"]), s["nan"], s["inf"]] for s in stats],
+                right=("rows", "min", "max", "mean", "std", "nan", "inf"))
+    return 0
+
+
+# -- plot ------------------------------------------------------------------------------------------------
+def _cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise CLIError("plot needs matplotlib: pip install matplotlib (or trajstore[plot])") from None
+    eps = _episodes(args)
+    n = len(eps["episode_id"])
+    if n == 0:
+        raise CLIError("the store holds no episode to plot")
+    idx = np.arange(n)
+    series = [("length", eps["length"].astype(float))]
+    if "return" in eps:
+        series.insert(0, ("return", eps["return"]))
+    fig, axes = plt.subplots(len(series), 2, figsize=(10, 3.2 * len(series)), squeeze=False)
+    for r, (name, y) in enumerate(series):
+        ax = axes[r][0]
+        ax.plot(idx, y, marker="o" if n <= 50 else None, linewidth=1)
+        ax.set_xlabel("episode index")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(name)
+        ax.set_title(f"episode {name}")
+        ax.grid(alpha=0.3)
+        ax = axes[r][1]
+        ax.hist(y, bins=min(30, max(5, n // 2)))
+        ax.set_xlabel(name)
+        ax.set_ylabel("episodes")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{name} histogram")
+    fig.suptitle(f"{args.path}: {n} episodes" + (f" (returns from {eps['reward_field']})" if eps["reward_field"] else ""))
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=args.dpi)
+    plt.close(fig)
+    if args.json:
+        print_json({"output": str(args.output), "episodes": n, "reward_field": eps["reward_field"]})
+    else:
+        print(f"wrote {args.output} ({n} episodes)")
+    return 0
+
+
+# -- demo ------------------------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import record_demo
+
+    path = record_demo(args.dir, env_id=args.env, episodes=args.episodes, seed=args.seed, overwrite=args.overwrite)
+    print(f"recorded {args.episodes} episodes of {args.env} into {path}; reopened read-only:\n")
+    print_info(store_info(path))
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("info", parents=[common], formatter_class=fmt, help="summarize a store",
+                       description="Kind, format version, creator, spaces, capacity, rows and offset of each table, "
+                                   "episodes, size on disk and compression ratio, and the arrays.")
+    add_store_args(p)
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("ls", parents=[common], help="list every array with its layout and size",
+                       description="Every array: path, shape, committed rows, dtype, chunk shape, codec, bytes stored "
+                                   "and compression ratio (committed bytes / stored bytes).")
+    add_store_args(p)
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("episodes", parents=[common], help="list episodes: first row, length, return, flags",
+                       description="One line per episode with steps in the store: id, first row, length, return (sum "
+                                   "of the reward field, when one exists or is named) and the terminated/truncated "
+                                   "flags of its last step when recorded.  TrajectoryReplayBuffer stores group steps "
+                                   "by episode id; ReplayBuffer stores split after rows flagged terminated/truncated "
+                                   "(or done).")
+    add_store_args(p)
+    p.add_argument("--limit", type=non_negative_int, default=None, metavar="N", help="show at most N episodes")
+    p.add_argument("--sort", choices=("length", "return"), default=None,
+                   help="order by length or return, largest first (default: by first row)")
+    p.add_argument("--reward-field", default=None, metavar="NAME",
+                   help="scalar step field holding rewards (default: a field named reward or rewards)")
+    p.set_defaults(func=_cmd_episodes)
+
+    p = sub.add_parser("head", parents=[common], help="print the first rows",
+                       description="The first rows of the store (or of one episode).  Arrays with more than 16 "
+                                   "elements are summarized as shape, dtype, min and max.")
+    add_store_args(p)
+    p.add_argument("-n", type=non_negative_int, default=5, metavar="N", help="rows to show (default 5)")
+    p.add_argument("--field", default=None, metavar="A/B",
+                   help="only this array or subtree (e.g. obs, step_data/obs, episode_data)")
+    p.add_argument("--episode", type=int, default=None, metavar="ID", help="rows of this episode only")
+    p.set_defaults(func=_cmd_head)
+
+    p = sub.add_parser("stats", parents=[common], help="min, max, mean, std and NaN/inf counts of every array",
+                       description="Per array, over every committed row: min, max, mean and std of the finite values "
+                                   "and the NaN and inf counts.  Computed a bounded block of rows at a time, so "
+                                   "memory stays flat whatever the store's size.")
+    add_store_args(p)
+    p.add_argument("--field", default=None, metavar="A/B", help="only this array or subtree")
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("plot", parents=[common], help="plot episode returns and lengths to a PNG (needs matplotlib)",
+                       description="Episode return and length over episode index, plus their histograms, written "
+                                   "to an image file.  Needs matplotlib (pip install matplotlib).")
+    add_store_args(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="image file to write")
+    p.add_argument("--reward-field", default=None, metavar="NAME", help="scalar step field holding rewards")
+    p.add_argument("--dpi", type=positive_int, default=100, help="image resolution (default 100)")
+    p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("demo", parents=[common], help="record episodes of a gymnasium env into a new store",
+                       description="Run a random policy in a gymnasium environment, store every transition (obs, "
+                                   "action, reward, next_obs, terminated, truncated) in a new ReplayBuffer at DIR, "
+                                   "reopen it read-only and print its info.")
+    p.add_argument("dir", metavar="DIR", help="folder to create the store in")
+    p.add_argument("--env", default="CartPole-v1", help="gymnasium env id (default CartPole-v1)")
+    p.add_argument("--episodes", type=positive_int, default=5, help="episodes to record (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="reset seed of the first episode (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")
+    p.set_defaults(func=_cmd_demo)

@@ -1,0 +1,735 @@
+"""Checking and repairing stores on disk (``trajstore verify`` / ``trajstore repair``).
+
+:func:`verify_store` reads a store's keys directly (it never needs the store to open) and
+checks what the format promises (docs/format.md):
+
+- the root ``zarr.json`` and its ``trajstore`` schema, and each array's ``zarr.json``;
+- the commit record ``trajstore.head.json``: readable, an entry per table, committed rows
+  that fit the table (capacity) and the arrays (rows allocated);
+- chunk presence: every chunk holding a committed row exists; raw chunk files have their full
+  size (a shorter one is a truncated file); ``deep=True`` also decodes every such chunk;
+- trajectory stores: the episode table (ids unique, every id below ``next_episode_id``).
+
+Each fault names the key or array path and, for row damage, the table and the logical rows
+it affects.  Temp files, unreferenced staging folders and chunks beyond the committed rows are
+reported as notes: they are harmless, and :func:`repair_store` removes them.
+
+:func:`repair_store` never changes the commit protocol: it only ever writes a commit record
+that names a subset of the rows the previous one named (rows whose chunks are all intact), or
+one found complete on disk (a record left in ``.trajstore-tmp`` by a commit that was
+interrupted before its rename), or, for a store with no data at all, an empty record.  When
+none of these is provably right it changes nothing and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import zarr
+
+from .errors import FormatVersionError, LockedError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
+from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
+from .ring import contiguous_runs
+from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
+
+__all__ = ["Fault", "VerifyReport", "RepairReport", "verify_store", "repair_store"]
+
+ATTRS_KEY = "trajstore"
+
+
+@dataclass
+class Fault:
+    """One problem: ``kind`` (a short code), the ``key`` or array path, the ``table`` and logical
+    ``rows`` ``[lo, hi)`` it damages (None when not about rows), and a one-line ``message``."""
+
+    kind: str
+    key: str
+    message: str
+    table: str | None = None
+    rows: tuple[int, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key, "table": self.table,
+                "rows": list(self.rows) if self.rows else None, "message": self.message}
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    deep: bool
+    faults: list[Fault] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=lambda: {"arrays": 0, "chunks": 0, "decoded": 0, "rows": 0})
+    #: keys that repair may delete (temp files, unreferenced staging, uncommitted chunks)
+    removable: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.url, "ok": self.ok, "deep": self.deep, "faults": [f.to_json() for f in self.faults],
+                "notes": self.notes, "checked": self.checked,
+                "removable": [{"key": k, "why": w} for k, w in self.removable]}
+
+
+@dataclass
+class RepairReport:
+    url: str
+    dry_run: bool
+    recovered: bool
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    before: VerifyReport | None = None
+    after: VerifyReport | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.url, "dry_run": self.dry_run, "recovered": self.recovered, "changes": self.changes,
+                "problems": self.problems, "before": self.before.to_json() if self.before else None,
+                "after": self.after.to_json() if self.after else None}
+
+
+# -- reading the pieces ------------------------------------------------------------------------
+@dataclass
+class _Array:
+    path: str
+    table: str
+    shape: tuple[int, ...]
+    chunk_rows: int
+    dtype: np.dtype
+    raw: bool
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(np.prod((self.chunk_rows, *self.shape[1:]), dtype=np.int64)) * self.dtype.itemsize
+
+    def chunk_key(self, k: int) -> str:
+        return f"{self.path}/c/{k}" + "/0" * (len(self.shape) - 1)
+
+
+def _load_json(loc: Location, key: str) -> tuple[Any, str | None]:
+    """``(object, None)``, ``(None, None)`` when the key is missing, or ``(None, why)`` when unreadable."""
+    raw = loc.get(key)
+    if raw is None:
+        return None, None
+    try:
+        return json.loads(raw), None
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _parse_head(obj: Any, tables: list[str]) -> tuple[Head | None, str | None]:
+    """A :class:`Head` from parsed JSON without the core's range checks (verify reports those itself)."""
+    try:
+        ts = {str(k): TableState(int(v["start"]), int(v["end"]), int(v["allocated"])) for k, v in obj["tables"].items()}
+        head = Head(int(obj["generation"]), int(obj.get("epoch", 0)), ts, dict(obj.get("state") or {}), obj.get("pending"))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    missing = [t for t in tables if t not in ts]
+    if missing:
+        return None, f"no entry for table(s) {', '.join(missing)}"
+    return head, None
+
+
+def _chunk_index(key: str, array_path: str) -> int | None:
+    rest = key[len(array_path) + 3:] if array_path else key[2:]  # after "<path>/c/"
+    try:
+        return int(rest.split("/", 1)[0])
+    except ValueError:
+        return None
+
+
+def _size(loc: Location, key: str) -> int:
+    if loc.local_root is not None:
+        return os.stat(loc.path(key)).st_size
+    from zarr.core.sync import sync
+
+    return int(sync(loc.zstore.getsize(key)))
+
+
+def _runs(st: TableState, capacity: int | None, limit: int) -> list[tuple[int, int, int]]:
+    """Physical runs ``(physical start, logical offset, n)`` of committed rows, clipped to ``limit`` rows."""
+    out = []
+    for p, off, m in contiguous_runs(st.start, st.end, capacity):
+        m = max(0, min(m, limit - p))
+        if m:
+            out.append((p, off, m))
+    return out
+
+
+def _chunk_rows_logical(runs: list[tuple[int, int, int]], C: int) -> dict[int, list[tuple[int, int]]]:
+    """Chunk number -> logical row ranges of committed rows it holds."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for p, off, m in runs:
+        for k in range(p // C, (p + m - 1) // C + 1):
+            lo, hi = max(p, k * C), min(p + m, (k + 1) * C)
+            out.setdefault(k, []).append((off + lo - p, off + hi - p))
+    return out
+
+
+def _fmt_rows(ranges: list[tuple[int, int]]) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in ranges)
+
+
+class _Scan:
+    """Everything verify learned about a store, reused by repair."""
+
+    def __init__(self) -> None:
+        self.attrs: dict[str, Any] | None = None
+        self.arrays: dict[str, _Array] = {}
+        self.tables: dict[str, dict[str, Any]] = {}
+        self.head: Head | None = None
+        self.head_fault = False
+        self.chunks: dict[str, dict[int, str]] = {}  # array path -> chunk number -> key
+        self.bad_rows: dict[str, list[tuple[int, int]]] = {}  # table -> damaged logical rows
+        self.root_missing = False
+        self.stale: dict[str, int] = {}  # array path -> rows its zarr.json shape should record
+
+
+def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
+          storage_options: dict[str, Any] | None = None) -> tuple[VerifyReport, _Scan]:
+    rep = VerifyReport(str(loc.url), deep)
+    sc = _Scan()
+    keys = loc.list_prefix("")
+    if not keys:
+        raise StoreNotFoundError(f"no store at {loc.url!r}: nothing is stored there")
+    root, why = _load_json(loc, "zarr.json")
+    if root is None:
+        if why is not None:
+            rep.faults.append(Fault("root-unreadable", "zarr.json", f"zarr.json: the root metadata is unreadable ({why}); "
+                                    "the store cannot be opened"))
+        elif HEAD_KEY in keys or any(k.endswith("/zarr.json") for k in keys):
+            sc.root_missing = True
+            rep.faults.append(Fault("root-missing", "zarr.json", "zarr.json: the root metadata (schema and spaces) is "
+                                    "missing; the store cannot be opened"))
+        else:
+            raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
+        _scan_orphans(loc, keys, None, rep)
+        return rep, sc
+    attrs = (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) else None
+    if not isinstance(attrs, dict):
+        raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
+    version = attrs.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
+                                 f"({FORMAT_VERSION}); upgrade trajstore")
+    sc.attrs = attrs
+    try:
+        sc.tables = {name: {"capacity": t["capacity"], "fields": [f["path"] for f in t["fields"]]}
+                     for name, t in attrs["tables"].items()}
+    except (KeyError, TypeError, AttributeError) as e:
+        rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({e})"))
+        return rep, sc
+    # Arrays.
+    for name, t in sc.tables.items():
+        for path in t["fields"]:
+            meta, why = _load_json(loc, f"{path}/zarr.json")
+            if meta is None:
+                rep.faults.append(Fault("array-missing", f"{path}/zarr.json", f"{path}/zarr.json: array metadata "
+                                        f"{'is missing' if why is None else 'is unreadable (' + why + ')'}", name))
+                continue
+            try:
+                shape = tuple(int(s) for s in meta["shape"])
+                C = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+                dtype = np.dtype(meta["data_type"])
+                raw = [c["name"] for c in meta["codecs"]] == ["bytes"]
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                rep.faults.append(Fault("array-unreadable", f"{path}/zarr.json", f"{path}/zarr.json: malformed array "
+                                        f"metadata ({e})", name))
+                continue
+            sc.arrays[path] = _Array(path, name, shape, C, dtype, raw)
+            rep.checked["arrays"] += 1
+    # Commit record.
+    obj, why = _load_json(loc, HEAD_KEY)
+    if obj is None:
+        sc.head_fault = True
+        msg = "is missing" if why is None else f"is unreadable ({why})"
+        rep.faults.append(Fault("head-missing" if why is None else "head-unreadable", HEAD_KEY,
+                                f"{HEAD_KEY}: the commit record {msg}"))
+    else:
+        head, why = _parse_head(obj, list(sc.tables))
+        if head is None:
+            sc.head_fault = True
+            rep.faults.append(Fault("head-unreadable", HEAD_KEY, f"{HEAD_KEY}: the commit record is unreadable ({why})"))
+        else:
+            sc.head = head
+    # Chunk listing (one listing per array).
+    for path in sc.arrays:
+        found: dict[int, str] = {}
+        for key in loc.list_prefix(f"{path}/c"):
+            k = _chunk_index(key, path)
+            if k is not None:
+                found[k] = key
+        sc.chunks[path] = found
+    if sc.head is not None:
+        _check_rows(loc, sc, rep, deep, progress)
+        if not any(f.kind.startswith("head") for f in rep.faults):
+            _check_episodes(loc, sc, rep, storage_options)
+    _scan_orphans(loc, keys, sc.head, rep)
+    return rep, sc
+
+
+def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progress: Callable[[int, str], Any] | None) -> None:
+    head = sc.head
+    assert head is not None
+    pending = head.pending or {}
+    staged = {p: set(ks) for p, ks in (pending.get("chunks") or {}).items()}
+    prefix = pending.get("prefix")
+    todo: list[tuple[_Array, int, list[tuple[int, int]]]] = []
+    for name, t in sc.tables.items():
+        st, cap = head.tables[name], t["capacity"]
+        bad: list[tuple[int, int]] = []
+        sc.bad_rows[name] = bad
+        if not 0 <= st.start <= st.end:
+            rep.faults.append(Fault("head-impossible", HEAD_KEY, f"{HEAD_KEY}: table {name!r} names impossible rows "
+                                    f"start={st.start} end={st.end}", name))
+            bad.append((0, max(st.end - st.start, 0)))
+            continue
+        if cap is not None and st.count > cap:
+            rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits {st.count} rows "
+                                    f"but its capacity is {cap}", name, (cap, st.count)))
+            bad.append((cap, st.count))
+        rep.checked["rows"] += st.count
+        for path in t["fields"]:
+            a = sc.arrays.get(path)
+            if a is None:
+                bad.append((0, st.count))
+                continue
+            alloc = a.shape[0]
+            limit = alloc if cap is None else cap
+            if cap is None and st.end > alloc:
+                if any(k * a.chunk_rows >= alloc for k in sc.chunks[path]):
+                    # Chunks exist past the shape zarr.json records: the rows are there, the metadata
+                    # is stale (plain zarr readers see only the first rows).  Repair resizes it.
+                    target = max(st.allocated, -(-st.end // a.chunk_rows) * a.chunk_rows)
+                    sc.stale[path] = target
+                    rep.faults.append(Fault("stale-shape", f"{path}/zarr.json", f"{path}/zarr.json: shape records "
+                                            f"{alloc} rows but table {name!r} commits {st.end} (the commit record "
+                                            f"allocates {st.allocated}); zarr readers see only the first {alloc} rows",
+                                            name))
+                    limit = st.end
+                else:
+                    lo = alloc - st.start
+                    rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits rows up "
+                                            f"to {st.end} but {path} holds only {alloc} rows (rows [{lo}, {st.count}) "
+                                            "have no data)", name, (max(lo, 0), st.count)))
+                    bad.append((max(lo, 0), st.count))
+            elif cap is not None and alloc < cap:
+                rep.faults.append(Fault("schema", f"{path}/zarr.json", f"{path}: holds {alloc} rows; the ring's capacity "
+                                        f"is {cap}", name, (0, st.count)))
+                bad.append((0, st.count))
+            needed = _chunk_rows_logical(_runs(st, cap, limit), a.chunk_rows)
+            present = {k for k in needed if k in sc.chunks[path]
+                       or (prefix is not None and k in staged.get(path, ()) and loc.exists(f"{prefix}/{a.chunk_key(k)}"))}
+            missing = sorted(set(needed) - present)
+            tail_from = None
+            if cap is None and missing and missing[-1] == max(needed) and len(missing) >= 1:
+                # Every chunk from the first missing one to the last committed row is gone, and no
+                # chunk at all exists there: the commit record names rows that were never written.
+                first = missing[0]
+                if missing == list(range(first, max(needed) + 1)) and not any(k >= first for k in sc.chunks[path]) \
+                        and first > 0:
+                    tail_from = first
+            if tail_from is not None:
+                lo = needed[tail_from][0][0]
+                rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits rows up to "
+                                        f"{st.count} but {path} has data only for rows [0, {lo}) (no chunk from "
+                                        f"{a.chunk_key(tail_from)} on)", name, (lo, st.count)))
+                bad.append((lo, st.count))
+            for k, ranges in needed.items():
+                rep.checked["chunks"] += 1
+                key = a.chunk_key(k)
+                in_staging = k in present and k not in sc.chunks[path]
+                if k not in present:
+                    if tail_from is None:
+                        rep.faults.append(Fault("missing-chunk", key, f"{key}: chunk missing; table {name!r} rows "
+                                                f"{_fmt_rows(ranges)} are lost", name, (ranges[0][0], ranges[-1][1])))
+                        bad.extend(ranges)
+                    continue
+                if in_staging:
+                    key = f"{prefix}/{key}"
+                size = _size(loc, key)
+                if (a.raw and size != a.chunk_bytes) or size == 0:
+                    what = f"{size} of {a.chunk_bytes} bytes" if a.raw else "0 bytes"
+                    rep.faults.append(Fault("truncated-chunk", key, f"{key}: truncated chunk file ({what}); table "
+                                            f"{name!r} rows {_fmt_rows(ranges)} are damaged", name,
+                                            (ranges[0][0], ranges[-1][1])))
+                    bad.extend(ranges)
+                    continue
+                if deep:
+                    todo.append((a, k, ranges))
+            # Chunks holding no committed row: left by a writer that died, or beyond the rows in use.
+            wanted = set(_chunk_rows_logical(_runs(st, cap, limit), a.chunk_rows))
+            for k, key in sorted(sc.chunks[path].items()):
+                if k not in wanted:
+                    rep.removable.append((key, "uncommitted chunk (holds no committed row)"))
+    if deep and todo:
+        _decode(loc, sc, rep, todo, progress)
+
+
+def _decode(loc: Location, sc: _Scan, rep: VerifyReport, todo: list[tuple[_Array, int, list[tuple[int, int]]]],
+            progress: Callable[[int, str], Any] | None) -> None:
+    bar = progress(len(todo), "decode chunks") if progress else None
+    opened: dict[str, Any] = {}
+    try:
+        for a, k, ranges in todo:
+            try:
+                z = opened.get(a.path)
+                if z is None:
+                    z = opened[a.path] = zarr.open_array(loc.zstore, path=a.path, mode="r")
+                lo, hi = k * a.chunk_rows, min((k + 1) * a.chunk_rows, a.shape[0])
+                if lo < hi:  # chunks past a stale shape cannot be read through zarr
+                    z[lo:hi]
+                    rep.checked["decoded"] += 1
+            except Exception as e:  # any decoder error is a fault of this chunk
+                key = a.chunk_key(k)
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                rep.faults.append(Fault("undecodable-chunk", key, f"{key}: chunk does not decode ({msg}); table "
+                                        f"{a.table!r} rows {_fmt_rows(ranges)} are damaged", a.table,
+                                        (ranges[0][0], ranges[-1][1])))
+                sc.bad_rows[a.table].extend(ranges)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> None:
+    """Trajectory stores: episode ids consistent with the commit record's state."""
+    if sc.attrs is None or sc.attrs.get("kind") != "TrajectoryReplayBuffer" or sc.head is None:
+        return
+    if any(sc.bad_rows.get(t) for t in sc.tables):
+        return  # reading damaged rows would only repeat the faults above
+    from .summary import open_store
+
+    try:
+        store = open_store(loc.url, storage_options) if loc.url is not None else None
+    except TrajstoreError as e:
+        rep.faults.append(Fault("open", str(loc.url), f"the store does not open: {e}"))
+        return
+    if store is None:
+        return
+    try:
+        state = store.committed.state
+        cur = int(state.get("current_episode_id", 0))
+        nxt = int(state.get("next_episode_id", cur + 1))
+        if cur >= nxt:
+            rep.faults.append(Fault("episodes", HEAD_KEY, f"{HEAD_KEY}: current_episode_id {cur} is not below "
+                                    f"next_episode_id {nxt}"))
+        t = store.tables["step_data"]
+        j = next(i for i, f in enumerate(t.fields) if f.spec.array_path == "step_episode_ids")
+        ids = t.read_contiguous(0, t.count, [j])[0]
+        over = np.flatnonzero(ids >= nxt)
+        if over.size:
+            rep.faults.append(Fault("episodes", "step_episode_ids", f"step_episode_ids: {over.size} step(s) carry ids at "
+                                    f"or above next_episode_id {nxt} (first at row {int(over[0])})", "step_data",
+                                    (int(over[0]), int(over[-1]) + 1)))
+        et = store.tables.get("episode_data")
+        if et is not None and et.count:
+            jj = next(i for i, f in enumerate(et.fields) if f.spec.array_path == "episode_data/_episode_id")
+            eids = et.read_contiguous(0, et.count, [jj])[0]
+            uniq, counts = np.unique(eids, return_counts=True)
+            if (counts > 1).any():
+                dup = uniq[counts > 1].tolist()[:5]
+                rep.faults.append(Fault("episodes", "episode_data/_episode_id", f"episode_data/_episode_id: episode id(s) "
+                                        f"{dup} have more than one episode-data row", "episode_data", (0, et.count)))
+            if (eids >= nxt).any():
+                rep.faults.append(Fault("episodes", "episode_data/_episode_id", f"episode_data/_episode_id: episode-data "
+                                        f"rows carry ids at or above next_episode_id {nxt}", "episode_data", (0, et.count)))
+    finally:
+        store.close()
+
+
+def _scan_orphans(loc: Location, keys: list[str], head: Head | None, rep: VerifyReport) -> None:
+    keep = (head.pending or {}).get("prefix") if head is not None else None
+    for key in keys:
+        if key.startswith(TMP_DIR + "/"):
+            rep.removable.append((key, "temp file of a writer"))
+        elif key.startswith(STAGING_DIR + "/"):
+            parts = key.split("/")
+            if keep is None or f"{parts[0]}/{parts[1]}" != keep:
+                rep.removable.append((key, "staged chunk of an unfinished rewrite that was never committed"))
+        elif key.endswith(".partial"):
+            rep.removable.append((key, "partial file of an interrupted zarr write"))
+    if head is not None and head.pending:
+        rep.notes.append(f"a rewrite is pending ({head.pending.get('prefix')}); the next writer that opens the store "
+                         "finishes it")
+    if rep.removable:
+        n_chunks = sum(1 for _k, w in rep.removable if w.startswith("uncommitted"))
+        n_tmp = len(rep.removable) - n_chunks
+        if n_tmp:
+            rep.notes.append(f"{n_tmp} orphaned temp/staging file(s) (removed by repair or by the next writer)")
+        if n_chunks:
+            rep.notes.append(f"{n_chunks} chunk(s) hold no committed row (removed by repair)")
+
+
+def _locate(path: Any, storage_options: dict[str, Any] | None, read_only: bool) -> Location:
+    p = os.fspath(path)
+    url = "://" in p or "::" in p
+    # A URL store whose zarr.json was removed must still be reachable (to report that).
+    return resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=not url)
+
+
+def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, deep: bool = False,
+                 progress: Callable[[int, str], Any] | None = None) -> VerifyReport:
+    """Check the store at ``path`` (read-only; nothing is written).
+
+    ``progress(total, description)``, if given, returns a bar with ``update(n)`` and ``close()``
+    (used for the deep decode).
+
+    Raises
+    ------
+    StoreNotFoundError, NotATrajstoreError, FormatVersionError
+        Nothing to verify at ``path`` (these are not faults of a store).
+    """
+    loc = _locate(path, storage_options, read_only=True)
+    try:
+        rep, _sc = _scan(loc, deep, progress, storage_options)
+    finally:
+        loc.close()
+    return rep
+
+
+# -- repair ------------------------------------------------------------------------------------------
+def _intact_window(count: int, bad: list[tuple[int, int]], ring: bool) -> tuple[int, int]:
+    """Logical rows ``[a, b)`` to keep: an unbounded table keeps the prefix before its first damaged
+    row (its rows must start at 0); a ring keeps its longest undamaged run (the later one on ties)."""
+    marks = np.zeros(count, bool)
+    for lo, hi in bad:
+        marks[max(lo, 0):min(hi, count)] = True
+    if not marks.any():
+        return 0, count
+    if not ring:
+        return 0, int(np.argmax(marks))
+    best, a = (0, 0), None
+    for i in range(count + 1):
+        good = i < count and not marks[i]
+        if good and a is None:
+            a = i
+        elif not good and a is not None:
+            if i - a >= best[1] - best[0]:
+                best = (a, i)
+            a = None
+    return best
+
+
+def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
+    """Complete commit records left in the temp folder by a commit interrupted before its rename."""
+    out = []
+    for key in loc.list_prefix(TMP_DIR):
+        raw = loc.get(key)
+        if raw is None or len(raw) > 1 << 20 or not raw.lstrip().startswith(b"{"):
+            continue
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        head, _why = _parse_head(obj, list(sc.tables))
+        if head is not None and set(head.tables) == set(sc.tables) and not head.pending:
+            out.append(head)
+    return sorted(out, key=lambda h: h.generation, reverse=True)
+
+
+def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
+    """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
+    probe = VerifyReport(str(loc.url), False)
+    saved = sc.head
+    sc.head = head
+    try:
+        _check_rows(loc, sc, probe, False, None)
+    finally:
+        sc.head = saved
+    return not [f for f in probe.faults if f.kind != "stale-shape"]
+
+
+def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dry_run: bool = False,
+                 deep: bool = False, progress: Callable[[int, str], Any] | None = None) -> RepairReport:
+    """Bring the store at ``path`` back to a consistent state, or say why that is impossible.
+
+    What it does (and lists in ``changes``):
+
+    - a commit record naming rows whose chunks are missing, truncated (or, with ``deep``, do
+      not decode), or that lie past the arrays: rolled back to the longest intact run of the rows
+      it named (an unbounded table keeps the prefix before the first damaged row); every row kept
+      was committed and is intact;
+    - a missing or unreadable commit record: replaced by a complete record left in
+      ``.trajstore-tmp`` by an interrupted commit (the newest one whose rows are all intact), or,
+      when no array holds any chunk, by an empty record; otherwise recovery is impossible
+      (which rows were committed cannot be known) and nothing is changed;
+    - removes temp files, unreferenced staging folders, zarr ``*.partial`` files and chunks that
+      hold no committed row.
+
+    A missing root ``zarr.json`` (the schema and spaces) cannot be rebuilt: reported, nothing
+    changed.  ``dry_run=True`` reports the same changes without writing a byte.  Local stores are
+    locked while repaired (a store a writer has open is refused); remote stores have no lock, so
+    make sure no writer is running.
+    """
+    p = os.fspath(path)
+    if not dry_run and "://" not in p and p.endswith(".zip"):
+        raise ValueError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
+                         "(trajstore copy), repair that, and copy it back")
+    loc = _locate(path, storage_options, read_only=dry_run)
+    lock = None
+    try:
+        if not dry_run and loc.is_local:
+            # shared=True: take the lock exclusively when free, without marking the lock file, so
+            # what the next writer learns about an unclean end (fresh episode ids) is kept.
+            try:
+                lock = WriterLock(loc, shared=True)
+            except LockedError:
+                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
+            if not lock.sole:
+                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing")
+        before, sc = _scan(loc, deep, progress, storage_options)
+        rep = RepairReport(str(loc.url), dry_run, True, before=before)
+        new_head: Head | None = None
+        rolled_back = False
+        if sc.root_missing or sc.attrs is None or any(f.kind in ("root-unreadable", "schema", "array-missing",
+                                                                   "array-unreadable") for f in before.faults):
+            rep.recovered = False
+            rep.problems.append("the root or array metadata (schema, spaces, array layout) is missing or unreadable "
+                                "and no other copy of it is stored: restore the store from a backup or copy; nothing "
+                                "was changed")
+            return rep
+        # A record naming rows past the data (or impossible rows) cannot be trusted at all: where
+        # its committed rows really ended is unknown (raw chunks are full size, padded chunks hold
+        # zeros), so it is treated like an unreadable one.
+        untrusted = sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in before.faults)
+        if untrusted:
+            for cand in _tmp_head_candidates(loc, sc):
+                if _head_consistent(loc, sc, cand):
+                    new_head = cand.copy()
+                    new_head.generation += 1
+                    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "replaced the damaged commit record "
+                                        f"by a complete one (generation {cand.generation}) left in {TMP_DIR} by an "
+                                        "interrupted commit"})
+                    break
+            else:
+                if not any(sc.chunks.get(a) for a in sc.arrays):
+                    new_head = Head(1, 0, {name: TableState(0, 0, sc.arrays[t["fields"][0]].shape[0])
+                                           for name, t in sc.tables.items()}, {}, None)
+                    if sc.attrs.get("kind") == "TrajectoryReplayBuffer":
+                        new_head.state = {"current_episode_id": 0, "next_episode_id": 1}
+                    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "wrote an empty commit record: no "
+                                        "array holds any data, so no committed row can be lost"})
+                else:
+                    what = "is missing or unreadable" if sc.head_fault else "names rows past the stored data"
+                    rep.recovered = False
+                    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk: which "
+                                        "rows were committed cannot be known safely, so nothing was changed; restore "
+                                        "the store from a backup or copy")
+                    return rep
+        elif any(sc.bad_rows.get(t) for t in sc.tables):
+            assert sc.head is not None
+            new_head = sc.head.copy()
+            new_head.generation += 1
+            new_head.epoch += 1
+            rolled_back = True
+            for name, t in sc.tables.items():
+                st = sc.head.tables[name]
+                bad = sc.bad_rows.get(name) or []
+                if not bad:
+                    continue
+                a, b = _intact_window(max(st.count, 0), bad, t["capacity"] is not None)
+                allocated = st.allocated
+                if t["capacity"] is None and not any(p in sc.stale for p in t["fields"]):
+                    shape = min(sc.arrays[p].shape[0] for p in t["fields"])
+                    allocated = max(min(st.allocated, shape), b)
+                new = TableState(st.start + a, st.start + b, allocated)
+                new_head.tables[name] = new
+                dropped = [(0, a)] if a else []
+                dropped += [(b, st.count)] if b < st.count else []
+                rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": name,
+                                    "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
+                                    "why": f"table {name!r}: dropped damaged or missing rows {_fmt_rows(dropped)} "
+                                           f"(logical rows before repair); kept {b - a} intact committed rows"})
+        episode_faults = [f for f in before.faults if f.kind == "episodes"]
+        if episode_faults and new_head is None:
+            rep.recovered = False
+            rep.problems.append("the episode table is inconsistent with the commit record; repair cannot fix that "
+                                "safely: " + "; ".join(f.message for f in episode_faults))
+        # What to delete, judged against the record that will be in place.
+        if new_head is not None:
+            probe = VerifyReport(str(loc.url), False)
+            saved = sc.head
+            sc.head = new_head
+            try:
+                _check_rows(loc, sc, probe, False, None)
+            finally:
+                sc.head = saved
+            removable = [r for r in probe.removable]
+            if rolled_back:
+                # Intact chunks of the dropped rows stay (readable with zarr, for salvage; a later repair
+                # removes them); damaged chunk files go now (a writer could not map a truncated one).
+                damaged = {f.key: f.kind for f in before.faults if f.kind in ("truncated-chunk", "undecodable-chunk")}
+                was = {k for k, _w in before.removable}
+                kept = [k for k, _w in removable if k not in was and k not in damaged]
+                removable = [(k, w) if k not in damaged else (k, f"damaged chunk ({damaged[k]}) of dropped rows")
+                             for k, w in removable if k in was or k in damaged]
+                if kept:
+                    rep.changes.append({"action": "keep", "key": ", ".join(kept[:3]) + (" ..." if len(kept) > 3 else ""),
+                                        "why": f"{len(kept)} intact chunk(s) of the dropped rows stay on disk, readable "
+                                               "with zarr; run repair again to remove them"})
+            keys = loc.list_prefix("")
+            orphan = VerifyReport(str(loc.url), False)
+            _scan_orphans(loc, keys, new_head, orphan)
+            removable += orphan.removable
+        else:
+            removable = list(before.removable)
+        removable = [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]
+        for path, rows in sorted(sc.stale.items()):
+            rep.changes.append({"action": "resize", "key": f"{path}/zarr.json", "why": f"recorded shape "
+                                f"{sc.arrays[path].shape[0]} -> {rows} rows (the chunks are there; zarr readers now "
+                                "see every committed row)"})
+        if not dry_run:
+            if sc.stale:
+                _resize(loc, sc)
+            if new_head is not None:
+                write_head(loc, new_head)  # the record first: no committed row ever points at a deleted chunk
+            for key, _why in removable:
+                loc.delete(key)
+            if loc.local_root is not None:
+                for folder in (TMP_DIR, STAGING_DIR):
+                    _prune_empty(loc.local_root / folder)
+        for key, why in removable:
+            rep.changes.append({"action": "delete", "key": key, "why": why})
+        if not dry_run:
+            rep.after, _ = _scan(loc, deep, progress, storage_options)
+            if rep.after.faults:
+                rep.recovered = False
+                rep.problems.append("faults remain after repair: " + "; ".join(f.message for f in rep.after.faults))
+        return rep
+    finally:
+        if lock is not None:
+            lock.release()
+        loc.close()
+
+
+def _resize(loc: Location, sc: _Scan) -> None:
+    """Grow stale array shapes (metadata only: growing never touches chunks), then consolidate."""
+    import warnings
+
+    for path, rows in sc.stale.items():
+        z = zarr.open_array(loc.zstore, path=path, mode="r+")
+        if z.shape[0] < rows:
+            z.resize((rows, *z.shape[1:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(loc.zstore)
+
+
+def _prune_empty(folder: Any) -> None:
+    """Remove empty folders left under ``folder`` (and it, if empty)."""
+    if not os.path.isdir(folder):
+        return
+    for dirpath, _dirs, _files in sorted(os.walk(folder), key=lambda x: -len(x[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+
