@@ -38,6 +38,8 @@ __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field
 RAW_CHUNK_BYTES = 1 << 20
 #: Compressed chunks are decoded whole on a random read, so they are kept smaller.
 COMPRESSED_CHUNK_BYTES = 1 << 20
+#: Writes of at least this many bytes use pwrite instead of stores into the mapping.
+PWRITE_BYTES = 64 << 10
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
 CACHE_BYTES = 256 << 20
 
@@ -133,6 +135,7 @@ class MappedField:
         self._ndim = len(spec.row_shape) + 1
         self._synced: set[int] = set()  # chunks written since the last fsync
         self._last_k = -1
+        self._fds: dict[int, int] = {}  # writer: open chunk files for pwrite of large blocks
         self._va = self._reserve(allocated)
         self.allocated = allocated
 
@@ -189,6 +192,7 @@ class MappedField:
         A staged file that is gone has already been moved into place: the main file is it.  A
         mapping keeps its file's content even if the file is renamed afterwards.
         """
+        self._close_fds(ks)  # they may name replaced files
         for k in ks:
             for path in ([self._path(k, prefix)] if prefix else []) + [self._path(k)]:
                 try:
@@ -209,10 +213,36 @@ class MappedField:
         mapped = self._va.mapped
         if not (mapped[k_lo] and mapped[k_hi]) or (k_hi - k_lo > 1 and not mapped[k_lo : k_hi + 1].all()):
             self.ensure_mapped(phys_lo, phys_lo + n, create=True)
-        self._va.array[phys_lo : phys_lo + n] = data
+        if data.nbytes >= PWRITE_BYTES:
+            self._pwrite(phys_lo, data)
+        else:
+            self._va.array[phys_lo : phys_lo + n] = data
         if k_lo != self._last_k or k_hi != k_lo:  # per-step appends stay in one chunk: skip the set update
             self._synced.update(range(k_lo, k_hi + 1))
             self._last_k = k_hi
+
+    def _pwrite(self, phys_lo: int, data: np.ndarray) -> None:
+        """Large blocks go through ``pwrite`` into the page cache: first writes to a fresh page of
+        a mapping fault one page at a time, which costs more than the copy itself."""
+        buf = np.ascontiguousarray(data, dtype=self._va.dtype).reshape(-1).view(np.uint8)
+        row_bytes = self._va.chunk_bytes // self.C
+        pos, n = 0, len(data)
+        while pos < n:
+            k, off = divmod(phys_lo + pos, self.C)
+            take = min(self.C - off, n - pos)
+            fd = self._fds.get(k)
+            if fd is None:
+                if len(self._fds) >= 8:  # appends touch one or two chunks at a time
+                    os.close(self._fds.pop(next(iter(self._fds))))
+                fd = self._fds[k] = os.open(self._path(k), os.O_WRONLY)
+            os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)
+            pos += take
+
+    def _close_fds(self, ks: list[int] | None = None) -> None:
+        for k in list(self._fds) if ks is None else ks:
+            fd = self._fds.pop(k, None)
+            if fd is not None:
+                os.close(fd)
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
         return self._va.array[phys]
@@ -245,6 +275,7 @@ class MappedField:
             self._last_k = -1
 
     def close(self) -> None:
+        self._close_fds()
         self._va.close()
 
 
