@@ -8,6 +8,7 @@ so memory stays bounded by a block whatever the store's size.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Callable, Iterator
@@ -134,6 +135,7 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
             "logical_bytes": logical,
             "compression_ratio": float(logical / stored_arrays) if stored_arrays else float("nan"),
             "state": store.committed.state,
+            "dataset": _dataset_info(store),
         }
     finally:
         store.close()
@@ -449,3 +451,11 @@ def field_stats(store: Store, field: str | None = None, *, progress: Callable[[i
             out.append({"path": f.spec.array_path, "table": name, "rows": t.count, "shape": list(f.spec.row_shape),
                         "dtype": str(f.spec.dtype), **acc[j].result()})
     return out
+
+
+def _dataset_info(store: Store) -> dict[str, Any] | None:
+    """The store's dataset description (trajstore.metadata), if one was set."""
+    from .metadata import DATASET_KEY
+
+    raw = store.loc.get(DATASET_KEY)
+    return None if raw is None else json.loads(raw)

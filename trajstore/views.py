@@ -106,6 +106,13 @@ class BatchBase:
         """A lazy view of rows ``idx``, resolved against this batch's length at read time."""
         return SliceView(self, idx)
 
+    def to_dask(self) -> Any:
+        """The committed rows of this column view as a dask array (nested dict of them for a Dict
+        column), chunked like the store; see :func:`trajstore.dask.to_dask`."""
+        from .dask import to_dask
+
+        return to_dask(self)
+
     def get_column(self, nested_keys: Sequence[str | int] | str) -> "ColumnView":
         """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]`` or ``"obs/pos"``)."""
         if isinstance(nested_keys, str):

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..metadata import DATASET_KEY
 from ..summary import iter_blocks, open_store
 from ..verify import RepairReport, VerifyReport, repair_store, verify_store
 from ._common import CLIError, add_store_args, json_arg, positive_int, print_json, progress
@@ -213,6 +214,9 @@ def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_ro
                 episode_data_storage_kwargs=({"compressor": comp(et.fields[0].spec.array_path), "chunk_rows": chunk_rows}
                                              if et is not None else None),
                 compressor=comp(steps.fields[0].spec.array_path), chunk_rows=chunk_rows)
+        description = source.loc.get(DATASET_KEY)  # the dataset description travels with the data
+        if description is not None:
+            out._store.loc.put(DATASET_KEY, description)
         try:
             which = list(range(len(steps.fields)))
             for _lo, arrays in iter_blocks(steps, which):

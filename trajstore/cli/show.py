@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,11 @@ __all__ = ["register", "print_info"]
 def print_info(info: dict[str, Any]) -> None:
     print(f"store          {info['path']}")
     print(f"kind           {info['kind']} (format v{info['format_version']}, {info['created_by']}, {info['created_at']})")
+    if info.get("dataset"):
+        print("dataset")
+        for key, value in info["dataset"].items():
+            text = value if isinstance(value, str) else json.dumps(value)
+            print(f"  {key:<14} {text if len(text) <= 100 else text[:97] + '...'}")
     for name, t in info["tables"].items():
         cap = "unbounded" if t["capacity"] is None else str(t["capacity"])
         print(f"table {name:<8} rows={t['rows']} capacity={cap} offset={t['offset']}")

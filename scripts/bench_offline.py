@@ -1,0 +1,200 @@
+"""Offline-dataset benchmark: DataLoader throughput (samples/s) of trajstore.torch datasets, random
+batches of 256 transitions and of 256 x 32-step sequences, with 0, 2 and 4 worker processes, on a
+local store, against a numpy in-RAM gather of the same batches; and S3 requests per batch against a
+moto server on 127.0.0.1 (needs moto[server] and s3fs; skipped without them).
+
+    python scripts/bench_offline.py                          # 1M-row store
+    python scripts/bench_offline.py --quick                  # 50k rows, fewer batches (smoke test)
+    python scripts/bench_offline.py --markdown docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import _median_time, _replace_section  # noqa: E402
+
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
+from trajstore.torch import RandomBatchSampler, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
+
+B, T = 256, 32
+FIELDS = ["obs", "action", "reward"]
+SPACE = gym.spaces.Dict({
+    "obs": gym.spaces.Box(-np.inf, np.inf, (17,), np.float32),
+    "action": gym.spaces.Box(-1, 1, (6,), np.float32),
+    "reward": gym.spaces.Box(-np.inf, np.inf, (), np.float32),
+})
+warnings.filterwarnings("ignore", message="This DataLoader will create")
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log lines
+
+
+def make_data(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"obs": rng.standard_normal((rows, 17), dtype=np.float32),
+            "action": rng.uniform(-1, 1, (rows, 6)).astype(np.float32),
+            "reward": rng.standard_normal(rows, dtype=np.float32)}
+
+
+def build(path: str, data: dict[str, np.ndarray], episode: int = 500, **kwargs) -> None:
+    rows = len(data["reward"])
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=path, overwrite=True, **kwargs) as tb:
+        block = max(episode, (1 << 16) // episode * episode)
+        for lo in range(0, rows, block):
+            hi = min(lo + block, rows)
+            ids = (np.arange(lo, hi) // episode).astype(np.int64)
+            tb.extend({"step_data": {k: v[lo:hi] for k, v in data.items()}, "episode_ids": ids})
+
+
+def loader_rate(ds, workers: int, batches: int) -> float:
+    """Samples/s drawing ``batches`` random batches (after the workers delivered a first one)."""
+    sampler = RandomBatchSampler(ds, B, num_batches=batches + 1 + 2 * workers, seed=0)
+    kw = dict(num_workers=workers, collate_fn=collate_batch)
+    if workers:
+        kw.update(multiprocessing_context="fork", prefetch_factor=4)
+    it = iter(DataLoader(ds, batch_sampler=sampler, **kw))
+    for _ in range(1 + 2 * workers):  # workers started, pipeline full
+        next(it)
+    t = time.perf_counter()
+    n = 0
+    for batch in it:
+        n += len(batch[FIELDS[0]])
+    return n / (time.perf_counter() - t)
+
+
+def numpy_rate(data: dict[str, np.ndarray], seq: bool, repeats: int) -> float:
+    """Samples/s of the same batches gathered from numpy arrays in RAM (as torch tensors)."""
+    rng = np.random.default_rng(0)
+    n = len(data["reward"])
+    offs = np.arange(T)
+
+    def one() -> None:
+        idx = rng.integers(0, n, B)
+        rows = np.minimum(idx[:, None] + offs, n - 1) if seq else idx
+        {k: torch.from_numpy(v[rows]) for k, v in data.items()}
+
+    return B / _median_time(one, repeats, 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
+    """Rows of the S3 table: requests per batch for transitions and sequences (moto on 127.0.0.1)."""
+    try:
+        import boto3
+        import s3fs
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        return None
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket="bench")
+        opts = {"key": "bench", "secret": "bench", "endpoint_url": endpoint, "max_concurrency": 1,
+                "client_kwargs": {"region_name": "us-east-1"}}
+        url = f"s3://bench/{uuid.uuid4().hex}"
+        build(url, data, storage_options=opts, chunk_rows=1024)
+        calls: list[str] = []
+        orig = s3fs.S3FileSystem._call_s3
+
+        async def counting(fs, method, *args, **kwargs):
+            calls.append(kwargs.get("Key", ""))
+            return await orig(fs, method, *args, **kwargs)
+
+        s3fs.S3FileSystem._call_s3 = counting
+        rows = []
+        try:
+            for name, ds in (("transitions", TransitionDataset(url, FIELDS, storage_options=opts)),
+                             (f"sequences x{T}", SequenceDataset(url, T, FIELDS, storage_options=opts))):
+                buf = ds.buffer
+                C = buf._table.fields[0].C
+                per, chunks, secs = [], [], []
+                rng = np.random.default_rng(1)
+                for _ in range(batches):
+                    for f in buf._table.fields:
+                        f.drop_cache()  # a cold batch: nothing cached from the previous one
+                    idx = rng.integers(0, len(ds), B)
+                    anchors = ds.anchors[idx] if isinstance(ds, SequenceDataset) else idx
+                    touched = np.unique(((anchors[:, None] + (np.arange(T) if isinstance(ds, SequenceDataset) else 0))
+                                         .clip(0, len(buf) - 1)) // C)
+                    calls.clear()
+                    t = time.perf_counter()
+                    ds.__getitems__(idx)
+                    secs.append(time.perf_counter() - t)
+                    per.append(len(calls))
+                    # sequences also read the step episode ids (which frames belong to the episode)
+                    chunks.append(len(touched) * (len(FIELDS) + isinstance(ds, SequenceDataset)))
+                rows.append(f"| {name} | {np.mean(per):.1f} | {np.mean(chunks):.1f} | {np.median(secs) * 1e3:.1f} |")
+        finally:
+            s3fs.S3FileSystem._call_s3 = orig
+        return rows
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small store, few batches")
+    ap.add_argument("--markdown", type=Path, default=None, help="replace the '## Offline datasets' section of this file")
+    ap.add_argument("--dir", default=None, help="where to put the temporary store")
+    args = ap.parse_args()
+    rows = 50_000 if args.quick else 1_000_000
+    batches = 20 if args.quick else 200
+    data = make_data(rows)
+    lines = ["| items | workers | trajstore samples/s | numpy in-RAM samples/s | ratio vs numpy |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = os.path.join(d, "offline")
+        build(path, data)
+        for name, ds, seq in (("transitions", TransitionDataset(path, FIELDS), False),
+                              (f"sequences x{T}", SequenceDataset(path, T, FIELDS), True)):
+            base = numpy_rate(data, seq, 3 if args.quick else 9)
+            for workers in (0, 2, 4):
+                rate = loader_rate(ds, workers, batches)
+                lines.append(f"| {name} | {workers} | {rate:,.0f} | {base:,.0f} | {base / rate:.2f}x slower |")
+            # numpy batches travel between processes as pickles, tensors through shared memory
+            ds.output = "numpy"
+            rate = loader_rate(ds, 4, batches)
+            lines.append(f"| {name}, output=\"numpy\" | 4 | {rate:,.0f} | {base:,.0f} | {base / rate:.2f}x slower |")
+    text = "\n".join(lines) + "\n"
+    s3 = s3_requests(make_data(20_000 if args.quick else 200_000), 5 if args.quick else 20)
+    if s3 is not None:
+        text += ("\n| S3 (moto) batch of 256 | requests per batch | chunks touched (arrays x chunks) | ms per batch (moto-bound) |\n"
+                 "|---|---|---|---|\n" + "\n".join(s3) + "\n")
+    print(text)
+    if args.markdown:
+        env = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+        cmd = "python scripts/bench_offline.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
+        section = (f"## Offline datasets (scripts/bench_offline.py)\n\nReproduce: `{cmd}` ({env}). DataLoader over "
+                   f"`TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 obs, (6,) f32 "
+                   f"actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "
+                   "`collate_fn=collate_batch`, fork workers; numpy baseline: the same gather from arrays in RAM "
+                   "in one process. S3: a cold batch (chunk cache dropped) read in-process through s3fs "
+                   "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows).\n\n" + text)
+        _replace_section(args.markdown, "## Offline datasets", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""A picklable, lazily opened read-only source of rows for the datasets.
+
+Only ``(path, kind, storage_options)`` crosses a process boundary; every process (each
+DataLoader worker, fork or spawn) opens its own read-only buffer on first use.  A buffer
+passed by the user is used as is in the process that created the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..buffer import StoredBuffer
+from ..replay_buffer import ReplayBuffer
+from ..spaces import ValuePlan, subspace
+from ..trajectory import TrajectoryReplayBuffer
+
+__all__ = ["BufferSource", "FieldSelection"]
+
+_KINDS = {"ReplayBuffer": ReplayBuffer, "TrajectoryReplayBuffer": TrajectoryReplayBuffer}
+
+
+def _store_kind(path: str, storage_options: dict[str, Any] | None) -> str:
+    from ..summary import open_store
+
+    store = open_store(path, storage_options)
+    try:
+        return str(store.attrs.get("kind"))
+    finally:
+        store.close()
+
+
+class BufferSource:
+    """Where the rows come from: a store path (opened read-only, lazily, once per process) or a buffer.
+
+    Parameters
+    ----------
+    source : str, os.PathLike or StoredBuffer
+        A store path or URL, or an open buffer.  A writer buffer is flushed first, so worker
+        processes (which open the store read-only by path) see every row written so far.
+    storage_options : dict, optional
+        fsspec options for a URL (taken from the buffer when one is given).
+    """
+
+    def __init__(self, source: Any, storage_options: dict[str, Any] | None = None) -> None:
+        self._pid = os.getpid()
+        if isinstance(source, StoredBuffer):
+            buf = source
+            if not buf.read_only:
+                buf.flush()
+            self.path = buf.cache_path
+            self.kind = type(buf).__name__
+            self.storage_options = storage_options if storage_options is not None else buf._open_args.get("storage_options")
+            self._buf: StoredBuffer | None = buf
+            self._owned = False
+        else:
+            self.path = os.fspath(source)
+            self.storage_options = storage_options
+            self.kind = _store_kind(self.path, storage_options)
+            self._buf = None
+            self._owned = True
+        if self.kind not in _KINDS:
+            raise TypeError(f"{self.path!r}: unsupported store kind {self.kind!r}")
+
+    @property
+    def buffer(self) -> StoredBuffer:
+        """This process's read-only buffer (opened on first use, reopened after a fork)."""
+        if self._buf is not None and self._pid != os.getpid():
+            # A forked copy: never share memory maps / file handles / event loops with the parent.
+            self._buf = None
+            self._owned = True
+        if self._buf is None:
+            if self.path is None:
+                raise RuntimeError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
+                                   "use num_workers=0 or a store path")
+            self._buf = _KINDS[self.kind].load_from(self.path, read_only=True, storage_options=self.storage_options)
+            self._pid = os.getpid()
+        return self._buf
+
+    @property
+    def is_trajectory(self) -> bool:
+        return self.kind == "TrajectoryReplayBuffer"
+
+    def close(self) -> None:
+        if self._buf is not None and self._owned and self._pid == os.getpid():
+            self._buf.close()
+        self._buf = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.path is None:
+            raise TypeError("a dataset over an in-memory buffer (cache_path=None) cannot be pickled; "
+                            "use num_workers=0 or create the buffer with a cache_path")
+        state = dict(self.__dict__)
+        state["_buf"] = None  # only the path and options cross the process boundary
+        state["_owned"] = True
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class FieldSelection:
+    """Which leaves of a buffer a dataset reads, and how they are assembled into output values.
+
+    ``fields`` are ``/``-separated paths: for a trajectory buffer relative to ``step_data``
+    (``"obs"``, ``"obs/pos"``) or, for per-episode values, starting with ``episode_data/``
+    (``"episode_data/return"``); for a ReplayBuffer relative to its space.  ``None``: every
+    top-level step field (the whole space of a non-Dict buffer as ``"data"``).
+    """
+
+    def __init__(self, buf: StoredBuffer, fields: Sequence[str] | str | None) -> None:
+        traj = isinstance(buf, TrajectoryReplayBuffer)
+        step_space = buf.step_space if traj else buf.single_space  # type: ignore[attr-defined]
+        if fields is None:
+            import gymnasium
+
+            fields = list(step_space.spaces) if isinstance(step_space, gymnasium.spaces.Dict) else [""]
+        elif isinstance(fields, str):
+            fields = [fields]
+        self.names: list[str] = []
+        self.plans: list[ValuePlan] = []
+        self.leaf_ids: list[list[int]] = []  # per field: leaves of buf._plan
+        self.episode: list[bool] = []
+        for name in fields:
+            keys: list[Any] = [k for k in name.split("/") if k]
+            is_ep = traj and keys[:1] == ["episode_data"]
+            if traj and not is_ep:
+                keys = ["step_data", *keys]
+            if is_ep and buf.episode_space is None:  # type: ignore[attr-defined]
+                raise KeyError(f"field {name!r}: this buffer has no episode data")
+            keys = _tuple_keys(buf.single_space, keys)
+            space = subspace(buf.single_space, keys)  # KeyError for unknown fields
+            prefix = tuple(keys)
+            ids = [j for j, leaf in enumerate(buf._plan.leaves) if leaf.path[: len(prefix)] == prefix]
+            self.names.append(name or "data")
+            self.plans.append(ValuePlan(space))
+            self.leaf_ids.append(ids)
+            self.episode.append(is_ep)
+
+    @property
+    def step_leaves(self) -> list[int]:
+        return [j for ids, ep in zip(self.leaf_ids, self.episode) if not ep for j in ids]
+
+    @property
+    def episode_leaves(self) -> list[int]:
+        return [j for ids, ep in zip(self.leaf_ids, self.episode) if ep for j in ids]
+
+    def assemble(self, step_arrays: list[np.ndarray], ep_arrays: list[np.ndarray], out: Any) -> dict[str, Any]:
+        """``{name: value}`` from the arrays of :attr:`step_leaves` and :attr:`episode_leaves` (in order)."""
+        it_s, it_e = iter(step_arrays), iter(ep_arrays)
+        result = {}
+        for name, plan, ids, ep in zip(self.names, self.plans, self.leaf_ids, self.episode):
+            src = it_e if ep else it_s
+            result[name] = plan.from_arrays([out(next(src)) for _ in ids])
+        return result
+
+
+def _tuple_keys(space: Any, keys: list[Any]) -> list[Any]:
+    """Turn digit keys that index a Tuple space into ints."""
+    import gymnasium
+
+    out = []
+    for k in keys:
+        if isinstance(space, gymnasium.spaces.Tuple):
+            k = int(k)
+        out.append(k)
+        space = space[k]
+    return out

@@ -1,0 +1,236 @@
+"""Map-style PyTorch datasets over a trajstore store: single transitions and fixed-length sequences.
+
+Both read a whole DataLoader batch with one gather per field (``__getitems__``), so every chunk
+a batch touches is read once per batch, not once per sample.  Only the store's path and options
+are pickled: each worker process opens the store read-only on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from ..sequences import PADS, pad_sources, window_rows
+from ._source import BufferSource, FieldSelection
+
+__all__ = ["TransitionDataset", "SequenceDataset", "SampleBatch", "collate_batch"]
+
+_OUTPUTS = ("torch", "numpy")
+
+
+def _take(value: Any, k: int) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _take(v, k) for key, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_take(v, k) for v in value)
+    return value[k]
+
+
+class SampleBatch(Sequence):
+    """What ``__getitems__`` returns: a batch already stacked (``.data``) that also behaves as the
+    list of its samples, so torch's ``default_collate`` works on it unchanged, while
+    :func:`collate_batch` returns ``.data`` without splitting and restacking."""
+
+    def __init__(self, data: dict[str, Any], n: int) -> None:
+        self.data = data
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k: Any) -> Any:  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        if not -self._n <= k < self._n:
+            raise IndexError(k)
+        return _take(self.data, k % self._n)
+
+
+def collate_batch(items: Any) -> Any:
+    """``collate_fn`` for DataLoaders over trajstore datasets: a :class:`SampleBatch` is returned
+    as its stacked data (no per-sample copies); anything else goes to ``default_collate``."""
+    if isinstance(items, SampleBatch):
+        return items.data
+    return default_collate(items)
+
+
+class _Base(Dataset):
+    def __init__(self, source: Any, fields: Sequence[str] | str | None, output: str,
+                 storage_options: dict[str, Any] | None) -> None:
+        if output not in _OUTPUTS:
+            raise ValueError(f"output must be one of {_OUTPUTS}; got {output!r}")
+        self.output = output
+        self._src = BufferSource(source, storage_options)
+        buf = self._src.buffer
+        self._sel = FieldSelection(buf, fields)
+        self.fields = list(self._sel.names)
+
+    @property
+    def buffer(self) -> Any:
+        """This process's read-only buffer (opened lazily in each worker)."""
+        return self._src.buffer
+
+    def _out(self, a: np.ndarray) -> Any:
+        return torch.from_numpy(np.ascontiguousarray(a)) if self.output == "torch" else a
+
+    def _indices(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"index out of range for a dataset of {n} items")
+        return np.where(idx < 0, idx + n, idx)
+
+    def read_batch(self, indices: Any) -> dict[str, Any]:
+        """Items ``indices`` as one stacked batch ``{field: (B, ...)}``."""
+        raise NotImplementedError  # abstract
+
+    def __getitems__(self, indices: Any) -> SampleBatch:
+        idx = self._indices(indices)
+        return SampleBatch(self.read_batch(idx), len(idx))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return _take(self.read_batch(self._indices([i])), 0)
+
+    def close(self) -> None:
+        """Close this process's buffer (if the dataset opened it)."""
+        self._src.close()
+
+
+class TransitionDataset(_Base):
+    """One item per stored step (row): ``{field: value}``.
+
+    Parameters
+    ----------
+    source : str, os.PathLike, ReplayBuffer or TrajectoryReplayBuffer
+        A store path / URL (opened read-only) or a buffer.
+    fields : list of str, optional
+        ``/``-paths relative to the step space (``"obs"``, ``"obs/pos"``); for trajectory stores
+        also ``"episode_data/<path>"`` (the value of the step's episode).  Default: every
+        top-level step field.
+    output : "torch" or "numpy"
+    episode_ids : bool
+        Add ``"episode_id"`` (int64) of each step (trajectory stores).
+    storage_options : dict, optional
+        fsspec options for a URL.
+
+    ``len`` is the number of rows when the dataset was created (datasets are meant for stores
+    that are no longer being written; rows are read from the latest commit).
+    """
+
+    def __init__(self, source: Any, fields: Sequence[str] | str | None = None, *, output: str = "torch",
+                 episode_ids: bool = False, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(source, fields, output, storage_options)
+        if episode_ids and not self._src.is_trajectory:
+            raise ValueError("episode_ids=True needs a TrajectoryReplayBuffer store")
+        self.episode_ids = episode_ids
+        self._n = len(self._src.buffer)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def read_batch(self, indices: Any) -> dict[str, Any]:
+        idx = np.asarray(indices, dtype=np.int64)
+        buf = self._src.buffer
+        buf._sync()
+        if idx.size and idx.max() >= buf._table.count:
+            raise IndexError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
+        s, e = self._sel.step_leaves, self._sel.episode_leaves
+        arrays = buf._read_rows(idx, s + e) if s or e else []
+        out = self._sel.assemble(arrays[: len(s)], arrays[len(s):], self._out)
+        if self.episode_ids:
+            out["episode_id"] = self._out(np.asarray(buf._step_ids(idx), dtype=np.int64))
+        return out
+
+
+class SequenceDataset(_Base):
+    """One item per window of ``seq_len`` consecutive steps: ``{field: (T, ...), "mask": (T,) bool}``.
+
+    Frame ``t`` of item ``i`` is row ``anchor_i + t``; it is valid when that row exists and belongs
+    to the anchor's episode (as :meth:`TrajectoryReplayBuffer.get_sequences`).  Invalid frames are
+    filled by ``pad`` (``"edge"`` repeats the nearest valid frame, ``"zero"`` fills zeros).
+
+    Parameters
+    ----------
+    seq_len : int
+    fields : list of str, optional
+        As :class:`TransitionDataset`; ``"episode_data/<path>"`` fields hold the anchor's episode
+        value (no time axis).
+    pad : "edge" or "zero"
+    within_episode : bool
+        Only windows lying wholly inside one episode (then every mask is all True).
+    stride : int
+        Anchors every ``stride`` rows.
+    mask_key : str
+        Key of the valid mask in each item.
+
+    A ReplayBuffer store (no episode ids) is one long episode.
+    """
+
+    def __init__(self, source: Any, seq_len: int, fields: Sequence[str] | str | None = None, *, pad: str = "edge",
+                 within_episode: bool = False, stride: int = 1, output: str = "torch", mask_key: str = "mask",
+                 storage_options: dict[str, Any] | None = None) -> None:
+        if seq_len < 1 or stride < 1:
+            raise ValueError(f"seq_len and stride must be >= 1; got {seq_len}, {stride}")
+        if pad not in PADS:
+            raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
+        super().__init__(source, fields, output, storage_options)
+        if mask_key in self.fields:
+            raise ValueError(f"mask_key {mask_key!r} collides with a field name")
+        self.seq_len, self.pad, self.within_episode, self.stride, self.mask_key = seq_len, pad, within_episode, stride, mask_key
+        buf = self._src.buffer
+        n = len(buf)
+        anchors = np.arange(0, n, stride, dtype=np.int64)
+        if within_episode:
+            ids = self._all_ids(buf, n)
+            # run_end[i]: first row after the run of equal ids that contains row i.
+            change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+            ends = np.append(change, n)
+            run_end = ends[np.searchsorted(ends, np.arange(n), side="right")] if n else ends
+            anchors = anchors[anchors + seq_len <= run_end[anchors]]
+        self._anchors = anchors
+        self._offsets = np.arange(seq_len, dtype=np.int64)
+
+    def _all_ids(self, buf: Any, n: int) -> np.ndarray:
+        if not self._src.is_trajectory:
+            return np.zeros(n, np.int64)
+        return buf._table.read_contiguous(0, n, [buf._id_field])[0]
+
+    def __len__(self) -> int:
+        return len(self._anchors)
+
+    @property
+    def anchors(self) -> np.ndarray:
+        """Logical row of the first frame of every item."""
+        return self._anchors
+
+    def read_batch(self, indices: Any) -> dict[str, Any]:
+        anchors = self._anchors[np.asarray(indices, dtype=np.int64)]
+        buf = self._src.buffer
+        buf._sync()
+        t = buf._table
+        start, end = t.state.start, t.state.end
+        if anchors.size and anchors.max() >= t.count:
+            raise IndexError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
+        if self._src.is_trajectory:
+            ids_of = lambda absolute: buf._step_ids(absolute - start)  # noqa: E731
+        else:
+            ids_of = lambda absolute: np.zeros(np.shape(absolute), np.int64)  # noqa: E731
+        rows, valid = window_rows(anchors + start, self._offsets, start, end, ids_of)
+        src = pad_sources(rows, valid, self._offsets, anchors + start) if self.pad == "edge" else rows
+        B, T = rows.shape
+        steps = []
+        if self._sel.step_leaves:
+            for a in buf._read_rows((src - start).ravel(), self._sel.step_leaves):
+                a = a.reshape(B, T, *a.shape[1:])
+                if self.pad == "zero":
+                    a[~valid] = 0
+                steps.append(a)
+        eps = buf._read_rows(anchors, self._sel.episode_leaves) if self._sel.episode_leaves else []
+        out = self._sel.assemble(steps, eps, self._out)
+        out[self.mask_key] = self._out(valid)
+        return out
