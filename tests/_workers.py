@@ -633,3 +633,17 @@ def mp_append(rb: ReplayBuffer, w: int, n: int, result: str) -> None:
     except BaseException:
         _result(result, ok=False, error=traceback.format_exc())
         raise
+
+
+def join_result(proc: Any, path: str, timeout: float) -> dict[str, Any]:
+    """Wait for a child that reports through a JSON result file; SIGKILL it if it overstays.
+
+    Returns the result, or ``{"ok": False, "error": ...}`` when the child left none."""
+    proc.join(timeout)
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    if not os.path.exists(path):
+        return {"ok": False, "error": f"exit code {proc.exitcode}"}
+    with open(path) as f:
+        return json.load(f)

@@ -255,11 +255,7 @@ def test_multiprocessing_writers(tmp_path, procs, method, chunk_rows):
                 break
             time.sleep(0.05)
     for w, p in enumerate(ps):
-        p.join(180)
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
-        out = _load(results[w]) if os.path.exists(results[w]) else {"ok": False, "error": f"exit code {p.exitcode}"}
+        out = W.join_result(p, results[w], 180)
         if not out["ok"]:
             errors.append(f"writer {w} failed: {out['error']}")
     try:

@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import pickle
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -188,11 +187,7 @@ def test_multiprocessing_episode_writers(tmp_path, procs, method):
         TrajectoryReplayBuffer.load_from(store)  # a plain writer is refused meanwhile
     errors, episodes = [], {}
     for w, p in enumerate(ps):
-        p.join(150)
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
-        out = _load(results[w]) if os.path.exists(results[w]) else {"ok": False, "error": f"exit code {p.exitcode}"}
+        out = W.join_result(p, results[w], 150)
         if not out["ok"]:
             errors.append(f"writer {w}: {out['error']}")
         else:

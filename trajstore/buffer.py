@@ -9,7 +9,7 @@ import atexit
 import os
 import sys
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -61,6 +61,22 @@ class StoredBuffer(BatchBase):
         self._closed = False
         self._stagers = []
         _OPEN.add(self)
+
+    @classmethod
+    def _open_store(cls, kind: str, path: Any, build: Callable[[Store, Backend, dict[str, Any]], "StoredBuffer"], *,
+                    backend: str, device: Any, read_only: bool, multiprocessing: bool,
+                    storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "StoredBuffer":
+        """Shared body of ``load_from``: open the store, then ``build(store, backend, open_args)``;
+        the store is closed again if building the buffer fails (e.g. a space mismatch)."""
+        bk = Backend(backend, device)
+        store = Store.open(path, kind, read_only=read_only, multiprocessing=multiprocessing,
+                           storage_options=storage_options, options=options)
+        try:
+            return build(store, bk, dict(backend=backend, device=device, storage_options=storage_options,
+                                         options=options))
+        except BaseException:
+            store.close()
+            raise
 
     # -- subclass hook ------------------------------------------------------------------------
     def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:

@@ -163,19 +163,16 @@ class ReplayBuffer(StoredBuffer):
         must equal the stored one.
         """
         opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.OPEN_OPTIONS)
-        bk = Backend(backend, device)
-        store = Store.open(path, "ReplayBuffer", read_only=read_only, multiprocessing=multiprocessing,
-                           storage_options=storage_options, options=opts)
-        try:
+
+        def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "ReplayBuffer":
             space = space_from_json(store.attrs["spaces"][TABLE])
             if single_instance_space is not None and single_instance_space != space:
                 raise SpaceMismatchError(f"{path}: stored space {space} differs from the given {single_instance_space}")
-        except BaseException:
-            store.close()
-            raise
-        return cls(store, space, bk, open_args=dict(
-            cache_path=path, multiprocessing=multiprocessing, backend=backend, device=device,
-            storage_options=storage_options, options=opts, read_only=read_only))
+            return cls(store, space, bk, open_args=open_args)
+
+        return cls._open_store("ReplayBuffer", path, build, backend=backend, device=device,  # type: ignore[return-value]
+                               read_only=read_only, multiprocessing=multiprocessing,
+                               storage_options=storage_options, options=opts)
 
     # -- reads -----------------------------------------------------------------------------
     def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:

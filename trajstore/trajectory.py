@@ -204,18 +204,15 @@ class TrajectoryReplayBuffer(StoredBuffer):
         opts = ZarrStorage.check_options(dict(storage_kwargs), ZarrStorage.OPEN_OPTIONS)
         for extra in (step_storage_kwargs, step_episode_id_storage_kwargs, episode_storage_kwargs):
             ZarrStorage.check_options(dict(extra or {}), ZarrStorage.OPEN_OPTIONS + ("chunk_rows", "compressor"))
-        bk = Backend(backend, device)
-        store = Store.open(path, "TrajectoryReplayBuffer", read_only=read_only, multiprocessing=multiprocessing,
-                           storage_options=storage_options, options=opts)
-        try:
+
+        def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "TrajectoryReplayBuffer":
             spaces = store.attrs["spaces"]
-            step_space = space_from_json(spaces[STEPS])
             ep_space = space_from_json(spaces[EPISODES]) if EPISODES in spaces else None
-            return cls(store, step_space, ep_space, bk, open_args=dict(
-                backend=backend, device=device, storage_options=storage_options, options=opts))
-        except BaseException:
-            store.close()
-            raise
+            return cls(store, space_from_json(spaces[STEPS]), ep_space, bk, open_args=open_args)
+
+        return cls._open_store("TrajectoryReplayBuffer", path, build, backend=backend,  # type: ignore[return-value]
+                               device=device, read_only=read_only, multiprocessing=multiprocessing,
+                               storage_options=storage_options, options=opts)
 
     # -- episode ids -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
