@@ -109,6 +109,9 @@ BUILDERS: dict[str, Callable[..., Any]] = {
                                                          cache_path=p),
     "dummyvec-threads": lambda o, a, n, p: DummyVecRolloutBuffer(T, o, a, "cpu", n_envs=n, gamma=GAMMA,
                                                                  gae_lambda=LAMBDA, use_threads=True),
+    "dummyvec-read-per-batch": lambda o, a, n, p: DummyVecRolloutBuffer(
+        T, o, a, "cpu", n_envs=n, gamma=GAMMA, gae_lambda=LAMBDA, use_threads=True,
+        buffer_kwargs=dict(load_obs_on_get=False)),
     "dummyvec-sb3-subs": lambda o, a, n, p: DummyVecRolloutBuffer(
         T, o, a, "cpu", n_envs=n, gamma=GAMMA, gae_lambda=LAMBDA, use_threads=True,
         buffer_class=DictRolloutBuffer if isinstance(o, spaces.Dict) else RolloutBuffer),

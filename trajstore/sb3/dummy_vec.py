@@ -27,6 +27,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from ..errors import SpaceMismatchError
 from . import _root
 from ._layout import ObsLayout
+from ._base import concat, take
 from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
 
 __all__ = ["DummyVecRolloutBuffer"]
@@ -231,6 +232,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         self._each(lambda i, sub: sub.reset())
         for name in ("values", "returns", "advantages"):
             setattr(self, name, np.zeros((self.buffer_size, self.n_envs), dtype=np.float32))
+        # The joined rollout of the first get (see _prepare_get).
+        self._flat_obs: dict[str | None, np.ndarray] | None = None
+        self._flat_actions = self._flat_log_probs = np.zeros(0, np.float32)
         self.generator_ready = False
         self.pos = 0
 
@@ -282,10 +286,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         total = self.buffer_size * self.n_envs
         indices = np.random.permutation(total)
         if not self.generator_ready:
-            self._each(lambda i, sub: _prepare(sub))
-            for name in ("values", "returns", "advantages"):
-                self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-            self.generator_ready = True
+            self._prepare_get()
         if batch_size is None:
             batch_size = total
         start_idx = 0
@@ -293,36 +294,55 @@ class DummyVecRolloutBuffer(RolloutBuffer):
             yield self._get_samples(indices[start_idx : start_idx + batch_size])
             start_idx += batch_size
 
+    def _prepare_get(self) -> None:
+        """The first ``get``: prepare every sub-buffer, then join their rollouts env-major (SB3's
+        ``swap_and_flatten`` order), so a minibatch is one fancy index per array as in SB3.
+
+        Observations are joined only when every sub-buffer holds its rollout's in RAM; a
+        trajstore sub-buffer then hands its copy over (its own ``get`` reads the store again).
+        With ``load_obs_on_get=False`` sub-buffers, minibatch observations are gathered per env.
+        """
+        self._each(lambda i, sub: _prepare(sub))
+        for name in ("values", "returns", "advantages"):
+            self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
+        self._flat_actions = np.concatenate([sub.actions for sub in self._buffers]).astype(np.float32, copy=False)
+        self._flat_log_probs = np.concatenate([sub.log_probs for sub in self._buffers]).reshape(-1)
+        ours = [isinstance(sub, _ZarrRolloutMixin) for sub in self._buffers]
+        if all(not o or sub._flat_obs is not None for o, sub in zip(ours, self._buffers)):
+            self._flat_obs = concat([sub._flat_obs if o else self._layout.unwrap(sub.observations)
+                                     for o, sub in zip(ours, self._buffers)])
+            for o, sub in zip(ours, self._buffers):
+                if o:
+                    sub._flat_obs = None
+        self.generator_ready = True
+
     def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
         """The minibatch at env-major flat indices ``batch_inds`` (B,): obs (B, ...) in the obs
         dtype, actions (B, action_dim) float32, old_values / old_log_prob / advantages / returns (B,)."""
         batch_inds = np.asarray(batch_inds)
-        env_of, step = np.divmod(batch_inds, self.buffer_size)
-        envs = np.unique(env_of).tolist()
-        sels = {e: np.flatnonzero(env_of == e) for e in envs}
-        parts = dict(zip(envs, self._each(lambda i, sub: _sub_arrays(sub, step[sels[i]]), envs)))
-        out: list[Any] = []
-        for j in range(6):
-            first = parts[envs[0]][j]
-            if isinstance(first, dict):
-                out.append({k: self._merge([(sels[e], parts[e][j][k]) for e in envs], len(batch_inds)) for k in first})
-            else:
-                out.append(self._merge([(sels[e], parts[e][j]) for e in envs], len(batch_inds)))
-        # The merged arrays are fresh copies: tensors share their memory (values as SB3's to_torch).
-        obs, rest = out[0], [self.to_torch(a, copy=False) for a in out[1:]]
+        obs = self._layout.wrap(take(self._flat_obs, batch_inds) if self._flat_obs is not None
+                                else self._gather_obs(batch_inds))
+        # Fancy indexing made fresh copies: tensors share their memory (values as SB3's to_torch).
+        rest = [self.to_torch(a, copy=False) for a in (
+            self._flat_actions[batch_inds], self.values[batch_inds].flatten(), self._flat_log_probs[batch_inds],
+            self.advantages[batch_inds].flatten(), self.returns[batch_inds].flatten())]
         if isinstance(obs, dict):
             return DictRolloutBufferSamples({k: self.to_torch(v, copy=False) for k, v in obs.items()}, *rest)
         return RolloutBufferSamples(self.to_torch(obs, copy=False), *rest)
 
-    @staticmethod
-    def _merge(pieces: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
-        """Scatter per-env pieces (positions in the batch, values) into one (n, ...) array."""
-        first = pieces[0][1]
-        if len(pieces) == 1:
-            return first
-        out = np.empty((n, *first.shape[1:]), first.dtype)
-        for sel, values in pieces:
-            out[sel] = values
+    def _gather_obs(self, batch_inds: np.ndarray) -> dict[str | None, np.ndarray]:
+        """Observations at env-major flat indices, read from each env's sub-buffer (in the thread
+        pool with ``use_threads``) and scattered into batch order."""
+        env_of, step = np.divmod(batch_inds, self.buffer_size)
+        envs = np.unique(env_of).tolist()
+        sels = {e: np.flatnonzero(env_of == e) for e in envs}
+        parts = dict(zip(envs, self._each(lambda i, sub: self._layout.unwrap(_sub_arrays(sub, step[sels[i]])[0]),
+                                          envs)))
+        out: dict[str | None, np.ndarray] = {}
+        for k, first in parts[envs[0]].items():
+            out[k] = np.empty((len(batch_inds), *first.shape[1:]), first.dtype)
+            for e in envs:
+                out[k][sels[e]] = parts[e][k]
         return out
 
     # -- lifetime ---------------------------------------------------------------------------------
