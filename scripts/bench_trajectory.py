@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -41,6 +43,7 @@ def build(path: Path, rows: int, mean_episode: int = 500) -> TrajectoryReplayBuf
         obs = rng.standard_normal((hi - lo, 17)).astype(np.float32)
         tb.extend({"step_data": {"obs": obs}, "episode_ids": ids[lo:hi]})
     tb.close()
+    os.sync()  # write back now, not while the other store is measured
     ro = TrajectoryReplayBuffer.load_from(path, read_only=True)
     # Steady state: one sequential pass maps every page of this process's view of the store (a
     # training process pays those page faults once; the in-RAM baseline never does).
@@ -49,25 +52,36 @@ def build(path: Path, rows: int, mean_episode: int = 500) -> TrajectoryReplayBuf
     return ro
 
 
-def bench(tb: TrajectoryReplayBuffer, within: bool, repeats: int) -> float:
+def sampler(tb: TrajectoryReplayBuffer, within: bool) -> Callable[[], Any]:
     rng = np.random.default_rng(1)
-    return _median_time(lambda: tb.sample_sequences(B, T, rng=rng, within_episode=within), repeats, 20)
+    return lambda: tb.sample_sequences(B, T, rng=rng, within_episode=within)
 
 
-def numpy_baseline(rows: int, repeats: int) -> float:
+def numpy_gather(rows: int) -> Callable[[], Any]:
     """The same windows gathered from in-RAM numpy arrays (obs and ids), mask included."""
     rng = np.random.default_rng(2)
     obs = rng.standard_normal((rows, 17)).astype(np.float32)
     ids = np.repeat(np.arange(rows // 500 + 1), 500)[:rows]
     offs = np.arange(T)
 
-    def gather() -> None:
+    def gather() -> Any:
         a = rng.integers(0, rows, B)
         r = np.minimum(a[:, None] + offs, rows - 1)
-        valid = ids[r] == ids[a][:, None]
-        _ = obs[r], valid
+        return obs[r], ids[r] == ids[a][:, None]
 
-    return _median_time(gather, repeats, 20)
+    return gather
+
+
+def alternate(runs: dict[Any, Callable[[], Any]], repeats: int, inner: int = 20) -> dict[Any, float]:
+    """Median seconds per call of every run, measured in ``repeats`` alternating rounds of
+    ``inner`` calls (so load drift on a shared machine hits every run alike)."""
+    for fn in runs.values():
+        fn()  # first use: a store builds its run index (one pass over the ids), pages fault in
+    times: dict[Any, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            times[key].append(_median_time(fn, 1, inner, warmup=0))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,18 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=None)
     args = p.parse_args(argv)
     small, large = (10_000, 100_000) if args.quick else (100_000, 10_000_000)
-    repeats = 3 if args.quick else 9
+    repeats = 3 if args.quick else 15
     lines = ["| store rows | within_episode | trajstore ms | numpy in-RAM ms | ratio vs numpy |", "|---|---|---|---|---|"]
-    times: dict[tuple[int, bool], float] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        for rows in (small, large):
-            tb = build(Path(d) / f"t{rows}", rows)
-            base = numpy_baseline(rows, repeats)
-            for within in (False, True):
-                t = times[(rows, within)] = bench(tb, within, repeats)
-                lines.append(f"| {rows:,} | {within} | {t * 1e3:.3f} | {base * 1e3:.3f} | {t / base:.2f}x |")
+        stores = {rows: build(Path(d) / f"t{rows}", rows) for rows in (small, large)}
+        runs: dict[Any, Callable[[], Any]] = {("numpy", rows): numpy_gather(rows) for rows in stores}
+        runs.update({(rows, w): sampler(tb, w) for rows, tb in stores.items() for w in (False, True)})
+        times = alternate(runs, repeats)
+        for tb in stores.values():
             tb.close()
+    base = {rows: times[("numpy", rows)] for rows in (small, large)}
+    for rows in (small, large):
+        for within in (False, True):
+            t = times[(rows, within)]
+            lines.append(f"| {rows:,} | {within} | {t * 1e3:.3f} | {base[rows] * 1e3:.3f} | {t / base[rows]:.2f}x |")
     scale = [f"within_episode={w}: {times[(large, w)] / times[(small, w)]:.2f}" for w in (False, True)]
+    scale.append(f"numpy in-RAM gather: {base[large] / base[small]:.2f}")
     text = "\n".join(lines) + f"\n\nRatio {large:,} rows / {small:,} rows (target <= 1.3): " + "; ".join(scale) + "\n"
     print(text)
     if args.markdown:

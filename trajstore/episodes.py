@@ -17,7 +17,7 @@ from .table import Table
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["EpisodeIndex"]
+__all__ = ["EpisodeIndex", "RunIndex"]
 
 
 class EpisodeIndex:
@@ -135,3 +135,62 @@ class EpisodeIndex:
             et.state.start += k
         self._ids = col[~dead]
         self._sorted = None
+
+
+class RunIndex:
+    """Where the step-id column changes value: the absolute rows that start a run of equal ids.
+
+    One int64 per run (not per row), so checking that a window of rows lies in one run is a
+    binary search in a small array instead of a read of the window's ids.  Extended with the
+    ids of the rows appended since the last use; rebuilt when the commit record's epoch moved
+    (rows were rewritten, removed or cleared) or the rows it covers were all evicted.
+
+    Parameters
+    ----------
+    steps : Table
+        The step table; field ``id_field`` holds each step's episode id.
+    epoch : callable
+        Returns the current commit-record epoch.
+    """
+
+    def __init__(self, steps: Table, id_field: int, epoch: Callable[[], int]) -> None:
+        self.steps, self.id_field, self.epoch = steps, id_field, epoch
+        # Capacity-doubling buffer: run starts in [:_n], then a sentinel.
+        self._starts = np.full(1, np.iinfo(np.int64).max, np.int64)
+        self._n = 0
+        self._epoch: int | None = None
+        self._end = 0  # absolute end of the rows covered
+        self._last_id: int | None = None  # id of row _end - 1
+
+    def _update(self) -> None:
+        st = self.steps.state
+        epoch = self.epoch()
+        if epoch != self._epoch or st.start > self._end or st.end < self._end:
+            self._n, self._end, self._last_id, self._epoch = 0, st.start, None, epoch
+        if st.end > self._end:
+            ids = self.steps.read_contiguous(self._end - st.start, st.end - st.start, [self.id_field])[0]
+            new = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+            if self._last_id is None or int(ids[0]) != self._last_id:
+                new = np.concatenate([[0], new])
+            self._append(new + self._end)
+            self._end, self._last_id = st.end, int(ids[-1])
+        dead = int(np.searchsorted(self._starts[: self._n], st.start, side="right")) - 1  # runs wholly evicted
+        if dead > 1024 and dead > self._n // 2:
+            self._starts[: self._n - dead + 1] = self._starts[dead : self._n + 1]
+            self._n -= dead
+
+    def _append(self, starts: np.ndarray) -> None:
+        need = self._n + len(starts)
+        if need + 1 > len(self._starts):
+            grown = np.empty(max(need + 1, 2 * len(self._starts), 1024), np.int64)
+            grown[: self._n] = self._starts[: self._n]
+            self._starts = grown
+        self._starts[self._n : need] = starts
+        self._starts[need] = np.iinfo(np.int64).max  # sentinel: "no later run"
+        self._n = need
+
+    def one_run(self, lo: np.ndarray, span: int) -> np.ndarray:
+        """Whether absolute rows ``lo[b] .. lo[b] + span`` (inside the table) share one id, (B,) bool."""
+        self._update()
+        nxt = self._starts[np.searchsorted(self._starts[: self._n], lo, side="right")]  # next run's start
+        return nxt > lo + span

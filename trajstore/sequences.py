@@ -1,11 +1,12 @@
 """Sequences within episodes: which rows a window of frames reads, which frames are valid,
-and how invalid frames are padded.  Pure numpy on absolute row numbers, so the cost of a
-batch is O(B x T) whatever the store's size.
+and how invalid frames are padded.  Pure numpy on row numbers, so the cost of a batch is
+O(B x T) whatever the store's size.  Windows of consecutive frames containing the anchor
+(every sampled sequence, frame stacks) are read as blocks of rows, one copy per window.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from .ring import normalize_index
 if TYPE_CHECKING:
     from .trajectory import TrajectoryReplayBuffer
 
-__all__ = ["window_rows", "pad_sources", "get_sequences", "sample_sequences", "episode_table", "episode_rows", "PADS"]
+__all__ = ["window_rows", "block_frames", "pad_sources", "get_sequences", "sample_sequences", "episode_table", "episode_rows", "PADS"]
 
 PADS = ("edge", "zero")
 
@@ -50,15 +51,52 @@ def window_rows(
     return clipped, inside & (frame_ids == anchor_ids[:, None])
 
 
+def block_frames(anchors: np.ndarray, first: np.ndarray, offsets: np.ndarray, count: int,
+                 ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Frames of windows read as blocks of consecutive rows (contiguous offsets containing 0).
+
+    Parameters
+    ----------
+    anchors : (B,) int64
+        Logical anchor rows.
+    first : (B,) int64
+        First logical row of each block: ``anchors + offsets[0]`` clipped into ``[0, count - T]``,
+        so the block holds every frame's clipped row and the anchor.
+    offsets : (T,) int64
+        Consecutive, ``offsets[0] <= 0 <= offsets[-1]``.
+    count : int
+        Rows in the buffer.
+    ids : (B, T) int64
+        Episode ids of the block rows ``first[b] + t``.
+
+    Returns
+    -------
+    pos : (B, T) int64
+        Index within the block of the row each frame reads (clipped into the buffer).
+    valid : (B, T) bool
+        The frame's row exists and belongs to the anchor's episode.
+    """
+    rows = anchors[:, None] + offsets[None, :]
+    inside = (rows >= 0) & (rows < count)
+    pos = np.clip(rows, 0, count - 1) - first[:, None]
+    anchor_ids = ids[np.arange(len(anchors)), anchors - first]
+    # Unclipped blocks hold frame t at position t: only clipped ones need re-indexing.
+    frame_ids = ids if inside.all() else np.take_along_axis(ids, pos, axis=1)
+    return pos, inside & (frame_ids == anchor_ids[:, None])
+
+
 def pad_sources(rows: np.ndarray, valid: np.ndarray, offsets: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """Rows to read for ``pad="edge"``: an invalid frame before the anchor (negative offset) repeats
-    the earliest valid frame, one at or after it the latest valid frame; a window with no valid
-    frame at all repeats the anchor row.
+    """Where each frame's data comes from for ``pad="edge"``: an invalid frame before the anchor
+    (negative offset) repeats the earliest valid frame, one at or after it the latest valid frame;
+    a window with no valid frame at all repeats the anchor row.
+
+    ``rows`` (B, T) and ``anchors`` (B,) are in one coordinate system: absolute or logical rows,
+    or positions within blocks.
 
     Returns
     -------
     (B, T) int64
-        Absolute rows whose data fills each frame.
+        The row (position) whose data fills each frame.
     """
     any_valid = valid.any(axis=1)
     first = np.argmax(valid, axis=1)
@@ -83,23 +121,75 @@ def get_sequences(buf: "TrajectoryReplayBuffer", idx: Any, offsets: Any, pad: st
     return _read_windows(buf, anchors, offs, pad)
 
 
-def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str) -> tuple[Any, Any]:
+def _is_block(offs: np.ndarray, count: int) -> bool:
+    """Whether windows of these offsets are blocks of consecutive rows containing the anchor."""
+    T = len(offs)
+    return 0 < T <= count and offs[0] <= 0 <= offs[-1] and bool((np.diff(offs) == 1).all())
+
+
+class _Frames(NamedTuple):
+    """Which rows the frames of a batch of windows read, and which frames are valid."""
+
+    first: np.ndarray | None  # (B,) first logical row of each block read, or None: rows gathered one by one
+    check: np.ndarray  # (K,) blocks that are clipped or cross episodes (all of them when first is None)
+    rows: np.ndarray  # (K, T) positions within those blocks, or logical rows when first is None
+    valid: np.ndarray  # (B, T) bool
+
+
+def _block_ok(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """First logical row of each anchor's block (clipped into the buffer), and whether the block
+    holds exactly its frames (unclipped) within one run of equal episode ids: wholly valid."""
+    t = buf._table
+    T = len(offs)
+    lo = anchors + offs[0]
+    first = np.clip(lo, 0, t.count - T)
+    return first, (first == lo) & buf._runs.one_run(first + t.state.start, T - 1)
+
+
+def _frames(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, block: bool) -> _Frames:
+    """Frames of logical ``anchors``.
+
+    ``block`` (see :func:`_is_block`): each window is a block of consecutive rows; blocks inside
+    the buffer and inside one run of equal ids (the run index answers without reading ids) are
+    wholly valid, and only the others read their ids.  Otherwise frames are resolved row by row.
+    """
+    t = buf._table
+    B, T = len(anchors), len(offs)
+    if not block:
+        start = t.state.start
+        rows, valid = window_rows(anchors + start, offs, start, t.state.end, lambda a: buf._step_ids(a - start))
+        return _Frames(None, np.arange(B), rows - start, valid)
+    first, ok = _block_ok(buf, anchors, offs)
+    check = np.flatnonzero(~ok)
+    valid = np.ones((B, T), bool)
+    pos = np.zeros((0, T), np.int64)
+    if check.size:
+        ids = t.gather_windows(first[check], T, [buf._id_field])[0]
+        pos, valid[check] = block_frames(anchors[check], first[check], offs, t.count, ids)
+    return _Frames(first, check, pos, valid)
+
+
+def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str,
+                  block: bool | None = None) -> tuple[Any, Any]:
     """Read windows for logical ``anchors``: step data (B, T, ...), episode data of each anchor's
     episode (B, ...), valid mask (B, T)."""
-    t = buf._table
-    start = t.state.start
-    ids_of = lambda absolute: buf._step_ids(absolute - start)  # noqa: E731
-    rows, valid = window_rows(anchors + start, offs, start, t.state.end, ids_of)
-    src = pad_sources(rows, valid, offs, anchors + start) if pad == "edge" else rows
+    f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count) if block is None else block)
+    B, T = f.valid.shape
     step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
-    flat = buf._read_rows((src - start).ravel(), step_leaves)
-    B, T = rows.shape
-    steps = []
-    for a in flat:
-        a = a.reshape(B, T, *a.shape[1:])
-        if pad == "zero":
-            a[~valid] = 0
-        steps.append(a)
+    if f.first is None:
+        src = pad_sources(f.rows, f.valid, offs, anchors) if pad == "edge" else f.rows
+        steps = [a.reshape(B, T, *a.shape[1:]) for a in buf._read_rows(src.ravel(), step_leaves)]
+    else:
+        steps = buf._table.gather_windows(f.first, T, [buf._src[j][1] for j in step_leaves])
+        c = f.check
+        if c.size:  # clipped or padded blocks: re-index their frames within the block
+            src = pad_sources(f.rows, f.valid[c], offs, anchors[c] - f.first[c]) if pad == "edge" else f.rows
+            for a in steps:
+                a[c] = a[c[:, None], src]
+    if pad == "zero" and f.check.size:
+        for a in steps:
+            a[~f.valid] = 0
     ep = None
     if buf._ep_plan is not None:
         ep_leaves = [j for j, s in enumerate(buf._src) if s[0] == "e"]
@@ -107,7 +197,7 @@ def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.n
     out = buf._backend.out
     step_data = buf._step_plan.from_arrays([out(a) for a in steps])
     episode_data = buf._ep_plan.from_arrays([out(a) for a in ep]) if ep is not None else None
-    return {"step_data": step_data, "episode_data": episode_data}, out(valid)
+    return {"step_data": step_data, "episode_data": episode_data}, out(f.valid)
 
 
 def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: int, rng: np.random.Generator,
@@ -115,36 +205,32 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
     """Windows of ``seq_len`` consecutive rows starting at uniformly drawn rows.
 
     ``within_episode=True`` draws only windows lying wholly inside one episode, by rejection:
-    each round reads the ids of the candidate windows only (B x T ids), so the cost depends on
-    the share of valid windows, never on the number of rows or episodes stored.
+    each round asks the run index about the candidate windows only (no id is read), so the cost
+    depends on the share of valid windows, never on the number of rows or episodes stored.
     """
     if pad not in PADS:
         raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}")
     buf._sync()
-    t = buf._table
-    n = t.count
+    n = buf._table.count
     if n == 0:
         raise ValueError("cannot sample from an empty buffer")
     offs = np.arange(seq_len, dtype=np.int64)
+    block = _is_block(offs, n)
     anchors = rng.integers(0, n, size=batch_size)
     if within_episode:
-        start = t.state.start
-        ids_of = lambda absolute: buf._step_ids(absolute - start)  # noqa: E731
-        todo = np.ones(batch_size, bool)
+        todo = np.arange(batch_size)
         for _ in range(1000):
-            _rows, valid = window_rows(anchors[todo] + start, offs, start, t.state.end, ids_of)
-            ok = valid.all(axis=1)
-            idx = np.flatnonzero(todo)
-            todo[idx[ok]] = False
-            if not todo.any():
+            ok = _block_ok(buf, anchors[todo], offs)[1] if block else _frames(buf, anchors[todo], offs, False).valid.all(1)
+            todo = todo[~ok]
+            if not todo.size:
                 break
-            anchors[todo] = rng.integers(0, n, size=int(todo.sum()))
+            anchors[todo] = rng.integers(0, n, size=todo.size)
         else:
             raise ValueError(f"no window of {seq_len} steps lies inside one episode (or almost none do): "
                              "use a shorter seq_len or within_episode=False")
-    return _read_windows(buf, anchors, offs, pad)
+    return _read_windows(buf, anchors, offs, pad, block)
 
 
 def episode_table(buf: "TrajectoryReplayBuffer") -> dict[str, np.ndarray]:

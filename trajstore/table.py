@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .fields import ChunkedField, MappedField
+from .fields import ChunkedField, MappedField, gather_windows_by_rows
 from .head import TableState
 from .ring import contiguous_runs, physical
 
@@ -127,6 +127,22 @@ class Table:
         self.prepare_reads()
         phys = self.physical(logical)
         return [self.fields[j].gather(phys) for j in which]
+
+    def gather_windows(self, first: np.ndarray, length: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of ``length`` consecutive logical rows from each of ``first`` (B,), every window
+        inside ``[0, count)``: one (B, length, ...) array per field of ``which``."""
+        self.prepare_reads()
+        phys = np.asarray(self.physical(first))
+        if self.capacity is None or not (wrap := phys > self.capacity - length).any():
+            return [self.fields[j].gather_windows(phys, length) for j in which]
+        straight = np.where(wrap, 0, phys)  # windows crossing the wrap point are read row by row below
+        out = []
+        for j in which:
+            f = self.fields[j]
+            a = f.gather_windows(straight, length)
+            a[wrap] = gather_windows_by_rows(f, phys[wrap], length, self.capacity)
+            out.append(a)
+        return out
 
     def read_row(self, i: int, which: Sequence[int]) -> list[np.ndarray]:
         """Copy of logical row ``i`` (one unbatched row per field)."""

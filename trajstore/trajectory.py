@@ -22,7 +22,7 @@ import numpy as np
 
 from .backend import Backend
 from .buffer import StoredBuffer, as_generator
-from .episodes import EpisodeIndex
+from .episodes import EpisodeIndex, RunIndex
 from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
 from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
 from .ring import IndexLike, normalize_index
@@ -93,6 +93,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
         self._episodes = EpisodeIndex(store, self._table, self._id_field, self._ep_table, self._ep_id_field,
                                       lambda: self.current_episode_id)
+        self._runs = RunIndex(self._table, self._id_field, lambda: store.committed.epoch)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
         store.op_listeners.append(self._check_fork)
