@@ -218,18 +218,28 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
         raise ValueError("cannot sample from an empty buffer")
     offs = np.arange(seq_len, dtype=np.int64)
     block = _is_block(offs, n)
-    anchors = rng.integers(0, n, size=batch_size)
-    if within_episode:
-        todo = np.arange(batch_size)
+    if not within_episode:
+        anchors = rng.integers(0, n, size=batch_size)
+    else:
+        # Rejection sampling, keeping accepted candidates in draw order (so anchors stay iid
+        # uniform over valid windows); each round draws enough candidates for the acceptance
+        # rate seen so far, so a batch usually takes one round.
+        kept: list[np.ndarray] = []
+        need, draw, tried, accepted = batch_size, batch_size + batch_size // 4 + 8, 0, 0
         for _ in range(1000):
-            ok = _block_ok(buf, anchors[todo], offs)[1] if block else _frames(buf, anchors[todo], offs, False).valid.all(1)
-            todo = todo[~ok]
-            if not todo.size:
+            cand = rng.integers(0, n, size=draw)
+            ok = _block_ok(buf, cand, offs)[1] if block else _frames(buf, cand, offs, False).valid.all(axis=1)
+            good = cand[ok][:need]
+            kept.append(good)
+            need -= len(good)
+            if not need:
                 break
-            anchors[todo] = rng.integers(0, n, size=todo.size)
+            tried, accepted = tried + draw, accepted + int(ok.sum())
+            draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
         else:
             raise ValueError(f"no window of {seq_len} steps lies inside one episode (or almost none do): "
                              "use a shorter seq_len or within_episode=False")
+        anchors = np.concatenate(kept)
     return _read_windows(buf, anchors, offs, pad, block)
 
 
