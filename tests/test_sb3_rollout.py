@@ -53,12 +53,16 @@ def value(space: gym.Space, n: int, rng: np.random.Generator) -> Any:
 
 
 def rollout(bufs: list[Any], obs_space: gym.Space, act_space: gym.Space, n: int, seed: int,
-            starts: np.ndarray | None = None) -> None:
-    """reset, T adds (as PPO's collect_rollouts passes them), compute_returns_and_advantage."""
+            starts: np.ndarray | None = None, before_step: Callable[[int, list[Any]], list[Any]] | None = None
+            ) -> list[Any]:
+    """reset, T adds (as PPO's collect_rollouts passes them), compute_returns_and_advantage;
+    ``before_step(t, bufs)`` may hand back other buffers to go on with.  Returns the buffers."""
     rng = np.random.default_rng(seed)
     for b in bufs:
         b.reset()
     for t in range(T):
+        if before_step is not None:
+            bufs = before_step(t, bufs)
         action = value(act_space, n, rng)
         if isinstance(act_space, spaces.Discrete):
             action = action.reshape(-1, 1)  # as collect_rollouts does
@@ -72,6 +76,7 @@ def rollout(bufs: list[Any], obs_space: gym.Space, act_space: gym.Space, n: int,
     dones = rng.random(n) < 0.4
     for b in bufs:
         b.compute_returns_and_advantage(last_values=last_values, dones=dones)
+    return bufs
 
 
 def assert_batches_equal(got: list[Any], want: list[Any], where: str) -> None:
@@ -245,6 +250,30 @@ def test_facade_pickles(tmp_path: Path, where: str) -> None:
     g.close()
     if where == "temporary":
         assert not any(os.path.exists(p) for p in folders + [s.cache_path for s in g.buffers])
+
+
+def test_facade_pickled_mid_rollout() -> None:
+    """A copy pickled halfway through a rollout goes on adding (its sub-buffers share its arrays
+    again) and gives SB3's batches; the original is untouched by the copy's adds."""
+    obs_space, act_space = OBS["float"]
+    ref = ref_buffer(obs_space, act_space, 3)
+    f = DummyVecRolloutBuffer(T, obs_space, act_space, "cpu", n_envs=3, gamma=GAMMA, gae_lambda=LAMBDA)
+    copies: list[Any] = []
+
+    def swap(t: int, bufs: list[Any]) -> list[Any]:
+        if t == T // 2:
+            copies.append(pickle.loads(pickle.dumps(bufs[1])))
+            return [bufs[0], copies[0]]
+        return bufs
+
+    _, g = rollout([ref, f], obs_space, act_space, 3, seed=5, before_step=swap)
+    assert g.full and not f.full and f.pos == T // 2
+    for i, sub in enumerate(g.buffers):
+        assert np.shares_memory(sub.actions, g.actions) and sub.pos == T
+        np.testing.assert_array_equal(sub.advantages[:, 0], ref.advantages[:, i])
+    same_gets(g, ref, "facade pickled mid-rollout", seed=6)
+    f.close()
+    g.close()
 
 
 # ------------------------------------------------------------------------------------------- history

@@ -318,3 +318,87 @@ def test_episodes_and_get_episode(tmp_path, backend):
     with TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True) as ro:
         ep = {k: npy(v) for k, v in ro.episodes().items()}
         assert ep["episode_id"].tolist() == [2, 3] and ep["length"].tolist() == [3, 7]
+
+
+# ----------------------------------------------------------------------------------------
+# windows read as blocks, and the run index that decides their validity
+# ----------------------------------------------------------------------------------------
+def _check_block_windows(buf, offsets_list=((0, 1, 2, 3), (-3, -2, -1, 0), (-2, -1, 0, 1, 2), (0,)), n_idx=150,
+                         seed=0):
+    """Every contiguous window (read as blocks) equals the definition, for both pads."""
+    rng = np.random.default_rng(seed)
+    ids, x = logical_ids(buf), buf[:]["step_data"]
+    idx = rng.integers(0, len(buf), size=n_idx)
+    for offsets in offsets_list:
+        for pad in ("edge", "zero"):
+            data, mask = buf.get_sequences(idx, offsets, pad=pad)
+            for leaf in ("obs", "img"):
+                want_mask, want = reference(ids, x[leaf], idx, offsets, pad)
+                np.testing.assert_array_equal(npy(mask), want_mask, err_msg=f"{offsets} {pad}")
+                np.testing.assert_array_equal(npy(data["step_data"][leaf]), want, err_msg=f"{offsets} {pad} {leaf}")
+
+
+@pytest.mark.parametrize("capacity", [None, 37], ids=["unbounded", "ring37"])
+def test_block_windows_with_interleaved_ids(tmp_path, capacity):
+    """Explicit ids that come back after another episode's rows (0 0 1 0 1 1 2 ...): a run of
+    equal ids is not an episode, so windows crossing runs must read ids; chunks of 8 rows and a
+    ring of 37 put windows across chunk boundaries and the wrap point."""
+    rng = np.random.default_rng(3)
+    buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=capacity, cache_path=tmp_path / "s", chunk_rows=8)
+    row = 0
+    for _ in range(12):
+        k = int(rng.integers(1, 9))
+        ids = rng.integers(0, 4, size=k)
+        buf.extend({"step_data": encode(ids, np.arange(k), np.arange(row, row + k)), "episode_ids": ids})
+        row += k
+        _check_block_windows(buf, n_idx=60, seed=row)
+    buf.close()
+
+
+def test_run_index_follows_rewrites_and_eviction(tmp_path):
+    """The run index is extended on append and rebuilt after set_at (new ids), remove_at (rows
+    move), clear and eviction past the rows it covered; a read-only view of the same store keeps
+    its own index in step with the writer's commits."""
+    buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=48, cache_path=tmp_path / "s", chunk_rows=8)
+    reader = None
+    row = record(buf, [5, 3, 7, 1, 6], with_data=False)
+    _check_block_windows(buf)
+    buf.flush()
+    reader = TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True)
+    _check_block_windows(reader)
+    for step in range(6):
+        if step == 0:  # new ids for rows 2..5: a run boundary appears inside the first episode
+            buf.set_at(np.arange(2, 6), {"step_data": encode(np.full(4, 99), np.arange(4), np.arange(2, 6)),
+                                         "episode_ids": np.full(4, 99)})
+        elif step == 1:
+            buf.remove_at(np.array([0, 7, 8, 13]))
+        elif step == 2:  # the ring wraps and evicts every row the index had covered
+            row = record(buf, [9, 11, 8, 10, 12], row=row, with_data=False)
+        elif step == 3:
+            buf.clear()
+            row = record(buf, [4, 4], row=row, with_data=False)
+        else:
+            row = record(buf, [int(step) + 2, 3], row=row, with_data=False)
+        _check_block_windows(buf, seed=step)
+        starts = buf._runs._starts[: buf._runs._n]
+        ids = logical_ids(buf)
+        live = starts[starts >= buf._table.state.start] - buf._table.state.start
+        want = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        np.testing.assert_array_equal(live[live > 0], want[want > 0])
+        buf.flush()
+        _check_block_windows(reader, seed=step)
+    reader.close()
+    buf.close()
+
+
+def test_within_episode_when_valid_windows_are_rare(tmp_path):
+    """One long episode among many one-step episodes: few windows qualify, the rounds adapt
+    their draws and every returned window lies inside the long episode."""
+    buf = TrajectoryReplayBuffer.create(STEP, cache_path=tmp_path / "s", chunk_rows=16)
+    row = record(buf, [1] * 300, with_data=False)
+    record(buf, [12], row=row, with_data=False)
+    data, mask = buf.sample_sequences(64, 8, rng=0, within_episode=True)
+    rows = npy(data["step_data"]["obs"])[..., 2]
+    assert npy(mask).all() and (rows >= 300).all() and (np.diff(rows, axis=1) == 1).all()
+    assert len(np.unique(rows[:, 0])) == 5  # every one of the 5 eligible windows is drawn
+    buf.close()

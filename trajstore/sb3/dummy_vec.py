@@ -32,6 +32,9 @@ from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuff
 
 __all__ = ["DummyVecRolloutBuffer"]
 
+#: Per-step arrays the sub-buffers share with the facade (column views, see ``_bind``).
+SHARED = ("actions", "rewards", "episode_starts", "values", "log_probs", "advantages", "returns")
+
 KIND = "DummyVecRolloutBuffer"
 _OPTIONS = ("gamma", "gae_lambda", "buffer_class", "buffer_kwargs", "cache_path", "storage_options", "max_workers")
 
@@ -94,9 +97,14 @@ class DummyVecRolloutBuffer(RolloutBuffer):
 
     Attributes
     ----------
+    actions : ndarray (buffer_size, n_envs, action_dim)
+    rewards, episode_starts, log_probs : ndarray (buffer_size, n_envs) float32
+        Written by ``add`` for all envs at once; column ``i`` is a view that sub-buffer ``i``
+        holds as its own array (until pickling, which rebinds them, or ``get``).
     values, returns, advantages : ndarray (buffer_size, n_envs) float32
-        Gathered from the sub-buffers by ``compute_returns_and_advantage``; flattened
-        env-major to (buffer_size * n_envs, 1) by the first ``get``, as SB3's own arrays.
+        Gathered from the sub-buffers by ``compute_returns_and_advantage``.  The first ``get``
+        flattens these and ``actions``, ``log_probs`` env-major to (buffer_size * n_envs, ...),
+        as SB3's own ``get``.
     buffers : list
         The sub-buffers, env order.
 
@@ -216,25 +224,27 @@ class DummyVecRolloutBuffer(RolloutBuffer):
     def _stack(self, name: str) -> np.ndarray:
         return np.concatenate([getattr(sub, name) for sub in self._buffers], axis=1)
 
-    @property
-    def rewards(self) -> np.ndarray:  # type: ignore[override]
-        """(buffer_size, n_envs) float32 copy of the sub-buffers' rewards."""
-        return self._stack("rewards")
-
-    @property
-    def episode_starts(self) -> np.ndarray:  # type: ignore[override]
-        """(buffer_size, n_envs) float32 copy of the sub-buffers' episode starts."""
-        return self._stack("episode_starts")
+    def _bind(self) -> None:
+        """Make every sub-buffer's per-step arrays column views of the facade's (buffer_size,
+        n_envs, ...) arrays, so ``add`` writes all envs in one assignment per array."""
+        for i, sub in enumerate(self._buffers):
+            for name in SHARED:
+                setattr(sub, name, self.__dict__[name][:, i : i + 1])
 
     # -- rollout API --------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Reset every sub-buffer; facade pos 0, values/returns/advantages zeroed (buffer_size, n_envs)."""
+        """Reset every sub-buffer; facade pos 0, per-step arrays zeroed, of shape (buffer_size,
+        n_envs, ...) and the sub-buffers' dtypes, shared with the sub-buffers as column views."""
         self._each(lambda i, sub: sub.reset())
-        for name in ("values", "returns", "advantages"):
-            setattr(self, name, np.zeros((self.buffer_size, self.n_envs), dtype=np.float32))
-        # The joined rollout of the first get (see _prepare_get).
-        self._flat_obs: dict[str | None, np.ndarray] | None = None
-        self._flat_actions = self._flat_log_probs = np.zeros(0, np.float32)
+        for name in SHARED:
+            if self._buffers:
+                like = getattr(self._buffers[0], name)
+                tail, dtype = like.shape[2:], like.dtype
+            else:  # n_envs=0: no sub-buffer to take dtypes from; SB3's
+                tail, dtype = ((self.action_dim,) if name == "actions" else ()), np.dtype(np.float32)
+            self.__dict__[name] = np.zeros((self.buffer_size, self.n_envs, *tail), dtype)
+        self._bind()
+        self._flat_obs: dict[str | None, np.ndarray] | None = None  # the joined rollout of the first get
         self.generator_ready = False
         self.pos = 0
 
@@ -249,18 +259,20 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         reward, episode_start : ndarray (n_envs,)
         value : Tensor (n_envs, 1) ; log_prob : Tensor (n_envs,)
         """
-        n = self.n_envs
+        n, p = self.n_envs, self.pos
         if len(log_prob.shape) == 0:
             log_prob = log_prob.reshape(-1)
         action = action.reshape((n, self.action_dim))
-        if self._ours:  # trajstore sub-buffers: normalise and convert once, hand out numpy rows
-            o, v, lp = self._layout.batch(obs), to_numpy(value).reshape(n, -1), to_numpy(log_prob).reshape(n)
-
-            def one(i: int, sub: Any) -> None:
-                sl = slice(i, i + 1)
-                sub._add_arrays({k: a[sl] for k, a in o.items()}, action[sl], reward[sl], episode_start[sl],
-                                v[i], lp[sl])
-        else:
+        # SB3's conversions, for all envs at once (the sub-buffers' arrays are views of these).
+        self.actions[p] = np.array(action)  # an IndexError once full, as SB3's
+        self.rewards[p] = np.array(reward)
+        self.episode_starts[p] = np.array(episode_start)
+        self.values[p] = to_numpy(value).flatten()
+        self.log_probs[p] = to_numpy(log_prob).reshape(n)
+        if self._ours:  # trajstore sub-buffers: each stores its env's observations
+            o = self._layout.batch(obs)
+            self._each(lambda i, sub: sub._add_obs({k: a[i : i + 1] for k, a in o.items()}))
+        else:  # any other one-env RolloutBuffer gets the whole step (it rewrites the same values)
             if isinstance(self.observation_space, spaces.Discrete):
                 obs = obs.reshape((n, *self.obs_shape))
 
@@ -269,7 +281,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
                 o = {k: v[sl] for k, v in obs.items()} if isinstance(obs, dict) else obs[sl]
                 sub.add(o, action[sl], reward[sl], episode_start[sl], value[sl], log_prob[sl])
 
-        self._each(one)
+            self._each(one)
         self.pos += 1
 
     def compute_returns_and_advantage(self, last_values: Any, dones: np.ndarray) -> None:
@@ -303,10 +315,8 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         With ``load_obs_on_get=False`` sub-buffers, minibatch observations are gathered per env.
         """
         self._each(lambda i, sub: _prepare(sub))
-        for name in ("values", "returns", "advantages"):
+        for name in FLAT:
             self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-        self._flat_actions = np.concatenate([sub.actions for sub in self._buffers]).astype(np.float32, copy=False)
-        self._flat_log_probs = np.concatenate([sub.log_probs for sub in self._buffers]).reshape(-1)
         ours = [isinstance(sub, _ZarrRolloutMixin) for sub in self._buffers]
         if all(not o or sub._flat_obs is not None for o, sub in zip(ours, self._buffers)):
             self._flat_obs = concat([sub._flat_obs if o else self._layout.unwrap(sub.observations)
@@ -324,8 +334,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
                                 else self._gather_obs(batch_inds))
         # Fancy indexing made fresh copies: tensors share their memory (values as SB3's to_torch).
         rest = [self.to_torch(a, copy=False) for a in (
-            self._flat_actions[batch_inds], self.values[batch_inds].flatten(), self._flat_log_probs[batch_inds],
-            self.advantages[batch_inds].flatten(), self.returns[batch_inds].flatten())]
+            self.actions[batch_inds].astype(np.float32, copy=False), self.values[batch_inds].flatten(),
+            self.log_probs[batch_inds].flatten(), self.advantages[batch_inds].flatten(),
+            self.returns[batch_inds].flatten())]
         if isinstance(obs, dict):
             return DictRolloutBufferSamples({k: self.to_torch(v, copy=False) for k, v in obs.items()}, *rest)
         return RolloutBufferSamples(self.to_torch(obs, copy=False), *rest)
@@ -379,3 +390,5 @@ class DummyVecRolloutBuffer(RolloutBuffer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if not self.generator_ready:  # pickling copied the shared arrays apart: share them again
+            self._bind()

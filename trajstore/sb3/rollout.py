@@ -200,6 +200,11 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         self.episode_starts[p] = np.array(episode_start)
         self.values[p] = value
         self.log_probs[p] = log_prob
+        self._add_obs(obs)
+
+    def _add_obs(self, obs: dict[str | None, np.ndarray]) -> None:
+        """Store one step's observations ``{key: (n_envs, *shape)}`` and advance ``pos``; the
+        per-step RAM arrays of this step are the caller's to write."""
         self._layout.put_row(self._row, "obs", obs)
         self._rb.append(self._row)
         self._written = True
