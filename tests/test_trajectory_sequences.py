@@ -352,7 +352,21 @@ def test_block_windows_with_interleaved_ids(tmp_path, capacity):
         buf.extend({"step_data": encode(ids, np.arange(k), np.arange(row, row + k)), "episode_ids": ids})
         row += k
         _check_block_windows(buf, n_idx=60, seed=row)
+        _check_episodes(buf)  # interleaved ids: an episode of several runs
     buf.close()
+
+
+def _check_episodes(buf):
+    ids = logical_ids(buf)
+    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    order = np.argsort(first, kind="stable")
+    ep = buf.episodes()
+    np.testing.assert_array_equal(ep["episode_id"], uniq[order])
+    np.testing.assert_array_equal(ep["start"], first[order])
+    np.testing.assert_array_equal(ep["length"], counts[order])
+    for eid in uniq.tolist():
+        np.testing.assert_array_equal(npy(buf.get_episode(eid)["step_data"]["obs"]),
+                                      buf[:]["step_data"]["obs"][ids == eid])
 
 
 def test_run_index_follows_rewrites_and_eviction(tmp_path):
@@ -387,6 +401,8 @@ def test_run_index_follows_rewrites_and_eviction(tmp_path):
         np.testing.assert_array_equal(live[live > 0], want[want > 0])
         buf.flush()
         _check_block_windows(reader, seed=step)
+        for b in (buf, reader):  # episodes() / get_episode come from the run index: same as a scan
+            _check_episodes(b)
     reader.close()
     buf.close()
 

@@ -138,12 +138,13 @@ class EpisodeIndex:
 
 
 class RunIndex:
-    """Where the step-id column changes value: the absolute rows that start a run of equal ids.
+    """Runs of equal step ids: the absolute row where each run starts, and its id.
 
-    One int64 per run (not per row), so checking that a window of rows lies in one run is a
-    binary search in a small array instead of a read of the window's ids.  Extended with the
-    ids of the rows appended since the last use; rebuilt when the commit record's epoch moved
-    (rows were rewritten, removed or cleared) or the rows it covers were all evicted.
+    Two int64 per run (not per row), so checking that a window of rows lies in one run is a
+    binary search in a small array instead of a read of the window's ids, and the episode
+    table is a grouping of runs instead of a scan of every row.  Extended with the ids of the
+    rows appended since the last use; rebuilt when the commit record's epoch moved (rows were
+    rewritten, removed or cleared) or the rows it covers were all evicted.
 
     Parameters
     ----------
@@ -153,40 +154,47 @@ class RunIndex:
         Returns the current commit-record epoch.
     """
 
+    _NONE = np.iinfo(np.int64).max
+
     def __init__(self, steps: Table, id_field: int, epoch: Callable[[], int]) -> None:
         self.steps, self.id_field, self.epoch = steps, id_field, epoch
-        # Capacity-doubling buffer: run starts in [:_n], then a sentinel.
-        self._starts = np.full(1, np.iinfo(np.int64).max, np.int64)
+        # Capacity-doubling buffers: runs in [:_n]; _starts[_n] is a sentinel ("no later run").
+        self._starts = np.full(1, self._NONE, np.int64)
+        self._ids = np.zeros(1, np.int64)
         self._n = 0
         self._epoch: int | None = None
         self._end = 0  # absolute end of the rows covered
-        self._last_id: int | None = None  # id of row _end - 1
 
     def _update(self) -> None:
         st = self.steps.state
         epoch = self.epoch()
         if epoch != self._epoch or st.start > self._end or st.end < self._end:
-            self._n, self._end, self._last_id, self._epoch = 0, st.start, None, epoch
+            self._n, self._end, self._epoch = 0, st.start, epoch
         if st.end > self._end:
             ids = self.steps.read_contiguous(self._end - st.start, st.end - st.start, [self.id_field])[0]
             new = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-            if self._last_id is None or int(ids[0]) != self._last_id:
+            if self._n == 0 or int(ids[0]) != int(self._ids[self._n - 1]):
                 new = np.concatenate([[0], new])
-            self._append(new + self._end)
-            self._end, self._last_id = st.end, int(ids[-1])
-        dead = int(np.searchsorted(self._starts[: self._n], st.start, side="right")) - 1  # runs wholly evicted
-        if dead > 1024 and dead > self._n // 2:
-            self._starts[: self._n - dead + 1] = self._starts[dead : self._n + 1]
+            self._append(new + self._end, ids[new])
+            self._end = st.end
+        dead = self._first_live() if self._n > 2048 else 0  # runs wholly evicted
+        if dead > self._n // 2:
+            for arr in (self._starts, self._ids):
+                arr[: self._n - dead + 1] = arr[dead : self._n + 1]
             self._n -= dead
 
-    def _append(self, starts: np.ndarray) -> None:
+    def _first_live(self) -> int:
+        """Index of the run holding the table's first row."""
+        return max(int(np.searchsorted(self._starts[: self._n], self.steps.state.start, side="right")) - 1, 0)
+
+    def _append(self, starts: np.ndarray, ids: np.ndarray) -> None:
         need = self._n + len(starts)
         if need + 1 > len(self._starts):
-            grown = np.empty(max(need + 1, 2 * len(self._starts), 1024), np.int64)
-            grown[: self._n] = self._starts[: self._n]
-            self._starts = grown
-        self._starts[self._n : need] = starts
-        self._starts[need] = np.iinfo(np.int64).max  # sentinel: "no later run"
+            size = max(need + 1, 2 * len(self._starts), 1024)
+            self._starts = np.concatenate([self._starts[: self._n], np.empty(size - self._n, np.int64)])
+            self._ids = np.concatenate([self._ids[: self._n], np.empty(size - self._n, np.int64)])
+        self._starts[self._n : need], self._ids[self._n : need] = starts, ids
+        self._starts[need] = self._NONE
         self._n = need
 
     def one_run(self, lo: np.ndarray, span: int) -> np.ndarray:
@@ -194,3 +202,12 @@ class RunIndex:
         self._update()
         nxt = self._starts[np.searchsorted(self._starts[: self._n], lo, side="right")]  # next run's start
         return nxt > lo + span
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs of the rows present, in row order: first logical row, length, id; (R,) int64 each."""
+        self._update()
+        st = self.steps.state
+        k = self._first_live() if self._n else 0
+        starts = np.maximum(self._starts[k : self._n], st.start)  # the first run may begin before the ring's start
+        lengths = np.diff(np.append(starts, st.end))
+        return starts - st.start, lengths, self._ids[k : self._n].copy()

@@ -227,16 +227,18 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
         kept: list[np.ndarray] = []
         need, draw, tried, accepted = batch_size, batch_size + batch_size // 4 + 8, 0, 0
         for _ in range(1000):
+            if not accepted and tried >= 1000 * batch_size:
+                break  # none in a thousand batches' worth of windows: give up
             cand = rng.integers(0, n, size=draw)
             ok = _block_ok(buf, cand, offs)[1] if block else _frames(buf, cand, offs, False).valid.all(axis=1)
             good = cand[ok][:need]
             kept.append(good)
             need -= len(good)
+            tried, accepted = tried + draw, accepted + int(ok.sum())
             if not need:
                 break
-            tried, accepted = tried + draw, accepted + int(ok.sum())
             draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
-        else:
+        if need:
             raise ValueError(f"no window of {seq_len} steps lies inside one episode (or almost none do): "
                              "use a shorter seq_len or within_episode=False")
         anchors = np.concatenate(kept)
@@ -246,22 +248,22 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
 def episode_table(buf: "TrajectoryReplayBuffer") -> dict[str, np.ndarray]:
     """``{"episode_id", "start", "length", "live"}`` arrays, one entry per episode with steps
     present, ordered by first step.  ``start`` is the logical row of its first step, ``length``
-    its number of steps, ``live`` whether it is the episode being recorded."""
+    its number of steps, ``live`` whether it is the episode being recorded.  Built from the run
+    index: O(runs), not O(rows)."""
     buf._sync()
-    t = buf._table
-    ids = t.read_contiguous(0, t.count, [buf._id_field])[0]
-    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-    order = np.argsort(first, kind="stable")
-    eids = uniq[order]
-    return {"episode_id": eids, "start": first[order].astype(np.int64), "length": counts[order].astype(np.int64),
-            "live": eids == buf.current_episode_id}
+    first, lengths, ids = buf._runs.runs()
+    eids, at, inv = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first[at], kind="stable")
+    eids, starts = eids[order], first[at][order]
+    counts = np.bincount(inv, weights=lengths, minlength=len(at)).astype(np.int64)[order]
+    return {"episode_id": eids, "start": starts, "length": counts, "live": eids == buf.current_episode_id}
 
 
 def episode_rows(buf: "TrajectoryReplayBuffer", episode_id: int) -> np.ndarray:
     """Logical rows of the steps of ``episode_id`` (KeyError when it has none)."""
     buf._sync()
-    t = buf._table
-    rows = np.flatnonzero(t.read_contiguous(0, t.count, [buf._id_field])[0] == episode_id)
-    if rows.size == 0:
+    first, lengths, ids = buf._runs.runs()
+    mine = np.flatnonzero(ids == episode_id)
+    if mine.size == 0:
         raise KeyError(f"episode {episode_id} has no steps in the buffer")
-    return rows
+    return np.concatenate([np.arange(first[k], first[k] + lengths[k]) for k in mine.tolist()])
