@@ -43,6 +43,36 @@ def _load(path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
+# noticing a new commit record
+# ----------------------------------------------------------------------------------------
+def test_head_watch_sees_every_replacement(tmp_path):
+    """A reader notices each new commit record even when it has the old one's size and
+    modification time (commits within one clock tick): the watch holds the record it read
+    open, so the next record cannot have its inode number."""
+    from trajstore.head import HeadWatch
+
+    rb = ReplayBuffer.create(W.SPACE, cache_path=tmp_path / "s")
+    ro = ReplayBuffer.load_from(tmp_path / "s", read_only=True)
+    watch = HeadWatch(ro._store.loc)
+    assert watch.changed()  # nothing read yet
+    head = watch.read()
+    assert not watch.changed() and head.generation == ro._store.committed.generation
+    path = tmp_path / "s" / "trajstore.head.json"
+    for i in range(50):
+        before = os.stat(path)
+        rb.extend(W.encode([i]))
+        rb.flush()
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # same tick
+        assert watch.changed(), f"commit {i} not noticed"
+        assert watch.read().generation > head.generation
+        head = watch.read()
+        assert ro._store.refresh() and len(ro) == i + 1
+    watch.close()
+    ro.close()
+    rb.close()
+
+
+# ----------------------------------------------------------------------------------------
 # readers next to an appending writer (DESIGN 3.1, 3.2, 3.4)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.slow

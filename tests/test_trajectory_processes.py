@@ -344,3 +344,53 @@ def test_single_writer_lock(tmp_path, procs):
     with TrajectoryReplayBuffer.load_from(store) as w:
         eid, k, ok = TW.decode_steps(w[:]["step_data"])
         assert ok.all() and k.tolist() == list(range(15))
+
+
+def _check_windows(data, mask, offsets, within: bool) -> None:
+    """Every frame is an intact row; valid frames are the anchor episode's steps at the right
+    offsets; a within_episode batch is wholly valid; episode data is the anchor's episode's."""
+    mask = np.asarray(mask)
+    B, T = mask.shape
+    flat = {key: np.asarray(v).reshape(B * T, *np.asarray(v).shape[2:]) for key, v in data["step_data"].items()}
+    eid, k, ok = (x.reshape(B, T) for x in TW.decode_steps(flat))
+    assert ok.all(), "a frame is a torn row (read while the writer overwrote it)"
+    t0 = list(offsets).index(0)
+    same = (eid == eid[:, t0 : t0 + 1]) & (k == k[:, t0 : t0 + 1] + np.asarray(offsets))
+    assert same[mask].all(), "a valid frame is not the anchor episode's step at its offset"
+    assert mask[:, t0].all() and (mask.all() if within else True)
+    ep = np.asarray(data["episode_data"])
+    have = ep[:, 2] == 1.0
+    assert (ep[have, 0] == eid[have, t0]).all(), "episode data of another episode"
+
+
+def test_reader_sequences_while_a_writer_fills_a_ring(tmp_path, procs):
+    """A reader samples sequences and frame stacks from a ring that a writer process keeps
+    filling (episodes of 1..12 steps, commits every 50 ms, episode data rewritten in place, rows
+    evicted all the time): every window it returns is one commit's rows."""
+    store = str(tmp_path / "store")
+    TrajectoryReplayBuffer.create(TW.STEP_SPACE, episode_data_instance_space=TW.EP_SPACE, step_data_capacity=256,
+                                  episode_data_capacity=64, cache_path=store, chunk_rows=16).close()
+    ready = str(tmp_path / "ready")
+    p = W.start(TW.episode_loop, store, str(tmp_path / "flushed"), ready, 5, 60.0)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    rng = np.random.default_rng(0)
+    checked, rounds = 0, 0
+    with TrajectoryReplayBuffer.load_from(store, read_only=True) as ro:
+        t_end = time.monotonic() + 5
+        while time.monotonic() < t_end:
+            n = len(ro)
+            if n < 64:
+                time.sleep(0.01)
+                continue
+            data, mask = ro.sample_sequences(64, 8, rng=rng, within_episode=rounds % 2 == 1)
+            _check_windows(data, mask, np.arange(8), within=rounds % 2 == 1)
+            offsets = [-3, -2, -1, 0]
+            data, mask = ro.get_sequences(rng.integers(0, n // 2, size=32), offsets)
+            _check_windows(data, mask, offsets, within=False)
+            rounds += 1
+            checked += 96
+        gen_seen = ro._store.committed.generation
+    os.kill(p.pid, 9)
+    p.join(10)
+    assert rounds >= 20 and gen_seen > 20, f"only {rounds} rounds over {gen_seen} commits"

@@ -142,10 +142,16 @@ class StoredBuffer(BatchBase):
         self._drain()
         return self._read_rows(idx, leaf_ids)
 
+    @property
+    def _recheck(self) -> bool:
+        """Whether other processes may commit while we read (readers, multiprocessing writers),
+        so a read must be checked against the latest commit record afterwards."""
+        return not self._store.writable or self._store.multiprocessing
+
     def _raw(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
         """Top-level reads; a reader (or multiprocessing writer) retries until what it read is
         still what the latest commit record names (no row evicted or rewritten meanwhile)."""
-        if self._store.writable and not self._store.multiprocessing:
+        if not self._recheck:
             return super()._raw(idx)
         # Indices are resolved against one commit record and the read is kept only if that record
         # is still the latest afterwards, so the result is exactly that record's rows.
@@ -172,7 +178,7 @@ class StoredBuffer(BatchBase):
             raise ValueError("cannot sample from an empty buffer")
         idx = gen.integers(0, n, size=batch_size)
         leaves = self._all_leaves
-        if self._store.writable and not self._store.multiprocessing:
+        if not self._recheck:
             arrays = self._read_rows(idx, leaves)
         else:
             arrays = self._read_consistent(idx, gen, leaves)

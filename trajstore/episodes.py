@@ -163,15 +163,26 @@ class RunIndex:
         self._ids = np.zeros(1, np.int64)
         self._n = 0
         self._epoch: int | None = None
-        self._end = 0  # absolute end of the rows covered
+        self._begin = self._end = 0  # absolute rows [_begin, _end) are covered
 
     def _update(self) -> None:
         st = self.steps.state
         epoch = self.epoch()
-        if epoch != self._epoch or st.start > self._end or st.end < self._end:
-            self._n, self._end, self._epoch = 0, st.start, epoch
+        if epoch != self._epoch or st.start >= self._end or st.end < self._end:
+            self._replace(np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self._begin = self._end = st.start
+            self._epoch = epoch
+        if st.start < self._begin:
+            # A reader's ring start can move back: an eviction record runs a guard band ahead of
+            # what the next commit keeps.  Cover the rows before (their ids are intact).
+            ids = self._read(st.start, self._begin)
+            new = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1])
+            keep = slice(1 if self._n and int(ids[-1]) == int(self._ids[0]) else 0, self._n)  # runs joined
+            self._replace(np.concatenate([new + st.start, self._starts[keep]]),
+                          np.concatenate([ids[new], self._ids[keep]]))
+            self._begin = st.start
         if st.end > self._end:
-            ids = self.steps.read_contiguous(self._end - st.start, st.end - st.start, [self.id_field])[0]
+            ids = self._read(self._end, st.end)
             new = np.flatnonzero(ids[1:] != ids[:-1]) + 1
             if self._n == 0 or int(ids[0]) != int(self._ids[self._n - 1]):
                 new = np.concatenate([[0], new])
@@ -179,18 +190,31 @@ class RunIndex:
             self._end = st.end
         dead = self._first_live() if self._n > 2048 else 0  # runs wholly evicted
         if dead > self._n // 2:
-            for arr in (self._starts, self._ids):
-                arr[: self._n - dead + 1] = arr[dead : self._n + 1]
-            self._n -= dead
+            self._replace(self._starts[dead : self._n].copy(), self._ids[dead : self._n].copy())
+            self._begin = max(self._begin, int(self._starts[0]))
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        """Ids of absolute rows ``[lo, hi)``."""
+        st = self.steps.state
+        return self.steps.read_contiguous(lo - st.start, hi - st.start, [self.id_field])[0]
 
     def _first_live(self) -> int:
         """Index of the run holding the table's first row."""
         return max(int(np.searchsorted(self._starts[: self._n], self.steps.state.start, side="right")) - 1, 0)
 
+    def _replace(self, starts: np.ndarray, ids: np.ndarray) -> None:
+        """Set all runs (after a rebuild, a prepend or a compaction)."""
+        n = len(starts)
+        self._starts, self._ids = np.empty(max(n + 1, 1024), np.int64), np.empty(max(n + 1, 1024), np.int64)
+        self._starts[:n], self._ids[:n] = starts, ids
+        self._starts[n] = self._NONE
+        self._n = n
+
     def _append(self, starts: np.ndarray, ids: np.ndarray) -> None:
+        """Add runs at the end, in place (room doubles when needed: amortised O(1) per run)."""
         need = self._n + len(starts)
         if need + 1 > len(self._starts):
-            size = max(need + 1, 2 * len(self._starts), 1024)
+            size = max(need + 1, 2 * len(self._starts))
             self._starts = np.concatenate([self._starts[: self._n], np.empty(size - self._n, np.int64)])
             self._ids = np.concatenate([self._ids[: self._n], np.empty(size - self._n, np.int64)])
         self._starts[self._n : need], self._ids[self._n : need] = starts, ids

@@ -94,15 +94,69 @@ def write_head(loc: Location, head: Head, *, fsync: bool = False) -> None:
     loc.put(HEAD_KEY, head.to_json(), fsync=fsync)
 
 
-def head_signature(loc: Location) -> tuple[int, int, int] | None:
-    """A cheap fingerprint of the local head file (inode, mtime, size); ``None`` elsewhere."""
-    if loc.head_path is None:
-        return None
-    try:
-        st = os.stat(loc.head_path)
-    except FileNotFoundError:
-        return (0, 0, 0)
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+class HeadWatch:
+    """Tells, for the cost of one ``stat``, whether the local commit record was replaced since
+    this process last read or wrote it.
+
+    A record is replaced by rename, so each one is a new file.  The watch keeps the file it
+    last saw open: while it is open, its inode number cannot go to a later file, so comparing
+    inode numbers is exact.  (Modification time and size are not: two commits within one clock
+    tick, the second reusing the first one's freed inode, can leave all three equal.)
+    """
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._fd = -1
+        self._ino: int | None = None  # None: nothing watched yet, so the record counts as changed
+
+    def changed(self) -> bool:
+        """Whether the record may differ from the one last read or written (always True for
+        stores without a local head file)."""
+        if self.loc.head_path is None or self._ino is None:
+            return True
+        try:
+            return os.stat(self.loc.head_path).st_ino != self._ino
+        except FileNotFoundError:
+            return True
+
+    def read(self) -> Head:
+        """Read the record and watch the file it came from (read through the same descriptor,
+        so what was read and what is watched agree)."""
+        if self.loc.head_path is None:
+            return read_head(self.loc)
+        try:
+            fd = os.open(self.loc.head_path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise DamagedStoreError(f"{self.loc.url}: the commit record {HEAD_KEY} is missing") from None
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read()
+            head = Head.from_json(raw, str(self.loc.url))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._watch(fd)
+        return head
+
+    def wrote(self) -> None:
+        """This process just wrote the record (under the writer's lock): watch that file."""
+        if self.loc.head_path is not None:
+            self._watch(os.open(self.loc.head_path, os.O_RDONLY))
+
+    def _watch(self, fd: int) -> None:
+        self.close()
+        self._fd, self._ino = fd, os.fstat(fd).st_ino
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._ino = -1, None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class WriterLock:

@@ -114,11 +114,15 @@ def get_sequences(buf: "TrajectoryReplayBuffer", idx: Any, offsets: Any, pad: st
     if pad not in PADS:
         raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
     buf._sync()
-    t = buf._table
-    anchors = normalize_index(idx, t.count)
-    anchors = np.atleast_1d(np.asarray(anchors, dtype=np.int64))
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
-    return _read_windows(buf, anchors, offs, pad)
+    for _ in range(1000):
+        # Resolved against one commit record; a reader keeps the result only if that record is
+        # still the latest afterwards (else nothing it read can have been overwritten).
+        anchors = np.atleast_1d(np.asarray(normalize_index(idx, buf._table.count), dtype=np.int64))
+        out = _read_windows(buf, anchors, offs, pad)
+        if not buf._recheck or not buf._store.refresh():
+            return out
+    raise RuntimeError("the writer commits faster than this reader can read")
 
 
 def _is_block(offs: np.ndarray, count: int) -> bool:
@@ -170,11 +174,10 @@ def _frames(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray
     return _Frames(first, check, pos, valid)
 
 
-def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str,
-                  block: bool | None = None) -> tuple[Any, Any]:
+def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str) -> tuple[Any, Any]:
     """Read windows for logical ``anchors``: step data (B, T, ...), episode data of each anchor's
     episode (B, ...), valid mask (B, T)."""
-    f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count) if block is None else block)
+    f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count))
     B, T = f.valid.shape
     step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
     if f.first is None:
@@ -213,36 +216,59 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}")
     buf._sync()
-    n = buf._table.count
-    if n == 0:
+    t = buf._table
+    if t.count == 0:
         raise ValueError("cannot sample from an empty buffer")
     offs = np.arange(seq_len, dtype=np.int64)
-    block = _is_block(offs, n)
+    anchors = _draw_anchors(buf, batch_size, offs, rng, within_episode)
+    for _ in range(100):
+        # A reader re-checks the commit record after reading: windows whose rows were evicted
+        # meanwhile (they may have been overwritten) are drawn again, everything after a rewrite.
+        start, epoch = t.state.start, buf._store.committed.epoch
+        out = _read_windows(buf, anchors, offs, pad)
+        if not buf._recheck or not buf._store.refresh():
+            return out
+        if buf._store.committed.epoch != epoch:
+            anchors = _draw_anchors(buf, batch_size, offs, rng, within_episode)
+            continue
+        absolute = anchors + start
+        stale = absolute < t.state.start
+        if not stale.any():
+            return out
+        anchors = absolute - t.state.start
+        anchors[stale] = _draw_anchors(buf, int(stale.sum()), offs, rng, within_episode)
+    raise RuntimeError("the writer evicts rows faster than this reader can sample them")
+
+
+def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarray, rng: np.random.Generator,
+                  within_episode: bool) -> np.ndarray:
+    """First rows of ``batch_size`` windows drawn uniformly (``within_episode``: uniformly among
+    the windows wholly inside one episode), (B,) int64 logical rows."""
+    n = buf._table.count
     if not within_episode:
-        anchors = rng.integers(0, n, size=batch_size)
-    else:
-        # Rejection sampling, keeping accepted candidates in draw order (so anchors stay iid
-        # uniform over valid windows); each round draws enough candidates for the acceptance
-        # rate seen so far, so a batch usually takes one round.
-        kept: list[np.ndarray] = []
-        need, draw, tried, accepted = batch_size, batch_size + batch_size // 4 + 8, 0, 0
-        for _ in range(1000):
-            if not accepted and tried >= 1000 * batch_size:
-                break  # none in a thousand batches' worth of windows: give up
-            cand = rng.integers(0, n, size=draw)
-            ok = _block_ok(buf, cand, offs)[1] if block else _frames(buf, cand, offs, False).valid.all(axis=1)
-            good = cand[ok][:need]
-            kept.append(good)
-            need -= len(good)
-            tried, accepted = tried + draw, accepted + int(ok.sum())
-            if not need:
-                break
-            draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
-        if need:
-            raise ValueError(f"no window of {seq_len} steps lies inside one episode (or almost none do): "
-                             "use a shorter seq_len or within_episode=False")
-        anchors = np.concatenate(kept)
-    return _read_windows(buf, anchors, offs, pad, block)
+        return rng.integers(0, n, size=batch_size)
+    # Rejection sampling, keeping accepted candidates in draw order (so anchors stay iid uniform
+    # over valid windows); each round draws enough candidates for the acceptance rate seen so
+    # far, so a batch usually takes one round.
+    block = _is_block(offs, n)
+    kept: list[np.ndarray] = []
+    need, draw, tried, accepted = batch_size, batch_size + batch_size // 4 + 8, 0, 0
+    for _ in range(1000):
+        if not accepted and tried >= 1000 * batch_size:
+            break  # none in a thousand batches' worth of windows: give up
+        cand = rng.integers(0, n, size=draw)
+        ok = _block_ok(buf, cand, offs)[1] if block else _frames(buf, cand, offs, False).valid.all(axis=1)
+        good = cand[ok][:need]
+        kept.append(good)
+        need -= len(good)
+        tried, accepted = tried + draw, accepted + int(ok.sum())
+        if not need:
+            break
+        draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
+    if need:
+        raise ValueError(f"no window of {len(offs)} steps lies inside one episode (or almost none do): "
+                         "use a shorter seq_len or within_episode=False")
+    return np.concatenate(kept)
 
 
 def episode_table(buf: "TrajectoryReplayBuffer") -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ from .errors import (
     StoreNotFoundError,
 )
 from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
-from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, head_signature, read_head, write_head
+from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, HeadWatch, TableState, WriterLock, read_head, write_head
 from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from .table import Table
 
@@ -106,7 +106,7 @@ class Store:
         self.fsync = bool(options.get("fsync", False))
         self.commit_interval = float(options.get("commit_interval", 1.0))
         self.committed = head  # the record on disk, as this process last wrote or read it
-        self._sig = head_signature(loc)
+        self._watch = HeadWatch(loc)  # nothing watched yet: a reader's first refresh reads the record
         self._last_commit = time.monotonic()
         self.tables: dict[str, Table] = {}
         self._op = _WriteOp(self)
@@ -240,7 +240,7 @@ class Store:
         head.generation = self.committed.generation + 1
         write_head(self.loc, head, fsync=self.fsync)
         self.committed = head
-        self._sig = head_signature(self.loc)
+        self._watch.wrote()
 
     def _current_head(self) -> Head:
         head = self.committed.copy()
@@ -354,14 +354,12 @@ class Store:
     def refresh(self) -> bool:
         """Adopt the newest commit record (readers, and writers in multiprocessing mode).
 
-        Returns True when the record changed.  Local stores check a file fingerprint first,
-        so calling this before every read costs a ``stat``.
+        Returns True when the record changed.  Local stores first ask :class:`HeadWatch` whether
+        the record file was replaced, so calling this before every read costs a ``stat``.
         """
-        sig = head_signature(self.loc)
-        if sig is not None and sig == self._sig:
+        if not self._watch.changed():
             return False
-        head = read_head(self.loc)
-        self._sig = sig
+        head = self._watch.read()
         if head.generation == self.committed.generation:
             return False
         old = self.committed
@@ -422,6 +420,7 @@ class Store:
         target.close()
 
     def close(self) -> None:
+        self._watch.close()
         for t in self.tables.values():
             for f in t.fields:
                 f.close()
