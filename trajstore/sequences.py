@@ -174,10 +174,16 @@ def _frames(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray
     return _Frames(first, check, pos, valid)
 
 
-def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str) -> tuple[Any, Any]:
+def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str,
+                  all_valid: bool = False) -> tuple[Any, Any]:
     """Read windows for logical ``anchors``: step data (B, T, ...), episode data of each anchor's
-    episode (B, ...), valid mask (B, T)."""
-    f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count))
+    episode (B, ...), valid mask (B, T).  ``all_valid``: the caller knows every window is a block
+    wholly inside one episode (``within_episode`` sampling checked it)."""
+    if all_valid:
+        B, T = len(anchors), len(offs)
+        f = _Frames(anchors + offs[0], np.zeros(0, np.int64), np.zeros((0, T), np.int64), np.ones((B, T), bool))
+    else:
+        f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count))
     B, T = f.valid.shape
     step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
     if f.first is None:
@@ -225,7 +231,7 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
         # A reader re-checks the commit record after reading: windows whose rows were evicted
         # meanwhile (they may have been overwritten) are drawn again, everything after a rewrite.
         start, epoch = t.state.start, buf._store.committed.epoch
-        out = _read_windows(buf, anchors, offs, pad)
+        out = _read_windows(buf, anchors, offs, pad, all_valid=within_episode and _is_block(offs, t.count))
         if not buf._recheck or not buf._store.refresh():
             return out
         if buf._store.committed.epoch != epoch:
