@@ -26,8 +26,8 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from ..errors import SpaceMismatchError
 from . import _root
-from ._layout import ObsLayout
 from ._base import concat, take
+from ._layout import ObsLayout
 from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
 
 __all__ = ["DummyVecRolloutBuffer"]
