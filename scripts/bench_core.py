@@ -265,13 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.markdown:
-        cmd = "python scripts/bench_core.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
-        env = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
+        cmd, env = _reproduce("bench_core.py", args.quick, f"numpy {np.__version__}")
         section = (f"## Core store (scripts/bench_core.py)\n\nReproduce: `{cmd}` ({env}; {args.vec_rows:,} vector rows, "
                    f"{args.img_rows:,} image rows; medians, page cache warm). Append rows: steps/s, higher is better, the "
                    f"ratio is how many times slower trajstore is. Read rows: ms per call, lower is better.\n\n{text}\n")
         _replace_section(args.markdown, "## Core store", section)
     return 0
+
+
+def _reproduce(script: str, quick: bool, versions: str) -> tuple[str, str]:
+    """The command that rewrites a benchmark's section, and a description of this machine
+    (``versions``: the libraries that matter, e.g. ``"numpy 2.4.6"``)."""
+    cmd = f"python scripts/{script} --markdown docs/benchmarks.md" + (" --quick" if quick else "")
+    return cmd, f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {versions}"
 
 
 def _replace_section(path: Path, heading: str, section: str) -> None:

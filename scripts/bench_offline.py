@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section  # noqa: E402
+from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.torch import RandomBatchSampler, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
@@ -184,8 +183,7 @@ def main() -> int:
                  "|---|---|---|---|\n" + "\n".join(s3) + "\n")
     print(text)
     if args.markdown:
-        env = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
-        cmd = "python scripts/bench_offline.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
+        cmd, env = _reproduce("bench_offline.py", args.quick, f"torch {torch.__version__}")
         section = (f"## Offline datasets (scripts/bench_offline.py)\n\nReproduce: `{cmd}` ({env}). DataLoader over "
                    f"`TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 obs, (6,) f32 "
                    f"actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "

@@ -18,8 +18,6 @@ buffers return bit-identical batches), so the wall-clock difference is the buffe
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section  # noqa: E402
+from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
 
 import torch as th  # noqa: E402
 from gymnasium import spaces  # noqa: E402
@@ -157,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.markdown:
-        cmd = "python scripts/bench_sb3.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
-        env = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {th.__version__}"
-               f" (1 thread, CPU)")
+        cmd, env = _reproduce("bench_sb3.py", args.quick, f"torch {th.__version__} (1 thread, CPU)")
         section = (f"## stable-baselines3 (scripts/bench_sb3.py)\n\nReproduce: `{cmd}` ({env}). Training: wall-clock "
                    "of `learn`, medians of alternating runs, same seed on both sides (identical policies). add / "
                    "sample: medians, page cache warm. Ratio = trajstore / SB3 default (lower is better).\n\n"

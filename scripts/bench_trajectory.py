@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section  # noqa: E402
+from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 
@@ -115,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         text += f"\nRatio {large:,} rows / {lo:,} rows{target}: " + "; ".join(ratios) + "\n"
     print(text)
     if args.markdown:
-        env = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
-        cmd = "python scripts/bench_trajectory.py --markdown docs/benchmarks.md" + (" --quick" if args.quick else "")
+        cmd, env = _reproduce("bench_trajectory.py", args.quick, f"numpy {np.__version__}")
         section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
                    f"`sample_sequences({B}, {T})` from a read-only TrajectoryReplayBuffer of (17,) float32 steps in "
                    f"episodes of 250-750 steps, medians of alternating rounds, page cache warm. The numpy baseline "
