@@ -200,13 +200,7 @@ class Store:
             group = open_zarr_group(loc, mode="r" if read_only else "r+")
         except Exception as e:
             raise DamagedStoreError(f"{loc.url}: the root zarr.json cannot be read ({e})") from None
-        attrs = group.attrs.get(ATTRS_KEY)
-        if not isinstance(attrs, dict):
-            raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
-        version = attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
-                                     f"({FORMAT_VERSION}); upgrade trajstore")
+        attrs = check_attrs(loc, group.attrs.get(ATTRS_KEY))
         kinds = (kind,) if isinstance(kind, str) else kind
         if kinds is not None and attrs.get("kind") not in kinds:
             raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
@@ -427,6 +421,18 @@ class Store:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
+    """The trajstore attributes of a store's root group, checked: ``NotATrajstoreError`` when there
+    are none, ``FormatVersionError`` when the format is newer than this trajstore reads."""
+    if not isinstance(attrs, dict):
+        raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
+    version = attrs.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
+                                 f"({FORMAT_VERSION}); upgrade trajstore")
+    return attrs
 
 
 def _consolidate(loc: Location) -> None:

@@ -31,14 +31,13 @@ from typing import Any, Callable
 import numpy as np
 import zarr
 
-from .errors import FormatVersionError, LockedError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
-from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
+from .errors import LockedError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
+from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
 from .ring import contiguous_runs
 from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
+from .store import ATTRS_KEY, check_attrs
 
 __all__ = ["Fault", "VerifyReport", "RepairReport", "verify_store", "repair_store"]
-
-ATTRS_KEY = "trajstore"
 
 
 @dataclass
@@ -210,13 +209,7 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
             raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
         _scan_orphans(loc, keys, None, rep)
         return rep, sc
-    attrs = (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) else None
-    if not isinstance(attrs, dict):
-        raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
-    version = attrs.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
-                                 f"({FORMAT_VERSION}); upgrade trajstore")
+    attrs = check_attrs(loc, (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) else None)
     sc.attrs = attrs
     try:
         sc.tables = {name: {"capacity": t["capacity"], "fields": [f["path"] for f in t["fields"]]}
