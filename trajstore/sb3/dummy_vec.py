@@ -28,7 +28,7 @@ from ..errors import SpaceMismatchError
 from . import _root
 from ._base import concat, take
 from ._layout import ObsLayout
-from .rollout import FLAT, RolloutArrays, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
+from .rollout import FLAT, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
 
 __all__ = ["DummyVecRolloutBuffer"]
 
@@ -56,14 +56,11 @@ def _prepare(sub: Any) -> None:
     sub.generator_ready = True
 
 
-def _sub_arrays(sub: Any, steps: np.ndarray) -> RolloutArrays:
-    """Numpy minibatch content of steps ``steps`` of a prepared one-env sub-buffer."""
-    if hasattr(sub, "_sample_arrays"):
-        return sub._sample_arrays(steps)
-    obs = sub.observations
-    obs = {k: v[steps] for k, v in obs.items()} if isinstance(obs, dict) else obs[steps]
-    return (obs, sub.actions[steps].astype(np.float32, copy=False), sub.values[steps].flatten(),
-            sub.log_probs[steps].flatten(), sub.advantages[steps].flatten(), sub.returns[steps].flatten())
+def _sub_obs(sub: Any, layout: ObsLayout, steps: np.ndarray) -> dict[str | None, np.ndarray]:
+    """Observations ``{key: (B, ...)}`` of steps ``steps`` of a prepared one-env sub-buffer."""
+    if isinstance(sub, _ZarrRolloutMixin):
+        return take(sub._flat_obs, steps) if sub._flat_obs is not None else sub._gather("obs", steps, None)
+    return take(layout.unwrap(sub.observations), steps)
 
 
 class DummyVecRolloutBuffer(RolloutBuffer):
@@ -347,8 +344,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         env_of, step = np.divmod(batch_inds, self.buffer_size)
         envs = np.unique(env_of).tolist()
         sels = {e: np.flatnonzero(env_of == e) for e in envs}
-        parts = dict(zip(envs, self._each(lambda i, sub: self._layout.unwrap(_sub_arrays(sub, step[sels[i]])[0]),
-                                          envs)))
+        parts = dict(zip(envs, self._each(lambda i, sub: _sub_obs(sub, self._layout, step[sels[i]]), envs)))
         out: dict[str | None, np.ndarray] = {}
         for k, first in parts[envs[0]].items():
             out[k] = np.empty((len(batch_inds), *first.shape[1:]), first.dtype)
