@@ -28,7 +28,7 @@ if HERE not in sys.path:
 import _traj_workers as TW  # noqa: E402
 import _workers as W  # noqa: E402
 
-from trajstore import TrajectoryReplayBuffer  # noqa: E402
+from trajstore import TrajectoryReplayBuffer, episodes  # noqa: E402
 from trajstore.errors import LockedError  # noqa: E402
 
 
@@ -363,10 +363,12 @@ def _check_windows(data, mask, offsets, within: bool) -> None:
     assert (ep[have, 0] == eid[have, t0]).all(), "episode data of another episode"
 
 
-def test_reader_sequences_while_a_writer_fills_a_ring(tmp_path, procs):
+def test_reader_sequences_while_a_writer_fills_a_ring(tmp_path, procs, monkeypatch):
     """A reader samples sequences and frame stacks from a ring that a writer process keeps
     filling (episodes of 1..12 steps, commits every 50 ms, episode data rewritten in place, rows
-    evicted all the time): every window it returns is one commit's rows."""
+    evicted all the time): every window it returns is one commit's rows.  The reader's bitmap of
+    run starts keeps little slack below the ring, so it is trimmed and rebuilt all along."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", 64)
     store = str(tmp_path / "store")
     TrajectoryReplayBuffer.create(TW.STEP_SPACE, episode_data_instance_space=TW.EP_SPACE, step_data_capacity=256,
                                   episode_data_capacity=64, cache_path=store, chunk_rows=16).close()

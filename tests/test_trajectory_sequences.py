@@ -15,6 +15,7 @@ import torch
 from gymnasium.spaces import Box, Dict
 
 from trajstore import TrajectoryReplayBuffer
+from trajstore import episodes
 
 SCALAR = Dict({"obs": Box(-np.inf, np.inf, (), np.float32)})
 STEP = Dict({"obs": Box(-np.inf, np.inf, (3,), np.float32), "img": Box(0, 255, (2, 2), np.uint8)})
@@ -323,11 +324,25 @@ def test_episodes_and_get_episode(tmp_path, backend):
 # ----------------------------------------------------------------------------------------
 # windows read as blocks, and the run index that decides their validity
 # ----------------------------------------------------------------------------------------
+def _check_one_run(buf, ids):
+    """The run index's answer "rows lo .. lo + span share one id" for every window, against the
+    ids: short spans come from its bitmap of run starts, spans past 56 rows from a binary search."""
+    n, start = len(ids), buf._table.state.start
+    for span in (0, 1, 3, 7, 8, 31, 55, 56, 57, 80):
+        lo = np.arange(max(n - span, 0))
+        if lo.size == 0:
+            continue
+        window = ids[lo[:, None] + np.arange(span + 1)]
+        want = (window == window[:, :1]).all(axis=1)
+        np.testing.assert_array_equal(buf._runs.one_run(lo + start, span), want, err_msg=f"span {span}")
+
+
 def _check_block_windows(buf, offsets_list=((0, 1, 2, 3), (-3, -2, -1, 0), (-2, -1, 0, 1, 2), (0,)), n_idx=150,
                          seed=0):
     """Every contiguous window (read as blocks) equals the definition, for both pads."""
     rng = np.random.default_rng(seed)
     ids, x = logical_ids(buf), buf[:]["step_data"]
+    _check_one_run(buf, ids)
     idx = rng.integers(0, len(buf), size=n_idx)
     for offsets in offsets_list:
         for pad in ("edge", "zero"):
@@ -339,10 +354,11 @@ def _check_block_windows(buf, offsets_list=((0, 1, 2, 3), (-3, -2, -1, 0), (-2, 
 
 
 @pytest.mark.parametrize("capacity", [None, 37], ids=["unbounded", "ring37"])
-def test_block_windows_with_interleaved_ids(tmp_path, capacity):
+def test_block_windows_with_interleaved_ids(tmp_path, capacity, monkeypatch):
     """Explicit ids that come back after another episode's rows (0 0 1 0 1 1 2 ...): a run of
     equal ids is not an episode, so windows crossing runs must read ids; chunks of 8 rows and a
     ring of 37 put windows across chunk boundaries and the wrap point."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", 8)  # the run-start bitmap trims and regrows
     rng = np.random.default_rng(3)
     buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=capacity, cache_path=tmp_path / "s", chunk_rows=8)
     row = 0
@@ -369,10 +385,11 @@ def _check_episodes(buf):
                                       buf[:]["step_data"]["obs"][ids == eid])
 
 
-def test_run_index_follows_rewrites_and_eviction(tmp_path):
+def test_run_index_follows_rewrites_and_eviction(tmp_path, monkeypatch):
     """The run index is extended on append and rebuilt after set_at (new ids), remove_at (rows
     move), clear and eviction past the rows it covered; a read-only view of the same store keeps
     its own index in step with the writer's commits."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", 8)  # the run-start bitmap trims and regrows
     buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=48, cache_path=tmp_path / "s", chunk_rows=8)
     reader = None
     row = record(buf, [5, 3, 7, 1, 6], with_data=False)
@@ -405,6 +422,74 @@ def test_run_index_follows_rewrites_and_eviction(tmp_path):
             _check_episodes(b)
     reader.close()
     buf.close()
+
+
+@pytest.mark.parametrize("slack", [8, 1 << 15], ids=["bitmap-rebuilt", "bitmap-extended"])
+def test_run_index_when_a_readers_ring_start_moves_back(tmp_path, monkeypatch, slack):
+    """An eviction record moves a reader's ring start a guard band ahead of what the next commit
+    keeps, so after that commit the start moves back: the reader's run index covers those rows
+    again (joining the run they continue) and its bitmap of run starts answers as the ids do."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", slack)
+    buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=48, cache_path=tmp_path / "s", chunk_rows=8)
+    row = record(buf, [30, 25], with_data=False)
+    buf.flush()
+    reader = TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True)
+    rng = np.random.default_rng(0)
+    starts = []
+
+    def check():
+        ids = logical_ids(reader)  # syncs the reader with the latest record
+        starts.append(reader._table.state.start)
+        _check_one_run(reader, ids)
+        data, mask = reader.sample_sequences(16, 4, rng=rng, within_episode=True)
+        frames = npy(data["step_data"]["obs"])
+        assert npy(mask).all() and (frames[:, :, 0] == frames[:, :1, 0]).all()
+
+    for step in range(300):
+        if step % 5 == 0:  # a rewrite (of a row with its own data) starts a new epoch: the reader
+            k = len(buf) - 1  # rebuilds its index at the next check, from a start run ahead
+            buf.set_at(np.array([k]), buf.get_at(np.array([k]))["step_data"])
+        row = record(buf, [1], row=row, with_data=False, end_last=rng.random() < 0.1)
+        check()  # the extend wrote an eviction record: the start runs ahead
+        if step % 3 == 2:
+            buf.flush()
+            check()  # the commit keeps rows the eviction record had dropped: the start moves back
+    moved_back = int((np.diff(starts) < 0).sum())
+    assert moved_back >= 20, moved_back
+    reader.close()
+    buf.close()
+
+
+@pytest.mark.parametrize("slack", [0, 8, 100])
+def test_run_start_bitmap_against_a_set(monkeypatch, slack):
+    """The bitmap of run starts as a ring uses it: rows appended at the end, the covered range's
+    start advancing (old bytes trimmed), starts marked and cleared; every "no start in
+    (lo, lo + span]" answer matches a plain set of start rows."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", slack)
+    rng = np.random.default_rng(slack)
+    bits, marked = episodes._Boundaries(), set()
+    lo, hi = 1000, 1000
+    bits.reset(lo, hi, np.zeros(0, np.int64))
+    for step in range(200):
+        new_hi = hi + int(rng.integers(0, 40))
+        lo = max(lo, new_hi - 300) + int(rng.integers(0, 3))
+        new = np.unique(rng.integers(hi, max(new_hi, hi + 1), size=int(rng.integers(0, 6))))[: max(new_hi - hi, 0)]
+        hi = new_hi
+        bits.extend(hi, lo)
+        bits.mark(new, True)
+        marked |= set(new.tolist())
+        if step % 7 == 0 and marked:
+            gone = max(marked)
+            bits.mark(np.array([gone]), False)
+            marked.discard(gone)
+        assert bits.covers(lo)
+        ref = np.zeros(hi + 1, bool)
+        ref[[r for r in marked if r < hi]] = True
+        for span in (0, 1, 9, 56):
+            q = np.arange(lo, max(hi - span, lo))
+            if q.size:
+                want = np.array([not ref[r + 1 : r + span + 1].any() for r in q.tolist()])
+                np.testing.assert_array_equal(bits.none_in(q, span), want, err_msg=f"step {step} span {span}")
 
 
 def test_within_episode_when_valid_windows_are_rare(tmp_path):

@@ -137,12 +137,74 @@ class EpisodeIndex:
         self._sorted = None
 
 
+class _Boundaries:
+    """Bitmap of run starts: bit ``r - base`` is set when absolute row ``r`` starts a run.
+
+    One bit per covered row (the size of a 32-row table of int32), so "does any run start in
+    rows ``(lo, lo + span]``" is one unaligned 8-byte load per window: O(1), where a binary search
+    over the run starts costs log2(runs) dependent cache misses on a large store.
+    """
+
+    MAX_SPAN = 56  # an 8-byte load at byte (lo + 1) // 8 holds bits (lo, lo + 56]
+    _SLACK = 1 << 15  # rows kept below the covered range: a reader's ring start moving back fits
+
+    def __init__(self) -> None:
+        self.base = 0
+        self._bytes = np.zeros(0, np.uint8)
+        self._words = self._bytes.view(np.uint64)
+
+    def reset(self, lo: int, hi: int, starts: np.ndarray) -> None:
+        """Cover absolute rows ``[lo, hi)`` whose runs start at ``starts`` (nothing else marked)."""
+        self.base = max(lo - self._SLACK, 0) // 8 * 8
+        self._alloc(np.zeros(self._need(hi), np.uint8))
+        self.mark(starts, True)
+
+    def covers(self, lo: int) -> bool:
+        return lo >= self.base and len(self._bytes) > 0
+
+    def extend(self, hi: int, lo: int) -> None:
+        """Make room up to row ``hi``; forget bytes wholly below row ``lo`` once they are half."""
+        drop = max(lo - self._SLACK - self.base, 0) // 8
+        if drop > len(self._bytes) // 2:
+            self.base += 8 * drop
+            self._alloc(self._bytes[drop:].copy())
+        need = self._need(hi)
+        if need > len(self._bytes):
+            grown = np.zeros(max(need, 2 * len(self._bytes)), np.uint8)
+            grown[: len(self._bytes)] = self._bytes
+            self._alloc(grown)
+
+    def mark(self, rows: np.ndarray, on: bool) -> None:
+        """Set (``on``) or clear the bits of absolute ``rows`` (all inside the covered range)."""
+        pos = np.asarray(rows, np.int64) - self.base
+        if on:
+            np.bitwise_or.at(self._bytes, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+        else:
+            np.bitwise_and.at(self._bytes, pos >> 3, ~(1 << (pos & 7)).astype(np.uint8))
+
+    def none_in(self, lo: np.ndarray, span: int) -> np.ndarray:
+        """Whether no run starts in rows ``(lo[b], lo[b] + span]``, (B,) bool; ``span <= MAX_SPAN``."""
+        q = lo + (1 - self.base)
+        words = self._words[q >> 3]
+        mask = np.uint64((1 << span) - 1)
+        return ((words >> (q & 7).astype(np.uint64)) & mask) == 0
+
+    def _need(self, hi: int) -> int:
+        return (hi - self.base) // 8 + 9  # + 8 bytes: the last load reads past the last row
+
+    def _alloc(self, data: np.ndarray) -> None:
+        self._bytes = data
+        # Overlapping 8-byte words at every byte offset (stride 1): unaligned loads.
+        self._words = np.ndarray((max(len(data) - 7, 0),), "<u8", buffer=data, strides=(1,))
+
+
 class RunIndex:
     """Runs of equal step ids: the absolute row where each run starts, and its id.
 
-    Two int64 per run (not per row), so checking that a window of rows lies in one run is a
-    binary search in a small array instead of a read of the window's ids, and the episode
-    table is a grouping of runs instead of a scan of every row.  Extended with the ids of the
+    Two int64 per run (not per row), so the episode table is a grouping of runs instead of a
+    scan of every row, and checking that a window of rows lies in one run never reads the
+    window's ids: a bitmap of the run starts (:class:`_Boundaries`, one bit per row) answers for
+    windows of up to 57 rows in O(1), a binary search over the run starts for longer ones.  Extended with the ids of the
     rows appended since the last use; rebuilt when the commit record's epoch moved (rows were
     rewritten, removed or cleared) or the rows it covers were all evicted.
 
@@ -164,22 +226,32 @@ class RunIndex:
         self._n = 0
         self._epoch: int | None = None
         self._begin = self._end = 0  # absolute rows [_begin, _end) are covered
+        self._bounds = _Boundaries()  # the same run starts as a bitmap (for short windows)
 
     def _update(self) -> None:
         st = self.steps.state
         epoch = self.epoch()
+        fresh = False  # the bitmap must be rebuilt from the runs
         if epoch != self._epoch or st.start >= self._end or st.end < self._end:
             self._replace(np.zeros(0, np.int64), np.zeros(0, np.int64))
             self._begin = self._end = st.start
             self._epoch = epoch
+            fresh = True
         if st.start < self._begin:
             # A reader's ring start can move back: an eviction record runs a guard band ahead of
             # what the next commit keeps.  Cover the rows before (their ids are intact).
             ids = self._read(st.start, self._begin)
             new = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1])
-            keep = slice(1 if self._n and int(ids[-1]) == int(self._ids[0]) else 0, self._n)  # runs joined
+            joined = self._n > 0 and int(ids[-1]) == int(self._ids[0])
+            keep = slice(1 if joined else 0, self._n)
             self._replace(np.concatenate([new + st.start, self._starts[keep]]),
                           np.concatenate([ids[new], self._ids[keep]]))
+            if not fresh and self._bounds.covers(st.start):
+                if joined:  # the old first run now starts earlier
+                    self._bounds.mark(np.array([self._begin]), False)
+                self._bounds.mark(new + st.start, True)
+            else:
+                fresh = True
             self._begin = st.start
         if st.end > self._end:
             ids = self._read(self._end, st.end)
@@ -187,11 +259,16 @@ class RunIndex:
             if self._n == 0 or int(ids[0]) != int(self._ids[self._n - 1]):
                 new = np.concatenate([[0], new])
             self._append(new + self._end, ids[new])
+            if not fresh:
+                self._bounds.extend(st.end, st.start)
+                self._bounds.mark(new + self._end, True)
             self._end = st.end
         dead = self._first_live() if self._n > 2048 else 0  # runs wholly evicted
         if dead > self._n // 2:
             self._replace(self._starts[dead : self._n].copy(), self._ids[dead : self._n].copy())
             self._begin = max(self._begin, int(self._starts[0]))
+        if fresh:
+            self._bounds.reset(self._begin, self._end, self._starts[: self._n])
 
     def _read(self, lo: int, hi: int) -> np.ndarray:
         """Ids of absolute rows ``[lo, hi)``."""
@@ -224,6 +301,8 @@ class RunIndex:
     def one_run(self, lo: np.ndarray, span: int) -> np.ndarray:
         """Whether absolute rows ``lo[b] .. lo[b] + span`` (inside the table) share one id, (B,) bool."""
         self._update()
+        if span <= _Boundaries.MAX_SPAN:
+            return self._bounds.none_in(lo, span)
         nxt = self._starts[np.searchsorted(self._starts[: self._n], lo, side="right")]  # next run's start
         return nxt > lo + span
 
