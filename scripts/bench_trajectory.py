@@ -92,24 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     # The middle size is past the last-level cache: growth from it to the large one is not cache capacity.
     small, middle, large = (10_000, 30_000, 100_000) if args.quick else (100_000, 1_000_000, 10_000_000)
     sizes = (small, middle, large)
-    repeats = 3 if args.quick else 15
+    repeats, passes = (3, 1) if args.quick else (31, 3)
     lines = ["| store rows | within_episode | trajstore ms | numpy in-RAM ms | ratio vs numpy |", "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         stores = {rows: build(Path(d) / f"t{rows}", rows) for rows in sizes}
         runs: dict[Any, Callable[[], Any]] = {("numpy", rows): numpy_gather(rows) for rows in stores}
         runs.update({(rows, w): sampler(tb, w) for rows, tb in stores.items() for w in (False, True)})
-        times = alternate(runs, repeats)
+        # Independent passes show how far the ratios move on a shared machine.
+        each = [alternate(runs, repeats) for _ in range(passes)]
         for tb in stores.values():
             tb.close()
+    times = {k: statistics.median(p[k] for p in each) for k in runs}
     base = {rows: times[("numpy", rows)] for rows in sizes}
     for rows in sizes:
         for within in (False, True):
             t = times[(rows, within)]
             lines.append(f"| {rows:,} | {within} | {t * 1e3:.3f} | {base[rows] * 1e3:.3f} | {t / base[rows]:.2f}x |")
     text = "\n".join(lines) + "\n"
+
+    def ratio(key_hi: Any, key_lo: Any) -> str:
+        r = [p[key_hi] / p[key_lo] for p in each]
+        return f"{times[key_hi] / times[key_lo]:.2f}" + (f" (passes {', '.join(f'{x:.2f}' for x in r)})" if passes > 1 else "")
+
     for lo in (small, middle):
-        ratios = [f"within_episode={w}: {times[(large, w)] / times[(lo, w)]:.2f}" for w in (False, True)]
-        ratios.append(f"numpy in-RAM gather: {base[large] / base[lo]:.2f}")
+        ratios = [f"within_episode={w}: {ratio((large, w), (lo, w))}" for w in (False, True)]
+        ratios.append(f"numpy in-RAM gather: {ratio(('numpy', large), ('numpy', lo))}")
         target = " (target <= 1.3)" if lo == small else ""
         text += f"\nRatio {large:,} rows / {lo:,} rows{target}: " + "; ".join(ratios) + "\n"
     print(text)
@@ -117,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd, env = _reproduce("bench_trajectory.py", args.quick, f"numpy {np.__version__}")
         section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
                    f"`sample_sequences({B}, {T})` from a read-only TrajectoryReplayBuffer of (17,) float32 steps in "
-                   f"episodes of 250-750 steps, medians of alternating rounds, page cache warm. The numpy baseline "
+                   f"episodes of 250-750 steps, medians of {repeats} alternating rounds in each of {passes} passes (the table: medians over the passes), page cache warm. The numpy baseline "
                    f"gathers the same windows from arrays in RAM: its own growth between sizes is what the memory "
-                   f"hierarchy costs (a {small:,}-row store fits in a last-level cache, the larger ones do not).\n\n{text}\n")
+                   f"hierarchy costs (a {small:,}-row store fits in a last-level cache, the larger ones do not). "
+                   f"The target (ratio <= 1.3) is for the call as written, `within_episode=False`; what grows with the store "
+                   f"in both modes is the memory latency of {B} random {T}-row windows, which the in-RAM gather pays too.\n\n{text}\n")
         _replace_section(args.markdown, "## Sequence sampling", section)
     return 0
 
