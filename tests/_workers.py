@@ -314,7 +314,7 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
     and sample(256) until ``stop`` exists, and checks every row it gets.  Writes
     ``{"errors": [...], ...}`` to ``result``."""
     errors: list[str] = []
-    stats = {"loops": 0, "rows_checked": 0, "sampled": 0, "excluded_evicted": 0, "max_len": 0}
+    stats = {"loops": 0, "rows_checked": 0, "sampled": 0, "max_len": 0}
     try:
         rng = np.random.default_rng(seed)
         rb = ReplayBuffer.load_from(store, read_only=True)
@@ -349,15 +349,12 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
                 s, ok = decode(batched(last))
                 b = read_int(bound)
                 if cap is not None and i >= 0:
-                    # A ring row read by index is not re-checked after the read (only sample is),
-                    # so it is only guaranteed whole if it is still committed afterwards.
+                    # Reads are retried until the commit record they used is still the latest
+                    # afterwards: the row is exactly that record's row i.
                     a = used[0] + i
-                    if a >= used[1]:
-                        err(f"rb[{i}] read absolute row {a}, past the end {used[1]} of the commit record it used "
-                            f"(it returned row {s[0]}, ok={bool(ok[0])}; {b} rows committed)")
-                    elif a >= read_head(store)["tables"]["step_data"]["start"] and (not ok[0] or s[0] != a):
-                        err(f"rb[{i}] (absolute row {a}, committed before and after the read) returned "
-                            f"{'garbage' if not ok[0] else f'row {s[0]}'}")
+                    if a >= used[1] or not ok[0] or s[0] != a:
+                        err(f"rb[{i}] should be absolute row {a} of the commit record [{used[0]}, {used[1]}) it used; "
+                            f"it returned {'garbage' if not ok[0] else f'row {s[0]}'} ({b} rows committed)")
                     continue
                 if not ok[0]:
                     err(f"rb[{i}] is garbage: obs[0]={float(last['obs'][0])} d={int(last['d'])}")
@@ -371,7 +368,6 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
             # rb[:]
             x = rb[:]
             used_start = int(rb._table.state.start)  # white box: the commit record the slice read used
-            head_after = read_head(store)["tables"]["step_data"]
             b = read_int(bound)
             s, ok = decode(x)
             m = len(s)
@@ -387,20 +383,28 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
                 elif not np.array_equal(s, np.arange(m)):
                     err(f"rb[:] rows are not 0..{m - 1} in order")
             else:
+                # Retried until no commit happened while it read: exactly the used record's rows.
                 absolute = used_start + np.arange(m)
-                # Rows still committed after the read cannot have been overwritten during it
-                # (the writer commits the eviction before overwriting); rows evicted
-                # meanwhile are not covered by any guarantee for slices.
-                safe = absolute >= head_after["start"]
-                stats["excluded_evicted"] += int((~safe).sum())
-                if not ok[safe].all():
-                    bad = int(np.flatnonzero(safe & ~ok)[0])
+                if not ok.all():
+                    bad = int(np.flatnonzero(~ok)[0])
                     err(f"ring rb[:] row {bad} (absolute {absolute[bad]}) is garbage (obs[0]={float(x['obs'][bad, 0])}, "
                         f"d={int(x['d'][bad])}, img[0,0,0]={int(x['img'][bad, 0, 0, 0])})")
-                elif not np.array_equal(s[safe], absolute[safe]):
+                elif not np.array_equal(s, absolute):
                     err("ring rb[:] rows are not the committed absolute rows in order")
                 if m and absolute[-1] >= b:
                     err(f"ring rb[:] reaches absolute row {absolute[-1]} but only {b} were committed")
+            # Lazy views read like the buffer, exactly one commit record's rows: the oldest 48
+            # rows (those a ring writer overwrites next) through a slice view and through the
+            # "obs" column of one.
+            x = rb.get_slice(slice(0, 48))[:]
+            start = int(rb._table.state.start)
+            s, ok = decode(x)
+            if not ok.all() or not np.array_equal(s, np.arange(start, start + len(s))):
+                err(f"slice view rows {s.tolist()} (ok={bool(ok.all())}) are not the first {len(s)} rows from {start}")
+            col = np.asarray(rb.get_slice(slice(0, 48)).get_column("obs")[:])
+            start = int(rb._table.state.start)
+            if not (col == np.arange(start, start + len(col))[:, None] + 1.0).all():
+                err(f"column view rows {col[:, 0].tolist()} are not the first {len(col)} rows from {start}")
             # sample(256)
             b0 = read_int(bound)
             smp = rb.sample(256, rng=rng)

@@ -9,15 +9,16 @@ import atexit
 import os
 import sys
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
 from .backend import Backend
 from .store import Store
-from .ring import IndexLike, normalize_index
 from .table import RowStager, Table
 from .views import BatchBase
+
+_T = TypeVar("_T")
 
 __all__ = ["StoredBuffer", "as_generator"]
 
@@ -148,20 +149,18 @@ class StoredBuffer(BatchBase):
         so a read must be checked against the latest commit record afterwards."""
         return not self._store.writable or self._store.multiprocessing
 
-    def _raw(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
-        """Top-level reads; a reader (or multiprocessing writer) retries until what it read is
-        still what the latest commit record names (no row evicted or rewritten meanwhile)."""
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        """Reads by a reader (or multiprocessing writer) are retried until the commit record they
+        resolved their indices against is still the latest afterwards: no row was evicted or
+        rewritten meanwhile, so the result is exactly that record's rows.  Every read of this
+        buffer and of its views (``get_slice``, ``get_column``) goes through here."""
         if not self._recheck:
-            return super()._raw(idx)
-        # Indices are resolved against one commit record and the read is kept only if that record
-        # is still the latest afterwards, so the result is exactly that record's rows.
-        leaves = self._all_leaves
+            return read()
         self._sync()
         for _ in range(1000):
-            i = normalize_index(idx, self._table.count)
-            arrays = self._read_rows(i, leaves)
+            out = read()
             if not self._store.refresh():
-                return arrays, not isinstance(i, int)
+                return out
         raise RuntimeError("the writer commits faster than this reader can read")
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:

@@ -115,14 +115,12 @@ def get_sequences(buf: "TrajectoryReplayBuffer", idx: Any, offsets: Any, pad: st
         raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
     buf._sync()
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
-    for _ in range(1000):
-        # Resolved against one commit record; a reader keeps the result only if that record is
-        # still the latest afterwards (else nothing it read can have been overwritten).
+
+    def read() -> tuple[Any, Any]:
         anchors = np.atleast_1d(np.asarray(normalize_index(idx, buf._table.count), dtype=np.int64))
-        out = _read_windows(buf, anchors, offs, pad)
-        if not buf._recheck or not buf._store.refresh():
-            return out
-    raise RuntimeError("the writer commits faster than this reader can read")
+        return _read_windows(buf, anchors, offs, pad)
+
+    return buf._consistent(read)  # a reader retries until no commit happened while it read
 
 
 def _is_block(offs: np.ndarray, count: int) -> bool:

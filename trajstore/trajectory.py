@@ -313,10 +313,16 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     def get_at_with_metadata(self, idx: IndexLike) -> tuple[TrajectoryData, dict[str, Any]]:
         """``(get_at(idx), {"episode_ids": ids})`` with ids of shape () or (B,), int64."""
-        self._sync()
-        i = idx if isinstance(idx, slice) else normalize_index(idx, self._table.count)
-        rows = np.arange(*i.indices(self._table.count)) if isinstance(i, slice) else i
-        return self.get_at(rows), {"episode_ids": self._backend.out(np.asarray(self._step_ids(rows)))}
+
+        def read() -> tuple[list[np.ndarray], Any]:
+            self._sync()
+            i = idx if isinstance(idx, slice) else normalize_index(idx, self._table.count)
+            rows = np.arange(*i.indices(self._table.count)) if isinstance(i, slice) else i
+            return self._read(rows, self._all_leaves), self._step_ids(rows)
+
+        arrays, ids = self._consistent(read)  # the rows and their ids from one commit record
+        out = self._backend.out
+        return self._wrap(self._plan.from_arrays([out(a) for a in arrays])), {"episode_ids": out(np.asarray(ids))}
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
         return self._wrap(super().sample(batch_size, rng=rng))

@@ -9,7 +9,7 @@ when indexed, and nothing before.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import gymnasium
 import numpy as np
@@ -20,6 +20,8 @@ from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, subspace
 
 __all__ = ["BatchBase", "SliceView", "ColumnView"]
+
+_T = TypeVar("_T")
 
 
 class BatchBase:
@@ -45,6 +47,12 @@ class BatchBase:
     def _read_slice(self, s: slice, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         return self._read(normalize_index(s, len(self)), leaf_ids)  # type: ignore[arg-type]
 
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        """Run ``read`` (which resolves indices against the current length, then reads) so that
+        its result is the rows of one commit record.  Buffers that other processes commit into
+        override this to retry; views hand it to the buffer they look at."""
+        return read()
+
     # -- common properties ------------------------------------------------------------------
     @property
     def backend(self) -> str:
@@ -60,6 +68,9 @@ class BatchBase:
 
     # -- reads ------------------------------------------------------------------------------
     def _raw(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
+        return self._consistent(lambda: self._raw_once(idx))
+
+    def _raw_once(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
         if isinstance(idx, slice):
             return self._read_slice(idx, self._all_leaves), True
         i = normalize_index(idx, len(self))
@@ -86,7 +97,7 @@ class BatchBase:
 
     def to_numpy(self) -> Any:
         """Every row, as numpy (whatever the backend)."""
-        return self._plan.from_arrays(self._read(np.arange(len(self)), self._all_leaves))
+        return self._plan.from_arrays(self._consistent(lambda: self._read(np.arange(len(self)), self._all_leaves)))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if len(self._plan.leaves) != 1 or self._plan.leaves[0].path:
@@ -94,7 +105,7 @@ class BatchBase:
                 f"np.asarray needs a single-array view; this one has leaves "
                 f"{[leaf.name for leaf in self._plan.leaves]}: use get_column([...]) or to_numpy()"
             )
-        arr = self._read(np.arange(len(self)), [0])[0]
+        arr = self._consistent(lambda: self._read(np.arange(len(self)), [0]))[0]
         return arr if dtype is None else arr.astype(dtype)
 
     def __iter__(self) -> Any:
@@ -178,6 +189,9 @@ class SliceView(BatchBase):
             idx = np.array([resolved]) if isinstance(resolved, int) else resolved
         self._idx = idx
 
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        return self.parent._consistent(read)
+
     def _rows(self) -> np.ndarray:
         if isinstance(self._idx, np.ndarray):
             return self._idx
@@ -215,6 +229,9 @@ class ColumnView(BatchBase):
 
     def __len__(self) -> int:
         return len(self.parent)
+
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        return self.parent._consistent(read)
 
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         return self.parent._read(idx, [self._leaf_map[j] for j in leaf_ids])
