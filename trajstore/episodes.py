@@ -204,9 +204,10 @@ class RunIndex:
     Two int64 per run (not per row), so the episode table is a grouping of runs instead of a
     scan of every row, and checking that a window of rows lies in one run never reads the
     window's ids: a bitmap of the run starts (:class:`_Boundaries`, one bit per row) answers for
-    windows of up to 57 rows in O(1), a binary search over the run starts for longer ones.  Extended with the ids of the
-    rows appended since the last use; rebuilt when the commit record's epoch moved (rows were
-    rewritten, removed or cleared) or the rows it covers were all evicted.
+    windows of up to 57 rows in O(1), a binary search over the run starts for longer ones.
+    Extended with the ids of the rows appended since the last use; rebuilt when the commit
+    record's epoch moved (rows were rewritten, removed or cleared) or the rows it covers were
+    all evicted.
 
     Parameters
     ----------

@@ -174,7 +174,16 @@ def _as_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-class SliceView(BatchBase):
+class _View(BatchBase):
+    """A view of ``parent``: its reads are the parent's reads, retried as the parent's are."""
+
+    parent: BatchBase
+
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        return self.parent._consistent(read)
+
+
+class SliceView(_View):
     """Rows ``idx`` of ``parent``: a slice re-resolves against the parent's current length
     on every read; an int array or mask is fixed at creation.  Writes through it go to
     the parent's rows (``set_at``); it cannot grow."""
@@ -188,9 +197,6 @@ class SliceView(BatchBase):
             resolved = normalize_index(idx, len(parent))
             idx = np.array([resolved]) if isinstance(resolved, int) else resolved
         self._idx = idx
-
-    def _consistent(self, read: Callable[[], _T]) -> _T:
-        return self.parent._consistent(read)
 
     def _rows(self) -> np.ndarray:
         if isinstance(self._idx, np.ndarray):
@@ -215,7 +221,7 @@ class SliceView(BatchBase):
         return f"SliceView({self._idx!r}, len={len(self)}) of {self.parent!r}"
 
 
-class ColumnView(BatchBase):
+class ColumnView(_View):
     """The sub-space at ``keys`` of every row of ``parent``; read-only."""
 
     def __init__(self, parent: BatchBase, keys: list[str | int]) -> None:
@@ -229,9 +235,6 @@ class ColumnView(BatchBase):
 
     def __len__(self) -> int:
         return len(self.parent)
-
-    def _consistent(self, read: Callable[[], _T]) -> _T:
-        return self.parent._consistent(read)
 
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         return self.parent._read(idx, [self._leaf_map[j] for j in leaf_ids])
