@@ -6,8 +6,10 @@ are lazy.  See README.md and docs/.
 """
 
 from . import errors
+from .repair import repair_store
 from .replay_buffer import ReplayBuffer, ZarrStorage
 from .trajectory import TrajectoryData, TrajectoryReplayBuffer
+from .verify import verify_store
 from .views import BatchBase, ColumnView, SliceView
 
-__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "errors"]
+__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "errors"]

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..metadata import DATASET_KEY
 from ..summary import iter_blocks, open_store
-from ..verify import RepairReport, VerifyReport, repair_store, verify_store
+from ..repair import RepairReport, repair_store
+from ..verify import VerifyReport, verify_store
 from ._common import CLIError, add_store_args, json_arg, positive_int, print_json, progress
 
 __all__ = ["register", "copy_store"]
