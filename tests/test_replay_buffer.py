@@ -34,7 +34,7 @@ from conftest import (
     to_torch,
 )
 from trajstore import ReplayBuffer
-from trajstore.errors import BadValueError, SpaceMismatchError
+from trajstore.errors import BadValueError, ReadOnlyError, SpaceMismatchError
 
 # ---------------------------------------------------------------------------- UniEnv fill test
 
@@ -176,6 +176,24 @@ def test_append_one_at_a_time_matches_extend(buffers):
     path = rb.cache_path
     rb.close()
     assert_same(buffers.load(path, read_only=True)[:], stack(model))
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["writer", "multiprocessing"])
+def test_append_leaves_matches_append(buffers, multiprocessing):
+    """The integrations' per-leaf append (SB3 buffers) stores what append stores, staged or (for
+    a multiprocessing writer) under the lock; a read-only handle refuses it."""
+    rb = buffers.create(SPACES["nested"](), capacity=7, multiprocessing=multiprocessing)
+    rows = random_rows(rb.single_space, 12, 4)
+    def leaves(row):  # one array per leaf, each of the leaf's own shape
+        return [a[0] for a in rb._plan.to_arrays(row, batched=False)[0]]
+
+    for row in rows:
+        rb._append_leaves(leaves(row))
+    assert_same(rb[:], stack(ring_model([], rows, 7)))
+    rb.flush()
+    ro = buffers.load(rb.cache_path, read_only=True)
+    with pytest.raises(ReadOnlyError):
+        ro._append_leaves(leaves(rows[0]))
 
 
 # ---------------------------------------------------------------------------- indexing

@@ -199,6 +199,20 @@ class ReplayBuffer(StoredBuffer):
         self._plan.write_row(value, st.bufs, st.n)
         st.added()
 
+    def _append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
+        """:meth:`append` of one row given as one array per leaf, in the order of the space's
+        leaves, each already of its leaf's shape and dtype (not checked: assignment would cast or
+        broadcast).  For integrations that build rows themselves (the SB3 buffers): they skip the
+        walk and checks of a nested value on every step."""
+        if self._store.multiprocessing or not self._store.writable:
+            self.append(self._plan.from_arrays(list(arrays)))  # the checked path, as it takes a lock anyway
+            return
+        st = self._stager
+        j = st.n
+        for b, a in zip(st.bufs, arrays):
+            b[j] = a
+        st.added()
+
     def extend(self, value: Any) -> None:
         """Add a batch of rows (leading axis B on every leaf)."""
         arrays, n = self._plan.to_arrays(value, batched=True)

@@ -147,6 +147,11 @@ class ObsLayout:
             out[k] = a if a.dtype == self.dtype[k] else a.astype(self.dtype[k])
         return out
 
+    def row_values(self, per_key: PerKey) -> list[np.ndarray]:
+        """Env ``e``'s observation ``per_key[key][e]`` for every env and key, in the order of
+        :meth:`leaves` (a row's observation leaves)."""
+        return [per_key[k][e] for e in range(self.n_envs) for k in self.keys]
+
     def put_row(self, row: dict[str, Any], prefix: str, per_key: PerKey) -> None:
         """Fill ``row[leaf]`` with env ``e``'s observation ``per_key[key][e]`` for every env and key."""
         for k in self.keys:

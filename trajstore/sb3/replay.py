@@ -90,7 +90,6 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             self._rb = self._open_replay("transitions", self._row_space(), size, created)
             if optimize_memory_usage:
                 self._pending_rb = self._open_replay("pending", self._pending_space(), 1, created, required=False)
-            self._row: dict[str, Any] = dict.fromkeys(self._row_space().spaces)
             if created:
                 self._finish_create()
             else:
@@ -174,24 +173,21 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
             self._persist_edits(np.array([(p - 1) % self.buffer_size]))
         o, no = lay.batch(obs), lay.batch(next_obs)
-        action = np.asarray(action).reshape((self.n_envs, self.action_dim))
-        self.actions[p] = np.array(action)
-        self.rewards[p] = np.array(reward)
-        self.dones[p] = np.array(done)
+        self.actions[p] = np.asarray(action).reshape((self.n_envs, self.action_dim))
+        self.rewards[p] = reward  # assignment casts as SB3's np.array(...) then assignment does
+        self.dones[p] = done
         if self.handle_timeout_termination:
-            self.timeouts[p] = np.array([info.get("TimeLimit.truncated", False) for info in infos])
-        row = self._row
-        lay.put_row(row, "obs", o)
+            self.timeouts[p] = [info.get("TimeLimit.truncated", False) for info in infos]
+        # The row, leaf by leaf in the order of _row_space: obs, next_obs, action, reward, done, timeout, step.
+        values = lay.row_values(o)
         if self.optimize_memory_usage:
             for k in lay.keys:
                 self._pending[k][:] = no[k]
         else:
-            lay.put_row(row, "next_obs", no)
-        row["action"], row["reward"], row["done"], row["timeout"] = (
-            self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p])
+            values += lay.row_values(no)
         self._step[...] = self._steps
-        row["step"] = self._step
-        self._rb.append(row)
+        values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
+        self._rb._append_leaves(values)
         now = time.monotonic()
         if now - self._last_commit >= self._commit_interval:
             # trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer

@@ -103,7 +103,6 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         try:
             obs_space = spaces.Dict(self._layout.leaves("obs"))
             self._rb = self._open_replay("rollout", obs_space, buffer_size, created)
-            self._row: dict[str, Any] = dict.fromkeys(obs_space.spaces)
             self.history: list[TrajectoryReplayBuffer] = [
                 self._open_trajectory(self._history_name(e), self._history_space(), history_capacity, created)
                 for e in range(self.n_envs)] if keep_history else []
@@ -205,8 +204,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
     def _add_obs(self, obs: dict[str | None, np.ndarray]) -> None:
         """Store one step's observations ``{key: (n_envs, *shape)}`` and advance ``pos``; the
         per-step RAM arrays of this step are the caller's to write."""
-        self._layout.put_row(self._row, "obs", obs)
-        self._rb.append(self._row)
+        self._rb._append_leaves(self._layout.row_values(obs))  # leaves in the order of layout.leaves("obs")
         self._written = True
         self.pos += 1
         if self.pos == self.buffer_size:
