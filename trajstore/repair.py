@@ -80,8 +80,8 @@ def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
     return sorted(out, key=lambda h: h.generation, reverse=True)
 
 
-def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
-    """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
+def _probe(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
+    """verify's row checks as if ``head`` were the commit record."""
     probe = VerifyReport(str(loc.url), False)
     saved = sc.head
     sc.head = head
@@ -89,7 +89,12 @@ def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
         _check_rows(loc, sc, probe, False, None)
     finally:
         sc.head = saved
-    return not [f for f in probe.faults if f.kind != "stale-shape"]
+    return probe
+
+
+def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
+    """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
+    return not [f for f in _probe(loc, sc, head).faults if f.kind != "stale-shape"]
 
 
 def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dry_run: bool = False,
@@ -200,14 +205,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                                 "safely: " + "; ".join(f.message for f in episode_faults))
         # What to delete, judged against the record that will be in place.
         if new_head is not None:
-            probe = VerifyReport(str(loc.url), False)
-            saved = sc.head
-            sc.head = new_head
-            try:
-                _check_rows(loc, sc, probe, False, None)
-            finally:
-                sc.head = saved
-            removable = [r for r in probe.removable]
+            removable = list(_probe(loc, sc, new_head).removable)
             if rolled_back:
                 # Intact chunks of the dropped rows stay (readable with zarr, for salvage; a later repair
                 # removes them); damaged chunk files go now (a writer could not map a truncated one).
