@@ -152,13 +152,6 @@ class ObsLayout:
         :meth:`leaves` (a row's observation leaves)."""
         return [per_key[k][e] for e in range(self.n_envs) for k in self.keys]
 
-    def put_row(self, row: dict[str, Any], prefix: str, per_key: PerKey) -> None:
-        """Fill ``row[leaf]`` with env ``e``'s observation ``per_key[key][e]`` for every env and key."""
-        for k in self.keys:
-            a = per_key[k]
-            for e in range(self.n_envs):
-                row[self.leaf(prefix, e, k)] = a[e]
-
     # -- output -------------------------------------------------------------------------------
     def empty(self, n: int) -> PerKey:
         """Uninitialised ``{key: (n, *shape)}`` arrays to scatter reads into."""

@@ -293,10 +293,8 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         """Write RAM edits of stored rows (SB3's ``dones[pos] = True``) and the pending obs."""
         self._persist_edits()
         if self.optimize_memory_usage and self._count and self._pending_saved != self._steps - 1:
-            row = {name: None for name in self._pending_space().spaces}
-            self._layout.put_row(row, "obs", self._pending)
-            row["step"] = np.asarray(self._steps - 1, np.int64)
-            self._pending_rb.append(row)
+            step = np.asarray(self._steps - 1, np.int64)  # leaves in the order of _pending_space
+            self._pending_rb._append_leaves(self._layout.row_values(self._pending) + [step])
             self._pending_saved = self._steps - 1
 
     def _persist_edits(self, positions: np.ndarray | None = None) -> None:
