@@ -22,6 +22,7 @@ __all__ = [
     "BadValueError",
     "StoreExistsError",
     "MissingDependencyError",
+    "StoreFullError",
 ]
 
 
@@ -75,3 +76,12 @@ class BadValueError(SpaceError):
 
 class MissingDependencyError(TrajstoreError, ImportError):
     """An optional dependency needed for the requested feature is not installed."""
+
+
+class StoreFullError(TrajstoreError, OSError):
+    """The filesystem holding the store is full (``errno`` is ``ENOSPC`` or ``EDQUOT``).
+
+    Raised at a safe point: before anything was written through a memory mapping into space the
+    filesystem had not reserved, so the last commit is intact and the buffer stays usable (the
+    failed call changed nothing a reader sees); free space and write again.
+    """
