@@ -6,11 +6,18 @@ place with ``MAP_FIXED``; unmapped stretches are anonymous zero pages (what zarr
 for a missing chunk).  A random gather is then a single numpy fancy index over the
 page cache, which is what a plain ``np.memmap`` of one big file costs.  Chunk byte
 sizes must be multiples of the page size so the pieces tile without gaps.
+
+A store through a shared mapping into a file page the filesystem cannot allocate (a hole
+on a full disk) kills the process with ``SIGBUS``; ``write`` would have returned ``ENOSPC``.
+So the writer maps only files whose blocks are allocated: :func:`reserve` allocates them
+(``posix_fallocate``) before a file is mapped writable, and a full disk is an ``OSError``
+there, at a point where nothing has been written yet.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap as _mmap
 import os
 import sys
@@ -32,6 +39,44 @@ if SUPPORTED:
     _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _libc.msync.restype = ctypes.c_int
     _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+# posix_fallocate's answers for "this filesystem cannot preallocate" (glibc already emulates
+# it by writing a byte per block where the kernel lacks fallocate; musl and some FUSE/network
+# filesystems answer with one of these instead).
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_ZEROS = bytes(1 << 20)
+
+
+def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
+    """Make the filesystem allocate bytes ``[0, nbytes)`` of the file ``fd`` (growing it to
+    ``nbytes`` if shorter), so later stores through a mapping of them cannot fail.
+
+    Raises ``OSError`` (``ENOSPC`` on a full disk) without having changed any byte of content.
+    Where the filesystem cannot preallocate: a ``fresh`` file (all zeros, not yet visible to
+    anyone) is filled with written zeros instead, which allocates it just as well; an existing
+    file is left as it is, because writing zeros into it could overwrite rows another process
+    wrote meanwhile (a known, documented gap: such filesystems keep the SIGBUS risk for chunk
+    files created sparse by earlier trajstore versions, and only for those).
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, nbytes)
+            return
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+    if not fresh:
+        return
+    pos = 0
+    while pos < nbytes:
+        pos += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), nbytes - pos)], pos)
+
+
+def allocated_bytes(st: os.stat_result) -> int:
+    """Bytes of a file the filesystem has blocks for (less than its size when it has holes)."""
+    return st.st_blocks * 512
 
 
 def _check(addr: int | None, what: str) -> int:
@@ -82,10 +127,20 @@ class VirtualArray:
         """Map chunk file ``path`` as chunk ``k`` (replacing whatever was mapped there)."""
         fd = os.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size < self.chunk_bytes:
                 # Mapping past EOF would SIGBUS on access; report the damage instead.
                 raise EOFError(f"chunk file {os.fspath(path)!r} holds {size} bytes; expected {self.chunk_bytes}")
+            if self.writable and allocated_bytes(st) < self.chunk_bytes:
+                # A file with holes (created sparse by an older trajstore): a store into a hole on
+                # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
+                # version creates are allocated whole, so this costs one fstat per mapped chunk.
+                try:
+                    reserve(fd, self.chunk_bytes, fresh=False)
+                except OSError as e:
+                    raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}",
+                                  os.fspath(path)) from None
             prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
             addr = self.base + k * self.chunk_bytes
             _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {path}")
@@ -111,8 +166,12 @@ class VirtualArray:
         return view.reshape((stop - start, *self.row_shape))
 
     def sync(self, k: int) -> None:
-        """``msync`` chunk ``k`` to disk (durability against power loss)."""
-        _libc.msync(self.base + k * self.chunk_bytes, self.chunk_bytes, 4)  # MS_SYNC
+        """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error
+        (``EIO``...) is raised, not ignored, so ``flush(fsync=True)`` never commits rows that
+        did not reach the disk."""
+        if _libc.msync(self.base + k * self.chunk_bytes, self.chunk_bytes, 4) != 0:  # MS_SYNC
+            err = ctypes.get_errno()
+            raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
 
     def close(self) -> None:
         if self.base:

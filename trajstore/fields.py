@@ -14,10 +14,16 @@ Two layouts, both ordinary zarr v3 arrays that any zarr reader opens:
     chunks are cached (bounded) and dropped whenever another process may have changed them.
 
 Both expose the same small interface used by :class:`trajstore.table.Table`.
+
+A full disk (``ENOSPC``/``EDQUOT``) surfaces as :class:`trajstore.errors.StoreFullError` from
+``write``/``flush``/``stage_chunk``/``grow``, raised before anything beyond the rows being
+written changed: raw chunk files are allocated whole (``posix_fallocate``) before they are
+mapped, so a store into a mapping never meets a full disk (which would be ``SIGBUS``).
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections import OrderedDict
@@ -28,7 +34,7 @@ import numpy as np
 import zarr
 
 from . import _vmap
-from .errors import DamagedStoreError
+from .errors import DamagedStoreError, StoreFullError
 from .storage import Location, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
@@ -42,6 +48,20 @@ COMPRESSED_CHUNK_BYTES = 1 << 20
 PWRITE_BYTES = 64 << 10
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
 CACHE_BYTES = 256 << 20
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _full_disk(e: OSError, path: Any, what: str) -> OSError:
+    """``e`` as a :class:`StoreFullError` naming ``path`` and what failed, when it says the
+    filesystem is full; otherwise ``e`` itself (EIO and friends keep their type)."""
+    if isinstance(e, StoreFullError) or e.errno not in _FULL:
+        return e
+    err = StoreFullError(e.errno, f"{what}: {os.strerror(e.errno)}; free space and write again (rows committed "
+                                  "before stay intact)", os.fspath(path) if path is not None else None)
+    err.__cause__ = e
+    return err
 
 
 def chunk_key(array_path: str, k: int, ndim: int) -> str:
@@ -167,7 +187,11 @@ class MappedField:
         """Re-reserve a larger range and map the same chunk files into it (the writer first
         resizes the zarr array, so plain zarr readers see every committed row)."""
         if self.writable:
-            _open_zarr(self.loc, self.spec, allocated, writable=True)
+            try:
+                _open_zarr(self.loc, self.spec, allocated, writable=True)
+            except OSError as e:
+                raise _full_disk(e, self.loc.path(f"{self.spec.array_path}/zarr.json"),
+                                 f"resize {self.spec.array_path} to {allocated} rows")
         old = self._va
         self._va = self._reserve(allocated)
         for k in np.flatnonzero(old.mapped):
@@ -186,15 +210,42 @@ class MappedField:
             if not os.path.exists(path):
                 if not create:
                     continue  # never written: reads as zeros, as zarr reads a missing chunk
-                tmp = self.loc.new_tmp_path()
-                with open(tmp, "wb") as f:
-                    f.truncate(self._va.chunk_bytes)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                os.replace(tmp, path)
+                self._create_chunk_file(path)
+            self._map(k, path)
+
+    def _create_chunk_file(self, path: str) -> None:
+        """Create chunk file ``path`` full size, zero-filled and with its blocks allocated.
+
+        Allocated, not sparse: the writer stores rows through a shared mapping, and a store into
+        a hole that a full filesystem cannot fill is ``SIGBUS``.  Reserving here turns a full disk
+        into a :class:`StoreFullError` before any row is written.  Built under a temp name and
+        renamed, so a chunk file is never seen half-made; on failure the temp file is removed.
+        """
+        tmp = None
+        try:
+            tmp = self.loc.new_tmp_path()
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
-                self._va.map_chunk(k, path)
-            except EOFError as e:
-                raise DamagedStoreError(str(e)) from None
+                _vmap.reserve(fd, self._va.chunk_bytes, fresh=True)
+            finally:
+                os.close(fd)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            raise _full_disk(e, path, f"create chunk file ({self._va.chunk_bytes} bytes)")
+
+    def _map(self, k: int, path: str) -> None:
+        try:
+            self._va.map_chunk(k, path)
+        except EOFError as e:
+            raise DamagedStoreError(str(e)) from None
+        except OSError as e:
+            raise _full_disk(e, path, "reserve space for a chunk file created sparse")
 
     def remap(self, ks: list[int], prefix: str = "") -> None:
         """Map chunk files again (after they were replaced by rename), optionally from a staging prefix.
@@ -206,12 +257,10 @@ class MappedField:
         for k in ks:
             for path in ([self._path(k, prefix)] if prefix else []) + [self._path(k)]:
                 try:
-                    self._va.map_chunk(k, path)
+                    self._map(k, path)
                     break
                 except FileNotFoundError:
                     continue
-                except EOFError as e:
-                    raise DamagedStoreError(str(e)) from None
             else:
                 if self._va.mapped[k]:
                     self._va.unmap_chunk(k)
@@ -245,7 +294,10 @@ class MappedField:
                 if len(self._fds) >= 8:  # appends touch one or two chunks at a time
                     os.close(self._fds.pop(next(iter(self._fds))))
                 fd = self._fds[k] = os.open(self._path(k), os.O_WRONLY)
-            os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)
+            try:
+                os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)
+            except OSError as e:  # the chunk's space is reserved, so only a file made elsewhere gets here
+                raise _full_disk(e, self._path(k), f"write rows into chunk {k}")
             pos += take
 
     def _close_fds(self, ks: list[int] | None = None) -> None:
@@ -285,7 +337,10 @@ class MappedField:
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix)."""
         key = chunk_key(self.spec.array_path, k, self._ndim)
-        self.loc.put(f"{prefix}/{key}", np.ascontiguousarray(data, dtype=self._va.dtype).tobytes())
+        try:
+            self.loc.put(f"{prefix}/{key}", np.ascontiguousarray(data, dtype=self._va.dtype).tobytes())
+        except OSError as e:
+            raise _full_disk(e, self.loc.path(f"{prefix}/{key}"), f"stage chunk {k} of {self.spec.array_path}")
         return key
 
     def drop_cache(self) -> None:
@@ -295,7 +350,10 @@ class MappedField:
         if fsync:
             for k in sorted(self._synced):
                 if self._va.mapped[k]:
-                    self._va.sync(k)
+                    try:
+                        self._va.sync(k)
+                    except OSError as e:
+                        raise _full_disk(e, self._path(k), f"msync chunk {k}")
             dirs = {os.path.dirname(self._path(k)) for k in self._synced}
             for d in dirs:
                 fsync_dir(Path(d))
@@ -324,8 +382,16 @@ class ChunkedField:
 
     def grow(self, allocated: int) -> None:
         if self.z.shape[0] < allocated:  # another process may have resized it already
-            self.z = _open_zarr(self.loc, self.spec, allocated, self.writable)
+            try:
+                self.z = _open_zarr(self.loc, self.spec, allocated, self.writable)
+            except OSError as e:
+                raise _full_disk(e, self._where("zarr.json"), f"resize {self.spec.array_path} to {allocated} rows")
         self.allocated = allocated
+
+    def _where(self, key: str) -> str:
+        """A path (local) or URL naming ``key`` of this field, for error messages."""
+        full = f"{self.spec.array_path}/{key}"
+        return str(self.loc.path(full)) if self.loc.is_local else f"{self.loc.url}/{full}"
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
         """Nothing to map: chunks are fetched on demand."""
@@ -430,9 +496,12 @@ class ChunkedField:
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         key = chunk_key(self.spec.array_path, k, self._ndim)
-        staged = self._staging_array(prefix)
-        hi = min((k + 1) * self.C, staged.shape[0])
-        staged[k * self.C : hi] = data[: hi - k * self.C]
+        try:
+            staged = self._staging_array(prefix)
+            hi = min((k + 1) * self.C, staged.shape[0])
+            staged[k * self.C : hi] = data[: hi - k * self.C]
+        except OSError as e:
+            raise _full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
         return key
 
     def _staging_array(self, prefix: str) -> zarr.Array:
@@ -465,14 +534,23 @@ class ChunkedField:
         shape0 = self.z.shape[0]
         for k in sorted(self._dirty):
             hi = min((k + 1) * self.C, shape0)
-            self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+            try:
+                # zarr writes the chunk to a temp file and renames it (removing the temp on error):
+                # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
+                self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+            except OSError as e:
+                raise _full_disk(e, self._where(chunk_key("", k, self._ndim).lstrip("/")),
+                                 f"write chunk {k} of {self.spec.array_path}")
+            self._dirty.discard(k)
             if self.loc.is_local:
                 self._written.add(chunk_key(self.spec.array_path, k, self._ndim))
-        self._dirty.clear()
         if fsync and self._written:
             for key in self._written:
                 with open(self.loc.path(key), "rb+") as f:
-                    os.fsync(f.fileno())
+                    try:
+                        os.fsync(f.fileno())
+                    except OSError as e:
+                        raise _full_disk(e, self.loc.path(key), f"fsync {key}")
             for d in {self.loc.path(key).parent for key in self._written}:
                 fsync_dir(d)
             self._written.clear()
