@@ -601,9 +601,19 @@ def resolve_location(
     if not _is_url(path) and path.endswith(".zip"):
         if must_exist and not os.path.exists(path):
             raise StoreNotFoundError(f"no store at {path!r}: the file does not exist")
-        # A zip is written once, start to end (dumps/copy); it cannot be updated in place.
-        zstore = ZipStore(path, mode="r" if read_only else "w")
-        sync(zstore._open())
+        # A zip is written once, start to end (dumps/copy), and read-only afterwards: it cannot
+        # be updated in place.  So a writer never opens an existing zip (refused before the file
+        # is touched), and a new zip is written beside the path and renamed onto it when done
+        # (trajstore._zipstore: an existing zip is never truncated, a failed copy leaves it whole).
+        from ._zipstore import ZipWriter, zip_read_only_error
+
+        if read_only:
+            zstore = ZipStore(path, mode="r")
+            sync(zstore._open())
+        elif must_exist:
+            raise zip_read_only_error(path)
+        else:
+            zstore = ZipWriter(path)
         return Location(zstore, path, None)
     if _is_url(path):
         store = FsspecStore.from_url(path, storage_options=storage_options or {}, read_only=read_only)

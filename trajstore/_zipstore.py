@@ -1,0 +1,210 @@
+"""Writing a ``.zip`` store: once, start to end, published by rename.
+
+A zip cannot replace or delete one entry, so trajstore never updates a zip in place: a zip
+store is written by a copy (``dumps("x.zip")``, ``trajstore copy``), every key once and the
+commit record last, and is read-only afterwards.  :class:`ZipWriter` is the zarr store such a
+copy writes through:
+
+- entries go to a temp file beside the target (``.<name>.<hex>.partial``), renamed onto the
+  target by :meth:`ZipWriter.close`; a copy that fails (a full disk...) or is never closed
+  leaves whatever zip was at the target whole, and no reader ever sees a half-written zip;
+- while a zip is at the target and was not erased, reads see that zip (so ``create`` and
+  ``copy_to`` find an existing store there and refuse it unless told to overwrite) and a
+  write is refused; deleting keys (what ``overwrite`` does) drops the old content as a whole,
+  since a zip cannot lose single entries (it stays on disk until the new one replaces it);
+- writing a key twice is refused: that is a buffer being created or updated in the zip, which
+  the format cannot hold (build it in a folder or in memory, then ``dumps`` it to the zip).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+import weakref
+import zipfile
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import ZipStore
+
+from .errors import ReadOnlyError, StoreExistsError
+
+__all__ = ["ZipWriter", "zip_read_only_error"]
+
+
+def zip_read_only_error(path: str) -> ReadOnlyError:
+    """The error for opening the existing zip ``path`` as a writer."""
+    return ReadOnlyError(f"{path}: a .zip store is read-only (written once, by dumps() or `trajstore copy`): open it "
+                         "with read_only=True, or copy it to a folder (`trajstore copy STORE.zip FOLDER`) and open that")
+
+
+def _discard(zf: zipfile.ZipFile, tmp: str) -> None:
+    """Drop an unfinished temp zip (the writer failed or was never closed)."""
+    try:
+        zf.close()
+    except Exception:
+        pass
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+class ZipWriter(ZipStore):
+    """A zarr ``ZipStore`` that writes a new zip at ``target`` (see the module docstring)."""
+
+    def __init__(self, target: str | os.PathLike[str]) -> None:
+        self.target = Path(target)
+        super().__init__(self.target.with_name(f".{self.target.name}.{uuid.uuid4().hex}.partial"), mode="x")
+        self._lock = threading.RLock()
+        self._started = False  # the temp zip exists (created by the first write)
+        self._written: set[str] = set()
+        self._finalizer: weakref.finalize | None = None
+        self._old: ZipStore | None = None  # the zip at the target, shown until erased
+        self._foreign = False  # something that is no readable zip is at the target
+        if os.path.lexists(self.target):
+            try:
+                old = ZipStore(self.target, mode="r")
+                old._sync_open()
+                self._old = old
+            except (OSError, zipfile.BadZipFile, ValueError):
+                self._foreign = True
+
+    # -- state ---------------------------------------------------------------------------
+    def _sync_open(self) -> None:
+        self._is_open = True  # the temp zip is created by the first write, not by opening
+
+    async def _open(self) -> None:
+        self._sync_open()
+
+    def _showing_old(self) -> bool:
+        return self._old is not None
+
+    def _erase_old(self) -> None:
+        """Drop the target's old content from view (it is replaced on disk at :meth:`close`)."""
+        if self._old is not None:
+            self._old.close()
+            self._old = None
+        self._foreign = False
+
+    def _start(self, key: str) -> None:
+        """Before writing ``key``: refuse what a zip cannot do, create the temp zip on first use."""
+        if self._old is not None or self._foreign:
+            raise StoreExistsError(f"{self.target}: a file already exists there; pass overwrite=True to replace a "
+                                   "store (remove a file that is no trajstore store by hand)")
+        if key in self._written:
+            self._abandon()
+            raise ReadOnlyError(f"{self.target}: a .zip store is written once, start to end, by dumps() or `trajstore "
+                                f"copy`; it cannot be created or updated in place ({key} was written twice). Create "
+                                "the buffer in a folder or in memory (cache_path=None) and dumps() it to the zip")
+        if not self._started:
+            self._zf = zipfile.ZipFile(self.path, mode="x", compression=self.compression, allowZip64=self.allowZip64)
+            self._started = True
+            self._finalizer = weakref.finalize(self, _discard, self._zf, str(self.path))
+        self._written.add(key)
+
+    def _abandon(self) -> None:
+        """Give up the temp zip (nothing is published)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._started = False
+        self._written.clear()
+
+    # -- reads: the old zip until it is erased, then what was written ---------------------
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: Any = None) -> Buffer | None:
+        if self._old is not None:
+            return await self._old.get(key, prototype, byte_range)
+        if not self._started:
+            return None
+        return await super().get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype: BufferPrototype, key_ranges: Any) -> list[Buffer | None]:
+        return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        if self._old is not None:
+            return await self._old.exists(key)
+        return self._started and await super().exists(key)
+
+    async def list(self) -> AsyncIterator[str]:
+        if self._old is not None:
+            async for k in self._old.list():
+                yield k
+        elif self._started:
+            async for k in super().list():
+                yield k
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        async for k in self.list():
+            if k.startswith(prefix):
+                yield k
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        if self._old is not None:
+            async for k in self._old.list_dir(prefix):
+                yield k
+        elif self._started:
+            async for k in super().list_dir(prefix):
+                yield k
+
+    # -- writes --------------------------------------------------------------------------
+    async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        with self._lock:
+            self._start(key)
+            await super().set(key, value)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        if not await self.exists(key):
+            await self.set(key, value)
+
+    async def delete(self, key: str) -> None:
+        """Deleting from an old zip erases all of it (see the module docstring); a key of the
+        new zip cannot be deleted (zarr's ZipStore rule)."""
+        self._check_writable()
+        if self._old is not None or self._foreign:
+            self._erase_old()
+        elif self._started:
+            await super().delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._check_writable()
+        if self._old is not None or self._foreign:
+            self._erase_old()
+        elif self._started:
+            await super().delete_dir(prefix)
+
+    async def clear(self) -> None:
+        self._check_writable()
+        self._erase_old()
+        self._abandon()
+
+    def close(self) -> None:
+        """Finish the zip and rename it onto the target (nothing happens when nothing was
+        written).  On failure the temp file is removed and the target left as it was."""
+        self._is_open = False
+        if self._old is not None:
+            self._old.close()
+            self._old = None
+        if not self._started:
+            return
+        assert self._finalizer is not None
+        self._finalizer.detach()
+        self._finalizer = None
+        self._started = False
+        try:
+            with self._lock:
+                self._zf.close()  # writes the central directory: a full disk shows here
+            os.replace(self.path, self.target)
+        except BaseException:
+            _discard(self._zf, str(self.path))
+            raise
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(f"a .zip store being written ({self.target}) cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"ZipWriter('{self.target}')"
