@@ -10,9 +10,11 @@ the data it names.
 from __future__ import annotations
 
 import copy
+import errno
 import fcntl
 import json
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +170,20 @@ class WriterLock:
     belongs to an open file, which ``fork`` would share).  ``sole`` says whether this writer was
     alone when it opened (so it may remove temp files); the lock file records whether the last
     single writer closed cleanly.  Remote stores have no lock.
+
+    Fork: a flock belongs to the open file description, which a forked child shares.  So that
+    a child (``os.fork``, multiprocessing's fork start method) does not keep the store locked
+    after its parent closed, every live lock is told after a fork in the child
+    (:func:`os.register_at_fork`): an exclusive lock closes the child's copy of the descriptor
+    (the child is no writer: ``forked_child`` is set, and it must open the store again to
+    write); a shared (multiprocessing) lock keeps it, since the child may write through the
+    buffer it inherited, and drops only the op-lock descriptor (the child opens its own).
     """
+
+    #: Bytes of the lock file's text ("open pid=..." / "closed"), padded with spaces and always
+    #: written in place: rewriting allocated bytes needs no free space, so a writer still opens
+    #: (and closes) on a full disk once the lock file exists.
+    MARK_BYTES = 64
 
     def __init__(self, loc: Location, shared: bool) -> None:
         self.loc = loc
@@ -176,13 +191,20 @@ class WriterLock:
         self._fd: int | None = None
         self._mp_fd: int | None = None
         self._pid = os.getpid()
+        self._exclusive = False  # holds trajstore.lock exclusively (a single writer, or not yet shared)
+        self.forked_child = False  # this process is a fork of the one that took the lock
         self.previous_unclean = False
         self.sole = loc.local_root is not None
         if loc.local_root is None:
             return
-        fd = os.open(loc.local_root / LOCK_KEY, os.O_RDWR | os.O_CREAT, 0o644)
+        path = loc.local_root / LOCK_KEY
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _lock_error(e, path, "create the writer lock file") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._exclusive = True
         except BlockingIOError:
             if not shared:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
@@ -200,17 +222,27 @@ class WriterLock:
         self._fd = fd
         self.previous_unclean = os.pread(fd, 200, 0).decode(errors="replace").startswith("open")
         if not shared:
-            self._mark(f"open pid={os.getpid()}")
+            try:
+                self._mark(f"open pid={os.getpid()}")
+            except OSError as e:
+                self._fd = None
+                os.close(fd)  # unlocks: nothing was written
+                raise _lock_error(e, path, "write the writer lock file") from None
+        _LIVE_LOCKS.add(self)
 
     def _mark(self, text: str) -> None:
+        """Record ``text`` in the lock file, in place (see :attr:`MARK_BYTES`)."""
         assert self._fd is not None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, text.encode(), 0)
+        data = text.encode()[: self.MARK_BYTES].ljust(self.MARK_BYTES)
+        os.pwrite(self._fd, data, 0)
+        if os.fstat(self._fd).st_size > self.MARK_BYTES:  # longer text of another version
+            os.ftruncate(self._fd, self.MARK_BYTES)
 
     def share(self) -> None:
         """Multiprocessing mode: after the sole writer's clean-up, let other writers in."""
         if self.shared and self._fd is not None and self.sole:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
+            self._exclusive = False
 
     def acquire_op(self) -> None:
         """Start one write operation (multiprocessing mode: wait for the other writers)."""
@@ -218,7 +250,7 @@ class WriterLock:
             return
         if self._mp_fd is None or self._pid != os.getpid():
             # First use, or a forked child: open our own file description.
-            self._mp_fd = os.open(self.loc.local_root / MPLOCK_KEY, os.O_RDWR | os.O_CREAT, 0o644)
+            self._mp_fd = os.open(self.loc.local_root / MPLOCK_KEY, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._pid = os.getpid()
         fcntl.flock(self._mp_fd, fcntl.LOCK_EX)
 
@@ -226,14 +258,61 @@ class WriterLock:
         if self._mp_fd is not None:
             fcntl.flock(self._mp_fd, fcntl.LOCK_UN)
 
-    def release(self) -> None:
-        if self._pid != os.getpid():
-            return  # a forked child does not own the parent's lock
-        if self._fd is not None:
-            if not self.shared:
-                self._mark("closed")
-            os.close(self._fd)
+    def _after_fork_in_child(self) -> None:
+        """Runs in a freshly forked child (see the class docstring); never raises."""
+        if self._mp_fd is not None:  # the parent's op-lock description: acquire_op opens our own
+            _close_quietly(self._mp_fd)
+            self._mp_fd = None
+        if self._exclusive and self._fd is not None:
+            _close_quietly(self._fd)
             self._fd = None
+            self.forked_child = True
+            _LIVE_LOCKS.discard(self)
+
+    def release(self) -> None:
+        _LIVE_LOCKS.discard(self)
+        if self._pid != os.getpid() and not self.forked_child:
+            return  # a forked multiprocessing child does not own the parent's lock
+        if self._fd is not None:
+            try:
+                if not self.shared:
+                    self._mark("closed")
+            except OSError:
+                pass  # left reading "open": the next writer cleans up as after a crash (safe)
+            finally:
+                os.close(self._fd)
+                self._fd = None
         if self._mp_fd is not None:
             os.close(self._mp_fd)
             self._mp_fd = None
+
+
+def _lock_error(e: OSError, path: Any, what: str) -> OSError:
+    """A full disk while taking the writer lock as :class:`StoreFullError` (other errors as they are)."""
+    from .errors import StoreFullError
+
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    err = StoreFullError(e.errno, f"cannot {what}: {os.strerror(e.errno)}; free space, or open the store with "
+                                  "read_only=True", os.fspath(path))
+    err.__cause__ = e
+    return err
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# Live locks, so a forked child can drop what it must not hold (WriterLock._after_fork_in_child).
+_LIVE_LOCKS: "weakref.WeakSet[WriterLock]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_LIVE_LOCKS):
+        lock._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
