@@ -276,24 +276,30 @@ def append_loop(store: str, side: str, ready: str, seed: int, max_batch: int, ma
 
 def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: float, max_batch: int,
                      max_unflushed: int, pause_s: float = 0.0, min_rows: int = 0) -> None:
-    """Writer for the concurrent-reader test.  Only explicit flushes commit new rows
-    (``commit_interval`` is huge), and *before* each flush the writer records in ``bound``
-    how many rows that flush will make visible: an upper bound of what any reader may see."""
+    """Writer for the concurrent-reader test.  Only explicit flushes and, in a full ring, the
+    eviction records that precede overwrites commit new rows (``commit_interval`` is huge), and
+    *before* each flush (ring: each write) the writer records in ``bound`` how many rows it may
+    make visible: an upper bound of what any reader may see."""
     rng = np.random.default_rng(seed)
     rb = ReplayBuffer.load_from(store, commit_interval=1e9)
     seq = _next_seq(rb, store)
     write_atomic(bound, str(seq), fsync=False)
+    write_atomic(bound + ".done", str(seq), fsync=False)
     touch(ready)
     t_end = time.monotonic() + duration_s
     t_max = t_end + 60.0
     unflushed = 0
     while time.monotonic() < t_end or (seq < min_rows and time.monotonic() < t_max):
         b = int(rng.integers(1, max_batch + 1))
+        if rb.capacity is not None:
+            write_atomic(bound, str(seq + b), fsync=False)
         if b == 1:
             rb.append(one(encode([seq])))
         else:
             rb.extend(encode(np.arange(seq, seq + b)))
         seq += b
+        if rb.capacity is not None:
+            write_atomic(bound + ".done", str(seq), fsync=False)  # rows surely written: older slots reused
         unflushed += b
         if unflushed >= max_unflushed or rng.random() < 0.2:
             write_atomic(bound, str(seq), fsync=False)
@@ -340,7 +346,7 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
             # rb[-1]
             for j in range(16):
                 i = -1 if j % 2 == 0 else int(rng.integers(0, n))
-                b0 = read_int(bound)
+                b0 = read_int(bound + ".done")
                 try:
                     last = rb[i]
                 except IndexError:
@@ -406,7 +412,7 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
             if not (col == np.arange(start, start + len(col))[:, None] + 1.0).all():
                 err(f"column view rows {col[:, 0].tolist()} are not the first {len(col)} rows from {start}")
             # sample(256)
-            b0 = read_int(bound)
+            b0 = read_int(bound + ".done")
             smp = rb.sample(256, rng=rng)
             b = read_int(bound)
             s, ok = decode(smp)

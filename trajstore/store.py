@@ -243,16 +243,22 @@ class Store:
         head.pending = None
         return head
 
-    def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None) -> None:
-        """Write all buffered data, then the commit record naming it."""
+    def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None,
+               evict: dict[str, int] | None = None) -> None:
+        """Write all buffered data, then the commit record naming it.
+
+        ``evict`` maps table names to an absolute row below which the record must not count
+        rows (the writer is about to overwrite their slots): see :meth:`ensure_evicted`.
+        """
         self._check_writable()
         fsync = self.fsync if fsync is None else fsync
         for t in self.tables.values():
-            if t.capacity is not None:
-                self.ensure_evicted(t, t.state.end - t.capacity, 0)
             for f in t.fields:
                 f.flush(fsync)
         head = self._current_head()
+        for name, min_start in (evict or {}).items():
+            st = head.tables[name]
+            st.start = max(st.start, min(min_start, st.end))
         if state is not None:
             head.state = state
         old = self.fsync
@@ -265,15 +271,18 @@ class Store:
 
     def ensure_evicted(self, table: Table, min_start: int, guard: int) -> None:
         """Before rows whose absolute number is below ``min_start`` are overwritten, commit a
-        record that no longer counts them (plus ``guard`` more, to commit less often)."""
-        c = self.committed.tables[table.name]
-        if c.start >= min_start or c.end <= c.start:
-            return
-        head = self.committed.copy()
-        new_start = min(min_start + guard, c.end)
-        head.tables[table.name] = TableState(new_start, c.end, c.allocated)
-        self._write_head(head)
+        record that no longer counts them (nor ``guard`` rows more, so that a ring being filled
+        commits once per ``guard`` rows rather than on every append).
 
+        The record is a full commit: it also names every row written since the last commit, so
+        a writer that fills the ring faster than ``commit_interval`` never leaves a record whose
+        start has run past its end (readers would see the ring empty, and a crash would lose it).
+        """
+        c = self.committed.tables[table.name]
+        if c.start >= min_start or c.end <= c.start:  # nothing committed is in the way
+            return
+        self.commit(state=self.state_provider() if self.state_provider else None,
+                    evict={table.name: min_start + guard})
     def commit_due(self) -> bool:
         """``commit_interval`` seconds have passed since the last commit."""
         return time.monotonic() - self._last_commit >= self.commit_interval

@@ -44,9 +44,11 @@ class Table:
         self.fields = fields
         self.state = state  # in-memory (the writer's latest; a reader's last refresh)
         self._mapped_upto: tuple[int, int, int] | None = None  # state for which reads are prepared
-        # A ring evicts this many rows beyond what an extend strictly needs, so a full ring
-        # commits an eviction record once per `guard` rows rather than on every append.
-        self.guard = 1 if capacity is None else max(1, min(capacity // 8, 4096))
+        # A ring evicts this many rows beyond what a write strictly needs, so a full ring
+        # commits an eviction record once per `guard` rows rather than on every append; writes
+        # go in blocks of at most `guard` rows, so a reader (or a crash) sees a full ring at
+        # most about 2 * guard rows short (1/16 of the capacity, or 8,192 rows).
+        self.guard = 1 if capacity is None else max(1, min(capacity // 32, 4096))
         # Called as listener(first_absolute_row, arrays) after every extend (episode bookkeeping).
         self.listeners: list = []
 
@@ -61,23 +63,40 @@ class Table:
 
     # -- writing -------------------------------------------------------------------------
     def extend(self, arrays: Sequence[np.ndarray], n: int) -> None:
-        """Append ``n`` rows; ``arrays[j]`` has shape (n, *row_shape of field j)."""
+        """Append ``n`` rows; ``arrays[j]`` has shape (n, *row_shape of field j).
+
+        The in-memory state only ever names rows already written, so a commit at any point
+        (the eviction records of a ring, a rewrite by a listener) names written rows only.
+        """
         if n == 0:
             return
         st = self.state
         cap = self.capacity
-        if cap is not None and n > cap:
-            # Only the last `capacity` rows of an oversized batch survive.
-            arrays = [a[n - cap :] for a in arrays]
-            st.end += n - cap
-            n = cap
-        lo, hi = st.end, st.end + n
         if cap is None:
-            if hi > st.allocated:
-                self._grow(hi)
+            if st.end + n > st.allocated:
+                self._grow(st.end + n)
             self._match_allocation()
+            self._write_block(arrays, n)
         else:
-            self.store.ensure_evicted(self, hi - cap, self.guard)
+            if n > cap:
+                # Only the last `capacity` rows of an oversized batch survive: the skipped rows
+                # would be evicted by this very extend, so they are never written or counted.
+                skip = n - cap
+                self.store.ensure_evicted(self, st.end + skip, 0)
+                arrays = [a[skip:] for a in arrays]
+                n = cap
+                st.end += skip
+                st.start = max(st.start, st.end)
+            for pos in range(0, n, self.guard):
+                m = min(self.guard, n - pos)
+                self.store.ensure_evicted(self, st.end + m - cap, self.guard)
+                self._write_block([a[pos : pos + m] for a in arrays], m)
+        self.store.after_write()
+
+    def _write_block(self, arrays: Sequence[np.ndarray], n: int) -> None:
+        """Write ``n`` rows after the last one (slots already free), count them, tell listeners."""
+        st, cap = self.state, self.capacity
+        lo, hi = st.end, st.end + n
         for phys_lo, off, m in contiguous_runs(lo, hi, cap):
             for f, a in zip(self.fields, arrays):
                 f.write(phys_lo, a[off : off + m])
@@ -86,7 +105,6 @@ class Table:
             st.start = st.end - cap
         for listener in self.listeners:
             listener(lo, arrays)
-        self.store.after_write()
 
     def _grow(self, needed: int) -> None:
         new = max(self.state.allocated * 2, needed, 1)
@@ -217,6 +235,8 @@ class RowStager:
         self.table = table
         row_bytes = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in leaves) or 1
         rows = int(min(256, max(16, (1 << 20) // row_bytes)))
+        if table.capacity is not None:
+            rows = min(rows, table.guard)  # a ring's block is also its eviction step (Table.guard)
         self.bufs = [np.empty((rows, *s), d) for s, d in leaves]
         self.rows = rows
         self.n = 0
