@@ -18,8 +18,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DamagedStoreError, LockedError
-from .storage import Location
+from .errors import DamagedStoreError, FormatVersionError, LockedError
+from .schema import check_int, load_json
+from .storage import MAX_HEAD_BYTES, Location
 
 __all__ = ["HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
 
@@ -55,7 +56,10 @@ class Head:
     pending: dict[str, Any] | None = None
 
     def copy(self) -> "Head":
-        return copy.deepcopy(self)
+        # Field by field: a deepcopy per commit costs more than writing the record.
+        tables = {k: TableState(t.start, t.end, t.allocated) for k, t in self.tables.items()}
+        return Head(self.generation, self.epoch, tables, copy.deepcopy(self.state) if self.state else {},
+                    copy.deepcopy(self.pending) if self.pending else None)
 
     def to_json(self) -> bytes:
         obj = {
@@ -69,26 +73,75 @@ class Head:
         return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, where: str) -> "Head":
-        try:
-            obj = json.loads(raw)
-            tables = {
-                str(k): TableState(int(v["start"]), int(v["end"]), int(v["allocated"])) for k, v in obj["tables"].items()
-            }
-            head = cls(int(obj["generation"]), int(obj["epoch"]), tables, dict(obj.get("state") or {}), obj.get("pending"))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DamagedStoreError(f"{where}: the commit record {HEAD_KEY} is unreadable ({e})") from None
-        for name, t in tables.items():
-            if not 0 <= t.start <= t.end or (t.allocated and t.end - t.start > t.allocated):
-                raise DamagedStoreError(f"{where}: the commit record names impossible rows for {name!r}: {t}")
-        return head
+    def from_json(cls, raw: bytes, where: str, *, check_rows: bool = True) -> "Head":
+        """Parse and check a commit record (see :meth:`from_obj`); ``NaN``/``Infinity`` and nesting
+        deeper than :data:`trajstore.schema.MAX_DEPTH` are refused."""
+        if len(raw) > MAX_HEAD_BYTES:
+            raise DamagedStoreError(f"{where}: the commit record {HEAD_KEY} holds {len(raw)} bytes; at most "
+                                    f"{MAX_HEAD_BYTES} are expected")
+        return cls.from_obj(load_json(raw, where, HEAD_KEY, strict_numbers=True), where, check_rows=check_rows)
+
+    @classmethod
+    def from_obj(cls, obj: Any, where: str, *, check_rows: bool = True) -> "Head":
+        """A :class:`Head` from a parsed commit record, every value checked for its type and range:
+        integers in ``[0, 2**62)``, table entries as objects of ``start``/``end``/``allocated``,
+        ``state`` an object (episode ids integers), ``pending`` null or an object (its content is
+        checked against the schema by :func:`trajstore.schema.check_pending`).  With ``check_rows``,
+        also ``start <= end`` and ``end - start <= allocated`` (verify reports those itself).
+
+        Raises
+        ------
+        DamagedStoreError
+            Naming ``where``, the record and the offending value.
+        FormatVersionError
+            The record's ``format_version`` is newer than this trajstore reads.
+        """
+        w = f"{where}: {HEAD_KEY}"
+        if not isinstance(obj, dict):
+            raise DamagedStoreError(f"{w} is a JSON {type(obj).__name__}; expected an object")
+        version = obj.get("format_version", FORMAT_VERSION)
+        if type(version) is not int or version < 1:
+            raise DamagedStoreError(f"{w}: format_version is {version!r}; expected an integer from 1")
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(f"{w}: format version {version} is newer than this trajstore reads "
+                                     f"({FORMAT_VERSION}); upgrade trajstore")
+        for k in ("generation", "tables"):
+            if k not in obj:
+                raise DamagedStoreError(f"{w} has no {k!r}")
+        generation = check_int(obj["generation"], "generation", w)
+        epoch = check_int(obj.get("epoch", 0), "epoch", w)
+        tables_j = obj["tables"]
+        if not isinstance(tables_j, dict) or len(tables_j) > 16:
+            raise DamagedStoreError(f"{w}: tables is {type(tables_j).__name__} of {len(tables_j) if isinstance(tables_j, (dict, list)) else 0}"
+                                    " entries; expected an object naming each table")
+        tables = {}
+        for name, v in tables_j.items():
+            if not isinstance(v, dict) or any(k not in v for k in ("start", "end", "allocated")):
+                raise DamagedStoreError(f"{w}: table {name!r} is {v!r:.80}; expected an object with start, end, allocated")
+            t = TableState(*(check_int(v[k], f"table {name!r} {k}", w) for k in ("start", "end", "allocated")))
+            if check_rows and (t.start > t.end or t.end - t.start > t.allocated):
+                raise DamagedStoreError(f"{where}: the commit record names impossible rows for {name!r}: {t} (expected "
+                                        "start <= end and end - start <= allocated)")
+            tables[name] = t
+        state = obj.get("state")
+        if state is None:
+            state = {}
+        if not isinstance(state, dict):
+            raise DamagedStoreError(f"{w}: state is {state!r:.80}; expected an object")
+        for k in ("current_episode_id", "next_episode_id"):
+            if k in state:
+                check_int(state[k], f"state {k}", w)
+        pending = obj.get("pending")
+        if pending is not None and not isinstance(pending, dict):
+            raise DamagedStoreError(f"{w}: pending is {pending!r:.80}; expected null or an object")
+        return cls(generation, epoch, tables, dict(state), pending or None)
 
 
 def read_head(loc: Location) -> Head:
-    """Read and validate the commit record of ``loc``."""
-    raw = loc.get(HEAD_KEY)
+    """Read and validate the commit record of ``loc`` (a regular file of at most 1 MiB)."""
+    raw = loc.get(HEAD_KEY, limit=MAX_HEAD_BYTES)
     if raw is None:
-        raise DamagedStoreError(f"{loc.url}: the commit record {HEAD_KEY} is missing")
+        raise DamagedStoreError(f"{loc.url}: the commit record {HEAD_KEY} is missing (or not a file)")
     return Head.from_json(raw, str(loc.url))
 
 
@@ -123,17 +176,27 @@ class HeadWatch:
 
     def read(self) -> Head:
         """Read the record and watch the file it came from (read through the same descriptor,
-        so what was read and what is watched agree)."""
+        so what was read and what is watched agree).
+
+        A ``check`` attribute, when set (the store sets it to its schema checks), is called with
+        the parsed record before it is returned or watched.
+        """
+        check = getattr(self, "check", None)
         if self.loc.head_path is None:
-            return read_head(self.loc)
+            head = read_head(self.loc)
+            if check is not None:
+                check(head)
+            return head
         try:
-            fd = os.open(self.loc.head_path, os.O_RDONLY)
+            # A regular file inside the store only (never a link, FIFO or device), read up to a bound.
+            fd = self.loc.open_inside(HEAD_KEY, os.O_RDONLY)
         except FileNotFoundError:
-            raise DamagedStoreError(f"{self.loc.url}: the commit record {HEAD_KEY} is missing") from None
+            raise DamagedStoreError(f"{self.loc.url}: the commit record {HEAD_KEY} is missing (or not a file)") from None
         try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read()
+            raw = os.pread(fd, MAX_HEAD_BYTES + 1, 0)
             head = Head.from_json(raw, str(self.loc.url))
+            if check is not None:
+                check(head)
         except BaseException:
             os.close(fd)
             raise

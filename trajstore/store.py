@@ -30,9 +30,11 @@ from .errors import (
     ReadOnlyError,
     StoreExistsError,
     StoreNotFoundError,
+    TrajstoreError,
 )
 from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
 from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, HeadWatch, TableState, WriterLock, read_head, write_head
+from .schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
 from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from .table import Table
 
@@ -95,7 +97,8 @@ class Store:
     """An open store.  Use :meth:`create` or :meth:`open`; buffers wrap one of these."""
 
     def __init__(self, loc: Location, group: zarr.Group, attrs: dict[str, Any], head: Head, *, writable: bool,
-                 multiprocessing: bool, lock: WriterLock | None, options: dict[str, Any]):
+                 multiprocessing: bool, lock: WriterLock | None, options: dict[str, Any],
+                 schema: dict[str, TableSchema] | None = None):
         self.loc = loc
         self.group = group
         self.attrs = attrs
@@ -112,15 +115,27 @@ class Store:
         self._op = _WriteOp(self)
         self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
         self.op_listeners: list[Callable[[], None]] = []  # multiprocessing: called at the start of each write op
-        for name, tspec in attrs["tables"].items():
-            st = head.tables.get(name)
-            if st is None:
-                raise DamagedStoreError(f"{loc.url}: the commit record has no entry for table {name!r}")
-            fields = []
-            for fj in tspec["fields"]:
-                spec = FieldSpec(fj["path"], tuple(fj["shape"]), np.dtype(fj["dtype"]), fj["chunk_rows"], fj["layout"])
-                fields.append(open_field(loc, spec, group, st.allocated, writable))
-            self.tables[name] = Table(self, name, tspec["capacity"], fields, TableState(st.start, st.end, st.allocated))
+        # Every name, shape and count is checked before it becomes a path, a mapping or a loop
+        # (DESIGN.md 3.7); a record read later by refresh is checked against the same schema.
+        self.schema = schema = check_schema(attrs, str(loc.url)) if schema is None else schema
+        check_head_tables(head, schema, str(loc.url))
+        self._watch.check = lambda h: check_head_tables(h, schema, str(loc.url))
+        try:
+            for name, tspec in schema.items():
+                st = head.tables[name]
+                fields = []
+                for fs in tspec.fields:
+                    spec = FieldSpec(fs.path, fs.shape, fs.dtype, fs.chunk_rows, fs.layout)
+                    fields.append(open_field(loc, spec, group, st.allocated, writable))
+                self.tables[name] = Table(self, name, tspec.capacity, fields, TableState(st.start, st.end, st.allocated))
+        except BaseException as e:
+            for t in self.tables.values():
+                for f in t.fields:
+                    f.close()
+            if isinstance(e, TrajstoreError) or not isinstance(e, Exception):
+                raise
+            # zarr's array metadata (codecs, fill value) or the address-space reservation of a raw field
+            raise DamagedStoreError(f"{loc.url}: the arrays cannot be opened ({type(e).__name__}: {e})") from None
         if head.pending:
             if writable and (lock is None or lock.sole):
                 self._roll_forward(head)
@@ -190,25 +205,46 @@ class Store:
     @classmethod
     def open(cls, path: Any, kind: str | tuple[str, ...] | None, *, read_only: bool, multiprocessing: bool,
              storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "Store":
+        """Open an existing store.
+
+        A store is input (DESIGN.md 3.7): its root metadata, every field's array metadata and the
+        commit record are read as bounded regular files inside the root and checked against each
+        other (:mod:`trajstore.schema`) before zarr parses them, anything is mapped or allocated, or
+        a writer cleans or rolls anything forward.
+
+        Raises
+        ------
+        StoreNotFoundError, NotATrajstoreError, FormatVersionError, DamagedStoreError, LockedError
+        """
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
-        raw_root = loc.get("zarr.json")
-        if raw_root is None:
+        where = str(loc.url)
+        root = read_root(loc)
+        if root is None:
             if loc.local_root is not None and not any(loc.local_root.iterdir()):
                 raise StoreNotFoundError(f"no store at {loc.url!r}: the folder is empty")
             raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
-        try:
-            group = open_zarr_group(loc, mode="r" if read_only else "r+")
-        except Exception as e:
-            raise DamagedStoreError(f"{loc.url}: the root zarr.json cannot be read ({e})") from None
-        attrs = check_attrs(loc, group.attrs.get(ATTRS_KEY))
+        attrs = check_attrs(loc, root["attributes"][ATTRS_KEY])
         kinds = (kind,) if isinstance(kind, str) else kind
         if kinds is not None and attrs.get("kind") not in kinds:
             raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
+        schema = check_schema(attrs, where)
+        # Local arrays' own zarr.json files are read too (cheap; zarr reads them when a writer grows).
+        rows = array_rows(loc, schema, root, fresh=loc.is_local or not read_only)
+        try:
+            group = open_zarr_group(loc, mode="r" if read_only else "r+")
+        except TrajstoreError:
+            raise
+        except Exception as e:
+            raise DamagedStoreError(f"{loc.url}: the root zarr.json cannot be read ({type(e).__name__}: {e})") from None
         lock = None
         if not read_only and loc.is_local:
+            for key in (LOCK_KEY, MPLOCK_KEY):  # WriterLock opens them with O_CREAT: never through a link
+                _check_plain_file(loc, key)
             lock = WriterLock(loc, shared=multiprocessing)
         try:
             head = read_head(loc)
+            check_head_tables(head, schema, where)
+            check_rows_fit(loc, schema, head, rows, root)
             if lock is not None and lock.sole:
                 # Temp files are only removed when no other writer can be using them.
                 if lock.previous_unclean:
@@ -216,7 +252,7 @@ class Store:
                 else:
                     loc.delete_prefix(TMP_DIR)
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
-                        lock=lock, options=options)
+                        lock=lock, options=options, schema=schema)
             if lock is not None:
                 lock.share()
         except BaseException:
@@ -327,7 +363,13 @@ class Store:
         self._roll_forward(head)
 
     def _roll_forward(self, head: Head) -> None:
-        """Move staged chunks into place and commit a record without ``pending``."""
+        """Move staged chunks into place and commit a record without ``pending``.
+
+        ``pending`` is checked first (:func:`trajstore.schema.check_pending`): the prefix is
+        ``.trajstore-staging/<int>`` and every chunk a field's, so nothing outside the store is
+        renamed or deleted; a staged file that is a link is refused (``Location.rename``).
+        """
+        check_pending(head.pending, self.schema, {n: t.allocated for n, t in head.tables.items()}, str(self.loc.url))
         pending = head.pending or {}
         prefix = pending["prefix"]
         by_path = self._fields_by_path()
@@ -347,8 +389,11 @@ class Store:
         return {f.spec.array_path: f for t in self.tables.values() for f in t.fields}
 
     def _apply_pending(self, pending: dict[str, Any] | None, staged: bool) -> None:
+        """Read the chunks ``pending`` names from its staging prefix (``staged``) or from their
+        place again; ``pending`` is checked against the schema first."""
         if not pending:
             return
+        check_pending(pending, self.schema, {n: t.state.allocated for n, t in self.tables.items()}, str(self.loc.url))
         by_path = self._fields_by_path()
         for path, ks in pending["chunks"].items():
             by_path[path].remap(ks, pending["prefix"] if staged else "")
@@ -383,6 +428,18 @@ class Store:
         for listener in self.refresh_listeners:
             listener()
         return True
+
+    def rows_intact(self, old: Head) -> bool:
+        """Whether every row that commit record ``old`` counted is still stored, unchanged, under
+        the latest record: no rewrite since (same epoch) and no ring slot of those rows reused.  A
+        ring slot is reused only after a record that no longer counts its row, so a ring whose
+        start did not move past ``old``'s still holds all of ``old``'s rows (a start that moved
+        back, after an eviction record, names rows that were never overwritten)."""
+        new = self.committed
+        if new.epoch != old.epoch:
+            return False
+        return all(t.capacity is None or new.tables[name].start <= old.tables[name].start
+                   for name, t in self.tables.items())
 
     def write_op(self) -> "_WriteOp":
         """Context of one write operation: in multiprocessing mode it is serialized with the
@@ -433,15 +490,30 @@ class Store:
 
 
 def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
-    """The trajstore attributes of a store's root group, checked: ``NotATrajstoreError`` when there
-    are none, ``FormatVersionError`` when the format is newer than this trajstore reads."""
+    """The trajstore attributes of a store's root group, first checks: ``NotATrajstoreError`` when
+    there are none, ``FormatVersionError`` when the format is newer than this trajstore reads,
+    ``DamagedStoreError`` for a ``format_version`` that is not an integer from 1.  The rest of the
+    schema is checked by :func:`trajstore.schema.check_schema`."""
     if not isinstance(attrs, dict):
         raise NotATrajstoreError(f"{loc.url}: a zarr group, but not a trajstore store (no '{ATTRS_KEY}' attribute)")
     version = attrs.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is int and version > FORMAT_VERSION:
         raise FormatVersionError(f"{loc.url}: format version {version!r} is newer than this trajstore reads "
                                  f"({FORMAT_VERSION}); upgrade trajstore")
+    if type(version) is not int or version < 1:
+        raise DamagedStoreError(f"{loc.url}: format_version is {version!r:.40} ({type(version).__name__}); expected "
+                                f"an integer from 1 to {FORMAT_VERSION}")
     return attrs
+
+
+def _check_plain_file(loc: Location, key: str) -> None:
+    """``key`` is absent or a regular file (a writer opens it with ``O_CREAT``, which would follow a
+    link out of the store, block on a FIFO, or fail on a folder)."""
+    try:
+        os.close(loc.open_inside(key, os.O_RDONLY))
+    except FileNotFoundError:
+        if os.path.lexists(loc.path(key)):  # a folder
+            raise DamagedStoreError(f"{loc.url}: {key} is a folder, not a file") from None
 
 
 def _consolidate(loc: Location) -> None:
@@ -477,27 +549,33 @@ def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -
 
 
 def _erase(loc: Location) -> None:
-    """Remove an existing store's keys (``overwrite=True``)."""
+    """Remove an existing store's keys (``overwrite=True``); links are unlinked, never followed."""
     if loc.local_root is not None:
-        for p in loc.local_root.iterdir():
-            if p.name in (LOCK_KEY, MPLOCK_KEY):
+        for name in os.listdir(loc.local_root):
+            if name in (LOCK_KEY, MPLOCK_KEY):
                 continue
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            loc.delete_prefix(name)
         return
     loc.delete_prefix("")
 
 
 def _clean_orphans(loc: Location, head: Head) -> None:
-    """After a writer died: drop temp files, zarr's ``*.partial`` leftovers and unreferenced staging."""
+    """After a writer died: drop temp files, zarr's ``*.partial`` leftovers and unreferenced staging.
+
+    Only ever deletes inside the store: a link (``.trajstore-tmp``, ``.trajstore-staging`` or one
+    below them) is unlinked, never followed.  ``head.pending`` was checked against the schema.
+    """
     assert loc.local_root is not None
-    shutil.rmtree(loc.local_root / TMP_DIR, ignore_errors=True)
+    loc.delete_prefix(TMP_DIR)
     keep = (head.pending or {}).get("prefix")
     staging = loc.local_root / STAGING_DIR
-    if staging.exists():
-        for p in staging.iterdir():
-            if keep is None or f"{STAGING_DIR}/{p.name}" != keep:
-                shutil.rmtree(p, ignore_errors=True)
-    for dirpath, _dirs, files in os.walk(loc.local_root):
+    if os.path.islink(staging) or (os.path.lexists(staging) and not os.path.isdir(staging)):
+        loc.delete_prefix(STAGING_DIR)
+    elif os.path.isdir(staging):
+        for name in os.listdir(staging):
+            if keep is None or f"{STAGING_DIR}/{name}" != keep:
+                loc.delete_prefix(f"{STAGING_DIR}/{name}")
+    for dirpath, _dirs, files in os.walk(loc.local_root):  # followlinks=False: linked folders are not entered
         for name in files:
             if name.endswith(".partial"):
-                os.unlink(os.path.join(dirpath, name))
+                os.unlink(os.path.join(dirpath, name))  # a link is removed itself
