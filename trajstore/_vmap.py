@@ -20,6 +20,7 @@ import ctypes
 import errno
 import mmap as _mmap
 import os
+import stat
 import sys
 
 import numpy as np
@@ -125,10 +126,19 @@ class VirtualArray:
 
     def map_chunk(self, k: int, path: str | os.PathLike[str]) -> None:
         """Map chunk file ``path`` as chunk ``k`` (replacing whatever was mapped there)."""
-        fd = os.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
+        # Never through a link (a chunk linked out of the store would be written there), never
+        # blocking on a FIFO: only a regular file is mapped (DESIGN.md 3.7).
+        try:
+            fd = os.open(path, (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise EOFError(f"chunk file {os.fspath(path)!r} is a link or not a regular file; not mapped") from None
+            raise
         try:
             st = os.fstat(fd)
             size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise EOFError(f"chunk file {os.fspath(path)!r} is not a regular file; not mapped")
             if size < self.chunk_bytes:
                 # Mapping past EOF would SIGBUS on access; report the damage instead.
                 raise EOFError(f"chunk file {os.fspath(path)!r} holds {size} bytes; expected {self.chunk_bytes}")

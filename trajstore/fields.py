@@ -293,7 +293,7 @@ class MappedField:
             if fd is None:
                 if len(self._fds) >= 8:  # appends touch one or two chunks at a time
                     os.close(self._fds.pop(next(iter(self._fds))))
-                fd = self._fds[k] = os.open(self._path(k), os.O_WRONLY)
+                fd = self._fds[k] = os.open(self._path(k), os.O_WRONLY | os.O_NOFOLLOW)  # never through a link
             try:
                 os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)
             except OSError as e:  # the chunk's space is reserved, so only a file made elsewhere gets here
