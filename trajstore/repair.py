@@ -9,7 +9,6 @@ none of these is provably right it changes nothing and says why.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,9 +16,11 @@ from typing import Any, Callable
 import numpy as np
 import zarr
 
-from .errors import LockedError
+from .errors import DamagedStoreError, LockedError
 from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
-from .storage import STAGING_DIR, TMP_DIR, Location
+from .schema import check_pending, load_json
+from .store import _check_plain_file
+from .storage import MAX_HEAD_BYTES, STAGING_DIR, TMP_DIR, Location
 from .verify import VerifyReport, _check_rows, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans
 
 __all__ = ["RepairReport", "repair_store"]
@@ -67,14 +68,19 @@ def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
     """Complete commit records left in the temp folder by a commit interrupted before its rename."""
     out = []
     for key in loc.list_prefix(TMP_DIR):
-        raw = loc.get(key)
-        if raw is None or len(raw) > 1 << 20 or not raw.lstrip().startswith(b"{"):
-            continue
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        try:  # regular files of a commit record's size only (a link, FIFO or device is skipped)
+            raw = loc.get(key, limit=MAX_HEAD_BYTES)
+            if raw is None or not raw.lstrip().startswith(b"{"):
+                continue
+            obj = load_json(raw, str(loc.url), key, strict_numbers=True)
+        except DamagedStoreError:
             continue
         head, _why = _parse_head(obj, list(sc.tables))
+        if head is not None:
+            try:
+                check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
+            except DamagedStoreError:
+                continue
         if head is not None and set(head.tables) == set(sc.tables) and not head.pending:
             out.append(head)
     return sorted(out, key=lambda h: h.generation, reverse=True)
@@ -130,6 +136,8 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
             # shared=True: take the lock exclusively when free, without marking the lock file, so
             # what the next writer learns about an unclean end (fresh episode ids) is kept.
             try:
+                for key in (LOCK_KEY, MPLOCK_KEY):  # opened with O_CREAT: never through a link
+                    _check_plain_file(loc, key)
                 lock = WriterLock(loc, shared=True)
             except LockedError:
                 raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
@@ -209,7 +217,8 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
             if rolled_back:
                 # Intact chunks of the dropped rows stay (readable with zarr, for salvage; a later repair
                 # removes them); damaged chunk files go now (a writer could not map a truncated one).
-                damaged = {f.key: f.kind for f in before.faults if f.kind in ("truncated-chunk", "undecodable-chunk")}
+                damaged = {f.key: f.kind for f in before.faults
+                           if f.kind in ("truncated-chunk", "undecodable-chunk", "bad-chunk")}
                 was = {k for k, _w in before.removable}
                 kept = [k for k, _w in removable if k not in was and k not in damaged]
                 removable = [(k, w) if k not in damaged else (k, f"damaged chunk ({damaged[k]}) of dropped rows")
@@ -268,8 +277,8 @@ def _resize(loc: Location, sc: _Scan) -> None:
 
 def _prune_empty(folder: Any) -> None:
     """Remove empty folders left under ``folder`` (and it, if empty)."""
-    if not os.path.isdir(folder):
-        return
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return  # os.walk would follow a link at the top: never prune outside the store
     for dirpath, _dirs, _files in sorted(os.walk(folder), key=lambda x: -len(x[0])):
         try:
             os.rmdir(dirpath)

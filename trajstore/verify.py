@@ -19,17 +19,20 @@ reported as notes: they are harmless, and :func:`trajstore.repair.repair_store` 
 
 from __future__ import annotations
 
-import json
+import bisect
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import zarr
 
-from .errors import NotATrajstoreError, StoreNotFoundError, TrajstoreError
+from .errors import DamagedStoreError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
 from .head import HEAD_KEY, Head, TableState
 from .ring import contiguous_runs
+from .schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
+                     check_schema, load_json)
 from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
 from .store import ATTRS_KEY, check_attrs
 
@@ -91,40 +94,61 @@ class _Array:
 
 
 def _load_json(loc: Location, key: str) -> tuple[Any, str | None]:
-    """``(object, None)``, ``(None, None)`` when the key is missing, or ``(None, why)`` when unreadable."""
-    raw = loc.get(key)
-    if raw is None:
-        return None, None
+    """``(object, None)``, ``(None, None)`` when the key is missing, or ``(None, why)`` when unreadable
+    (not a regular file, too large, not JSON, nested too deep)."""
     try:
-        return json.loads(raw), None
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"{type(e).__name__}: {e}"
+        raw = loc.get(key)
+        if raw is None:
+            return None, None
+        return load_json(raw, str(loc.url), key), None
+    except DamagedStoreError as e:
+        return None, _why(e)
+
+
+def _why(e: Exception) -> str:
+    """An error's message without the store's path in front (faults name their key)."""
+    msg = str(e)
+    return msg.split(": ", 1)[1] if ": " in msg else msg
 
 
 def _parse_head(obj: Any, tables: list[str]) -> tuple[Head | None, str | None]:
-    """A :class:`Head` from parsed JSON without the core's range checks (verify reports those itself)."""
+    """A :class:`Head` from parsed JSON, its values type- and range-checked but without the row
+    relations (start <= end, count <= allocated), which verify reports itself."""
     try:
-        ts = {str(k): TableState(int(v["start"]), int(v["end"]), int(v["allocated"])) for k, v in obj["tables"].items()}
-        head = Head(int(obj["generation"]), int(obj.get("epoch", 0)), ts, dict(obj.get("state") or {}), obj.get("pending"))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        return None, f"{type(e).__name__}: {e}"
-    missing = [t for t in tables if t not in ts]
+        head = Head.from_obj(obj, "", check_rows=False)
+    except DamagedStoreError as e:
+        return None, _why(e).replace(f"{HEAD_KEY}: ", "", 1)
+    missing = [t for t in tables if t not in head.tables]
     if missing:
         return None, f"no entry for table(s) {', '.join(missing)}"
     return head, None
 
 
-def _chunk_index(key: str, array_path: str) -> int | None:
-    rest = key[len(array_path) + 3:] if array_path else key[2:]  # after "<path>/c/"
-    try:
-        return int(rest.split("/", 1)[0])
-    except ValueError:
+_CHUNK_RE = re.compile(r"([0-9]{1,19})((?:/0)*)\Z")
+
+
+def _chunk_index(key: str, array_path: str, ndim: int = 1) -> int | None:
+    """Chunk number of ``key`` (``<path>/c/<k>/0/...``, exactly as zarr names it), else None."""
+    m = _CHUNK_RE.match(key[len(array_path) + 3:] if array_path else key[2:])  # after "<path>/c/"
+    if m is None or len(m.group(2)) != 2 * (ndim - 1):
         return None
+    return int(m.group(1))
 
 
 def _size(loc: Location, key: str) -> int:
+    """Size of the chunk ``key``; locally it must be a regular file (never a link, FIFO, device).
+
+    Raises
+    ------
+    DamagedStoreError
+        Not a regular file (the message says what it is).
+    """
     if loc.local_root is not None:
-        return os.stat(loc.path(key)).st_size
+        fd = loc.open_inside(key, os.O_RDONLY)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
     from zarr.core.sync import sync
 
     return int(sync(loc.zstore.getsize(key)))
@@ -141,7 +165,8 @@ def _runs(st: TableState, capacity: int | None, limit: int) -> list[tuple[int, i
 
 
 def _chunk_rows_logical(runs: list[tuple[int, int, int]], C: int) -> dict[int, list[tuple[int, int]]]:
-    """Chunk number -> logical row ranges of committed rows it holds."""
+    """Chunk number -> logical row ranges of committed rows it holds (a handful of chunks only:
+    :func:`_check_rows` walks runs of chunks, never every chunk of a table)."""
     out: dict[int, list[tuple[int, int]]] = {}
     for p, off, m in runs:
         for k in range(p // C, (p + m - 1) // C + 1):
@@ -159,6 +184,7 @@ class _Scan:
 
     def __init__(self) -> None:
         self.attrs: dict[str, Any] | None = None
+        self.schema: dict[str, TableSchema] = {}
         self.arrays: dict[str, _Array] = {}
         self.tables: dict[str, dict[str, Any]] = {}
         self.head: Head | None = None
@@ -167,14 +193,19 @@ class _Scan:
         self.bad_rows: dict[str, list[tuple[int, int]]] = {}  # table -> damaged logical rows
         self.root_missing = False
         self.stale: dict[str, int] = {}  # array path -> rows its zarr.json shape should record
+        self.unlistable: set[str] = set()  # arrays whose chunk folder is a link or special file
 
 
 def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
           storage_options: dict[str, Any] | None = None) -> tuple[VerifyReport, _Scan]:
     rep = VerifyReport(str(loc.url), deep)
     sc = _Scan()
-    keys = loc.list_prefix("")
-    if not keys:
+    try:
+        keys = loc.list_prefix("")
+    except DamagedStoreError as e:
+        keys = []
+        rep.faults.append(Fault("unlistable", "", f"the store cannot be listed ({_why(e)})"))
+    if not keys and not rep.faults:
         raise StoreNotFoundError(f"no store at {loc.url!r}: nothing is stored there")
     root, why = _load_json(loc, "zarr.json")
     if root is None:
@@ -185,36 +216,50 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
             sc.root_missing = True
             rep.faults.append(Fault("root-missing", "zarr.json", "zarr.json: the root metadata (schema and spaces) is "
                                     "missing; the store cannot be opened"))
-        else:
+        elif not rep.faults:
             raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
         _scan_orphans(loc, keys, None, rep)
         return rep, sc
-    attrs = check_attrs(loc, (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) else None)
-    sc.attrs = attrs
+    attrs = (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) and isinstance(
+        root.get("attributes"), (dict, type(None))) else None
     try:
-        sc.tables = {name: {"capacity": t["capacity"], "fields": [f["path"] for f in t["fields"]]}
-                     for name, t in attrs["tables"].items()}
-    except (KeyError, TypeError, AttributeError) as e:
-        rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({e})"))
+        attrs = check_attrs(loc, attrs)  # not a store, or a newer format: raised (not faults of a store)
+        sc.attrs = attrs
+        if root.get("zarr_format") != 3 or root.get("node_type") != "group":
+            raise DamagedStoreError(f"{loc.url}: zarr.json is not zarr v3 group metadata (zarr_format "
+                                    f"{root.get('zarr_format')!r:.20}, node_type {root.get('node_type')!r:.20})")
+        sc.schema = check_schema(attrs, str(loc.url))
+    except DamagedStoreError as e:
+        rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({_why(e)}); "
+                                "the store cannot be opened"))
+        _scan_orphans(loc, keys, None, rep)
         return rep, sc
-    # Arrays.
-    for name, t in sc.tables.items():
-        for path in t["fields"]:
-            meta, why = _load_json(loc, f"{path}/zarr.json")
+    sc.tables = {name: {"capacity": t.capacity, "fields": [f.path for f in t.fields]} for name, t in sc.schema.items()}
+    # Arrays: each one's own zarr.json, and its consolidated entry (what zarr readers use).
+    try:
+        entries = _consolidated(root, str(loc.url))
+    except DamagedStoreError as e:
+        entries = None
+        rep.faults.append(Fault("array-unreadable", "zarr.json", f"zarr.json: consolidated metadata is malformed ({_why(e)})"))
+    for name, t in sc.schema.items():
+        for f in t.fields:
+            key = f"{f.path}/zarr.json"
+            meta, why = _load_json(loc, key)
             if meta is None:
-                rep.faults.append(Fault("array-missing", f"{path}/zarr.json", f"{path}/zarr.json: array metadata "
+                rep.faults.append(Fault("array-missing", key, f"{key}: array metadata "
                                         f"{'is missing' if why is None else 'is unreadable (' + why + ')'}", name))
                 continue
             try:
-                shape = tuple(int(s) for s in meta["shape"])
-                C = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-                dtype = np.dtype(meta["data_type"])
-                raw = [c["name"] for c in meta["codecs"]] == ["bytes"]
-            except (KeyError, TypeError, ValueError, IndexError) as e:
-                rep.faults.append(Fault("array-unreadable", f"{path}/zarr.json", f"{path}/zarr.json: malformed array "
-                                        f"metadata ({e})", name))
+                rows = check_array_meta(meta, f, str(loc.url), key)
+                if entries is not None:
+                    if f.path not in entries:
+                        raise DamagedStoreError(f"{loc.url}: zarr.json's consolidated metadata has no entry for {f.path}")
+                    check_array_meta(entries[f.path], f, str(loc.url), f"zarr.json (consolidated entry {f.path})")
+            except DamagedStoreError as e:
+                rep.faults.append(Fault("array-unreadable", key, f"{key}: malformed array metadata ({_why(e)})", name))
                 continue
-            sc.arrays[path] = _Array(path, name, shape, C, dtype, raw)
+            raw = f.layout == "raw" and len(meta["codecs"]) == 1
+            sc.arrays[f.path] = _Array(f.path, name, (rows, *f.shape), f.chunk_rows, f.dtype, raw)
             rep.checked["arrays"] += 1
     # Commit record.
     obj, why = _load_json(loc, HEAD_KEY)
@@ -225,16 +270,28 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
                                 f"{HEAD_KEY}: the commit record {msg}"))
     else:
         head, why = _parse_head(obj, list(sc.tables))
+        if head is not None:
+            try:
+                check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
+            except DamagedStoreError as e:
+                head, why = None, _why(e)
         if head is None:
             sc.head_fault = True
             rep.faults.append(Fault("head-unreadable", HEAD_KEY, f"{HEAD_KEY}: the commit record is unreadable ({why})"))
         else:
             sc.head = head
-    # Chunk listing (one listing per array).
-    for path in sc.arrays:
+    # Chunk listing (one listing per array; only keys named exactly as zarr names chunks count).
+    for path, a in sc.arrays.items():
         found: dict[int, str] = {}
-        for key in loc.list_prefix(f"{path}/c"):
-            k = _chunk_index(key, path)
+        try:
+            listed = loc.list_prefix(f"{path}/c")
+        except DamagedStoreError as e:
+            listed = []
+            rep.faults.append(Fault("bad-chunk", f"{path}/c", f"{path}/c: the chunk folder cannot be read ({_why(e)}); "
+                                    f"table {a.table!r} rows are unreadable", a.table))
+            sc.unlistable.add(path)
+        for key in listed:
+            k = _chunk_index(key, path, len(a.shape))
             if k is not None:
                 found[k] = key
         sc.chunks[path] = found
@@ -246,7 +303,27 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
     return rep, sc
 
 
+def _head_plausible(sc: _Scan, rep: VerifyReport, name: str, st: TableState, cap: int | None) -> bool:
+    """The record's allocation for table ``name`` fits the schema (a ring: its capacity) and the
+    plausibility bounds; otherwise a ``head-impossible`` fault."""
+    problem = None
+    if cap is not None and st.allocated != cap:
+        problem = f"allocates {st.allocated} rows to a ring of capacity {cap}"
+    else:
+        try:
+            for f in sc.schema[name].fields:
+                check_allocation(f, max(st.allocated, st.end if cap is None else 0), "")
+        except DamagedStoreError as e:
+            problem = _why(e)
+    if problem is None:
+        return True
+    rep.faults.append(Fault("head-impossible", HEAD_KEY, f"{HEAD_KEY}: table {name!r} {problem}", name))
+    return False
+
+
 def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progress: Callable[[int, str], Any] | None) -> None:
+    """Committed rows against the chunks on disk.  Work grows with the chunk files that exist and
+    the runs of missing ones, never with the rows a (possibly hostile) record claims."""
     head = sc.head
     assert head is not None
     pending = head.pending or {}
@@ -262,6 +339,9 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                                     f"start={st.start} end={st.end}", name))
             bad.append((0, max(st.end - st.start, 0)))
             continue
+        if not _head_plausible(sc, rep, name, st, cap):
+            bad.append((0, st.count))
+            continue
         if cap is not None and st.count > cap:
             rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits {st.count} rows "
                                     f"but its capacity is {cap}", name, (cap, st.count)))
@@ -269,16 +349,18 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
         rep.checked["rows"] += st.count
         for path in t["fields"]:
             a = sc.arrays.get(path)
-            if a is None:
+            if a is None or path in sc.unlistable:
                 bad.append((0, st.count))
                 continue
+            C = a.chunk_rows
+            found = sc.chunks.get(path, {})
             alloc = a.shape[0]
             limit = alloc if cap is None else cap
             if cap is None and st.end > alloc:
-                if any(k * a.chunk_rows >= alloc for k in sc.chunks[path]):
+                if any(k * C >= alloc for k in found):
                     # Chunks exist past the shape zarr.json records: the rows are there, the metadata
                     # is stale (plain zarr readers see only the first rows).  Repair resizes it.
-                    target = max(st.allocated, -(-st.end // a.chunk_rows) * a.chunk_rows)
+                    target = max(st.allocated, -(-st.end // C) * C)
                     sc.stale[path] = target
                     rep.faults.append(Fault("stale-shape", f"{path}/zarr.json", f"{path}/zarr.json: shape records "
                                             f"{alloc} rows but table {name!r} commits {st.end} (the commit record "
@@ -295,51 +377,70 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                 rep.faults.append(Fault("schema", f"{path}/zarr.json", f"{path}: holds {alloc} rows; the ring's capacity "
                                         f"is {cap}", name, (0, st.count)))
                 bad.append((0, st.count))
-            needed = _chunk_rows_logical(_runs(st, cap, limit), a.chunk_rows)
-            present = {k for k in needed if k in sc.chunks[path]
-                       or (prefix is not None and k in staged.get(path, ()) and loc.exists(f"{prefix}/{a.chunk_key(k)}"))}
-            missing = sorted(set(needed) - present)
-            tail_from = None
-            if cap is None and missing and missing[-1] == max(needed) and len(missing) >= 1:
-                # Every chunk from the first missing one to the last committed row is gone, and no
-                # chunk at all exists there: the commit record names rows that were never written.
-                first = missing[0]
-                if missing == list(range(first, max(needed) + 1)) and not any(k >= first for k in sc.chunks[path]) \
-                        and first > 0:
-                    tail_from = first
-            if tail_from is not None:
-                lo = needed[tail_from][0][0]
-                rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits rows up to "
-                                        f"{st.count} but {path} has data only for rows [0, {lo}) (no chunk from "
-                                        f"{a.chunk_key(tail_from)} on)", name, (lo, st.count)))
-                bad.append((lo, st.count))
-            for k, ranges in needed.items():
-                rep.checked["chunks"] += 1
-                key = a.chunk_key(k)
-                in_staging = k in present and k not in sc.chunks[path]
-                if k not in present:
-                    if tail_from is None:
-                        rep.faults.append(Fault("missing-chunk", key, f"{key}: chunk missing; table {name!r} rows "
-                                                f"{_fmt_rows(ranges)} are lost", name, (ranges[0][0], ranges[-1][1])))
+            runs = _runs(st, cap, limit)
+            ks_sorted = sorted(found)
+            # Staged chunks (a pending rewrite) count as present while their staged file exists.
+            staged_here = {k for k in staged.get(path, ()) if prefix is not None and loc.exists(f"{prefix}/{a.chunk_key(k)}")}
+            present = sorted(set(ks_sorted) | staged_here)
+            wanted: list[tuple[int, int]] = []
+            for p, off, m in runs:
+                k0, k1 = p // C, (p + m - 1) // C
+                wanted.append((k0, k1))
+                rep.checked["chunks"] += k1 - k0 + 1
+
+                def rows_of(k: int, p: int = p, off: int = off, m: int = m) -> tuple[int, int]:
+                    lo, hi = max(p, k * C), min(p + m, (k + 1) * C)
+                    return off + lo - p, off + hi - p
+
+                here = present[bisect.bisect_left(present, k0):bisect.bisect_right(present, k1)]
+                gaps, nxt = [], k0
+                for k in here:
+                    if k > nxt:
+                        gaps.append((nxt, k - 1))
+                    nxt = k + 1
+                if nxt <= k1:
+                    gaps.append((nxt, k1))
+                tail = None
+                if cap is None and len(gaps) == 1 and gaps[0][1] == k1 and gaps[0][0] > 0 \
+                        and (not ks_sorted or ks_sorted[-1] < gaps[0][0]):
+                    # Every chunk from the first missing one to the last committed row is gone, and no
+                    # chunk at all exists there: the commit record names rows that were never written.
+                    tail = gaps[0][0]
+                    lo = rows_of(tail)[0]
+                    rep.faults.append(Fault("head-past-data", HEAD_KEY, f"{HEAD_KEY}: table {name!r} commits rows up "
+                                            f"to {st.count} but {path} has data only for rows [0, {lo}) (no chunk from "
+                                            f"{a.chunk_key(tail)} on)", name, (lo, st.count)))
+                    bad.append((lo, st.count))
+                else:
+                    for g0, g1 in gaps:
+                        lo, hi = rows_of(g0)[0], rows_of(g1)[1]
+                        what = f"{a.chunk_key(g0)}: chunk missing" if g0 == g1 else \
+                            f"{a.chunk_key(g0)}: {g1 - g0 + 1} chunks missing (to {a.chunk_key(g1)})"
+                        rep.faults.append(Fault("missing-chunk", a.chunk_key(g0), f"{what}; table {name!r} rows "
+                                                f"{_fmt_rows([(lo, hi)])} are lost", name, (lo, hi)))
+                        bad.append((lo, hi))
+                for k in here:
+                    ranges = [rows_of(k)]
+                    key = a.chunk_key(k) if k in found else f"{prefix}/{a.chunk_key(k)}"
+                    try:
+                        size = _size(loc, key)
+                    except (DamagedStoreError, FileNotFoundError) as e:
+                        rep.faults.append(Fault("bad-chunk", key, f"{key}: {_why(e) if isinstance(e, DamagedStoreError) else 'not a file'}"
+                                                f"; table {name!r} rows {_fmt_rows(ranges)} are unreadable", name, ranges[0]))
                         bad.extend(ranges)
-                    continue
-                if in_staging:
-                    key = f"{prefix}/{key}"
-                size = _size(loc, key)
-                if (a.raw and size != a.chunk_bytes) or size == 0:
-                    what = f"{size} of {a.chunk_bytes} bytes" if a.raw else "0 bytes"
-                    rep.faults.append(Fault("truncated-chunk", key, f"{key}: truncated chunk file ({what}); table "
-                                            f"{name!r} rows {_fmt_rows(ranges)} are damaged", name,
-                                            (ranges[0][0], ranges[-1][1])))
-                    bad.extend(ranges)
-                    continue
-                if deep:
-                    todo.append((a, k, ranges))
+                        continue
+                    if (a.raw and size != a.chunk_bytes) or size == 0:
+                        what = f"{size} of {a.chunk_bytes} bytes" if a.raw else "0 bytes"
+                        rep.faults.append(Fault("truncated-chunk", key, f"{key}: truncated chunk file ({what}); table "
+                                                f"{name!r} rows {_fmt_rows(ranges)} are damaged", name, ranges[0]))
+                        bad.extend(ranges)
+                        continue
+                    if deep:
+                        todo.append((a, k, ranges))
             # Chunks holding no committed row: left by a writer that died, or beyond the rows in use.
-            wanted = set(_chunk_rows_logical(_runs(st, cap, limit), a.chunk_rows))
-            for k, key in sorted(sc.chunks[path].items()):
-                if k not in wanted:
-                    rep.removable.append((key, "uncommitted chunk (holds no committed row)"))
+            for k in ks_sorted:
+                if not any(k0 <= k <= k1 for k0, k1 in wanted):
+                    rep.removable.append((found[k], "uncommitted chunk (holds no committed row)"))
     if deep and todo:
         _decode(loc, sc, rep, todo, progress)
 
@@ -372,22 +473,32 @@ def _decode(loc: Location, sc: _Scan, rep: VerifyReport, todo: list[tuple[_Array
             bar.close()
 
 
-def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> None:
-    """Trajectory stores: episode ids consistent with the commit record's state."""
-    if sc.attrs is None or sc.attrs.get("kind") != "TrajectoryReplayBuffer" or sc.head is None:
-        return
-    if any(sc.bad_rows.get(t) for t in sc.tables):
-        return  # reading damaged rows would only repeat the faults above
+def _check_opens(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> Any:
+    """Open the store read-only, as a reader would; a store that does not open is a fault.
+    Returns the open store (the caller closes it) or None."""
     from .summary import open_store
 
+    if loc.url is None:
+        return None
     try:
-        store = open_store(loc.url, storage_options) if loc.url is not None else None
+        return open_store(loc.url, storage_options)
     except TrajstoreError as e:
-        rep.faults.append(Fault("open", str(loc.url), f"the store does not open: {e}"))
-        return
+        rep.faults.append(Fault("open", str(loc.url), f"the store does not open: {_why(e)}"))
+    return None
+
+
+def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> None:
+    """The store opens (as a reader would), and trajectory stores' episode ids are consistent with
+    the commit record's state."""
+    if sc.attrs is None or sc.head is None or any(f.kind not in ("missing-chunk", "truncated-chunk", "bad-chunk",
+                                                                     "head-past-data") for f in rep.faults):
+        return  # what keeps the store from opening is already reported
+    store = _check_opens(loc, sc, rep, storage_options)
     if store is None:
         return
     try:
+        if sc.attrs.get("kind") != "TrajectoryReplayBuffer" or any(sc.bad_rows.get(t) for t in sc.tables):
+            return  # reading damaged rows would only repeat the faults above
         state = store.committed.state
         cur = int(state.get("current_episode_id", 0))
         nxt = int(state.get("next_episode_id", cur + 1))
@@ -414,6 +525,8 @@ def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options
             if (eids >= nxt).any():
                 rep.faults.append(Fault("episodes", "episode_data/_episode_id", f"episode_data/_episode_id: episode-data "
                                         f"rows carry ids at or above next_episode_id {nxt}", "episode_data", (0, et.count)))
+    except TrajstoreError as e:
+        rep.faults.append(Fault("open", str(loc.url), f"the store's rows cannot be read: {_why(e)}"))
     finally:
         store.close()
 
@@ -463,6 +576,8 @@ def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, de
     loc = _locate(path, storage_options, read_only=True)
     try:
         rep, _sc = _scan(loc, deep, progress, storage_options)
+    except DamagedStoreError as e:  # whatever the scan could not turn into a finer fault
+        rep = VerifyReport(str(loc.url), deep, [Fault("damaged", "", _why(e))])
     finally:
         loc.close()
     return rep
