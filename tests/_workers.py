@@ -315,6 +315,13 @@ def _result(path: str, **kw: Any) -> None:
     write_atomic(path, json.dumps(kw), fsync=False)
 
 
+def _used(rb: ReplayBuffer) -> tuple[int, int]:
+    """White box: rows ``[start, end)`` of the commit record whose rows the last read returned
+    (a read may return an older record's rows when they are still intact under the newest)."""
+    t = rb._read_head.tables["step_data"]
+    return int(t.start), int(t.end)
+
+
 def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed: int) -> None:
     """Read-only reader next to :func:`committed_writer`: loops len(), rb[-1], rb[i], rb[:]
     and sample(256) until ``stop`` exists, and checks every row it gets.  Writes
@@ -351,7 +358,7 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
                     last = rb[i]
                 except IndexError:
                     continue  # the ring shrank between len() and the read (eviction): allowed
-                used = (int(rb._table.state.start), int(rb._table.state.end))  # white box: state the read used
+                used = _used(rb)
                 s, ok = decode(batched(last))
                 b = read_int(bound)
                 if cap is not None and i >= 0:
@@ -373,7 +380,7 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
                     err(f"rb[-1] returned row {s[0]} after len() said {n}")
             # rb[:]
             x = rb[:]
-            used_start = int(rb._table.state.start)  # white box: the commit record the slice read used
+            used_start = _used(rb)[0]
             b = read_int(bound)
             s, ok = decode(x)
             m = len(s)
@@ -403,12 +410,12 @@ def reader_loop(store: str, bound: str, result: str, ready: str, stop: str, seed
             # rows (those a ring writer overwrites next) through a slice view and through the
             # "obs" column of one.
             x = rb.get_slice(slice(0, 48))[:]
-            start = int(rb._table.state.start)
+            start = _used(rb)[0]
             s, ok = decode(x)
             if not ok.all() or not np.array_equal(s, np.arange(start, start + len(s))):
                 err(f"slice view rows {s.tolist()} (ok={bool(ok.all())}) are not the first {len(s)} rows from {start}")
             col = np.asarray(rb.get_slice(slice(0, 48)).get_column("obs")[:])
-            start = int(rb._table.state.start)
+            start = _used(rb)[0]
             if not (col == np.arange(start, start + len(col))[:, None] + 1.0).all():
                 err(f"column view rows {col[:, 0].tolist()} are not the first {len(col)} rows from {start}")
             # sample(256)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from .backend import Backend
+from .errors import ConcurrentWriteError, EmptyBufferError
 from .store import Store
 from .table import RowStager, Table
 from .views import BatchBase
@@ -89,15 +90,18 @@ class StoredBuffer(BatchBase):
         for st in self._stagers:
             st.drain()
 
+    _pinned = False  # True while a consistent read runs: it must see one commit record throughout
+    _read_head = None  # the commit record whose rows the last consistent read returned (tests look)
+
     def _sync(self) -> None:
         """Before reading: a writer hands staged appends to its tables; readers (and
-        multi-process writers) adopt the latest commit."""
+        multi-process writers) adopt the latest commit, unless a read in progress pinned it."""
         if self._closed:
             raise ValueError("I/O operation on a closed buffer")
         for st in self._stagers:
             if st.n:
                 st.drain()
-        if not self._store.writable or self._store.multiprocessing:
+        if (not self._store.writable or self._store.multiprocessing) and not self._pinned:
             self._store.refresh()
 
     def __len__(self) -> int:
@@ -150,18 +154,64 @@ class StoredBuffer(BatchBase):
         return not self._store.writable or self._store.multiprocessing
 
     def _consistent(self, read: Callable[[], _T]) -> _T:
-        """Reads by a reader (or multiprocessing writer) are retried until the commit record they
-        resolved their indices against is still the latest afterwards: no row was evicted or
-        rewritten meanwhile, so the result is exactly that record's rows.  Every read of this
+        """Reads by a reader (or multiprocessing writer) are retried until the rows of the commit
+        record they resolved their indices against are still intact under the latest record
+        afterwards (:meth:`Store.rows_intact`), so the result is exactly that record's rows.
+        While ``read`` runs, the buffer's view of the store is pinned (``len`` inside it does not
+        adopt a newer record), so indices and rows come from one record.  Every read of this
         buffer and of its views (``get_slice``, ``get_column``) goes through here."""
         if not self._recheck:
             return read()
         self._sync()
         for _ in range(1000):
-            out = read()
-            if not self._store.refresh():
+            before = self._store.committed
+            out = self._pinned_read(read)
+            if not self._store.refresh() or self._store.rows_intact(before):
+                self._read_head = before
                 return out
-        raise RuntimeError("the writer commits faster than this reader can read")
+        raise ConcurrentWriteError(f"{self.cache_path}: the writer rewrote or evicted the rows being read "
+                                   "1000 times in a row; read fewer rows at a time")
+
+    def _pinned_read(self, read: Callable[[], _T]) -> _T:
+        self._pinned = True
+        try:
+            return read()
+        finally:
+            self._pinned = False
+
+    def _sample_consistent(self, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
+                           size: int) -> _T:
+        """``read(draw(size))``, made consistent seqlock-style for readers of a live store: after the
+        read the commit record is checked again, and rows (anchors) evicted meanwhile are redrawn
+        with ``draw`` (everything after a rewrite) until a read saw only intact rows.  ``draw(k)``
+        returns k logical rows of the current record; ``read`` reads the rows it is given."""
+        t = self._table
+        self._sync()
+        if t.count == 0:
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.cache_path})")
+        idx = draw(size)
+        if not self._recheck:
+            return read(idx)
+        for _ in range(100):
+            before, start = self._store.committed, t.state.start
+            out = self._pinned_read(lambda: read(idx))
+            if not self._store.refresh() or self._store.rows_intact(before):
+                self._read_head = before
+                return out
+            if t.count == 0:
+                raise EmptyBufferError(f"{self.cache_path}: the buffer was emptied while it was sampled")
+            if self._store.committed.epoch != before.epoch:
+                idx = draw(size)
+                continue
+            absolute = idx + start
+            stale = absolute < t.state.start
+            if not stale.any():  # the start moved, but not past any row read: they are intact
+                self._read_head = before
+                return out
+            idx = absolute - t.state.start
+            idx[stale] = draw(int(stale.sum()))
+        raise ConcurrentWriteError(f"{self.cache_path}: the writer evicts rows faster than this reader can "
+                                   "sample them")
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly with replacement.
@@ -169,38 +219,17 @@ class StoredBuffer(BatchBase):
         ``rng`` is a ``numpy.random.Generator`` (or a seed); by default the buffer's own.  A
         reader of a ring that a writer is filling re-checks the commit record after reading and
         redraws rows evicted meanwhile, so it never returns a half-overwritten row.
+
+        Raises
+        ------
+        EmptyBufferError
+            The buffer holds no rows (or a writer emptied it meanwhile).
         """
         gen = as_generator(rng, self._rng)
-        self._sync()
-        n = self._table.count
-        if n == 0:
-            raise ValueError("cannot sample from an empty buffer")
-        idx = gen.integers(0, n, size=batch_size)
         leaves = self._all_leaves
-        if not self._recheck:
-            arrays = self._read_rows(idx, leaves)
-        else:
-            arrays = self._read_consistent(idx, gen, leaves)
+        arrays = self._sample_consistent(lambda k: gen.integers(0, self._table.count, size=k),
+                                         lambda idx: self._read_rows(idx, leaves), batch_size)
         return self._plan.from_arrays([self._backend.out(a) for a in arrays])
-
-    def _read_consistent(self, idx: np.ndarray, gen: np.random.Generator, leaves: list[int]) -> list[np.ndarray]:
-        """Seqlock-style read: rows evicted (or rewritten) while we read are redrawn until none are."""
-        t = self._table
-        for _ in range(100):
-            start, epoch = t.state.start, self._store.committed.epoch
-            absolute = idx + start
-            arrays = self._read_rows(idx, leaves)
-            if not self._store.refresh():
-                return arrays
-            if self._store.committed.epoch != epoch:
-                idx = gen.integers(0, max(t.count, 1), size=len(idx))
-                continue
-            stale = absolute < t.state.start
-            if not stale.any():
-                return arrays
-            idx = absolute - t.state.start
-            idx[stale] = gen.integers(0, t.count, size=int(stale.sum()))
-        raise RuntimeError("the writer evicts rows faster than this reader can sample them")
 
     # -- committing ----------------------------------------------------------------------------------
     def flush(self, fsync: bool | None = None) -> None:

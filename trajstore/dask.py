@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .buffer import StoredBuffer
+from .errors import ConcurrentWriteError
 from .replay_buffer import ReplayBuffer
 from .spaces import ValuePlan
 from .trajectory import TrajectoryReplayBuffer
@@ -89,7 +90,7 @@ def _read_block(*, src: Any, leaf: int, first: int, block_info: Any = None) -> n
     start = buf._table.state.start
     a_lo, a_hi = first + lo, first + hi
     if a_lo < start:
-        raise RuntimeError(f"rows [{a_lo}, {a_hi}) of {buf.cache_path!r} were evicted since the dask array was made")
+        raise ConcurrentWriteError(f"rows [{a_lo}, {a_hi}) of {buf.cache_path!r} were evicted since the dask array was made")
     rows = np.arange(a_lo - start, a_hi - start, dtype=np.int64)
     return buf._read_rows(rows, [leaf])[0]
 

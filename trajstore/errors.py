@@ -85,3 +85,21 @@ class StoreFullError(TrajstoreError, OSError):
     filesystem had not reserved, so the last commit is intact and the buffer stays usable (the
     failed call changed nothing a reader sees); free space and write again.
     """
+
+
+class IndexOutOfRangeError(TrajstoreError, IndexError):
+    """A row index (or an element of an index array) is outside ``[-len, len)``, or a bool mask's
+    length differs from the buffer's."""
+
+
+class BadIndexError(TrajstoreError, TypeError):
+    """An index is not an int, slice, ``...``, 1-D int array or bool mask."""
+
+
+class EmptyBufferError(TrajstoreError, ValueError):
+    """Sampling from a buffer (or a ring a writer emptied meanwhile) that holds no rows."""
+
+
+class ConcurrentWriteError(TrajstoreError, RuntimeError):
+    """A reader could not get one consistent result: the writer kept evicting or rewriting the
+    rows it read (retried many times first)."""

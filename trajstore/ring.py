@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import BadIndexError, IndexOutOfRangeError
+
 __all__ = ["normalize_index", "physical", "contiguous_runs", "IndexLike"]
 
 IndexLike = Any  # int | slice | Ellipsis | sequence/array/tensor of ints or bools
@@ -35,34 +37,34 @@ def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
 
     Raises
     ------
-    IndexError
-        An int out of ``[-length, length)``, an array element out of range, or a bool mask
+    IndexOutOfRangeError
+        (an ``IndexError``) An int out of ``[-length, length)``, an array element out of range, or a bool mask
         whose length is not ``length``.
-    TypeError
-        Anything that is not an int, slice, ``...``, int array or bool mask.
+    BadIndexError
+        (a ``TypeError``) Anything that is not an int, slice, ``...``, int array or bool mask.
     """
     if isinstance(idx, numbers.Integral) and not isinstance(idx, bool):
         i = int(idx)
         if not -length <= i < length:
-            raise IndexError(f"index {i} is out of range for a buffer of length {length}")
+            raise IndexOutOfRangeError(f"index {i} is out of range for a buffer of length {length}")
         return i + length if i < 0 else i
     if isinstance(idx, slice):
         return np.arange(*idx.indices(length), dtype=np.int64)
     if idx is Ellipsis:
         return np.arange(length, dtype=np.int64)
     if isinstance(idx, (str, bytes, float, bool)) or idx is None:
-        raise TypeError(f"buffer indices must be int, slice, ..., int array or bool mask; got {type(idx).__name__}")
+        raise BadIndexError(f"buffer indices must be int, slice, ..., int array or bool mask; got {type(idx).__name__}")
     arr = _to_numpy(idx)
     if arr.ndim == 0 and arr.dtype.kind in "iu":
         return normalize_index(int(arr), length)
     if arr.dtype == bool:
         if arr.shape != (length,):
-            raise IndexError(f"boolean mask has shape {arr.shape}; expected ({length},) to match the buffer length")
+            raise IndexOutOfRangeError(f"boolean mask has shape {arr.shape}; expected ({length},) to match the buffer length")
         return np.flatnonzero(arr).astype(np.int64)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TypeError(f"index arrays must be 1-D integers or booleans; got shape {arr.shape} dtype {arr.dtype}")
+        raise BadIndexError(f"index arrays must be 1-D integers or booleans; got shape {arr.shape} dtype {arr.dtype}")
     out = arr.astype(np.int64, copy=True)
     lo, hi = out.min(), out.max()  # two reductions; the common all-non-negative case needs no more
     if lo < 0:
@@ -70,7 +72,7 @@ def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
         lo, hi = out.min(), out.max()
     if lo < 0 or hi >= length:
         bad = arr[(out < 0) | (out >= length)][0]
-        raise IndexError(f"index {int(bad)} is out of range for a buffer of length {length}")
+        raise IndexOutOfRangeError(f"index {int(bad)} is out of range for a buffer of length {length}")
     return out
 
 

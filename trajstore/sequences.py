@@ -219,29 +219,14 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
         raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}")
-    buf._sync()
-    t = buf._table
-    if t.count == 0:
-        raise ValueError("cannot sample from an empty buffer")
     offs = np.arange(seq_len, dtype=np.int64)
-    anchors = _draw_anchors(buf, batch_size, offs, rng, within_episode)
-    for _ in range(100):
-        # A reader re-checks the commit record after reading: windows whose rows were evicted
-        # meanwhile (they may have been overwritten) are drawn again, everything after a rewrite.
-        start, epoch = t.state.start, buf._store.committed.epoch
-        out = _read_windows(buf, anchors, offs, pad, all_valid=within_episode and _is_block(offs, t.count))
-        if not buf._recheck or not buf._store.refresh():
-            return out
-        if buf._store.committed.epoch != epoch:
-            anchors = _draw_anchors(buf, batch_size, offs, rng, within_episode)
-            continue
-        absolute = anchors + start
-        stale = absolute < t.state.start
-        if not stale.any():
-            return out
-        anchors = absolute - t.state.start
-        anchors[stale] = _draw_anchors(buf, int(stale.sum()), offs, rng, within_episode)
-    raise RuntimeError("the writer evicts rows faster than this reader can sample them")
+    # A reader re-checks the commit record after reading: windows whose first row was evicted
+    # meanwhile (it may have been overwritten) are drawn again, everything after a rewrite.
+    return buf._sample_consistent(
+        lambda k: _draw_anchors(buf, k, offs, rng, within_episode),
+        lambda anchors: _read_windows(buf, anchors, offs, pad,
+                                      all_valid=within_episode and _is_block(offs, buf._table.count)),
+        batch_size)
 
 
 def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarray, rng: np.random.Generator,

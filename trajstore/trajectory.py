@@ -61,6 +61,22 @@ def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: 
             for p, s, d in shapes]
 
 
+#: Episode ids are int64; keeping them below 2**62 leaves next_episode_id room to grow.
+MAX_EPISODE_ID = 1 << 62
+
+
+def _check_episode_ids(ids: Any) -> np.ndarray:
+    """``ids`` as int64, checked to be episode ids: integers in ``[0, MAX_EPISODE_ID)``."""
+    raw = np.asarray(ids)
+    if raw.dtype.kind not in "iu" or raw.dtype.itemsize > 8:
+        raise BadValueError(f"episode ids must be integers; got {raw.dtype}")
+    if raw.size:
+        lo, hi = int(raw.min()), int(raw.max())
+        if lo < 0 or hi >= MAX_EPISODE_ID:
+            raise BadValueError(f"episode ids must be in [0, 2**62); got {lo if lo < 0 else hi}")
+    return raw.astype(np.int64)
+
+
 class TrajectoryReplayBuffer(StoredBuffer):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
@@ -340,7 +356,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
             if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
                 raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
                                     f"got {raw.dtype} {raw.shape}")
+            if raw.size and raw.dtype.kind == "u" and int(raw.max()) >= MAX_EPISODE_ID:
+                raise BadValueError(f"episode_ids must be in [0, 2**62); got {int(raw.max())}")
             ids = raw.astype(np.int64).reshape(n)
+            _check_episode_ids(ids)
         ep_arrays = None
         if ep is not None:
             if self._ep_plan is None:
@@ -400,9 +419,11 @@ class TrajectoryReplayBuffer(StoredBuffer):
         if self._ep_plan is None:
             raise SpaceMismatchError("this buffer has no episode_data space")
         arrays, _ = self._ep_plan.to_arrays(value, batched=False)
+        eid = int(_check_episode_ids(np.array([episode_id]))[0])
         with self._store.write_op():
             self._drain()
-            self._episodes.set_row(int(episode_id), arrays)
+            self._next_id = max(self._next_id, eid + 1)  # fresh ids must never collide with it
+            self._episodes.set_row(eid, arrays)
 
     def set_current_episode_data(self, value: Any) -> None:
         """Set the data of the episode being recorded (``current_episode_id``)."""

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..errors import IndexOutOfRangeError
 from ..sequences import PADS, pad_sources, window_rows
 from ._source import BufferSource, FieldSelection
 
@@ -47,7 +48,7 @@ class SampleBatch(Sequence):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(self._n))]
         if not -self._n <= k < self._n:
-            raise IndexError(k)
+            raise IndexOutOfRangeError(f"index {k} is out of range for {self._n} items")
         return _take(self.data, k % self._n)
 
 
@@ -82,7 +83,7 @@ class _Base(Dataset):
         idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
         n = len(self)
         if idx.size and (idx.min() < -n or idx.max() >= n):
-            raise IndexError(f"index out of range for a dataset of {n} items")
+            raise IndexOutOfRangeError(f"index out of range for a dataset of {n} items")
         return np.where(idx < 0, idx + n, idx)
 
     def read_batch(self, indices: Any) -> dict[str, Any]:
@@ -138,7 +139,7 @@ class TransitionDataset(_Base):
         buf = self._src.buffer
         buf._sync()
         if idx.size and idx.max() >= buf._table.count:
-            raise IndexError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
+            raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
         s, e = self._sel.step_leaves, self._sel.episode_leaves
         arrays = buf._read_rows(idx, s + e) if s or e else []
         out = self._sel.assemble(arrays[: len(s)], arrays[len(s):], self._out)
@@ -215,7 +216,7 @@ class SequenceDataset(_Base):
         t = buf._table
         start, end = t.state.start, t.state.end
         if anchors.size and anchors.max() >= t.count:
-            raise IndexError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
+            raise IndexOutOfRangeError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
         if self._src.is_trajectory:
             ids_of = lambda absolute: buf._step_ids(absolute - start)  # noqa: E731
         else:
