@@ -81,7 +81,7 @@ class _WriteOp:
             assert s.lock is not None
             try:
                 if exc_type is None:
-                    s.commit(state=s.state_provider() if s.state_provider else None)
+                    s.commit(state=s.buffer_state())
             finally:
                 s.lock.release_op()
 
@@ -317,7 +317,7 @@ class Store:
         c = self.committed.tables[table.name]
         if c.start >= min_start or c.end <= c.start:  # nothing committed is in the way
             return
-        self.commit(state=self.state_provider() if self.state_provider else None,
+        self.commit(state=self.buffer_state(),
                     evict={table.name: min_start + guard})
     def commit_due(self) -> bool:
         """``commit_interval`` seconds have passed since the last commit."""
@@ -326,9 +326,13 @@ class Store:
     def after_write(self) -> None:
         """Commit every ``commit_interval`` seconds of writing, so a crash loses little."""
         if not self.multiprocessing and self.commit_due():
-            self.commit(state=self.state_provider() if self.state_provider else None)
+            self.commit(state=self.buffer_state())
 
     state_provider: Callable[[], dict[str, Any]] | None = None
+
+    def buffer_state(self) -> dict[str, Any] | None:
+        """The owning buffer's state for the next commit record (None: keep the last one's)."""
+        return self.state_provider() if self.state_provider else None
 
     def metadata_changed(self) -> None:
         """Array shapes grew: refresh consolidated metadata before any row beyond the old shape is committed."""
@@ -343,7 +347,7 @@ class Store:
         that instant the store is "after"); the chunks are then moved into place.
         """
         self._check_writable()
-        self.commit(state=self.state_provider() if self.state_provider else None)
+        self.commit(state=self.buffer_state())
         prefix = f"{STAGING_DIR}/{self.committed.generation + 1}"
         staged: dict[str, list[int]] = {}
         fields: dict[str, MappedField | ChunkedField] = {}

@@ -78,9 +78,12 @@ class Table:
             self._match_allocation()
             self._write_block(arrays, n)
         else:
-            if n > cap:
-                # Only the last `capacity` rows of an oversized batch survive: the skipped rows
-                # would be evicted by this very extend, so they are never written or counted.
+            eager = n >= 2 * cap
+            if eager:
+                # Only the last `capacity` rows of the batch survive and every old row goes: the
+                # skipped rows are never written (so they are never counted), the ring is committed
+                # empty, then refilled and committed block by block.  A smaller batch is written
+                # whole, so the ring stays full (old rows evicted as they are overwritten).
                 skip = n - cap
                 self.store.ensure_evicted(self, st.end + skip, 0)
                 arrays = [a[skip:] for a in arrays]
@@ -91,6 +94,8 @@ class Table:
                 m = min(self.guard, n - pos)
                 self.store.ensure_evicted(self, st.end + m - cap, self.guard)
                 self._write_block([a[pos : pos + m] for a in arrays], m)
+                if eager:
+                    self.store.commit(state=self.store.buffer_state())
         self.store.after_write()
 
     def _write_block(self, arrays: Sequence[np.ndarray], n: int) -> None:
