@@ -98,7 +98,8 @@ class Head:
         """
         w = f"{where}: {HEAD_KEY}"
         if not isinstance(obj, dict):
-            raise DamagedStoreError(f"{w} is a JSON {type(obj).__name__}; expected an object")
+            what = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(obj), "a number")
+            raise DamagedStoreError(f"{w} is JSON {what}; expected an object")
         version = obj.get("format_version", FORMAT_VERSION)
         if type(version) is not int or version < 1:
             raise DamagedStoreError(f"{w}: format_version is {version!r}; expected an integer from 1")

@@ -265,7 +265,7 @@ def check_schema(attrs: Any, where: str) -> dict[str, TableSchema]:
     if _depth_exceeds(attrs, MAX_DEPTH):
         raise DamagedStoreError(f"{where}: the trajstore attributes nest deeper than {MAX_DEPTH} levels")
     kind = attrs.get("kind")
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise DamagedStoreError(f"{where}: kind is {_name_value(kind)}; expected one of {', '.join(_KINDS)}")
     tables_j = _dict(attrs.get("tables"), "tables", where)
     if "step_data" not in tables_j or any(t not in _KINDS[kind] for t in tables_j):
@@ -410,9 +410,27 @@ def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
             or (f.layout == "raw" and len(names) != 1):
         raise DamagedStoreError(f"{where}: {key} codecs are {_name_value(names)}; expected 'bytes' (little-endian)"
                                 + (" alone (raw layout)" if f.layout == "raw" else " then compressors"))
+    unknown = [n for n in names[1:] if not _known_codec(n)]
+    if unknown:
+        raise DamagedStoreError(f"{where}: {key} names codec(s) {_name_value(unknown)} that zarr does not know")
     if meta.get("storage_transformers") not in (None, []):
         raise DamagedStoreError(f"{where}: {key} has storage transformers; trajstore stores none")
+    fill = meta.get("fill_value")
+    if not (type(fill) in (int, float, bool) or (isinstance(fill, str) and len(fill) <= 32)):
+        raise DamagedStoreError(f"{where}: {key} fill_value is {_name_value(fill)}; expected a number")
     return rows
+
+
+def _known_codec(name: str) -> bool:
+    """A codec zarr can instantiate (checked so that a misspelt or foreign codec is reported as
+    such, not as zarr's error while opening the group)."""
+    from zarr.registry import get_codec_class
+
+    try:
+        get_codec_class(name)
+    except Exception:  # KeyError, or an entry point that fails to load
+        return False
+    return True
 
 
 # -- commit record against the schema --------------------------------------------------------------

@@ -235,7 +235,7 @@ class Store:
         except TrajstoreError:
             raise
         except Exception as e:
-            raise DamagedStoreError(f"{loc.url}: the root zarr.json cannot be read ({type(e).__name__}: {e})") from None
+            raise DamagedStoreError(f"{loc.url}: zarr cannot open the store's metadata ({type(e).__name__}: {e})") from None
         lock = None
         if not read_only and loc.is_local:
             for key in (LOCK_KEY, MPLOCK_KEY):  # WriterLock opens them with O_CREAT: never through a link
@@ -288,11 +288,12 @@ class Store:
         """
         self._check_writable()
         fsync = self.fsync if fsync is None else fsync
-        for t in self.tables.values():
-            for f in t.fields:
-                f.flush(fsync)
+        evict = evict or {}
+        ends = {name: t.flush(fsync, evict.get(name)) for name, t in self.tables.items()}
         head = self._current_head()
-        for name, min_start in (evict or {}).items():
+        for name, end in ends.items():
+            head.tables[name].end = end  # an eviction record may leave a compressed ring's last chunk out
+        for name, min_start in evict.items():
             st = head.tables[name]
             st.start = max(st.start, min(min_start, st.end))
         if state is not None:
@@ -507,6 +508,8 @@ def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
     if type(version) is not int or version < 1:
         raise DamagedStoreError(f"{loc.url}: format_version is {version!r:.40} ({type(version).__name__}); expected "
                                 f"an integer from 1 to {FORMAT_VERSION}")
+    if not isinstance(attrs.get("kind"), str):
+        raise DamagedStoreError(f"{loc.url}: kind is {attrs.get('kind')!r:.40}; expected a string such as 'ReplayBuffer'")
     return attrs
 
 

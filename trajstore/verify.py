@@ -100,9 +100,10 @@ def _load_json(loc: Location, key: str) -> tuple[Any, str | None]:
         raw = loc.get(key)
         if raw is None:
             return None, None
-        return load_json(raw, str(loc.url), key), None
+        obj = load_json(raw, str(loc.url), key)
     except DamagedStoreError as e:
         return None, _why(e)
+    return (obj, None) if obj is not None else (None, "JSON null; expected an object")
 
 
 def _why(e: Exception) -> str:
