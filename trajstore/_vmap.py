@@ -40,13 +40,29 @@ if SUPPORTED:
     _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _libc.msync.restype = ctypes.c_int
     _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
+    if _fallocate is not None:
+        _fallocate.restype = ctypes.c_int
+        _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+else:
+    _fallocate = None
 
 
-# posix_fallocate's answers for "this filesystem cannot preallocate" (glibc already emulates
-# it by writing a byte per block where the kernel lacks fallocate; musl and some FUSE/network
-# filesystems answer with one of these instead).
+# Answers of posix_fallocate / fallocate for "this filesystem cannot preallocate" (glibc's
+# posix_fallocate emulates it by writing a byte per block where the kernel lacks fallocate;
+# musl and some FUSE/network filesystems answer with one of these instead).
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-_ZEROS = bytes(1 << 20)
+
+
+def _fallocate_in_place(fd: int, nbytes: int) -> None:
+    """The ``fallocate(2)`` system call itself, mode 0: allocates holes, never writes content
+    (unlike glibc's posix_fallocate fallback, which writes a zero byte into every block that
+    reads as zero: a race with another process writing that block)."""
+    if _fallocate is None:
+        raise OSError(errno.ENOSYS, "fallocate is not available")
+    if _fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
@@ -60,19 +76,21 @@ def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
     wrote meanwhile (a known, documented gap: such filesystems keep the SIGBUS risk for chunk
     files created sparse by earlier trajstore versions, and only for those).
     """
-    fallocate = getattr(os, "posix_fallocate", None)
-    if fallocate is not None:
-        try:
-            fallocate(fd, 0, nbytes)
-            return
-        except OSError as e:
-            if e.errno not in _UNSUPPORTED:
-                raise
+    try:
+        if fresh:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            _fallocate_in_place(fd, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in _UNSUPPORTED:
+            raise
     if not fresh:
         return
+    zeros = memoryview(bytes(min(nbytes, 1 << 20)))
     pos = 0
     while pos < nbytes:
-        pos += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), nbytes - pos)], pos)
+        pos += os.pwrite(fd, zeros[: min(len(zeros), nbytes - pos)], pos)
 
 
 def allocated_bytes(st: os.stat_result) -> int:
