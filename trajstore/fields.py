@@ -346,7 +346,9 @@ class MappedField:
     def drop_cache(self) -> None:
         """Nothing to drop: mapped pages are the files themselves."""
 
-    def flush(self, fsync: bool) -> None:
+    def flush(self, fsync: bool, hold: int | None = None) -> None:
+        """Rows are in the page cache as soon as they are written; ``fsync`` makes them durable
+        (``hold`` is for compressed fields: a mapped chunk needs no writing out)."""
         if fsync:
             for k in sorted(self._synced):
                 if self._va.mapped[k]:
@@ -529,10 +531,13 @@ class ChunkedField:
             if k not in self._dirty:
                 del self._cache[k]
 
-    def flush(self, fsync: bool) -> None:
-        """Write every dirty chunk out whole (zarr never has to read-modify-write)."""
+    def flush(self, fsync: bool, hold: int | None = None) -> None:
+        """Write every dirty chunk out whole (zarr never has to read-modify-write), except chunk
+        ``hold`` (the one a ring eviction record leaves out: it is still being filled)."""
         shape0 = self.z.shape[0]
         for k in sorted(self._dirty):
+            if k == hold:
+                continue  # the chunk a ring is filling: written once it is complete
             hi = min((k + 1) * self.C, shape0)
             try:
                 # zarr writes the chunk to a temp file and renames it (removing the temp on error):

@@ -111,6 +111,28 @@ class Table:
         for listener in self.listeners:
             listener(lo, arrays)
 
+    def flush(self, fsync: bool, evicting_to: int | None = None) -> int:
+        """Write buffered rows out (compressed fields keep dirty chunks in RAM); returns the end
+        (absolute) of the rows now in the store's files.
+
+        For a ring's eviction record (``evicting_to``: the start it will name), a compressed field
+        keeps the chunk it is filling, so a ring that commits every ``guard`` rows writes each
+        chunk once per lap instead of once per record; the record then ends at that chunk's first
+        row, unless that would leave the ring less than half full.
+        """
+        end = self.state.end
+        holds: list[int | None] = [None] * len(self.fields)
+        if evicting_to is not None and self.capacity is not None:
+            p = end % self.capacity
+            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if isinstance(f, ChunkedField) and p % f.C]
+            if held and end - max(r for _j, _k, r in held) - evicting_to >= self.capacity // 2:
+                for j, k, _r in held:
+                    holds[j] = k
+                end -= max(r for _j, _k, r in held)
+        for f, hold in zip(self.fields, holds):
+            f.flush(fsync, hold)
+        return end
+
     def _grow(self, needed: int) -> None:
         new = max(self.state.allocated * 2, needed, 1)
         new = -(-new // max(f.C for f in self.fields)) * max(f.C for f in self.fields)
