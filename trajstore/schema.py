@@ -296,36 +296,92 @@ def check_schema(attrs: Any, where: str) -> dict[str, TableSchema]:
 
 
 # -- spaces against fields ------------------------------------------------------------------------
-def _precheck_space(obj: Any, where: str) -> None:
-    """Bound every shape a space JSON names before gymnasium builds arrays of it."""
-    stack = [obj]
+def _space_dtype(o: dict[str, Any], kinds: str, what: str, where: str, default: str | None = None) -> np.dtype:
+    """A leaf space's dtype (byte order dropped: arrays are little-endian), one of the plain ones."""
+    name = o.get("dtype", default)
+    try:
+        dt = np.dtype(name) if isinstance(name, str) and len(name) <= 16 else None
+    except TypeError:
+        dt = None
+    plain = None if dt is None or dt.kind not in kinds else _DTYPE_NAMES.get(dt.str.lstrip("<>|="))
+    if plain is None:
+        raise DamagedStoreError(f"{where}: {what} dtype is {_name_value(name)}; expected a plain dtype of kind {kinds!r}")
+    return plain
+
+
+def _positive_ints(v: Any, what: str, where: str) -> None:
+    """Every number in ``v`` (a number or nested lists of them) is an int >= 1 (gymnasium asserts it)."""
+    stack = [v]
     while stack:
-        o = stack.pop()
-        if isinstance(o, list):
-            stack.extend(o)
-            continue
-        if not isinstance(o, dict):
-            continue
-        t = o.get("type")
-        if t in ("Box", "MultiDiscrete") and "shape" in o:
-            check_shape(o["shape"], f"space {t} shape", where)
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif type(x) is not int or x < 1:
+            raise DamagedStoreError(f"{where}: {what} holds {_name_value(x)}; expected integers >= 1")
+
+
+def _space_leaves(space: Any, where: str) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """``(leaf name, row shape, dtype)`` of every leaf of a space JSON (``space_to_json``), in
+    ``trajstore.spaces.leaves`` order, read from the JSON alone: no bounds array is built, and
+    nesting is walked without recursion.  Parameters gymnasium asserts on are checked too."""
+    out: list[tuple[str, tuple[int, ...], np.dtype]] = []
+    stack: list[tuple[Any, str]] = [(space, "")]
+    while stack:
+        o, name = stack.pop()
+        what = f"space {'at ' + repr(name) if name else '(root)'}"
+        if not isinstance(o, dict) or not isinstance(o.get("type"), str):
+            raise DamagedStoreError(f"{where}: {what} is {_name_value(o)}; expected an object with a string 'type'")
+        t = o["type"]
+        if t in ("Dict", "Tuple"):
+            subs = o.get("spaces")
+            if t == "Dict" and isinstance(subs, dict):
+                subs = list(subs.items())
+            subs = _list(subs, f"{what} spaces", where, MAX_FIELDS)
+            if not subs:
+                raise DamagedStoreError(f"{where}: {what} is an empty {t}")
+            children = []
+            for i, sub in enumerate(subs):
+                if t == "Dict":
+                    if not (isinstance(sub, (list, tuple)) and len(sub) == 2):
+                        raise DamagedStoreError(f"{where}: {what} entries must be [key, space] pairs; got {_name_value(sub)}")
+                    key, sub = sub
+                    if not isinstance(key, str) or not key or "/" in key or key.startswith(("__", ".")) \
+                            or _BAD_CHARS.search(key) or key == "zarr.json":
+                        raise DamagedStoreError(f"{where}: {what} has Dict key {_name_value(key)}; keys are non-empty "
+                                                "strings without '/' that do not start with '__' or '.'")
+                else:
+                    key = str(i)
+                children.append((sub, f"{name}/{key}" if name else key))
+            stack.extend(reversed(children))  # depth-first, in order
+        elif t == "Box":
+            out.append((name, check_shape(o.get("shape"), f"{what} shape", where), _space_dtype(o, "biuf", what, where)))
+        elif t == "Discrete":
+            check_int(o.get("n"), f"{what} n", where, 1)
+            check_int(o.get("start", 0), f"{what} start", where, -MAX_INT)
+            out.append((name, (), _space_dtype(o, "iu", what, where, "int64")))
+        elif t == "MultiDiscrete":
+            shape = check_shape(o.get("shape"), f"{what} shape", where)
+            _positive_ints(o.get("nvec"), f"{what} nvec", where)
+            out.append((name, shape, _space_dtype(o, "iu", what, where)))
         elif t == "MultiBinary":
             n = o.get("n")
-            check_shape([n] if type(n) is int else n, "space MultiBinary n", where)
-        if t in ("Dict", "Tuple"):
-            stack.append(o.get("spaces"))
+            shape = check_shape([n] if type(n) is int else n, f"{what} n", where)
+            _positive_ints(list(shape), f"{what} n", where)
+            out.append((name, shape, np.dtype(np.int8)))
+        else:
+            raise DamagedStoreError(f"{where}: {what} has type {_name_value(t)}; trajstore stores Box, Discrete, "
+                                    "MultiDiscrete, MultiBinary, Dict and Tuple")
+    return out
 
 
-def _expected_fields(kind: str, table: str, space: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+def _expected_fields(kind: str, table: str, space: Any, where: str) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(path, shape, dtype) of each field a buffer of ``kind`` stores for ``space`` in ``table``
-    (replay_buffer._table_spec, trajectory._field_paths / _specs)."""
-    from .spaces import leaves
-
+    (as replay_buffer._table_spec and trajectory._field_paths / _specs lay them out)."""
     out = []
     root_leaf = "value" if table == "episode_data" else None
-    for leaf in leaves(space):
-        path = f"{table}/{leaf.name}" if leaf.name else (f"{table}/{root_leaf}" if root_leaf else table)
-        out.append((path, leaf.shape, np.dtype(leaf.dtype)))
+    for name, shape, dtype in _space_leaves(space, where):
+        path = f"{table}/{name}" if name else (f"{table}/{root_leaf}" if root_leaf else table)
+        out.append((path, shape, dtype))
     if kind == "TrajectoryReplayBuffer":
         ids = "step_episode_ids" if table == "step_data" else "episode_data/_episode_id"
         out.append((ids, (), np.dtype(np.int64)))
@@ -333,22 +389,14 @@ def _expected_fields(kind: str, table: str, space: Any) -> list[tuple[str, tuple
 
 
 def _check_spaces(attrs: dict[str, Any], kind: str, tables: dict[str, TableSchema], where: str) -> None:
-    from .spaces import space_from_json
-
+    """The stored spaces are well formed and their leaves are exactly the tables' fields.  (The
+    buffer decodes the spaces itself, bounds included: ``trajstore.spaces.space_from_json``.)"""
     spaces = _dict(attrs.get("spaces"), "spaces", where)
     if set(spaces) != set(tables):
         raise DamagedStoreError(f"{where}: spaces are given for {sorted(map(str, spaces))}; the tables are "
                                 f"{sorted(tables)}")
     for name, t in tables.items():
-        _precheck_space(spaces[name], where)
-        try:
-            space = space_from_json(spaces[name])
-            want = _expected_fields(kind, name, space)
-        except TrajstoreError as e:
-            raise DamagedStoreError(f"{where}: the stored space of table {name!r} is malformed ({e})") from None
-        except Exception as e:  # gymnasium's own checks (e.g. low > high)
-            raise DamagedStoreError(f"{where}: the stored space of table {name!r} is malformed "
-                                    f"({type(e).__name__}: {e})") from None
+        want = _expected_fields(kind, name, spaces[name], where)
         have = [(f.path, f.shape, f.dtype) for f in t.fields]
         if have != want:
             diff = next(((h, w) for h, w in zip(have, want) if h != w), (have[len(want):] or None, want[len(have):] or None))

@@ -33,6 +33,7 @@ from .head import HEAD_KEY, Head, TableState
 from .ring import contiguous_runs
 from .schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
                      check_schema, load_json)
+from .spaces import space_from_json
 from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
 from .store import ATTRS_KEY, check_attrs
 
@@ -230,6 +231,11 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
             raise DamagedStoreError(f"{loc.url}: zarr.json is not zarr v3 group metadata (zarr_format "
                                     f"{root.get('zarr_format')!r:.20}, node_type {root.get('node_type')!r:.20})")
         sc.schema = check_schema(attrs, str(loc.url))
+        for name, sj in attrs["spaces"].items():  # what a buffer decodes when it opens (bounds included)
+            try:
+                space_from_json(sj)
+            except TrajstoreError as e:
+                raise DamagedStoreError(f"{loc.url}: the space of table {name!r} does not decode ({e})") from None
     except DamagedStoreError as e:
         rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({_why(e)}); "
                                 "the store cannot be opened"))
