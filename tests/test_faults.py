@@ -242,17 +242,13 @@ def _short(ids: list[int]) -> str:
 NOT_WRAPPED: set[str] = set()
 
 
-_REWRITE_XFAIL = [pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
-    "trajstore/store.py Store.rewrite: after a fault at or after the staged commit record, the writer's "
-    "in-memory state and the chunks on disk disagree (apply_state is not undone when the record write "
-    "fails; a half-done roll forward is dropped by the next commit, whose record has no 'pending'), so "
-    "its next commit names a mix"))]
+_REWRITE_SLOW = [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("layout", ["raw", "lz4"])
 @pytest.mark.parametrize("op,same_writer", [
     ("extend", True), ("flush", True), ("set_at", False), ("remove_at", False),
-    pytest.param("set_at", True, marks=_REWRITE_XFAIL), pytest.param("remove_at", True, marks=_REWRITE_XFAIL)])
+    pytest.param("set_at", True, marks=_REWRITE_SLOW), pytest.param("remove_at", True, marks=_REWRITE_SLOW)])
 def test_injected_faults_leave_one_intact_commit_and_a_working_writer(tmp_path, monkeypatch, layout, op, same_writer):
     """Every call an operation makes to the file-writing functions fails in turn (ENOSPC, then EIO
     for a sample): the operation raises that error; the store on disk holds the rows from before
@@ -322,9 +318,6 @@ def test_full_disk_on_a_new_chunk_file_is_store_full_error_and_changes_nothing(t
     assert _read_ids(path, "after space returned") == list(range(70))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trajstore/table.py RowStager.drain sets n = 0 before Table.extend: when the extend raises, every "
-    "row appended (and accepted) since the last drain is dropped without a word"))
 def test_rows_appended_before_a_full_disk_are_kept(tmp_path, monkeypatch):
     """append stages rows and writes them a block at a time: when the block write meets a full
     disk, the rows of earlier append calls (which returned normally) must not be lost; only the

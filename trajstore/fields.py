@@ -518,8 +518,11 @@ class ChunkedField:
     def remap(self, ks: list[int], prefix: str = "") -> None:
         """Forget cached copies of ``ks``; with ``prefix``, read them from the staging area."""
         for k in ks:
-            self._cache.pop(k, None)
-            self._dirty.discard(k)
+            if k not in self._dirty or prefix:
+                # A dirty chunk is newer than any file: the writer wrote rows into it after a
+                # roll forward failed part-way (it was read from staging); it is written at the flush.
+                self._cache.pop(k, None)
+                self._dirty.discard(k)
             if prefix:
                 self._override[k] = prefix
             else:

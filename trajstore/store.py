@@ -287,6 +287,8 @@ class Store:
         rows (the writer is about to overwrite their slots): see :meth:`ensure_evicted`.
         """
         self._check_writable()
+        if self.committed.pending:  # a rewrite whose chunks could not all be moved into place
+            self._roll_forward(self.committed)
         fsync = self.fsync if fsync is None else fsync
         evict = evict or {}
         ends = {name: t.flush(fsync, evict.get(name)) for name, t in self.tables.items()}
@@ -356,6 +358,7 @@ class Store:
             f.stage_chunk(prefix, k, data)
             staged.setdefault(f.spec.array_path, []).append(k)
             fields[f.spec.array_path] = f
+        before = {name: TableState(t.state.start, t.state.end, t.state.allocated) for name, t in self.tables.items()}
         apply_state()
         head = self._current_head()
         if self.state_provider:
@@ -364,8 +367,32 @@ class Store:
         head.pending = {"prefix": prefix, "chunks": staged}
         if self.fsync and self.loc.is_local:
             os.sync()
-        self._write_head(head)
-        self._roll_forward(head)
+        try:
+            self._write_head(head)
+        except BaseException:
+            if self._on_disk_generation() != head.generation:
+                # The record naming the change is not there: the store is still "before", and so
+                # is this writer again (the staged chunks are orphans, removed by a later open).
+                for name, st in before.items():
+                    self.tables[name].state = st
+                for listener in self.refresh_listeners:
+                    listener()
+                raise
+            self.committed = head  # written after all (a later step, e.g. an fsync, failed)
+        try:
+            self._roll_forward(head)
+        except BaseException:
+            # The store is "after": until a later commit finishes moving the staged chunks into
+            # place (commit() retries first), this writer reads them where they are staged.
+            self._apply_pending(head.pending, staged=True)
+            raise
+
+    def _on_disk_generation(self) -> int | None:
+        """Generation of the commit record on disk (None when it cannot be read)."""
+        try:
+            return read_head(self.loc).generation
+        except Exception:
+            return None
 
     def _roll_forward(self, head: Head) -> None:
         """Move staged chunks into place and commit a record without ``pending``.

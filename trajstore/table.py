@@ -276,6 +276,16 @@ class RowStager:
             self.drain()
 
     def drain(self) -> None:
+        """Hand the staged rows to the table.  If that fails (a full disk), the rows it did not
+        write stay staged, so rows of ``append`` calls that returned are never dropped."""
         if self.n:
-            n, self.n = self.n, 0
-            self.table.extend([b[:n] for b in self.bufs], n)
+            n, end = self.n, self.table.state.end
+            try:
+                self.table.extend([b[:n] for b in self.bufs], n)
+            except BaseException:
+                done = min(max(self.table.state.end - end, 0), n)  # rows written and counted
+                for b in self.bufs:
+                    b[: n - done] = b[done:n]
+                self.n = n - done
+                raise
+            self.n = 0
