@@ -182,6 +182,15 @@ class ZipWriter(ZipStore):
         self._erase_old()
         self._abandon()
 
+    def abort(self) -> None:
+        """Give up: drop what was written (the temp file) and leave the target as it was.  For a
+        copy that failed half way; :meth:`close` would publish the partial zip."""
+        self._is_open = False
+        if self._old is not None:
+            self._old.close()
+            self._old = None
+        self._abandon()
+
     def close(self) -> None:
         """Finish the zip and rename it onto the target (nothing happens when nothing was
         written).  On failure the temp file is removed and the target left as it was."""
