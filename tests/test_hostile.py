@@ -58,9 +58,10 @@ def _make_rb(path: Path, compressor: str | None) -> None:
 
 
 def _make_traj(path: Path, compressor: str | None) -> None:
-    kw = {} if compressor is None else dict(compressor=compressor, chunk_rows=64)
+    kw = dict(chunk_rows=64) if compressor is None else dict(compressor=compressor, chunk_rows=64)
     tb = TrajectoryReplayBuffer.create(Box(-1.0, 1.0, (2,), np.float32), cache_path=path,
-                                       episode_data_instance_space=Box(-1.0, 1.0, (), np.float32), **kw)
+                                       episode_data_instance_space=Box(-1.0, 1.0, (), np.float32),
+                                       episode_data_storage_kwargs={"chunk_rows": 64}, **kw)
     for e in range(3):
         tb.extend(np.full((40, 2), e / 10, np.float32))
         tb.set_current_episode_data(np.float32(e / 10))
@@ -336,8 +337,8 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("pending-prefix-absolute", TWO, lambda s, o: edit_head(_pending(str(o / "victim"), {}))(s, o)),
     ("pending-chunks-unknown-field", TWO, edit_head(_pending(".trajstore-staging/7", {"nope": [0]}))),
     ("pending-chunks-dotdot-field", TWO, edit_head(_pending(".trajstore-staging/7", {"../outside/victim": [0]}))),
-    ("pending-chunk-negative", ("rb-raw", "rb-lz4"), edit_head(_pending(".trajstore-staging/7", {"step_data/a": [-1]}))),
-    ("pending-chunk-huge", ("rb-raw", "rb-lz4"), edit_head(_pending(".trajstore-staging/7", {"step_data/a": [10 ** 12]}))),
+    ("pending-chunk-negative", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", {"step_data/a": [-1]}))),
+    ("pending-chunk-huge", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", {"step_data/a": [10 ** 12]}))),
     ("pending-chunk-str", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", {"step_data/a": ["0"]}))),
     ("pending-chunks-list", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", [0]))),
     ("pending-not-object", ("rb-raw",), edit_head(lambda h: h.update(pending=[1, 2]))),
@@ -347,24 +348,24 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("tmp-link-stale-lock", ("rb-raw", "traj-lz4"), both(_tmp_link, stale_lock)),
     ("lock-link", ("rb-raw", "traj-lz4"), _lock_link),
     ("lock-fifo", ("rb-raw",), replace_with("trajstore.lock", "fifo")),
-    ("field-path-dotdot", ("rb-raw", "rb-lz4"), _field_path("step_data/../../outside/x")),
-    ("field-path-absolute", ("rb-raw", "rb-lz4"), lambda s, o: _field_path(str(o / "absdir"))(s, o)),
+    ("field-path-dotdot", ("rb-lz4",), _field_path("step_data/../../outside/x")),
+    ("field-path-absolute", ("rb-lz4",), lambda s, o: _field_path(str(o / "absdir"))(s, o)),
     ("field-path-other-table", ("rb-raw",), _field_path("episode_data/obs")),
     ("field-path-hidden", ("rb-raw",), _field_path("step_data/.trajstore-staging")),
     ("field-path-not-str", ("rb-raw",), _field_path(["step_data", "obs"])),
     ("field-paths-nested", ("rb-raw",), edit_attrs(set_field(1, path="step_data/obs/c"))),
     ("chunk-link-out", ALL, lambda s, o: _chunk_link_out(OBS_CHUNK[s.name.split("__")[0]], 1 << 20)(s, o)),
-    ("chunk-folder-link-out", ("rb-raw", "rb-lz4"), _dir_link_out("step_data/obs/c")),
-    ("array-folder-link-out", ("rb-raw", "rb-lz4"), _dir_link_out("step_data/obs")),
+    ("chunk-folder-link-out", ("rb-lz4",), _dir_link_out("step_data/obs/c")),
+    ("array-folder-link-out", ("rb-lz4",), _dir_link_out("step_data/obs")),
     ("table-folder-link-out", TWO, _dir_link_out("step_data")),
     ("head-link-out", TWO, _head_link_out),
     ("root-link-out", ("rb-raw", "traj-lz4"), _root_link_out),
-    ("array-meta-link-out", ("rb-raw", "rb-lz4"), replace_with("step_data/obs/zarr.json", "link",
+    ("array-meta-link-out", ("rb-lz4",), replace_with("step_data/obs/zarr.json", "link",
                                                               "outside:obs_zarr.json")),
     # -- 6. hostile files ------------------------------------------------------------------------
     ("head-fifo", TWO, replace_with(HEAD, "fifo")),
     ("root-fifo", ("rb-raw", "traj-lz4"), replace_with("zarr.json", "fifo")),
-    ("array-meta-fifo", ("rb-raw", "rb-lz4"), replace_with("step_data/obs/zarr.json", "fifo")),
+    ("array-meta-fifo", ("rb-lz4",), replace_with("step_data/obs/zarr.json", "fifo")),
     ("group-meta-fifo", ("rb-raw",), replace_with("step_data/zarr.json", "fifo")),
     ("dataset-fifo", ("rb-raw",), replace_with("trajstore.dataset.json", "fifo")),
     ("head-dev-zero", TWO, replace_with(HEAD, "link", "/dev/zero")),
@@ -374,7 +375,7 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("chunk-fifo", ALL, lambda s, o: replace_with(OBS_CHUNK[s.name.split("__")[0]], "fifo")(s, o)),
     ("head-huge", ("rb-raw",), _huge_head),
     ("root-huge", ("rb-raw",), _huge_root),
-    ("row-shape-12000x12000", ("rb-raw", "rb-lz4"), _huge_row_shape),
+    ("row-shape-12000x12000", ("rb-lz4",), _huge_row_shape),
     ("chunk-rows-1-rows-1e9", ("rb-lz4", "traj-lz4"), _one_billion_rows),
     ("head-rows-1e9", ("rb-lz4", "traj-raw"), edit_head(lambda h: h["tables"]["step_data"].update(end=10 ** 9,
                                                                                                   allocated=10 ** 9))),
@@ -411,14 +412,14 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("field-dtype-object", ("rb-raw",), edit_attrs(set_field(0, dtype="O"))),
     ("field-dtype-void", ("rb-raw",), edit_attrs(set_field(0, dtype="V1000000000"))),
     ("field-dtype-unicode", ("rb-raw",), edit_attrs(set_field(0, dtype="<U10"))),
-    ("field-dtype-mismatch", ("rb-raw", "rb-lz4"), edit_attrs(set_field(0, dtype="f8"))),
+    ("field-dtype-mismatch", ("rb-lz4",), edit_attrs(set_field(0, dtype="f8"))),
     ("field-layout-unknown", ("rb-raw",), edit_attrs(set_field(0, layout="mmap"))),
-    ("field-layout-swapped", ("rb-raw", "rb-lz4"), edit_attrs(lambda a: [f.update(layout="compressed" if f["layout"] ==
+    ("field-layout-swapped", ("rb-lz4",), edit_attrs(lambda a: [f.update(layout="compressed" if f["layout"] ==
                                                                          "raw" else "raw")
                                                                for f in a["tables"]["step_data"]["fields"]])),
     ("field-chunk-rows-zero", ("rb-raw",), edit_attrs(set_field(0, chunk_rows=0))),
     ("field-chunk-rows-bool", ("rb-raw",), edit_attrs(set_field(0, chunk_rows=True))),
-    ("field-shape-mismatch-space", ("rb-raw", "rb-lz4"), edit_attrs(set_field(0, shape=[4]))),
+    ("field-shape-mismatch-space", ("rb-lz4",), edit_attrs(set_field(0, shape=[4]))),
     ("fields-reordered", ("traj-raw",), edit_attrs(lambda a: a["tables"]["step_data"]["fields"].reverse())),
     ("capacity-negative", ("rb-raw",), edit_attrs(lambda a: a["tables"]["step_data"].update(capacity=-5))),
     ("capacity-str", ("rb-raw",), edit_attrs(lambda a: a["tables"]["step_data"].update(capacity="2048"))),
@@ -428,11 +429,11 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("spaces-deep", ("rb-raw",), edit_attrs(_deep_spaces)),
     ("spaces-low-above-high", ("rb-raw",), edit_attrs(lambda a: a["spaces"]["step_data"]["spaces"][0][1].update(
         low=5.0, high=-5.0))),
-    ("array-meta-dtype", ("rb-raw", "rb-lz4"), edit_array("step_data/obs", lambda m: m.update(data_type="float64"))),
+    ("array-meta-dtype", ("rb-lz4",), edit_array("step_data/obs", lambda m: m.update(data_type="float64"))),
     ("array-meta-dtype-complex", ("rb-lz4",), edit_array("step_data/obs", lambda m: m.update(data_type="complex128"))),
-    ("array-meta-row-shape", ("rb-raw", "rb-lz4"), edit_array("step_data/obs", lambda m: m["shape"].__setitem__(1, 4))),
+    ("array-meta-row-shape", ("rb-lz4",), edit_array("step_data/obs", lambda m: m["shape"].__setitem__(1, 4))),
     ("array-meta-rows-negative", ("rb-lz4",), edit_array("step_data/obs", lambda m: m["shape"].__setitem__(0, -1))),
-    ("array-meta-chunks", ("rb-raw", "rb-lz4"), edit_array("step_data/obs", lambda m: m["chunk_grid"]["configuration"]
+    ("array-meta-chunks", ("rb-lz4",), edit_array("step_data/obs", lambda m: m["chunk_grid"]["configuration"]
                                                            ["chunk_shape"].__setitem__(0, 7))),
     ("array-meta-codec-raw", ("rb-raw",), edit_array("step_data/obs", lambda m: m["codecs"].append(
         {"name": "blosc", "configuration": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": 4,
@@ -569,7 +570,7 @@ def _exercise(kind: str, path: str) -> dict[str, Any]:
     rep = attempt("verify", lambda: verify_store(path, deep=True))
     out["verify_ok"] = None if rep is None else rep.ok
     out["verify_faults"] = [] if rep is None else [f.kind for f in rep.faults]
-    out["cli_verify"] = cli("verify", "--deep", path)
+    out["cli_verify"] = cli("verify", path)  # (verify_store above decoded every chunk)
     attempt("info", lambda: store_info(path))
     out["cli_info"] = cli("info", path)
     attempt("open_rw", write)
@@ -646,8 +647,11 @@ def _check_outcome(res: dict[str, Any]) -> list[str]:
             bad.append(f"the store does not open ({res.get('open_ro')}) but verify_store found no fault")
         if res["cli_verify"][0] == 0:
             bad.append("the store does not open but `trajstore verify` exits 0")
-    if res.get("verify") == "ok" and res["cli_verify"][0] != (0 if res["verify_ok"] else 1):
-        bad.append(f"verify_store ok={res['verify_ok']} but the CLI exits {res['cli_verify'][0]}")
+    # The CLI runs a shallow verify: it may pass a store whose only faults are chunks that do not decode.
+    shallow = [k for k in res.get("verify_faults", []) if k != "undecodable-chunk"]
+    code = res["cli_verify"][0]
+    if res.get("verify") == "ok" and ((shallow and code != 1) or (res["verify_ok"] and code != 0)):
+        bad.append(f"verify_store faults {res['verify_faults']} but the CLI exits {code}")
     if (res.get("info") == "ok") != (res["cli_info"][0] == 0):
         bad.append(f"store_info {res.get('info')!r} but `trajstore info` exits {res['cli_info'][0]}")
     return bad

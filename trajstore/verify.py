@@ -34,7 +34,7 @@ from .ring import contiguous_runs
 from .schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
                      check_schema, load_json)
 from .spaces import space_from_json
-from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
+from .storage import MAX_FILE_BYTES, STAGING_DIR, TMP_DIR, Location, resolve_location
 from .store import ATTRS_KEY, check_attrs
 
 __all__ = ["Fault", "VerifyReport", "verify_store"]
@@ -434,6 +434,12 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                     except (DamagedStoreError, FileNotFoundError) as e:
                         rep.faults.append(Fault("bad-chunk", key, f"{key}: {_why(e) if isinstance(e, DamagedStoreError) else 'not a file'}"
                                                 f"; table {name!r} rows {_fmt_rows(ranges)} are unreadable", name, ranges[0]))
+                        bad.extend(ranges)
+                        continue
+                    if size > MAX_FILE_BYTES:
+                        rep.faults.append(Fault("bad-chunk", key, f"{key}: holds {size} bytes, more than a chunk may "
+                                                f"({MAX_FILE_BYTES}); table {name!r} rows {_fmt_rows(ranges)} are "
+                                                "unreadable", name, ranges[0]))
                         bad.extend(ranges)
                         continue
                     if (a.raw and size != a.chunk_bytes) or size == 0:
