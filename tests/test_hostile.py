@@ -269,6 +269,17 @@ def _dir_link_out(rel: str) -> Callable[[Path, Path], None]:
     return tamper
 
 
+def _staged_chunk_link(store: Path, outside: Path) -> None:
+    """A valid pending rewrite whose staged chunk is a link to a file outside the store (a writer
+    rolling forward would move the link into place; a reader would map its target)."""
+    edit_head(_pending(".trajstore-staging/7", {"step_data/a": [0]}))(store, outside)
+    staged = store / ".trajstore-staging" / "7" / "step_data" / "a" / "c" / "0"
+    staged.parent.mkdir(parents=True)
+    victim = outside / "staged_victim.bin"
+    victim.write_bytes(b"\x01" * (1 << 16))
+    os.symlink(victim, staged)
+
+
 def _staging_link(store: Path, outside: Path) -> None:
     os.symlink(outside / "victim", store / ".trajstore-staging")
 
@@ -342,6 +353,7 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("pending-chunk-str", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", {"step_data/a": ["0"]}))),
     ("pending-chunks-list", ("rb-raw",), edit_head(_pending(".trajstore-staging/7", [0]))),
     ("pending-not-object", ("rb-raw",), edit_head(lambda h: h.update(pending=[1, 2]))),
+    ("staged-chunk-link", ("rb-raw", "rb-lz4"), _staged_chunk_link),
     ("staging-link-stale-lock", ("rb-raw", "rb-lz4", "traj-lz4"), both(_staging_link, stale_lock)),
     ("staging-sub-link-stale-lock", ("rb-raw", "traj-lz4"), both(_staging_sub_link, stale_lock)),
     ("tmp-link", ("rb-raw", "traj-lz4"), _tmp_link),
@@ -419,6 +431,8 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
                                                                for f in a["tables"]["step_data"]["fields"]])),
     ("field-chunk-rows-zero", ("rb-raw",), edit_attrs(set_field(0, chunk_rows=0))),
     ("field-chunk-rows-bool", ("rb-raw",), edit_attrs(set_field(0, chunk_rows=True))),
+    ("field-chunk-rows-nan", ("rb-raw",), edit_attrs(set_field(0, chunk_rows=float("nan")))),
+    ("capacity-infinity", ("rb-raw",), edit_attrs(lambda a: a["tables"]["step_data"].update(capacity=float("inf")))),
     ("field-shape-mismatch-space", ("rb-lz4",), edit_attrs(set_field(0, shape=[4]))),
     ("fields-reordered", ("traj-raw",), edit_attrs(lambda a: a["tables"]["step_data"]["fields"].reverse())),
     ("capacity-negative", ("rb-raw",), edit_attrs(lambda a: a["tables"]["step_data"].update(capacity=-5))),

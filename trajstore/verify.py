@@ -389,6 +389,14 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
             # Staged chunks (a pending rewrite) count as present while their staged file exists.
             staged_here = {k for k in staged.get(path, ()) if prefix is not None and loc.exists(f"{prefix}/{a.chunk_key(k)}")}
             present = sorted(set(ks_sorted) | staged_here)
+            for k in sorted(staged_here):  # a writer moves these into place: they must be plain files
+                key = f"{prefix}/{a.chunk_key(k)}"
+                try:
+                    _size(loc, key)
+                except (DamagedStoreError, FileNotFoundError) as e:
+                    rep.faults.append(Fault("bad-chunk", key, f"{key}: staged chunk of the pending rewrite: "
+                                            f"{_why(e) if isinstance(e, DamagedStoreError) else 'not a file'}", name))
+                    bad.append((0, st.count))
             wanted: list[tuple[int, int]] = []
             for p, off, m in runs:
                 k0, k1 = p // C, (p + m - 1) // C
