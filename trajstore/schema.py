@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import DamagedStoreError, FormatVersionError, NotATrajstoreError, TrajstoreError
+from .errors import DamagedStoreError, FormatVersionError, NotATrajstoreError
 
 __all__ = [
     "MAX_INT", "MAX_ROW_ELEMENTS", "MAX_CHUNK_BYTES", "MAX_CHUNKS", "MAX_ARRAY_BYTES", "MAX_FIELDS", "MAX_DEPTH",

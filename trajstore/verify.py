@@ -403,7 +403,7 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                 wanted.append((k0, k1))
                 rep.checked["chunks"] += k1 - k0 + 1
 
-                def rows_of(k: int, p: int = p, off: int = off, m: int = m) -> tuple[int, int]:
+                def rows_of(k: int, p: int = p, off: int = off, m: int = m, C: int = C) -> tuple[int, int]:
                     lo, hi = max(p, k * C), min(p + m, (k + 1) * C)
                     return off + lo - p, off + hi - p
 
