@@ -343,10 +343,6 @@ def test_rows_appended_before_a_full_disk_are_kept(tmp_path, monkeypatch):
     rb.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trajstore/table.py Table._write_block (rings): the state keeps counting the rows whose slots a "
-    "failed block write may have half overwritten (st.start advances only after the write), so the next "
-    "commit names torn rows; fix: before writing, st.start = max(st.start, st.end + n - capacity)"))
 def test_a_failed_ring_write_never_commits_torn_rows(tmp_path, monkeypatch):
     """A full ring's block write fails after its first field was written (EIO from the second
     field's pwrite): the rows whose slots were overwritten are gone, never committed torn."""

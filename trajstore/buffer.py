@@ -239,6 +239,7 @@ class StoredBuffer(BatchBase):
         ``fsync`` option (default False: safe against process crashes only)."""
         if self.read_only:
             return
+        self._store._check_writable()
         if self._store.multiprocessing:
             # Under the op lock, on top of the other writers' latest commit: committing this
             # handle's stale view would drop their rows.
@@ -280,7 +281,8 @@ class StoredBuffer(BatchBase):
         if self._closed:
             return
         try:
-            self.flush()
+            if not self._store.forked:  # a forked child's copy: the parent commits, not us
+                self.flush()
         finally:
             self._store.close()
             self._closed = True

@@ -23,7 +23,6 @@ mapped, so a store into a mapping never meets a full disk (which would be ``SIGB
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 from collections import OrderedDict
@@ -34,8 +33,8 @@ import numpy as np
 import zarr
 
 from . import _vmap
-from .errors import DamagedStoreError, StoreFullError
-from .storage import Location, fsync_dir
+from .errors import DamagedStoreError
+from .storage import Location, full_disk as _full_disk, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
 
@@ -48,20 +47,6 @@ COMPRESSED_CHUNK_BYTES = 1 << 20
 PWRITE_BYTES = 64 << 10
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
 CACHE_BYTES = 256 << 20
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _full_disk(e: OSError, path: Any, what: str) -> OSError:
-    """``e`` as a :class:`StoreFullError` naming ``path`` and what failed, when it says the
-    filesystem is full; otherwise ``e`` itself (EIO and friends keep their type)."""
-    if isinstance(e, StoreFullError) or e.errno not in _FULL:
-        return e
-    err = StoreFullError(e.errno, f"{what}: {os.strerror(e.errno)}; free space and write again (rows committed "
-                                  "before stay intact)", os.fspath(path) if path is not None else None)
-    err.__cause__ = e
-    return err
 
 
 def chunk_key(array_path: str, k: int, ndim: int) -> str:

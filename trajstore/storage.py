@@ -25,7 +25,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, ZipStore
 
-from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
+from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreFullError, StoreNotFoundError
 
 __all__ = ["Location", "resolve_location", "TMP_DIR", "STAGING_DIR", "ConfinedLocalStore", "MAX_META_BYTES",
            "MAX_HEAD_BYTES", "MAX_FILE_BYTES", "check_key"]
@@ -360,6 +360,20 @@ class ConfinedLocalStore(LocalStore):
             yield name
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk(e: OSError, path: Any, what: str) -> OSError:
+    """``e`` as a :class:`StoreFullError` naming ``path`` and what failed, when it says the
+    filesystem is full; otherwise ``e`` itself (EIO and friends keep their type)."""
+    if isinstance(e, StoreFullError) or e.errno not in _FULL:
+        return e
+    err = StoreFullError(e.errno, f"{what}: {os.strerror(e.errno)}; free space and write again (rows committed "
+                                  "before stay intact)", os.fspath(path) if path is not None else None)
+    err.__cause__ = e
+    return err
+
+
 class Location:
     """One store's address plus byte-level access to its keys.
 
@@ -473,12 +487,16 @@ class Location:
             return
         dest = self._conf.makedirs(key)
         tmp = self.new_tmp_path()
-        with open(tmp, "xb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # the old bytes stay under the key
+            raise full_disk(e, dest, f"write {key}") from e
         if fsync:
             fsync_dir(dest.parent)
 
@@ -560,8 +578,12 @@ class Location:
     def close(self) -> None:
         try:
             self.zstore.close()
-        except Exception:  # closing a store twice or a store without close is harmless
-            pass
+        except Exception:  # closing a store twice or a store without close is harmless ...
+            from ._zipstore import ZipWriter
+
+            if isinstance(self.zstore, ZipWriter):
+                raise  # ... but closing a zip being written is what publishes it
+
 
 
 def fsync_dir(path: Path) -> None:

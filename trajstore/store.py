@@ -265,6 +265,15 @@ class Store:
     def _check_writable(self) -> None:
         if not self.writable:
             raise ReadOnlyError(f"{self.loc.url}: the buffer is open read-only")
+        if self.forked:
+            raise LockedError(f"{self.loc.url}: this process was forked from the store's writer, which "
+                              "keeps writing it; open the store again here (read_only=True to read), or "
+                              "use multiprocessing=True in every writer")
+
+    @property
+    def forked(self) -> bool:
+        """This process is a fork of a single writer's: it holds no lock and must not write."""
+        return self.lock is not None and self.lock.forked_child
 
     def _write_head(self, head: Head) -> None:
         head.generation = self.committed.generation + 1
@@ -490,6 +499,18 @@ class Store:
             if not overwrite:
                 raise StoreExistsError(f"{target.url}: a store already exists here")
             _erase(target)
+        try:
+            self._copy_keys(target, progress)
+        except BaseException:
+            from ._zipstore import ZipWriter
+
+            if isinstance(target.zstore, ZipWriter):
+                target.zstore.abort()  # a zip cut short is never published
+            raise
+        target.close()
+
+    def _copy_keys(self, target: Location, progress: bool | None) -> None:
+        """Every data key, then the commit record (a copy cut short has none: not a store)."""
         skip = (LOCK_KEY, MPLOCK_KEY, HEAD_KEY)
         keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
         bar = _progress(len(keys), f"copy to {target.url}", progress)
@@ -509,7 +530,6 @@ class Store:
         head = self.committed.copy()
         head.pending = None
         write_head(target, head, fsync=self.fsync)
-        target.close()
 
     def close(self) -> None:
         self._watch.close()

@@ -70,6 +70,7 @@ class Table:
         """
         if n == 0:
             return
+        self.store._check_writable()  # e.g. a process forked from the writer: never write its files
         st = self.state
         cap = self.capacity
         if cap is None:
@@ -102,12 +103,14 @@ class Table:
         """Write ``n`` rows after the last one (slots already free), count them, tell listeners."""
         st, cap = self.state, self.capacity
         lo, hi = st.end, st.end + n
+        if cap is not None and hi - cap > st.start:
+            # The slots about to be written stop holding their old rows now: should a write fail
+            # part-way, no later commit may count those rows (their fields could disagree).
+            st.start = hi - cap
         for phys_lo, off, m in contiguous_runs(lo, hi, cap):
             for f, a in zip(self.fields, arrays):
                 f.write(phys_lo, a[off : off + m])
         st.end = hi
-        if cap is not None and st.end - st.start > cap:
-            st.start = st.end - cap
         for listener in self.listeners:
             listener(lo, arrays)
 
@@ -125,10 +128,12 @@ class Table:
         if evicting_to is not None and self.capacity is not None:
             p = end % self.capacity
             held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if isinstance(f, ChunkedField) and p % f.C]
-            if held and end - max(r for _j, _k, r in held) - evicting_to >= self.capacity // 2:
+            short = max((r for _j, _k, r in held), default=0)
+            committed = self.store.committed.tables[self.name].end  # never named less than before
+            if held and end - short >= committed and end - short - evicting_to >= self.capacity // 2:
                 for j, k, _r in held:
                     holds[j] = k
-                end -= max(r for _j, _k, r in held)
+                end -= short
         for f, hold in zip(self.fields, holds):
             f.flush(fsync, hold)
         return end
@@ -138,8 +143,8 @@ class Table:
         new = -(-new // max(f.C for f in self.fields)) * max(f.C for f in self.fields)
         for f in self.fields:
             f.grow(new)
-        self.state.allocated = new
         self.store.metadata_changed()
+        self.state.allocated = new  # only once readers' metadata says so (else grown again next time)
 
     def invalidate_reads(self) -> None:
         """Chunk files were replaced: map them again before the next read."""
