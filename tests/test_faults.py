@@ -679,6 +679,39 @@ def test_a_forked_child_does_not_keep_the_writer_lock(tmp_path):
         os.waitpid(pid, 0)
 
 
+def test_a_forked_child_cannot_write_or_commit(tmp_path):
+    """The child of a single writer gets LockedError from extend/append/flush (nothing reaches the
+    files, whose mapped chunks it shares with its parent), and its close commits nothing."""
+    from trajstore.errors import LockedError
+
+    path = tmp_path / "s"
+    rb = ReplayBuffer.create(Box(-1, 1, (3,), np.float32), cache_path=path, capacity=8)
+    rb.extend(np.zeros((8, 3), np.float32))
+    rb.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            refused = 0
+            for call in (lambda: rb.extend(np.ones((3, 3), np.float32)), lambda: rb.flush(),
+                         lambda: rb.set_at(0, np.ones(3, np.float32)),
+                         lambda: rb.append(np.ones(3, np.float32))):  # (a ring of 8 stages 1 row)
+                try:
+                    call()
+                except LockedError:
+                    refused += 1
+            rb.close()  # commits nothing, releases only this process's maps
+            code = 0 if refused == 4 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could write through its parent's buffer"
+    assert len(rb) == 8 and (rb[:] == 0).all()
+    rb.close()
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        assert len(ro) == 8 and (ro[:] == 0).all()
+
+
 def test_multiprocessing_writers_keep_their_shared_lock_across_fork(tmp_path):
     """multiprocessing=True: a forked child keeps the shared lock (it may write through the buffer
     it inherited), so a single writer stays refused while it lives; it writes with its own op lock."""
