@@ -639,9 +639,6 @@ def run_isolated(fn: Callable[[], Any], out_file: Path, deadline: float = DEADLI
     return json.loads(out_file.read_text()), elapsed
 
 
-#: The one promise not kept yet (fields.py, another owner): rows read from a compressed chunk that
-#: does not decode raise zarr's RuntimeError.  Opening, verify and info keep their promises there.
-KNOWN_READ_GAP = "raised a non-trajstore error: X:RuntimeError: error during blosc decompression"
 
 
 def _check_outcome(res: dict[str, Any]) -> list[str]:
@@ -692,9 +689,6 @@ def test_hostile_store(bases: dict[str, Path], tmp_path: Path, base: str, tamper
     problems = _check_outcome(res)
     assert _snapshot(outside) == before, f"files outside the store changed: {res}"
     assert elapsed < DEADLINE_S, f"took {elapsed:.1f} s"
-    if problems and all(KNOWN_READ_GAP in p for p in problems):
-        pytest.xfail("reading a chunk that does not decode raises zarr's RuntimeError: ChunkedField._fetch / "
-                     "_read_staged (trajstore/fields.py) must raise DamagedStoreError naming the chunk")
     assert not problems, "\n".join(problems) + f"\n{json.dumps(res, indent=1, default=str)[:3000]}"
     if os.environ.get("TRAJSTORE_HOSTILE_LOG"):
         with open(os.environ["TRAJSTORE_HOSTILE_LOG"], "a") as f:

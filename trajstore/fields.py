@@ -23,17 +23,18 @@ mapped, so a store into a mapping never meets a full disk (which would be ``SIGB
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import zarr
 
 from . import _vmap
-from .errors import DamagedStoreError
+from .errors import DamagedStoreError, TrajstoreError
 from .storage import Location, full_disk as _full_disk, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
@@ -399,7 +400,8 @@ class ChunkedField:
         if plain:
             shape0 = self.z.shape[0]
             rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
-            data = self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1]
+            with self._decoding(plain):
+                data = self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1]
             pos = 0
             for k in plain:
                 n = min((k + 1) * self.C, shape0) - k * self.C
@@ -408,6 +410,18 @@ class ChunkedField:
                 out[k] = chunk
                 pos += n
         return out
+
+    @contextlib.contextmanager
+    def _decoding(self, ks: list[int]) -> Iterator[None]:
+        """Chunk files are input: whatever a garbage chunk makes a codec raise (RuntimeError from
+        lz4, ValueError from a short buffer...) becomes a DamagedStoreError naming the chunks."""
+        try:
+            yield
+        except (TrajstoreError, FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
+            raise
+        except Exception as e:
+            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk(s) {ks[:8]} do not decode "
+                                    f"({type(e).__name__}: {e})") from None
 
     def _read_staged(self, k: int) -> np.ndarray | None:
         """Chunk ``k`` from its staging area, or None once it has been moved into place.
@@ -420,10 +434,11 @@ class ChunkedField:
         if not self.loc.exists(key):
             return None
         try:
-            z = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
-            chunk = self._empty_chunk()
-            hi = min((k + 1) * self.C, z.shape[0])
-            chunk[: hi - k * self.C] = z[k * self.C : hi]
+            with self._decoding([k]):
+                z = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+                chunk = self._empty_chunk()
+                hi = min((k + 1) * self.C, z.shape[0])
+                chunk[: hi - k * self.C] = z[k * self.C : hi]
         except (FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
             return None
         return chunk if self.loc.exists(key) else None
@@ -539,11 +554,13 @@ class ChunkedField:
                 self._written.add(chunk_key(self.spec.array_path, k, self._ndim))
         if fsync and self._written:
             for key in self._written:
-                with open(self.loc.path(key), "rb+") as f:
-                    try:
-                        os.fsync(f.fileno())
-                    except OSError as e:
-                        raise _full_disk(e, self.loc.path(key), f"fsync {key}")
+                fd = self.loc.open_inside(key, os.O_RDONLY)  # never through a link
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    raise _full_disk(e, self.loc.path(key), f"fsync {key}")
+                finally:
+                    os.close(fd)
             for d in {self.loc.path(key).parent for key in self._written}:
                 fsync_dir(d)
             self._written.clear()

@@ -14,13 +14,14 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DamagedStoreError, FormatVersionError, LockedError
 from .schema import check_int, load_json
-from .storage import MAX_HEAD_BYTES, Location
+from .storage import MAX_HEAD_BYTES, Location, full_disk
 
 __all__ = ["HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
 
@@ -262,10 +263,7 @@ class WriterLock:
         if loc.local_root is None:
             return
         path = loc.local_root / LOCK_KEY
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise _lock_error(e, path, "create the writer lock file") from None
+        fd = _open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._exclusive = True
@@ -291,7 +289,7 @@ class WriterLock:
             except OSError as e:
                 self._fd = None
                 os.close(fd)  # unlocks: nothing was written
-                raise _lock_error(e, path, "write the writer lock file") from None
+                raise full_disk(e, path, "write the writer lock file") from None
         _LIVE_LOCKS.add(self)
 
     def _mark(self, text: str) -> None:
@@ -314,7 +312,7 @@ class WriterLock:
             return
         if self._mp_fd is None or self._pid != os.getpid():
             # First use, or a forked child: open our own file description.
-            self._mp_fd = os.open(self.loc.local_root / MPLOCK_KEY, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._mp_fd = _open_lock_file(self.loc.local_root / MPLOCK_KEY)
             self._pid = os.getpid()
         fcntl.flock(self._mp_fd, fcntl.LOCK_EX)
 
@@ -351,16 +349,19 @@ class WriterLock:
             self._mp_fd = None
 
 
-def _lock_error(e: OSError, path: Any, what: str) -> OSError:
-    """A full disk while taking the writer lock as :class:`StoreFullError` (other errors as they are)."""
-    from .errors import StoreFullError
-
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return e
-    err = StoreFullError(e.errno, f"cannot {what}: {os.strerror(e.errno)}; free space, or open the store with "
-                                  "read_only=True", os.fspath(path))
-    err.__cause__ = e
-    return err
+def _open_lock_file(path: Any) -> int:
+    """Open (create) a lock file of the store: only a regular file, never through a link or a FIFO
+    (``O_CREAT`` on a link would create or truncate its target outside the store)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DamagedStoreError(f"{os.fspath(path)}: the lock file is a symbolic link; remove it") from None
+        raise full_disk(e, path, "create the writer lock file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DamagedStoreError(f"{os.fspath(path)}: the lock file is not a regular file; remove it")
+    return fd
 
 
 def _close_quietly(fd: int) -> None:

@@ -16,7 +16,8 @@ from importlib import metadata as _im
 from typing import Any
 
 from .buffer import StoredBuffer
-from .errors import ReadOnlyError
+from .errors import DamagedStoreError, ReadOnlyError
+from .schema import load_json
 from .storage import Location, resolve_location
 
 __all__ = ["DATASET_KEY", "set_dataset_info", "get_dataset_info", "env_description", "library_versions"]
@@ -67,7 +68,12 @@ def get_dataset_info(target: Any, *, storage_options: dict[str, Any] | None = No
     finally:
         if opened:
             loc.close()
-    return {} if data is None else json.loads(data.decode("utf-8"))
+    if data is None:
+        return {}
+    info = load_json(data, str(loc.url), DATASET_KEY)
+    if not isinstance(info, dict):
+        raise DamagedStoreError(f"{loc.url}: {DATASET_KEY} holds {type(info).__name__}; expected an object")
+    return info
 
 
 def set_dataset_info(target: Any, *, storage_options: dict[str, Any] | None = None, replace: bool = False,

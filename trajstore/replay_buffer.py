@@ -18,7 +18,7 @@ from .backend import Backend
 from .errors import SpaceMismatchError
 from .fields import make_field_spec
 from .ring import IndexLike, normalize_index
-from .spaces import ValuePlan, flatdim, space_from_json, space_to_json
+from .spaces import ValuePlan, flatdim, space_to_json
 from .buffer import StoredBuffer
 from .store import Store, TableSpec, _progress
 from .table import RowStager
@@ -165,7 +165,7 @@ class ReplayBuffer(StoredBuffer):
         opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.OPEN_OPTIONS)
 
         def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "ReplayBuffer":
-            space = space_from_json(store.attrs["spaces"][TABLE])
+            space = store.space(TABLE)
             if single_instance_space is not None and single_instance_space != space:
                 raise SpaceMismatchError(f"{path}: stored space {space} differs from the given {single_instance_space}")
             return cls(store, space, bk, open_args=open_args)

@@ -36,6 +36,7 @@ from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_comp
 from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, HeadWatch, TableState, WriterLock, read_head, write_head
 from .schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
 from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
+from .spaces import space_from_json
 from .table import Table
 
 __all__ = ["Store", "TableSpec"]
@@ -147,6 +148,20 @@ class Store:
     def create(cls, cache_path: Any, kind: str, tables: list[TableSpec], schema: dict[str, Any], *,
                storage_options: dict[str, Any] | None, overwrite: bool, multiprocessing: bool,
                options: dict[str, Any]) -> "Store":
+        attrs = {
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "created_by": f"trajstore {_version()}",
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tables": {t.name: {
+                "capacity": t.capacity,
+                "fields": [{"path": f.array_path, "shape": list(f.row_shape), "dtype": f.dtype.str.lstrip("<>|="),
+                            "chunk_rows": f.chunk_rows, "layout": f.layout} for f in t.fields],
+            } for t in tables},
+            **schema,
+        }
+        # What open would refuse (sizes past its limits...) is refused before a byte is written.
+        check_schema(attrs, str(cache_path))
         loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
         # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
@@ -167,14 +182,6 @@ class Store:
             if lock is not None:
                 lock.release()
             raise
-        attrs = {
-            "format_version": FORMAT_VERSION,
-            "kind": kind,
-            "created_by": f"trajstore {_version()}",
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "tables": {},
-            **schema,
-        }
         # Not mode="w": that would delete the lock file we hold.
         group = zarr.create_group(loc.zstore, attributes={ATTRS_KEY: attrs}, overwrite=False)
         head = Head()
@@ -187,11 +194,6 @@ class Store:
                     compressors=compressors, filters=None, fill_value=np.zeros((), f.dtype)[()],
                     config={"write_empty_chunks": True},
                 )
-            attrs["tables"][t.name] = {
-                "capacity": t.capacity,
-                "fields": [{"path": f.array_path, "shape": list(f.row_shape), "dtype": f.dtype.str.lstrip("<>|="),
-                            "chunk_rows": f.chunk_rows, "layout": f.layout} for f in t.fields],
-            }
             head.tables[t.name] = TableState(0, 0, alloc)
         group.attrs[ATTRS_KEY] = attrs
         _consolidate(loc)
@@ -269,6 +271,23 @@ class Store:
             raise LockedError(f"{self.loc.url}: this process was forked from the store's writer, which "
                               "keeps writing it; open the store again here (read_only=True to read), or "
                               "use multiprocessing=True in every writer")
+
+    def space(self, table: str) -> Any:
+        """The gymnasium space stored for ``table`` (``None`` when the store has none).
+
+        Raises
+        ------
+        DamagedStoreError
+            The stored space does not decode (unknown type, bounds that gymnasium refuses...).
+        """
+        obj = self.attrs.get("spaces", {}).get(table)
+        if obj is None:
+            return None
+        try:
+            return space_from_json(obj)
+        except Exception as e:  # the space JSON is input: anything it makes gymnasium raise
+            raise DamagedStoreError(f"{self.loc.url}: the stored space of {table!r} cannot be decoded "
+                                    f"({type(e).__name__}: {e})") from None
 
     @property
     def forked(self) -> bool:
@@ -519,7 +538,11 @@ class Store:
                 if self.loc.is_local and target.is_local:
                     dest = target.path(key)
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(self.loc.path(key), dest)
+                    # Never through a link: the source by a checked descriptor, the copy replacing
+                    # whatever a copy cut short left there (but not a link's target).
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+                    with os.fdopen(self.loc.open_inside(key, os.O_RDONLY), "rb") as src, os.fdopen(fd, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
                 else:
                     data = self.loc.get(key)
                     if data is not None:

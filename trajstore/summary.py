@@ -8,7 +8,6 @@ so memory stays bounded by a block whatever the store's size.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Callable, Iterator
@@ -16,7 +15,7 @@ from typing import Any, Callable, Iterator
 import gymnasium
 import numpy as np
 
-from .spaces import space_from_json
+from .schema import load_json
 from .store import Store
 from .table import Table
 
@@ -128,7 +127,7 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
             "generation": store.committed.generation,
             "tables": {n: {"rows": t.count, "capacity": t.capacity, "offset": t.offset} for n, t in store.tables.items()},
             "spaces": spaces,
-            "spaces_text": {n: space_tree(space_from_json(s)) for n, s in spaces.items()},
+            "spaces_text": {n: space_tree(store.space(n)) for n in spaces},
             "arrays": arrays,
             "episodes": _episode_summary(store),
             "stored_bytes": stored_total,
@@ -458,4 +457,4 @@ def _dataset_info(store: Store) -> dict[str, Any] | None:
     from .metadata import DATASET_KEY
 
     raw = store.loc.get(DATASET_KEY)
-    return None if raw is None else json.loads(raw)
+    return None if raw is None else load_json(raw, str(store.loc.url), DATASET_KEY)

@@ -28,7 +28,7 @@ from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
 from .ring import IndexLike, normalize_index
 from .fields import make_field_spec
 from . import sequences as _seq
-from .spaces import ValuePlan, space_from_json, space_to_json
+from .spaces import ValuePlan, space_to_json
 from .store import Store, TableSpec, _progress
 from .table import RowStager
 from .views import BatchBase
@@ -223,9 +223,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             ZarrStorage.check_options(dict(extra or {}), ZarrStorage.OPEN_OPTIONS + ("chunk_rows", "compressor"))
 
         def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "TrajectoryReplayBuffer":
-            spaces = store.attrs["spaces"]
-            ep_space = space_from_json(spaces[EPISODES]) if EPISODES in spaces else None
-            return cls(store, space_from_json(spaces[STEPS]), ep_space, bk, open_args=open_args)
+            return cls(store, store.space(STEPS), store.space(EPISODES), bk, open_args=open_args)
 
         return cls._open_store("TrajectoryReplayBuffer", path, build, backend=backend,  # type: ignore[return-value]
                                device=device, read_only=read_only, multiprocessing=multiprocessing,
