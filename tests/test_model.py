@@ -18,8 +18,7 @@ deletes an episode's last step, emptied by clear), get_sequences (valid mask, "e
 Every row carries a unique counter value (obs = [v, v + 0.5, -v], d = v % 11), so a mismatch
 names the rows involved.  Runs are derandomized and use no example database, so CI is
 reproducible (hypothesis still caches source constants in .hypothesis/, which it gitignores).
-Behaviour that disagrees with DESIGN.md has a minimal xfail(strict=True) reproducer at the end
-of this file; the machines steer around it while it is open (see EVICTION_PER_BLOCK_BUG).
+Bugs the machines found have minimal reproducers at the end of this file.
 """
 
 from __future__ import annotations
@@ -553,9 +552,6 @@ def offsets_strategy() -> st.SearchStrategy[list[int]]:
     return st.one_of(st.just([-1, 0, 1]), other)
 
 
-#: Known bugs the machine steers around (each has a minimal xfail(strict=True) reproducer below;
-#: set the flag to False once the reproducer passes).
-EVICTION_PER_BLOCK_BUG = True
 
 
 class TrajectoryMachine(RuleBasedStateMachine):
@@ -650,11 +646,6 @@ class TrajectoryMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(1, 8), label="B")
         vals = self.fresh(k)
         pool = list(range(self.next_id))
-        if self.CAPACITY is not None and EVICTION_PER_BLOCK_BUG:
-            # Known bug (test_ring_keeps_episode_data_of_an_episode_that_gets_steps_in_the_same_extend):
-            # avoid ids of episodes with data whose old steps all leave the ring in this very extend.
-            survivors = set(self.ids[max(0, self.n + k - self.CAPACITY):]) | {self.current}
-            pool = [e for e in pool if e not in self.ep or e in survivors]
         ids = data.draw(st.lists(st.sampled_from(pool + [self.next_id, self.next_id + 2]), min_size=k, max_size=k),
                         label="episode_ids")
         value: dict[str, Any] = {"step_data": encode(vals), "episode_ids": np.array(ids, np.int64)}
@@ -956,18 +947,12 @@ def test_trajectory_buffer_model(capacity, backend, layout, options, examples):
 SCALAR_STEP = Dict({"obs": Box(-np.inf, np.inf, (), np.float32)})
 
 
-@pytest.mark.parametrize("capacity", [
-    pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-        "ring eviction of episode data runs after every block of Table.guard rows inside one extend, not after "
-        "the call: an episode whose old steps leave the ring and which gets new steps later in the same batch "
-        "loses its data (with guard=2, capacity 64, the same calls keep it)"))),
-    64,
-], ids=["guard1", "guard2"])
+@pytest.mark.parametrize("capacity", [2, 64], ids=["guard1", "guard2"])
 def test_ring_keeps_episode_data_of_an_episode_that_gets_steps_in_the_same_extend(tmp_path, capacity):
     """DESIGN.md: episode data is evicted when the last step of its episode leaves the step ring.
     Here episode 5's only old step leaves the ring during an extend whose last row is a new step
-    of episode 5, so after the call episode 5 has a step and must still have its data.  The ring
-    evicts per block of Table.guard rows instead, so the result depends on capacity // 32."""
+    of episode 5, so after the call episode 5 has a step and must still have its data, whatever
+    the ring's block size (Table.guard rows: 1 and 2 here)."""
     buf = TrajectoryReplayBuffer.create(SCALAR_STEP, step_data_capacity=capacity, episode_data_instance_space=EP_SPACE,
                                         cache_path=tmp_path / "s")
     try:
@@ -983,14 +968,11 @@ def test_ring_keeps_episode_data_of_an_episode_that_gets_steps_in_the_same_exten
         buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "set_at(idx, {'step_data', 'episode_ids'}) does not advance next_episode_id past the ids it writes (extend "
-    "and set_episode_data_at do), so mark_episode_end later reuses an id rows already carry"))
 def test_set_at_with_fresh_episode_ids_advances_next_id(tmp_path):
     """set_at(idx, {"step_data", "episode_ids"}) may name an id beyond next_episode_id.  extend
     and set_episode_data_at then make later fresh ids skip it ("fresh ids must never collide");
-    set_at does not, so mark_episode_end starts an 'new' episode whose id is already in the
-    store, and the new steps join the old rows' episode."""
+    set_at must too, or mark_episode_end would start a 'new' episode whose id is already in the
+    store, and the new steps would join the old rows' episode."""
     buf = TrajectoryReplayBuffer.create(SCALAR_STEP, episode_data_instance_space=EP_SPACE, cache_path=tmp_path / "s")
     try:
         buf.extend({"obs": np.zeros(3, np.float32)})  # episode 0
@@ -1003,18 +985,15 @@ def test_set_at_with_fresh_episode_ids_advances_next_id(tmp_path):
         buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "set_at with 'episode_data': the first row of each episode wins (np.unique return_index on the ids); "
-    "extend documents and does 'the last row of each episode wins'"))
 def test_set_at_episode_data_last_row_of_each_episode_wins_as_in_extend(tmp_path):
     """extend(...{"episode_data"}) documents "the last row of each episode wins"; set_at with
-    "episode_data" (accepted, undocumented) lets the first row of each episode win instead."""
+    "episode_data" does the same."""
     buf = TrajectoryReplayBuffer.create(SCALAR_STEP, episode_data_instance_space=EP_SPACE, cache_path=tmp_path / "s")
     try:
         buf.extend({"step_data": {"obs": np.array([1.0, 2.0], np.float32)}, "episode_data": np.array([5.0, 6.0], np.float32)})
         assert float(buf[0]["episode_data"]) == 6.0  # extend: the last row wins
         buf.set_at(np.array([0, 1]), {"step_data": {"obs": np.array([3.0, 4.0], np.float32)},
                                        "episode_data": np.array([7.0, 8.0], np.float32)})
-        assert float(buf[0]["episode_data"]) == 8.0, "set_at: the first row of the episode won, extend lets the last win"
+        assert float(buf[0]["episode_data"]) == 8.0, "set_at: the first row of the episode won; extend lets the last win"
     finally:
         buf.close()

@@ -95,13 +95,18 @@ class EpisodeIndex:
             self._min_last = None
         self._sorted = None
 
-    def after_step_extend(self, lo: int, arrays: list[np.ndarray]) -> None:
-        """Step-table listener: remember each episode's last step, then evict dead episodes."""
+    def after_step_block(self, lo: int, arrays: list[np.ndarray]) -> None:
+        """Step-table listener, per block of rows written: remember each episode's last step."""
         if self._last is not None:
             ids = arrays[self.step_id_field]
             uniq, last = np.unique(ids[::-1], return_index=True)
             for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
                 self._last[eid] = lo + k
+
+    def after_step_extend(self) -> None:
+        """Step-table listener, once per extend call: evict the data of episodes left without
+        steps (per call, not per block: an episode that gets steps again later in the same call
+        keeps its data, whatever the ring's block size)."""
         if self.episodes is not None and self.steps.capacity is not None and self.episodes.count:
             self.evict_dead()
 

@@ -49,8 +49,10 @@ class Table:
         # go in blocks of at most `guard` rows, so a reader (or a crash) sees a full ring at
         # most about 2 * guard rows short (1/16 of the capacity, or 8,192 rows).
         self.guard = 1 if capacity is None else max(1, min(capacity // 32, 4096))
-        # Called as listener(first_absolute_row, arrays) after every extend (episode bookkeeping).
+        # Called as listener(first_absolute_row, arrays) after every block of rows written, and
+        # as listener() once at the end of every extend call (episode bookkeeping, eviction).
         self.listeners: list = []
+        self.extend_listeners: list = []
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -97,6 +99,8 @@ class Table:
                 self._write_block([a[pos : pos + m] for a in arrays], m)
                 if eager:
                     self.store.commit(state=self.store.buffer_state())
+        for listener in self.extend_listeners:
+            listener()
         self.store.after_write()
 
     def _write_block(self, arrays: Sequence[np.ndarray], n: int) -> None:

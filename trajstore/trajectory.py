@@ -114,7 +114,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
         store.refresh_listeners.append(self._adopt)
         store.op_listeners.append(self._check_fork)
         self._pid = os.getpid()
-        self._table.listeners.append(self._episodes.after_step_extend)
+        self._table.listeners.append(self._episodes.after_step_block)
+        self._table.extend_listeners.append(self._episodes.after_step_extend)
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
             # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
@@ -403,14 +404,22 @@ class TrajectoryReplayBuffer(StoredBuffer):
             self._drain()
             if ids is None:
                 ids = np.full(n, self.current_episode_id, np.int64)
-            elif n:
-                # Explicit ids never advance current_episode_id, but fresh ids must never collide.
-                self._next_id = max(self._next_id, int(ids.max()) + 1)
+            else:
+                self._claim_ids(ids)
             self._table.extend(arrays + [ids], n)
             if ep_arrays is not None and n:
-                uniq, last = np.unique(ids[::-1], return_index=True)
-                for eid, k in zip(uniq.tolist(), (n - 1 - last).tolist()):
-                    self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
+                self._set_episode_rows(ids, ep_arrays)
+
+    def _claim_ids(self, ids: np.ndarray) -> None:
+        """Explicit ids never advance current_episode_id, but fresh ids must never collide with them."""
+        if ids.size:
+            self._next_id = max(self._next_id, int(ids.max()) + 1)
+
+    def _set_episode_rows(self, ids: np.ndarray, ep_arrays: list[np.ndarray]) -> None:
+        """Episode data given per step row: the last row of each episode wins."""
+        uniq, last = np.unique(ids[::-1], return_index=True)
+        for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
+            self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
 
     def set_episode_data_at(self, episode_id: int, value: Any) -> None:
         """Set the data of episode ``episode_id`` (overwritten in place if it already has some)."""
@@ -428,7 +437,9 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self.set_episode_data_at(self.current_episode_id, value)
 
     def set_at(self, idx: IndexLike, value: Any) -> None:
-        """Overwrite step rows ``idx`` (bare step data or ``{"step_data", "episode_ids"?}``); crash-atomic."""
+        """Overwrite step rows ``idx`` (bare step data or ``{"step_data", "episode_ids"?,
+        "episode_data"?}``, as ``extend`` takes; the last row of each episode sets its data);
+        crash-atomic."""
         self._sync()
         i = normalize_index(idx, self._table.count)
         single = isinstance(i, int)
@@ -441,12 +452,11 @@ class TrajectoryReplayBuffer(StoredBuffer):
         fields = list(range(len(arrays))) + ([self._id_field] if ids is not None else [])
         data = arrays + ([ids] if ids is not None else [])
         with self._store.write_op():
+            if ids is not None:
+                self._claim_ids(ids)
             self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._episodes.forget)
             if ep is not None:
-                all_ids = np.atleast_1d(self._step_ids(rows))
-                uniq, first = np.unique(all_ids, return_index=True)
-                for eid, k in zip(uniq.tolist(), first.tolist()):
-                    self._episodes.set_row(eid, [a[k : k + 1] for a in ep])
+                self._set_episode_rows(np.atleast_1d(self._step_ids(rows)), ep)
 
     def remove_at(self, idx: IndexLike) -> None:
         """Delete steps ``idx`` (later steps move up); episodes left without steps lose their
