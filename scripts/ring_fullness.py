@@ -68,7 +68,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, action="append", help="ring capacity (repeatable)")
     parser.add_argument("--seconds", type=float, default=4.0, help="writer run time per capacity")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a reader saw the ring below the documented bound or a sample failed")
     args = parser.parse_args()
+    failed = False
     root = tempfile.mkdtemp(prefix="trajstore-ring-")
     try:
         for cap in args.capacity or [1_000, 20_000]:
@@ -76,8 +79,12 @@ def main() -> None:
             print(f"capacity {r['capacity']:>9,}: writer {r['writer_rows_per_s']:>9,.0f} rows/s; reader "
                   f"{r['polls']:,} polls, len min {r['min_full']:.1%} median {r['median_full']:.1%} of capacity, "
                   f"{r['below_95pct']:.1%} of polls below 95 %, {r['sample_errors']} sample errors")
+            bound = (cap - 2 * max(1, min(cap // 32, 4096))) / cap
+            failed |= r["min_full"] < bound or r["sample_errors"] > 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.check and failed:
+        raise SystemExit("a reader saw the ring below capacity - 2 * guard rows, or a sample failed")
 
 
 if __name__ == "__main__":

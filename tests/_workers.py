@@ -299,7 +299,9 @@ def committed_writer(store: str, bound: str, ready: str, seed: int, duration_s: 
             rb.extend(encode(np.arange(seq, seq + b)))
         seq += b
         if rb.capacity is not None:
-            write_atomic(bound + ".done", str(seq), fsync=False)  # rows surely written: older slots reused
+            # Rows surely written into their ring slots (so older rows' slots were reused): the
+            # table's end (white box), not `seq`, since appended rows wait in RAM for a while.
+            write_atomic(bound + ".done", str(rb._table.state.end), fsync=False)
         unflushed += b
         if unflushed >= max_unflushed or rng.random() < 0.2:
             write_atomic(bound, str(seq), fsync=False)
