@@ -113,7 +113,9 @@ class ReplayBuffer(StoredBuffer):
             Space of one row (Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, nested).
         storage_cls : None or ZarrStorage
         cache_path : str or path-like, optional
-            Local folder, ``.zip`` path or fsspec URL; ``None`` keeps the store in memory.
+            Local folder or fsspec URL; ``None`` keeps the store in memory.  (A ``.zip`` is written
+            once by ``dumps("x.zip")`` from a store built elsewhere, then read with
+            ``load_from(..., read_only=True)``.)
         capacity : int, optional
             Ring size; ``None`` grows without bound.
         multiprocessing : bool

@@ -562,7 +562,7 @@ class Location:
 
     def iter_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """``(key, nbytes)`` for every key under ``prefix``; locally the bytes the file occupies on
-        disk (raw chunk files are created sparse and only hold the pages written; a link counts
+        disk (a file made sparse by an older trajstore only holds the pages written; a link counts
         its own size, never its target's)."""
         if self._conf is not None:
             for key in self.list_prefix(prefix):
