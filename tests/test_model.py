@@ -44,6 +44,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from test_trajectory_sequences import reference  # noqa: E402 (tests/ is on sys.path under pytest)
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import EmptyBufferError
 
@@ -211,25 +212,22 @@ def batch_size_strategy(capacity: int | None) -> st.SearchStrategy[int]:
     return sizes
 
 
-# ----------------------------------------------------------------------------------------
-# Machine A: ReplayBuffer
-# ----------------------------------------------------------------------------------------
-class ReplayMachine(RuleBasedStateMachine):
+class _StoreMachine(RuleBasedStateMachine):
+    """What both machines share: a store in a fresh temp folder, its writer ``rb`` and an optional
+    read-only ``reader`` (closed and removed at teardown), and fresh row values."""
+
     CAPACITY: int | None = None
     BACKEND = "numpy"
     LAYOUT = "raw"
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    rb: Any
+    reader: Any
 
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="trajstore-model-")
         self.path = os.path.join(self.tmp, "store")
-        self.model = RingModel(self.CAPACITY)
         self.counter = 1
-        self.copies = 0
-        self.reader: ReplayBuffer | None = None
-        self.rb = ReplayBuffer.create(SPACE, cache_path=self.path, capacity=self.CAPACITY, backend=self.BACKEND,
-                                      **LAYOUTS[self.LAYOUT], **self.OPTIONS)
 
     def teardown(self) -> None:
         for buf in (self.reader, self.rb):
@@ -242,6 +240,19 @@ class ReplayMachine(RuleBasedStateMachine):
         vals = list(range(self.counter, self.counter + k))
         self.counter += k
         return vals
+
+
+# ----------------------------------------------------------------------------------------
+# Machine A: ReplayBuffer
+# ----------------------------------------------------------------------------------------
+class ReplayMachine(_StoreMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = RingModel(self.CAPACITY)
+        self.copies = 0
+        self.reader: ReplayBuffer | None = None
+        self.rb = ReplayBuffer.create(SPACE, cache_path=self.path, capacity=self.CAPACITY, backend=self.BACKEND,
+                                      **LAYOUTS[self.LAYOUT], **self.OPTIONS)
 
     @property
     def n(self) -> int:
@@ -520,30 +531,13 @@ def test_replay_buffer_model(capacity, backend, layout, options, examples):
 # ----------------------------------------------------------------------------------------
 def model_sequences(ids: list[int], vals: list[int], anchors: list[int], offsets: list[int], pad: str
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """DESIGN.md's get_sequences, frame by frame: frame t of anchor a is row a + offsets[t]; valid
-    when it exists and has the anchor's episode id; "edge" fills an invalid frame before the anchor
-    with the earliest valid frame and one after it with the latest, "zero" fills zeros.
-    (``offsets`` are sorted and contain 0, so every window has a valid frame: the anchor.)"""
-    n = len(ids)
-    B, T = len(anchors), len(offsets)
-    mask = np.zeros((B, T), bool)
-    obs = np.zeros((B, T, 3), np.float32)
-    d = np.zeros((B, T), np.int64)
-    for b, a in enumerate(anchors):
-        for t, o in enumerate(offsets):
-            r = a + o
-            mask[b, t] = 0 <= r < n and ids[r] == ids[a]
-        valid = np.flatnonzero(mask[b])
-        for t, o in enumerate(offsets):
-            if mask[b, t]:
-                src = a + o
-            elif pad == "edge":
-                src = a + offsets[valid[0] if o < 0 else valid[-1]]
-            else:
-                continue
-            row = encode([vals[src]])
-            obs[b, t], d[b, t] = row["obs"][0], row["d"][0]
-    return mask, {"obs": obs, "d": d}
+    """DESIGN.md's get_sequences over the model's rows, leaf by leaf (the frame-by-frame reference
+    of test_trajectory_sequences: valid when the row exists and has the anchor's episode id;
+    "edge" fills with the earliest / latest valid frame, "zero" with zeros)."""
+    rows, out, mask = encode(vals), {}, np.zeros((len(anchors), len(offsets)), bool)
+    for key in ("obs", "d"):
+        mask, out[key] = reference(np.asarray(ids), rows[key], np.asarray(anchors, np.int64), offsets, pad)
+    return mask, out
 
 
 def offsets_strategy() -> st.SearchStrategy[list[int]]:
@@ -554,38 +548,19 @@ def offsets_strategy() -> st.SearchStrategy[list[int]]:
 
 
 
-class TrajectoryMachine(RuleBasedStateMachine):
-    CAPACITY: int | None = None
-    BACKEND = "numpy"
-    LAYOUT = "raw"
-    OPTIONS: ClassVar[dict[str, Any]] = {}
-
+class TrajectoryMachine(_StoreMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.tmp = tempfile.mkdtemp(prefix="trajstore-model-")
-        self.path = os.path.join(self.tmp, "store")
         self.steps = RingModel(self.CAPACITY)  # rows are (value, episode id)
         self.current = 0
         self.next_id = 1
         self.ep: dict[int, float] = {}  # episode id -> data, in insertion order (one row per episode with data)
-        self.counter = 1
         self.reader: TrajectoryReplayBuffer | None = None
         self.rb = TrajectoryReplayBuffer.create(SPACE, step_data_capacity=self.CAPACITY,
                                                 episode_data_instance_space=EP_SPACE, cache_path=self.path,
                                                 backend=self.BACKEND, **LAYOUTS[self.LAYOUT], **self.OPTIONS)
 
-    def teardown(self) -> None:
-        for buf in (self.reader, self.rb):
-            if buf is not None:
-                with contextlib.suppress(Exception):  # a failing example must still clean up
-                    buf.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
     # -- model helpers ---------------------------------------------------------------------
-    def fresh(self, k: int) -> list[int]:
-        vals = list(range(self.counter, self.counter + k))
-        self.counter += k
-        return vals
 
     @property
     def n(self) -> int:
