@@ -503,8 +503,10 @@ class ReplayMachine(_StoreMachine):
             check_rows(r[:], m.rows, self.BACKEND, "read-only handle (commit_interval=0, no flush) r[:]")
 
 
-def _replay_variant(capacity: int | None, backend: str, layout: str, options: dict[str, Any]) -> type[ReplayMachine]:
-    return type(f"ReplayMachine_{capacity}_{backend}_{layout}", (ReplayMachine,),
+def _variant(machine: type[_StoreMachine], capacity: int | None, backend: str, layout: str,
+             options: dict[str, Any]) -> type[_StoreMachine]:
+    """``machine`` for one store configuration (a subclass, so hypothesis reports its name)."""
+    return type(f"{machine.__name__}_{capacity}_{backend}_{layout}", (machine,),
                 {"CAPACITY": capacity, "BACKEND": backend, "LAYOUT": layout, "OPTIONS": options})
 
 
@@ -523,7 +525,7 @@ REPLAY_VARIANTS = [
 
 @pytest.mark.parametrize("capacity,backend,layout,options,examples", REPLAY_VARIANTS)
 def test_replay_buffer_model(capacity, backend, layout, options, examples):
-    run_state_machine_as_test(_replay_variant(capacity, backend, layout, options), settings=_settings(examples))
+    run_state_machine_as_test(_variant(ReplayMachine, capacity, backend, layout, options), settings=_settings(examples))
 
 
 # ----------------------------------------------------------------------------------------
@@ -896,11 +898,6 @@ class TrajectoryMachine(_StoreMachine):
             self.check_all(r, "read-only handle (commit_interval=0, no flush)")
 
 
-def _traj_variant(capacity: int | None, backend: str, layout: str, options: dict[str, Any]) -> type[TrajectoryMachine]:
-    return type(f"TrajectoryMachine_{capacity}_{backend}_{layout}", (TrajectoryMachine,),
-                {"CAPACITY": capacity, "BACKEND": backend, "LAYOUT": layout, "OPTIONS": options})
-
-
 TRAJ_VARIANTS = [
     pytest.param(7, "numpy", "raw", {}, 25, id="ring7-numpy-raw"),
     pytest.param(13, "torch", "lz4", {"commit_interval": 0.0}, 20, id="ring13-torch-lz4-commit0"),
@@ -913,7 +910,7 @@ TRAJ_VARIANTS = [
 
 @pytest.mark.parametrize("capacity,backend,layout,options,examples", TRAJ_VARIANTS)
 def test_trajectory_buffer_model(capacity, backend, layout, options, examples):
-    run_state_machine_as_test(_traj_variant(capacity, backend, layout, options), settings=_settings(examples))
+    run_state_machine_as_test(_variant(TrajectoryMachine, capacity, backend, layout, options), settings=_settings(examples))
 
 
 # ----------------------------------------------------------------------------------------
