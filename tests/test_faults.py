@@ -36,7 +36,7 @@ from gymnasium.spaces import Box, Dict
 
 import trajstore.storage
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
-from trajstore.errors import ReadOnlyError, StoreExistsError, StoreFullError, TrajstoreError
+from trajstore.errors import ReadOnlyError, StoreExistsError, StoreFullError
 
 IMG = (16, 16, 3)  # 768-byte rows: a 64-row chunk is 12 pages; 86+ rows go through pwrite
 

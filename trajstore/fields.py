@@ -35,7 +35,8 @@ import zarr
 
 from . import _vmap
 from .errors import DamagedStoreError, TrajstoreError
-from .storage import Location, full_disk as _full_disk, fsync_dir
+from .confined import full_disk as _full_disk
+from .storage import Location, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from .errors import DamagedStoreError, FormatVersionError, LockedError
 from .schema import check_int, load_json
-from .storage import MAX_HEAD_BYTES, Location, full_disk
+from .confined import MAX_HEAD_BYTES, full_disk
+from .storage import Location
 
 __all__ = ["HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
 

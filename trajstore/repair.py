@@ -20,7 +20,8 @@ from .errors import DamagedStoreError, LockedError
 from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
 from .schema import check_pending, load_json
 from .store import _check_plain_file
-from .storage import MAX_HEAD_BYTES, STAGING_DIR, TMP_DIR, Location
+from .confined import MAX_HEAD_BYTES
+from .storage import STAGING_DIR, TMP_DIR, Location
 from .verify import VerifyReport, _check_rows, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans
 
 __all__ = ["RepairReport", "repair_store"]

@@ -9,26 +9,28 @@ so that the fast paths (memory-mapped chunk files, ``os.replace``, ``fsync``,
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import os
-import shutil
-import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import zarr
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore, MemoryStore, ZipStore
+from zarr.storage import FsspecStore, MemoryStore, ZipStore
 
-from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreFullError, StoreNotFoundError
+from .confined import (
+    ConfinedLocalStore,
+    Confinement,
+    check_key,
+    file_kind,
+    full_disk,
+    read_limit,
+)
+from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
 
-__all__ = ["Location", "resolve_location", "TMP_DIR", "STAGING_DIR", "ConfinedLocalStore", "MAX_META_BYTES",
-           "MAX_HEAD_BYTES", "MAX_FILE_BYTES", "check_key"]
+__all__ = ["Location", "resolve_location", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
 # Our own temp files live in one folder at the store root (same filesystem, so
 # ``os.replace`` stays atomic); a writer that opens the store clears it.
@@ -43,335 +45,6 @@ warnings.filterwarnings("ignore", message="Consolidated metadata is currently no
 
 def _is_url(path: str) -> bool:
     return "://" in path or "::" in path
-
-
-# -- confinement (DESIGN.md 3.7: a store is input) ----------------------------------------
-# Every file of a store is opened through these checks: the key cannot climb out of the root,
-# no folder below the root and no final file may be a symbolic link (even one pointing inside:
-# a chunk linked to another chunk would be written twice), only regular files are read (a FIFO
-# would block forever, a device never ends), and files are read up to a bound.
-
-#: zarr.json files (the root one carries the consolidated metadata of every array).
-MAX_META_BYTES = 16 << 20
-#: The commit record (a few hundred bytes, plus the chunk list of a pending rewrite).
-MAX_HEAD_BYTES = 1 << 20
-#: Any other file read whole (a compressed chunk, a dataset description): above any chunk a
-#: valid store holds (trajstore.schema.MAX_CHUNK_BYTES plus codec overhead).
-MAX_FILE_BYTES = 1 << 30
-
-_NOFOLLOW_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def read_limit(key: str) -> int:
-    """The most bytes a whole-file read of ``key`` may return."""
-    name = key.rsplit("/", 1)[-1]
-    if name == "trajstore.head.json":
-        return MAX_HEAD_BYTES
-    if name.endswith(".json"):
-        return MAX_META_BYTES
-    return MAX_FILE_BYTES
-
-
-def check_key(key: str, where: Any = None) -> None:
-    """Refuse a key that could name something outside the store (absolute, ``..``, empty parts).
-
-    Raises
-    ------
-    DamagedStoreError
-        Naming ``where`` (the store) and the key.
-    """
-    if not isinstance(key, str) or not key or key.startswith("/") or "\x00" in key \
-            or any(p in ("", ".", "..") for p in key.split("/")):
-        raise DamagedStoreError(f"{where}: key {key!r} is not a relative path inside the store (empty parts, '.', "
-                                "'..' and absolute paths are refused)")
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-class _Confinement:
-    """Turns keys into paths under one local ``root`` that never pass through a symbolic link.
-
-    Folders already found to be real folders are remembered, so a key costs one ``lstat`` per
-    new folder and none on later calls (a chunk file open stays one ``open`` + ``fstat``).
-    """
-
-    def __init__(self, root: Path, url: str) -> None:
-        self.root = root
-        self.url = url
-        self._dirs: set[str] = set()
-
-    def resolve(self, key: str, *, folder: bool = False, write: bool = False) -> tuple[Path, bool]:
-        """``(path, reachable)`` of ``key``: every existing folder on the way (and ``key`` itself
-        when ``folder``) is checked to be a real folder.  ``reachable`` is False when one of them
-        is a plain file (then nothing exists at the key; a writer gets an error instead).
-
-        Raises
-        ------
-        DamagedStoreError
-            A bad key, or a folder on the way that is a symbolic link or a special file.
-        """
-        check_key(key, self.url)
-        parts = key.split("/")
-        rel = ""
-        for part in parts if folder else parts[:-1]:
-            rel = f"{rel}/{part}" if rel else part
-            if rel in self._dirs:
-                continue
-            try:
-                st = os.lstat(self.root / rel)
-            except (FileNotFoundError, NotADirectoryError):
-                break  # the rest does not exist yet (a writer creates real folders)
-            if stat.S_ISDIR(st.st_mode):
-                self._dirs.add(rel)
-                continue
-            if stat.S_ISREG(st.st_mode) and not write:
-                return self.root / key, False
-            raise DamagedStoreError(f"{self.url}: {rel!r} is a {_file_kind(st.st_mode)} where a folder is expected; "
-                                    "trajstore never follows links or enters special files inside a store")
-        return self.root / key, True
-
-    def forget(self, rel: str) -> None:
-        """A folder (and everything below) was deleted: check it again if it comes back."""
-        self._dirs = {d for d in self._dirs if d != rel and not d.startswith(rel + "/")}
-
-    def open(self, key: str, flags: int) -> int:
-        """An fd of the regular file ``key`` (``flags`` as for ``os.open``, without ``O_CREAT``).
-
-        Raises
-        ------
-        FileNotFoundError
-            Nothing (or a folder, when reading) is at ``key``.
-        DamagedStoreError
-            ``key`` is a symbolic link, a FIFO, a device or another special file.
-        """
-        path, ok = self.resolve(key, write=bool(flags & (os.O_WRONLY | os.O_RDWR)))
-        if not ok:
-            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
-        try:
-            fd = os.open(path, flags | _NOFOLLOW_FLAGS)
-        except NotADirectoryError:
-            raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
-        except IsADirectoryError:
-            raise FileNotFoundError(errno.ENOENT, "a folder, not a file", str(path)) from None
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK):  # ENXIO: a FIFO opened for writing
-                mode = os.lstat(path).st_mode
-                raise DamagedStoreError(f"{self.url}: {key} is a {_file_kind(mode)}, not a regular file; trajstore "
-                                        "never follows links or opens special files inside a store") from None
-            raise
-        try:
-            mode = os.fstat(fd).st_mode
-        except BaseException:
-            os.close(fd)
-            raise
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            if stat.S_ISDIR(mode):
-                raise FileNotFoundError(errno.ENOENT, "a folder, not a file", str(path))
-            raise DamagedStoreError(f"{self.url}: {key} is a {_file_kind(mode)}, not a regular file; trajstore "
-                                    "never opens special files inside a store")
-        return fd
-
-    def read(self, key: str, limit: int | None = None, byte_range: ByteRequest | None = None) -> bytes | None:
-        """Bytes of ``key`` (or of ``byte_range`` of it); ``None`` when nothing is there.
-
-        Raises
-        ------
-        DamagedStoreError
-            Not a regular file, or more than ``limit`` bytes (default :func:`read_limit`) to read.
-        """
-        try:
-            fd = self.open(key, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            lo, hi = 0, size
-            if isinstance(byte_range, RangeByteRequest):
-                lo, hi = byte_range.start, min(byte_range.end, size)
-            elif isinstance(byte_range, OffsetByteRequest):
-                lo = byte_range.offset
-            elif isinstance(byte_range, SuffixByteRequest):
-                lo = max(0, size - byte_range.suffix)
-            elif byte_range is not None:
-                raise TypeError(f"unexpected byte_range {byte_range!r}")
-            limit = read_limit(key) if limit is None else limit
-            if hi - lo > limit:
-                raise DamagedStoreError(f"{self.url}: {key} holds {size} bytes; at most {limit} are expected there")
-            parts, pos = [], lo
-            while pos < hi:  # the file may shrink meanwhile; it can never make us read past `hi`
-                b = os.pread(fd, min(hi - pos, 64 << 20), pos)
-                if not b:
-                    break
-                parts.append(b)
-                pos += len(b)
-            return b"".join(parts)
-        finally:
-            os.close(fd)
-
-    def is_file(self, key: str) -> bool:
-        """Something that is not a folder is at ``key`` (a link counts: opening it is refused later)."""
-        path, ok = self.resolve(key)
-        if not ok:
-            return False
-        try:
-            return not stat.S_ISDIR(os.lstat(path).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-
-    def makedirs(self, key: str) -> Path:
-        """Create the folders of ``key`` (its parents); none of them may be a link. Returns the path."""
-        path, _ok = self.resolve(key, write=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.resolve(key, write=True)  # what was just created is a real folder (a race would show here)
-        return path
-
-    def remove(self, key: str, *, folder_ok: bool = True) -> None:
-        """Delete ``key``: a link is unlinked (never followed), a folder removed with everything in it
-        (``shutil.rmtree`` does not follow links below it), a missing key ignored."""
-        path, ok = self.resolve(key, write=True)
-        if not ok:
-            return
-        try:
-            mode = os.lstat(path).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        if stat.S_ISDIR(mode):
-            if not folder_ok:
-                raise IsADirectoryError(errno.EISDIR, "a folder, not a file", str(path))
-            shutil.rmtree(path, ignore_errors=True)
-            self.forget(key)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-    def walk_files(self, prefix: str) -> list[str]:
-        """Keys of the files (any non-folder) under folder ``prefix`` (``""``: the root); links to
-        folders are listed as files and never entered."""
-        if prefix:
-            base, ok = self.resolve(prefix, folder=True)
-            if not ok:
-                return []
-        else:
-            base = self.root
-        out = []
-        for dirpath, dirs, files in os.walk(base):  # followlinks=False: a linked folder is not entered
-            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
-                out.append(name if rel_dir == "." else f"{rel_dir}/{name}")
-        return sorted(out)
-
-
-class ConfinedLocalStore(LocalStore):
-    """zarr's ``LocalStore`` with trajstore's confinement: zarr's own reads and writes of
-    metadata and chunks never follow a symbolic link below the root, never open a FIFO or a
-    device, and never read a file larger than :func:`read_limit` allows.
-
-    Offending keys raise :class:`~trajstore.errors.DamagedStoreError`; missing keys (and
-    folders where a file is expected) read as missing, as in zarr.
-    """
-
-    @property
-    def _conf(self) -> _Confinement:
-        conf = self.__dict__.get("_confinement")
-        if conf is None:
-            conf = self.__dict__["_confinement"] = _Confinement(self.root, str(self.root))
-        return conf
-
-    def _read(self, key: str, prototype: BufferPrototype | None, byte_range: ByteRequest | None) -> Buffer | None:
-        data = self._conf.read(key, None, byte_range)
-        return None if data is None else (prototype or default_buffer_prototype()).buffer.from_bytes(data)
-
-    def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
-                 byte_range: ByteRequest | None = None) -> Buffer | None:
-        self._ensure_open_sync()
-        return self._read(key, prototype, byte_range)
-
-    async def get(self, key: str, prototype: BufferPrototype | None = None,
-                  byte_range: ByteRequest | None = None) -> Buffer | None:
-        if not self._is_open:
-            await self._open()
-        return await asyncio.to_thread(self._read, key, prototype, byte_range)
-
-    async def get_partial_values(self, prototype: BufferPrototype,
-                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
-        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
-
-    def set_sync(self, key: str, value: Buffer) -> None:
-        self._conf.makedirs(key)
-        super().set_sync(key, value)
-
-    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
-        self._conf.makedirs(key)
-        await super()._set(key, value, exclusive)
-
-    def delete_sync(self, key: str) -> None:
-        self._ensure_open_sync()
-        self._check_writable()
-        self._conf.remove(key)
-
-    async def delete(self, key: str) -> None:
-        self._check_writable()
-        self._conf.remove(key)
-
-    async def delete_dir(self, prefix: str) -> None:
-        self._check_writable()
-        if prefix.strip("/"):
-            self._conf.remove(prefix.strip("/"))
-
-    async def exists(self, key: str) -> bool:
-        path, ok = self._conf.resolve(key)
-        if not ok:
-            return False
-        try:
-            return stat.S_ISREG(os.lstat(path).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-
-    async def list_prefix(self, prefix: str) -> Any:
-        for key in self._conf.walk_files(prefix.strip("/")):
-            yield key
-
-    async def list(self) -> Any:
-        for key in self._conf.walk_files(""):
-            yield key
-
-    async def list_dir(self, prefix: str) -> Any:
-        prefix = prefix.strip("/")
-        if prefix:
-            base, ok = self._conf.resolve(prefix, folder=True)
-            if not ok:
-                return
-        else:
-            base = self.root
-        try:
-            names = sorted(os.listdir(base))
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for name in names:
-            yield name
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def full_disk(e: OSError, path: Any, what: str) -> OSError:
-    """``e`` as a :class:`StoreFullError` naming ``path`` and what failed, when it says the
-    filesystem is full; otherwise ``e`` itself (EIO and friends keep their type)."""
-    if isinstance(e, StoreFullError) or e.errno not in _FULL:
-        return e
-    err = StoreFullError(e.errno, f"{what}: {os.strerror(e.errno)}; free space and write again (rows committed "
-                                  "before stay intact)", os.fspath(path) if path is not None else None)
-    err.__cause__ = e
-    return err
 
 
 class Location:
@@ -392,10 +65,10 @@ class Location:
         self.url = url
         self.local_root = local_root
         self.head_path = None if local_root is None else str(local_root / "trajstore.head.json")
-        self._conf: _Confinement | None = None
+        self._conf: Confinement | None = None
         if local_root is not None:
             conf = getattr(zstore, "_conf", None)  # share the folder checks with the zarr store
-            self._conf = conf if isinstance(conf, _Confinement) else _Confinement(local_root, str(url))
+            self._conf = conf if isinstance(conf, Confinement) else Confinement(local_root, str(url))
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -647,7 +320,7 @@ def resolve_location(
     if must_exist and not root.exists():
         raise StoreNotFoundError(f"no store at {str(root)!r}: the folder does not exist")
     if root.exists() and not root.is_dir():  # the user's own path may be a link to a folder
-        raise NotATrajstoreError(f"{str(root)!r} is a {_file_kind(os.stat(root).st_mode)}, not a folder; a local "
+        raise NotATrajstoreError(f"{str(root)!r} is a {file_kind(os.stat(root).st_mode)}, not a folder; a local "
                                  "store is a folder")
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ from .ring import contiguous_runs
 from .schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
                      check_schema, load_json)
 from .spaces import space_from_json
-from .storage import MAX_FILE_BYTES, STAGING_DIR, TMP_DIR, Location, resolve_location
+from .confined import MAX_FILE_BYTES
+from .storage import STAGING_DIR, TMP_DIR, Location, resolve_location
 from .store import ATTRS_KEY, check_attrs
 
 __all__ = ["Fault", "VerifyReport", "verify_store"]
