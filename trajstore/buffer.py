@@ -173,11 +173,11 @@ class StoredBuffer(BatchBase):
                                    "1000 times in a row; read fewer rows at a time")
 
     def _pinned_read(self, read: Callable[[], _T]) -> _T:
-        self._pinned = True
+        outer, self._pinned = self._pinned, True  # re-entrant: a read inside a read stays pinned
         try:
             return read()
         finally:
-            self._pinned = False
+            self._pinned = outer
 
     def _sample_consistent(self, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
                            size: int) -> _T:
