@@ -714,3 +714,24 @@ def test_bad_input_raises_before_any_write(tmp_path, case):
     with pytest.raises(KeyError):
         buf.episode_id_to_episode_data_index(2)
     buf.close()
+
+
+def test_episode_ids_out_of_range_are_refused_before_any_write(tmp_path):
+    """Explicit episode ids (extend, set_episode_data_at) must leave next_episode_id inside what a
+    commit record may hold (below 2**62): the largest id is accepted and the store reopens; one
+    more, a negative id or a uint64 beyond int64 raise BadValueError and change nothing."""
+    path = tmp_path / "t"
+    tb = TrajectoryReplayBuffer.create(Box(-1, 1, (2,), np.float32), cache_path=path,
+                                       episode_data_instance_space=Box(-1, 1, (), np.float32))
+    top = 2**62 - 2
+    tb.extend({"step_data": np.zeros((1, 2), np.float32), "episode_ids": np.array([top], np.uint64)})
+    for bad in (np.array([top + 1]), np.array([2**64 - 1], np.uint64), np.array([-1])):
+        with pytest.raises(BadValueError):
+            tb.extend({"step_data": np.zeros((1, 2), np.float32), "episode_ids": bad})
+    for bad in (top + 1, -1):
+        with pytest.raises(BadValueError):
+            tb.set_episode_data_at(bad, np.float32(0.5))
+    assert len(tb) == 1
+    tb.close()
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        assert len(ro) == 1 and int(ro.get_at_with_metadata(0)[1]["episode_ids"]) == top

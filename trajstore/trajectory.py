@@ -25,6 +25,7 @@ from .buffer import StoredBuffer, as_generator
 from .episodes import EpisodeIndex, RunIndex
 from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
 from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
+from .schema import MAX_INT
 from .ring import IndexLike, normalize_index
 from .fields import make_field_spec
 from . import sequences as _seq
@@ -61,8 +62,9 @@ def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: 
             for p, s, d in shapes]
 
 
-#: Episode ids are int64; keeping them below 2**62 leaves next_episode_id room to grow.
-MAX_EPISODE_ID = 1 << 62
+#: Episode ids are int64 and the commit record holds ``next_episode_id`` (one past the largest),
+#: which must stay below the bound of every integer in a commit record (schema.MAX_INT).
+MAX_EPISODE_ID = MAX_INT - 1
 
 
 def _check_episode_ids(ids: Any) -> np.ndarray:
@@ -73,7 +75,7 @@ def _check_episode_ids(ids: Any) -> np.ndarray:
     if raw.size:
         lo, hi = int(raw.min()), int(raw.max())
         if lo < 0 or hi >= MAX_EPISODE_ID:
-            raise BadValueError(f"episode ids must be in [0, 2**62); got {lo if lo < 0 else hi}")
+            raise BadValueError(f"episode ids must be in [0, {MAX_EPISODE_ID}); got {lo if lo < 0 else hi}")
     return raw.astype(np.int64)
 
 
@@ -355,10 +357,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
                 raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
                                     f"got {raw.dtype} {raw.shape}")
-            if raw.size and raw.dtype.kind == "u" and int(raw.max()) >= MAX_EPISODE_ID:
-                raise BadValueError(f"episode_ids must be in [0, 2**62); got {int(raw.max())}")
-            ids = raw.astype(np.int64).reshape(n)
-            _check_episode_ids(ids)
+            ids = _check_episode_ids(raw).reshape(n)  # range checked before the cast to int64
         ep_arrays = None
         if ep is not None:
             if self._ep_plan is None:
