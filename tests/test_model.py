@@ -220,6 +220,7 @@ class _StoreMachine(RuleBasedStateMachine):
     BACKEND = "numpy"
     LAYOUT = "raw"
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    BUFFER: ClassVar[Any]  # ReplayBuffer or TrajectoryReplayBuffer
     rb: Any
     reader: Any
 
@@ -241,11 +242,22 @@ class _StoreMachine(RuleBasedStateMachine):
         self.counter += k
         return vals
 
+    def open_store(self, read_only: bool = False) -> Any:
+        """The store at ``path`` opened again (``BUFFER.load_from``), as the writer or a reader."""
+        options = {} if read_only else self.OPTIONS
+        return self.BUFFER.load_from(self.path, read_only=read_only, backend=self.BACKEND, **options)
+
+    @rule()
+    def flush(self) -> None:
+        self.rb.flush()
+
 
 # ----------------------------------------------------------------------------------------
 # Machine A: ReplayBuffer
 # ----------------------------------------------------------------------------------------
 class ReplayMachine(_StoreMachine):
+    BUFFER = ReplayBuffer
+
     def __init__(self) -> None:
         super().__init__()
         self.model = RingModel(self.CAPACITY)
@@ -366,13 +378,9 @@ class ReplayMachine(_StoreMachine):
         self.model.clear()
 
     @rule()
-    def flush(self) -> None:
-        self.rb.flush()
-
-    @rule()
     def close_and_reopen(self) -> None:
         self.rb.close()
-        self.rb = ReplayBuffer.load_from(self.path, backend=self.BACKEND, **self.OPTIONS)
+        self.rb = self.open_store()
         assert self.rb.capacity == self.CAPACITY
 
     @rule(keep=st.booleans())
@@ -381,7 +389,7 @@ class ReplayMachine(_StoreMachine):
         must adopt the new commit) sees exactly the writer's rows."""
         self.rb.flush()
         if self.reader is None:
-            self.reader = ReplayBuffer.load_from(self.path, read_only=True, backend=self.BACKEND)
+            self.reader = self.open_store(read_only=True)
         r = self.reader
         assert r.read_only and r.capacity == self.CAPACITY
         assert len(r) == self.n, f"read-only handle: len {len(r)} != {self.n}"
@@ -551,6 +559,8 @@ def offsets_strategy() -> st.SearchStrategy[list[int]]:
 
 
 class TrajectoryMachine(_StoreMachine):
+    BUFFER = TrajectoryReplayBuffer
+
     def __init__(self) -> None:
         super().__init__()
         self.steps = RingModel(self.CAPACITY)  # rows are (value, episode id)
@@ -714,20 +724,16 @@ class TrajectoryMachine(_StoreMachine):
         self.new_episode()  # ids are never reused: a fresh episode starts
 
     @rule()
-    def flush(self) -> None:
-        self.rb.flush()
-
-    @rule()
     def close_and_reopen(self) -> None:
         self.rb.close()
-        self.rb = TrajectoryReplayBuffer.load_from(self.path, backend=self.BACKEND, **self.OPTIONS)
+        self.rb = self.open_store()
         assert self.rb.current_episode_id == self.current, "a cleanly closed writer's episode continues"
 
     @rule(keep=st.booleans())
     def read_only_handle_agrees(self, keep: bool) -> None:
         self.rb.flush()
         if self.reader is None:
-            self.reader = TrajectoryReplayBuffer.load_from(self.path, read_only=True, backend=self.BACKEND)
+            self.reader = self.open_store(read_only=True)
         r = self.reader
         assert len(r) == self.n, f"read-only handle: len {len(r)} != {self.n}"
         assert r.offset == self.steps.offset, f"read-only handle: offset {r.offset} != {self.steps.offset}"

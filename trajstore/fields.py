@@ -34,8 +34,8 @@ import numpy as np
 import zarr
 
 from . import _vmap
-from .errors import DamagedStoreError, TrajstoreError
 from .confined import full_disk as _full_disk
+from .errors import DamagedStoreError, TrajstoreError
 from .storage import Location, fsync_dir
 
 __all__ = ["FieldSpec", "MappedField", "ChunkedField", "open_field", "make_field_spec", "chunk_key", "parse_compressor"]

@@ -17,11 +17,11 @@ import os
 import stat
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from .confined import MAX_HEAD_BYTES, full_disk
 from .errors import DamagedStoreError, FormatVersionError, LockedError
 from .schema import check_int, load_json
-from .confined import MAX_HEAD_BYTES, full_disk
 from .storage import Location
 
 __all__ = ["HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head", "write_head", "WriterLock"]
@@ -166,6 +166,8 @@ class HeadWatch:
         self.loc = loc
         self._fd = -1
         self._ino: int | None = None  # None: nothing watched yet, so the record counts as changed
+        # Called with every record read, before it is returned (the store's schema checks).
+        self.check: Callable[[Head], None] | None = None
 
     def changed(self) -> bool:
         """Whether the record may differ from the one last read or written (always True for
@@ -181,10 +183,10 @@ class HeadWatch:
         """Read the record and watch the file it came from (read through the same descriptor,
         so what was read and what is watched agree).
 
-        A ``check`` attribute, when set (the store sets it to its schema checks), is called with
-        the parsed record before it is returned or watched.
+        ``check``, when set (the store sets it to its schema checks), is called with the parsed
+        record before it is returned or watched.
         """
-        check = getattr(self, "check", None)
+        check = self.check
         if self.loc.head_path is None:
             head = read_head(self.loc)
             if check is not None:
@@ -358,6 +360,8 @@ def _open_lock_file(path: Any) -> int:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise DamagedStoreError(f"{os.fspath(path)}: the lock file is a symbolic link; remove it") from None
+        if e.errno == errno.EISDIR:
+            raise DamagedStoreError(f"{os.fspath(path)}: the lock file is a folder; remove it") from None
         raise full_disk(e, path, "create the writer lock file") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -16,10 +16,9 @@ from typing import Any, Callable
 import numpy as np
 import zarr
 
-from .errors import DamagedStoreError, LockedError
+from .errors import DamagedStoreError, LockedError, ReadOnlyError
 from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
 from .schema import check_pending, load_json
-from .store import _check_plain_file
 from .confined import MAX_HEAD_BYTES
 from .storage import STAGING_DIR, TMP_DIR, Location
 from .verify import VerifyReport, _check_rows, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans
@@ -128,7 +127,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
     """
     p = os.fspath(path)
     if not dry_run and "://" not in p and p.endswith(".zip"):
-        raise ValueError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
+        raise ReadOnlyError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
                          "(trajstore copy), repair that, and copy it back")
     loc = _locate(path, storage_options, read_only=dry_run)
     lock = None
@@ -137,8 +136,6 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
             # shared=True: take the lock exclusively when free, without marking the lock file, so
             # what the next writer learns about an unclean end (fresh episode ids) is kept.
             try:
-                for key in (LOCK_KEY, MPLOCK_KEY):  # opened with O_CREAT: never through a link
-                    _check_plain_file(loc, key)
                 lock = WriterLock(loc, shared=True)
             except LockedError:
                 raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None

@@ -240,8 +240,6 @@ class Store:
             raise DamagedStoreError(f"{loc.url}: zarr cannot open the store's metadata ({type(e).__name__}: {e})") from None
         lock = None
         if not read_only and loc.is_local:
-            for key in (LOCK_KEY, MPLOCK_KEY):  # WriterLock opens them with O_CREAT: never through a link
-                _check_plain_file(loc, key)
             lock = WriterLock(loc, shared=multiprocessing)
         try:
             head = read_head(loc)
@@ -348,8 +346,8 @@ class Store:
         c = self.committed.tables[table.name]
         if c.start >= min_start or c.end <= c.start:  # nothing committed is in the way
             return
-        self.commit(state=self.buffer_state(),
-                    evict={table.name: min_start + guard})
+        self.commit(state=self.buffer_state(), evict={table.name: min_start + guard})
+
     def commit_due(self) -> bool:
         """``commit_interval`` seconds have passed since the last commit."""
         return time.monotonic() - self._last_commit >= self.commit_interval
@@ -581,16 +579,6 @@ def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
     if not isinstance(attrs.get("kind"), str):
         raise DamagedStoreError(f"{loc.url}: kind is {attrs.get('kind')!r:.40}; expected a string such as 'ReplayBuffer'")
     return attrs
-
-
-def _check_plain_file(loc: Location, key: str) -> None:
-    """``key`` is absent or a regular file (a writer opens it with ``O_CREAT``, which would follow a
-    link out of the store, block on a FIFO, or fail on a folder)."""
-    try:
-        os.close(loc.open_inside(key, os.O_RDONLY))
-    except FileNotFoundError:
-        if os.path.lexists(loc.path(key)):  # a folder
-            raise DamagedStoreError(f"{loc.url}: {key} is a folder, not a file") from None
 
 
 def _consolidate(loc: Location) -> None:
