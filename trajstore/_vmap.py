@@ -142,38 +142,35 @@ class VirtualArray:
         arr.flags.writeable = False
         self.array = arr
 
-    def map_chunk(self, k: int, path: str | os.PathLike[str]) -> None:
-        """Map chunk file ``path`` as chunk ``k`` (replacing whatever was mapped there)."""
-        # Never through a link (a chunk linked out of the store would be written there), never
-        # blocking on a FIFO: only a regular file is mapped (DESIGN.md 3.7).
-        try:
-            fd = os.open(path, (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise EOFError(f"chunk file {os.fspath(path)!r} is a link or not a regular file; not mapped") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if not stat.S_ISREG(st.st_mode):
-                raise EOFError(f"chunk file {os.fspath(path)!r} is not a regular file; not mapped")
-            if size < self.chunk_bytes:
-                # Mapping past EOF would SIGBUS on access; report the damage instead.
-                raise EOFError(f"chunk file {os.fspath(path)!r} holds {size} bytes; expected {self.chunk_bytes}")
-            if self.writable and allocated_bytes(st) < self.chunk_bytes:
-                # A file with holes (created sparse by an older trajstore): a store into a hole on
-                # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
-                # version creates are allocated whole, so this costs one fstat per mapped chunk.
-                try:
-                    reserve(fd, self.chunk_bytes, fresh=False)
-                except OSError as e:
-                    raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}",
-                                  os.fspath(path)) from None
-            prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
-            addr = self.base + k * self.chunk_bytes
-            _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {path}")
-        finally:
-            os.close(fd)
+    def map_chunk(self, k: int, fd: int, name: str) -> None:
+        """Map the open chunk file ``fd`` (named ``name`` in errors) as chunk ``k``, replacing
+        whatever was mapped there.  The caller opened it without following links and keeps
+        ownership of ``fd`` (a mapping outlives its descriptor).
+
+        Raises
+        ------
+        EOFError
+            The file is not a regular file, or shorter than a chunk (mapping past its end would
+            ``SIGBUS`` on access).
+        OSError
+            Space for a sparse file could not be reserved, or ``mmap`` failed.
+        """
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise EOFError(f"chunk file {name!r} is not a regular file; not mapped")
+        if st.st_size < self.chunk_bytes:
+            raise EOFError(f"chunk file {name!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
+        if self.writable and allocated_bytes(st) < self.chunk_bytes:
+            # A file with holes (created sparse by an older trajstore): a store into a hole on
+            # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
+            # version creates are allocated whole, so this costs one fstat per mapped chunk.
+            try:
+                reserve(fd, self.chunk_bytes, fresh=False)
+            except OSError as e:
+                raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", name) from None
+        prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
+        addr = self.base + k * self.chunk_bytes
+        _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {name}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:

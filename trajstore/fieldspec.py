@@ -1,0 +1,144 @@
+"""What a stored field is (:class:`FieldSpec`) and the layout policy: chunk sizes, codecs, chunk keys.
+
+Shared by both storage engines (:mod:`trajstore.mapped` and :mod:`trajstore.chunked`);
+:func:`trajstore.fields.open_field` picks the engine of a field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zarr
+
+from . import _vmap
+from .storage import Location
+
+if TYPE_CHECKING:
+    from .chunked import ChunkedField
+    from .mapped import MappedField
+
+__all__ = [
+    "CACHE_BYTES",
+    "COMPRESSED_CHUNK_BYTES",
+    "PWRITE_BYTES",
+    "RAW_CHUNK_BYTES",
+    "FieldSpec",
+    "chunk_key",
+    "gather_windows_by_rows",
+    "make_field_spec",
+    "open_zarr_array",
+    "parse_compressor",
+]
+
+#: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few thousand
+#: files, small enough that the writer's partial tail chunk is cheap to create.
+RAW_CHUNK_BYTES = 1 << 20
+#: Compressed chunks are decoded whole on a random read, so they are kept smaller.
+COMPRESSED_CHUNK_BYTES = 1 << 20
+#: Writes of at least this many bytes use pwrite instead of stores into the mapping.
+PWRITE_BYTES = 64 << 10
+#: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
+CACHE_BYTES = 256 << 20
+
+
+def chunk_key(array_path: str, k: int, ndim: int) -> str:
+    """zarr v3 default chunk key of chunk ``k`` along axis 0 (other axes are one chunk)."""
+    return f"{array_path}/c/{k}" + "/0" * (ndim - 1)
+
+
+def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
+    """Map the user's ``compressor`` option to zarr ``compressors=`` and a short label.
+
+    Accepts ``None``/``"none"`` (raw), ``"lz4"``, ``"zstd"``, a zarr bytes-to-bytes codec,
+    or a numcodecs codec (wrapped with ``zarr.codecs.numcodecs``).
+    """
+    if compressor is None or compressor == "none":
+        return None, "none"
+    if isinstance(compressor, str):
+        names = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
+        if compressor not in names:
+            raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+        cname, level = names[compressor]
+        codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
+        return codec, compressor
+    if isinstance(compressor, zarr.abc.codec.BytesBytesCodec):
+        return compressor, type(compressor).__name__
+    if hasattr(compressor, "get_config") and hasattr(compressor, "codec_id"):
+        import zarr.codecs.numcodecs as zn
+
+        cfg = {k: v for k, v in compressor.get_config().items() if k != "id"}
+        wrapper = getattr(zn, type(compressor).__name__, None)
+        if wrapper is None:
+            raise ValueError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
+        return wrapper(**cfg), compressor.codec_id
+    raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+
+
+class FieldSpec:
+    """Static description of one stored field (written once into the store's attributes)."""
+
+    def __init__(self, array_path: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, layout: str,
+                 compressor: Any = None):
+        self.array_path = array_path
+        self.compressor = compressor  # only used at create; afterwards zarr's metadata holds the codec
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.dtype = np.dtype(dtype)
+        self.chunk_rows = int(chunk_rows)
+        self.layout = layout  # "raw" or "compressed"
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.array_path, "chunk_rows": self.chunk_rows, "layout": self.layout}
+
+
+def _raw_row_align(row_bytes: int) -> int:
+    """Smallest row count whose bytes fill whole pages, so chunks tile an address range."""
+    return _vmap.PAGE // math.gcd(row_bytes, _vmap.PAGE)
+
+
+def make_field_spec(
+    array_path: str,
+    row_shape: tuple[int, ...],
+    dtype: np.dtype,
+    *,
+    capacity: int | None,
+    compressor: Any,
+    chunk_rows: int | None,
+) -> FieldSpec:
+    """Choose the chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES)."""
+    row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    if compressor is not None and compressor != "none":
+        rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
+        if capacity is not None:
+            rows = min(rows, capacity)
+        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
+    align = _raw_row_align(row_bytes)
+    rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, 1)
+    if capacity is not None:
+        rows = min(rows, capacity)
+    rows = -(-rows // align) * align  # round up to whole pages
+    return FieldSpec(array_path, row_shape, dtype, rows, "raw")
+
+
+def gather_windows_by_rows(field: MappedField | ChunkedField, phys: np.ndarray, length: int,
+                           capacity: int | None = None) -> np.ndarray:
+    """``field.gather_windows`` as one row gather: rows ``phys[b] + t`` (modulo ``capacity``, so
+    windows may cross a ring's wrap point), shape (B, length, ...)."""
+    rows = phys[:, None] + np.arange(length)
+    if capacity is not None:
+        rows %= capacity
+    return field.gather(rows.ravel()).reshape(len(phys), length, *field.spec.row_shape)
+
+
+def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array:
+    """The field's zarr array, re-read from the store; a writer resizes it to ``allocated`` rows
+    if another handle has not already (zarr.json only; no chunk is touched)."""
+    z = zarr.open_array(loc.zstore, path=spec.array_path, mode="r+" if writable else "r")
+    if writable and z.shape[0] < allocated:
+        z.resize((allocated, *spec.row_shape))
+    return z.with_config({"write_empty_chunks": True})
