@@ -5,11 +5,29 @@ any fsspec URL); ``create`` / ``load_from`` / ``dumps`` are metadata operations 
 are lazy.  See README.md and docs/.
 """
 
+from typing import Any
+
 from . import errors
-from .repair import repair_store
 from .replay_buffer import ReplayBuffer, ZarrStorage
 from .trajectory import TrajectoryData, TrajectoryReplayBuffer
-from .verify import verify_store
 from .views import BatchBase, ColumnView, SliceView
+
+# Maintenance (verify, repair) is imported on first use: most programs never call it, and
+# ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
+_LAZY = {"verify_store": "verify", "repair_store": "repair"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "errors"]

@@ -1,0 +1,213 @@
+"""Image rows: every read path of trajstore against the numpy memmap gather of the same rows (the
+limit), and the SB3 buffers against SB3's in-RAM ones, as ratios measured side by side in one run.
+
+Workloads, (84,84,4) uint8 frames (Atari-style), page cache warm, each system freshly opened:
+
+- ``sample(256)``, ``rb[idx]``, a ``get_slice`` view and a ``get_column`` view indexed with 256
+  random rows, numpy and torch backends;
+- frame stacks: ``get_sequences(idx, offsets=[-3..0])`` and ``sample_sequences(256, 4)`` of a
+  ``TrajectoryReplayBuffer`` against the memmap gather of the same 256 x 4 rows;
+- ``ZarrReplayBuffer.sample(256)`` (obs and next_obs) and ``add`` against SB3's ``ReplayBuffer``.
+
+How it is measured (docs/benchmarks.md): systems run in blocks of 25 consecutive calls, block
+after block, the order of the systems rotated each round so neither gets the process's warm-up
+(allocator, page tables) for free; no read pass before timing.  "cold" is the total time of the
+first 200 calls after opening (the process's mappings cold), "steady" the total of the calls after
+those.  Ratio = trajstore / baseline (lower is better).
+
+    python scripts/bench_images.py                 # 50,000 frames (about 3 minutes on 2 cores)
+    python scripts/bench_images.py --quick         # 3,000 frames (smoke test)
+    python scripts/bench_images.py --markdown docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import _replace_section, _reproduce  # noqa: E402
+
+import gymnasium as gym  # noqa: E402
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer  # noqa: E402
+
+FRAME = (84, 84, 4)
+BATCH = 256
+BLOCK = 25
+COLD = 200
+Row = dict[str, Any]
+
+
+def run_blocks(systems: dict[str, Callable[[], Any]], calls: int) -> dict[str, np.ndarray]:
+    """Seconds of each of ``calls`` consecutive calls per system, in blocks of :data:`BLOCK`, the
+    systems' order rotated every round."""
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(-(-calls // BLOCK)):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, out = systems[name], times[name]
+            for _ in range(BLOCK):
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+    return {n: np.asarray(ts[:calls]) for n, ts in times.items()}
+
+
+def ratio_rows(what: str, times: dict[str, np.ndarray], ours: str, base: str, target: float) -> list[Row]:
+    a, b = times[ours], times[base]
+    return [{"what": what, "phase": phase, "ours": a[sl].sum() / n * 1e3, "base": b[sl].sum() / n * 1e3,
+             "ours_name": ours, "base_name": base, "ratio": a[sl].sum() / b[sl].sum(), "target": target}
+            for phase, sl, n in (("cold", slice(0, COLD), COLD), ("steady", slice(COLD, None), len(a) - COLD))]
+
+
+def _frames(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` distinct-looking frames, cheap to make (a few base frames rolled)."""
+    base = np.random.default_rng(seed).integers(0, 256, size=(16, *FRAME), dtype=np.uint8)
+    return np.stack([np.roll(base[i % 16], i, axis=0) for i in range(n)])
+
+
+def build_stores(tmp: Path, n: int) -> dict[str, Path]:
+    """A Dict ReplayBuffer ({"obs": frame, "act": Discrete(4)}), a TrajectoryReplayBuffer of
+    1000-step episodes and a memmap file of the same frames."""
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(0, 255, FRAME, np.uint8), "act": gym.spaces.Discrete(4)})
+    mm = np.lib.format.open_memmap(tmp / "frames.npy", mode="w+", dtype=np.uint8, shape=(n, *FRAME))
+    rb = ReplayBuffer.create(space, cache_path=tmp / "rb")
+    tb = TrajectoryReplayBuffer.create(gym.spaces.Box(0, 255, FRAME, np.uint8), cache_path=tmp / "tb")
+    for lo in range(0, n, 1000):
+        frames = _frames(min(1000, n - lo), seed=lo)
+        mm[lo : lo + len(frames)] = frames
+        rb.extend({"obs": frames, "act": np.arange(len(frames)) % 4})
+        tb.extend({"step_data": frames, "episode_ids": np.full(len(frames), lo // 1000)})
+    mm.flush()
+    del mm
+    rb.close()
+    tb.close()
+    return {"rb": tmp / "rb", "tb": tmp / "tb", "mm": tmp / "frames.npy"}
+
+
+def bench_reads(paths: dict[str, Path], n: int, calls: int) -> list[Row]:
+    rows: list[Row] = []
+    g = np.random.default_rng(1)
+
+    def memmap() -> Callable[[], Any]:
+        mm = np.load(paths["mm"], mmap_mode="r")
+        return lambda: mm[g.integers(0, n, BATCH)]
+
+    def rb(backend: str = "numpy") -> ReplayBuffer:
+        return ReplayBuffer.load_from(paths["rb"], read_only=True, backend=backend)
+
+    # sample(256): numpy backend vs memmap; torch backend vs numpy backend
+    t = run_blocks({"trajstore": (lambda b: lambda: b.sample(BATCH))(rb()), "memmap": memmap()}, calls)
+    rows += ratio_rows("sample(256), numpy", t, "trajstore", "memmap", 1.5)
+    t = run_blocks({"torch": (lambda b: lambda: b.sample(BATCH))(rb("torch")),
+                    "numpy": (lambda b: lambda: b.sample(BATCH))(rb())}, calls)
+    rows += ratio_rows("sample(256), torch vs numpy backend", t, "torch", "numpy", 1.2)
+    # rb[idx] and views indexed with random rows
+    for what, make in (("rb[idx]", lambda b: b),
+                       ("get_slice(:)[idx]", lambda b: b.get_slice(slice(None))),
+                       ("get_column(['obs'])[idx]", lambda b: b.get_column(["obs"]))):
+        t = run_blocks({"trajstore": (lambda v: lambda: v[g.integers(0, n, BATCH)])(make(rb())),
+                        "memmap": memmap()}, calls)
+        rows += ratio_rows(f"{what}, 256 random rows", t, "trajstore", "memmap", 1.5)
+    # frame stacks of 4
+    offs = np.arange(-3, 1)
+
+    def mm_windows() -> Callable[[], Any]:
+        mm = np.load(paths["mm"], mmap_mode="r")
+        return lambda: mm[(g.integers(3, n, BATCH)[:, None] + offs).ravel()].reshape(BATCH, 4, *FRAME)
+
+    tb = TrajectoryReplayBuffer.load_from(paths["tb"], read_only=True)
+    t = run_blocks({"trajstore": lambda: tb.get_sequences(g.integers(0, n, BATCH), offs), "memmap": mm_windows()},
+                   calls)
+    rows += ratio_rows("get_sequences(256 anchors, offsets -3..0)", t, "trajstore", "memmap", 1.5)
+    tb2 = TrajectoryReplayBuffer.load_from(paths["tb"], read_only=True)
+    t = run_blocks({"trajstore": lambda: tb2.sample_sequences(BATCH, 4), "memmap": mm_windows()}, calls)
+    rows += ratio_rows("sample_sequences(256, 4)", t, "trajstore", "memmap", 1.5)
+    for b in (tb, tb2):
+        b.close()
+    return rows
+
+
+def bench_sb3(tmp: Path, sizes: list[int], calls: int) -> list[Row]:
+    """ZarrReplayBuffer vs SB3's ReplayBuffer: sample(256) (obs and next_obs) at each size, and add."""
+    from stable_baselines3.common.buffers import ReplayBuffer as SB3ReplayBuffer
+
+    from trajstore.sb3 import ZarrReplayBuffer
+
+    obs_space, act_space = gym.spaces.Box(0, 255, FRAME, np.uint8), gym.spaces.Discrete(4)
+    act, rew, done, infos = np.zeros((1, 1), np.int64), np.zeros(1, np.float32), np.zeros(1, bool), [{}]
+    frames = _frames(64)[:, None]
+    rows: list[Row] = []
+    for size in sizes:
+        ref = SB3ReplayBuffer(size, obs_space, act_space, "cpu")
+        path = tmp / f"sb3_{size}"
+        ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path, overwrite=True)
+        for i in range(size):
+            for buf in (ref, ours):
+                buf.add(frames[i % 63], frames[i % 63 + 1], act, rew, done, infos)
+        ours.close()
+        ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path)  # reopened: resumes the rows
+        t = run_blocks({"trajstore": lambda: ours.sample(BATCH), "sb3": lambda: ref.sample(BATCH)}, calls)
+        rows += ratio_rows(f"ZarrReplayBuffer.sample(256), {size:,} transitions", t, "trajstore", "sb3", 1.0)
+        if size == sizes[-1]:
+            k = [0]
+
+            def add(buf: Any) -> Callable[[], None]:
+                def go() -> None:
+                    i = k[0] = (k[0] + 1) % 63
+                    buf.add(frames[i], frames[i + 1], act, rew, done, infos)
+                return go
+
+            t = run_blocks({"trajstore": add(ours), "sb3": add(ref)}, max(4 * calls, COLD + 400))
+            rows += ratio_rows(f"ZarrReplayBuffer.add, {size:,} transitions (ring full)", t, "trajstore", "sb3", 1.5)
+        ours.close()
+        del ref
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| workload | phase | trajstore ms/call | baseline | baseline ms/call | ratio | target |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "ok" if r["ratio"] <= r["target"] else "MISSED"
+        lines.append(f"| {r['what']} | {r['phase']} | {r['ours']:.3f} | {r['base_name']} | {r['base']:.3f} | "
+                     f"{r['ratio']:.2f} | <= {r['target']} ({ok}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3,000 frames, fewer calls (a smoke test)")
+    ap.add_argument("--rows", type=int, default=None, help="frames in the stores (default 50,000)")
+    ap.add_argument("--sb3-sizes", type=str, default=None, help="comma-separated sizes (default 1000,10000,100000)")
+    ap.add_argument("--markdown", type=Path, default=None, help="also (re)write this script's section of FILE")
+    a = ap.parse_args(argv)
+    n = a.rows or (3000 if a.quick else 50_000)
+    calls = 250 if a.quick else 600
+    sizes = [int(s) for s in (a.sb3_sizes or ("1000" if a.quick else "1000,10000,100000")).split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench_images_") as d:
+        tmp = Path(d)
+        t0 = time.perf_counter()
+        rows = bench_reads(build_stores(tmp, n), n, calls) + bench_sb3(tmp, sizes, calls)
+        took = time.perf_counter() - t0
+    text = (f"{n:,} frames of (84,84,4) uint8, {calls} calls per system (first {COLD} = cold), blocks of "
+            f"{BLOCK}, took {took:.0f} s.\n\n" + table(rows))
+    print(text)
+    if a.markdown is not None:
+        import zarr
+
+        cmd, machine = _reproduce("bench_images.py", a.quick, f"numpy {np.__version__}, zarr {zarr.__version__}")
+        heading = "## Image rows: every read path against the memmap limit"
+        _replace_section(a.markdown, heading, f"{heading}\n\n`{cmd}` ({machine})\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""``import trajstore`` loads the core only: maintenance, analytics, integrations and the CLI are
+imported when first used (issue 12: import cost; scripts/bench_import.py measures it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+LAZY = ["trajstore.verify", "trajstore.repair", "trajstore.summary", "trajstore.dask", "trajstore.cli",
+        "trajstore.torch", "trajstore.sb3", "trajstore.recording", "dask", "torch", "stable_baselines3", "tqdm",
+        "matplotlib", "fsspec.implementations.http", "s3fs"]
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_import_trajstore_loads_no_optional_module() -> None:
+    loaded = _modules_after("import trajstore")
+    assert not loaded & set(LAZY), sorted(loaded & set(LAZY))
+
+
+def test_lazy_names_resolve_on_first_use() -> None:
+    loaded = _modules_after("import trajstore\nfrom trajstore import verify_store, repair_store\n"
+                            "assert callable(verify_store) and callable(repair_store)\n"
+                            "assert {'verify_store', 'repair_store'} <= set(dir(trajstore))\n"
+                            "from trajstore import *")
+    assert {"trajstore.verify", "trajstore.repair"} <= loaded
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    import pytest
+
+    import trajstore
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        trajstore.nope  # noqa: B018
