@@ -1,0 +1,85 @@
+"""Chunk files are opened through the store's confinement on both of its paths: ``openat2``
+(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, one system call) and the portable per-folder checks used
+where the kernel has no openat2.  Each tampering is refused with DamagedStoreError on both paths,
+and nothing outside the store is read or written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium.spaces import Box
+
+from trajstore import ReplayBuffer, confined
+from trajstore.errors import DamagedStoreError
+
+SPACE = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: 256 rows per 1 MiB chunk
+CHUNK = "step_data/c/0/0/0"
+
+
+def _store(tmp: Path) -> Path:
+    path = tmp / "s"
+    rb = ReplayBuffer.create(SPACE, cache_path=path)
+    rb.extend(np.arange(600 * 64 * 64, dtype=np.int64).reshape(600, 64, 64).astype(np.uint8))
+    rb.close()
+    return path
+
+
+def _link_dir(store: Path, outside: Path) -> None:
+    d = store / "step_data/c/1"
+    os.rename(d, outside / "c1")
+    os.symlink(outside / "c1", d)
+
+
+def _link_file(store: Path, outside: Path) -> None:
+    f = store / CHUNK
+    os.rename(f, outside / "chunk")
+    os.symlink(outside / "chunk", f)
+
+
+def _fifo(store: Path, outside: Path) -> None:
+    os.unlink(store / CHUNK)
+    os.mkfifo(store / CHUNK)
+
+
+def _folder(store: Path, outside: Path) -> None:
+    os.unlink(store / CHUNK)
+    os.mkdir(store / CHUNK)
+
+
+@pytest.fixture(params=[True, False], ids=["openat2", "portable"])
+def fast_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param and not confined._openat2_ok:
+        pytest.skip("this kernel has no openat2")
+    monkeypatch.setattr(confined, "_openat2_ok", request.param)
+    return bool(request.param)
+
+
+def test_untampered_store_reads_the_same_on_both_paths(tmp_path: Path, fast_path: bool) -> None:
+    path = _store(tmp_path)
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        got = rb[np.arange(600)]
+    assert np.array_equal(got, np.arange(600 * 64 * 64, dtype=np.int64).reshape(600, 64, 64).astype(np.uint8))
+    assert confined._openat2_ok is fast_path  # the path under test was the one taken
+
+
+@pytest.mark.parametrize("tamper", [_link_dir, _link_file, _fifo, _folder], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("read_only", [True, False], ids=["reader", "writer"])
+def test_tampered_chunk_is_refused_on_both_paths(tmp_path: Path, fast_path: bool, tamper, read_only: bool) -> None:
+    path = _store(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tamper(path, outside)
+    before = {p.name: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    with pytest.raises(DamagedStoreError):
+        rb = ReplayBuffer.load_from(path, read_only=read_only)
+        try:
+            rb[np.arange(600)]
+            if not read_only:
+                rb.extend(np.zeros((10, 64, 64), np.uint8))
+                rb.flush()
+        finally:
+            rb.close()
+    assert {p.name: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
