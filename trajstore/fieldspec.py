@@ -24,17 +24,26 @@ __all__ = [
     "COMPRESSED_CHUNK_BYTES",
     "PWRITE_BYTES",
     "RAW_CHUNK_BYTES",
+    "RAW_CHUNK_MAX_BYTES",
+    "RAW_CHUNK_MIN_ROWS",
     "FieldSpec",
     "chunk_key",
     "gather_windows_by_rows",
     "make_field_spec",
     "open_zarr_array",
     "parse_compressor",
+    "row_block_codec",
 ]
 
 #: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few thousand
 #: files, small enough that the writer's partial tail chunk is cheap to create.
 RAW_CHUNK_BYTES = 1 << 20
+#: ... and hold at least this many rows, up to RAW_CHUNK_MAX_BYTES: every raw chunk file is one
+#: memory mapping, and Linux allows a process 65,530 (vm.max_map_count).  With 1 MiB chunks a
+#: million (84,84,4) frames were 27,000 mappings per field (obs and next_obs: over 54,000), and
+#: the first read of a store mapped thousands of files; 256-row chunks make that 3,900 per field.
+RAW_CHUNK_MIN_ROWS = 256
+RAW_CHUNK_MAX_BYTES = 16 << 20
 #: Compressed chunks are decoded whole on a random read, so they are kept smaller.
 COMPRESSED_CHUNK_BYTES = 1 << 20
 #: Writes of at least this many bytes use pwrite instead of stores into the mapping.
@@ -74,6 +83,39 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
             raise ValueError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
         return wrapper(**cfg), compressor.codec_id
     raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+
+
+#: Rows of at least this many bytes are compressed one row per blosc block (see row_block_codec).
+ROW_BLOCK_MIN_BYTES = 4 << 10
+#: ... and at most this many (a larger row is a chunk of its own anyway).
+ROW_BLOCK_MAX_BYTES = 1 << 20
+
+
+def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
+    """A blosc codec whose blocks hold exactly one row, or None where the policy does not apply.
+
+    A blosc frame (what zarr's ``blosc`` codec writes for a chunk) is a 16-byte header, a table of
+    block offsets, then blocks compressed independently: it is a small shard with its index at
+    the front.  With one row per block a random row is read by decoding one block
+    (:class:`trajstore.chunked.ChunkedField`, through ``blosc_getitem``), not the whole chunk,
+    and every zarr reader still decodes the chunk as usual.
+
+    c-blosc splits lz4 blocks by byte position when ``typesize <= 16`` and then enforces 64 KiB
+    blocks, so one-byte dtypes are declared with a ``typesize`` in 17..255 that divides the row
+    (``noshuffle``: a byte shuffle of uint8 data is a no-op, compression is unchanged).  Wider
+    dtypes keep their byte shuffle (it matters for their ratio); zstd honours their block size,
+    lz4 keeps 64 KiB blocks.
+    """
+    if compressor not in ("lz4", "zstd") or not ROW_BLOCK_MIN_BYTES <= row_bytes <= ROW_BLOCK_MAX_BYTES:
+        return None
+    cname, level = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}[compressor]
+    if dtype.itemsize == 1:
+        ts = next((t for t in (*range(32, 256), *range(17, 32)) if row_bytes % t == 0), None)
+        if ts is None:
+            return None
+        return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="noshuffle", typesize=ts, blocksize=row_bytes)
+    return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
+                                  blocksize=row_bytes)
 
 
 class FieldSpec:
@@ -116,9 +158,11 @@ def make_field_spec(
         rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
         if capacity is not None:
             rows = min(rows, capacity)
+        if isinstance(compressor, str):
+            compressor = row_block_codec(compressor, np.dtype(dtype), row_bytes) or compressor
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
     align = _raw_row_align(row_bytes)
-    rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, 1)
+    rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, min(RAW_CHUNK_MIN_ROWS, RAW_CHUNK_MAX_BYTES // row_bytes), 1)
     if capacity is not None:
         rows = min(rows, capacity)
     rows = -(-rows // align) * align  # round up to whole pages
