@@ -16,4 +16,4 @@ loader = DataLoader(seqs, batch_sampler=RandomBatchSampler(seqs, 64, num_batches
 from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch
 from .samplers import RandomBatchSampler
 
-__all__ = ["TransitionDataset", "SequenceDataset", "RandomBatchSampler", "SampleBatch", "collate_batch"]
+__all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]

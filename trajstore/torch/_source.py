@@ -8,7 +8,8 @@ passed by the user is used as is in the process that created the dataset.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

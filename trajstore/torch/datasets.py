@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..errors import IndexOutOfRangeError
 from ..sequences import PADS, pad_sources, window_rows
 from ._source import BufferSource, FieldSelection
+from ._transfer import in_worker, pack
 
-__all__ = ["TransitionDataset", "SequenceDataset", "SampleBatch", "collate_batch"]
+__all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
 
 _OUTPUTS = ("torch", "numpy")
 
@@ -32,10 +33,16 @@ def _take(value: Any, k: int) -> Any:
     return value[k]
 
 
+class _Item(dict):
+    """One sample taken out of a :class:`SampleBatch` (its own type, so ``default_collate`` can
+    recognise a whole SampleBatch by its first element, see :func:`_collate_items`)."""
+
+
 class SampleBatch(Sequence):
     """What ``__getitems__`` returns: a batch already stacked (``.data``) that also behaves as the
-    list of its samples, so torch's ``default_collate`` works on it unchanged, while
-    :func:`collate_batch` returns ``.data`` without splitting and restacking."""
+    list of its samples.  Both :func:`collate_batch` and torch's ``default_collate`` return ``.data``
+    as it is, without splitting and restacking; in a DataLoader worker ``.data`` holds every array
+    of the batch in one buffer, which is what crosses to the main process (``_transfer``)."""
 
     def __init__(self, data: dict[str, Any], n: int) -> None:
         self.data = data
@@ -49,7 +56,7 @@ class SampleBatch(Sequence):
             return [self[i] for i in range(*k.indices(self._n))]
         if not -self._n <= k < self._n:
             raise IndexOutOfRangeError(f"index {k} is out of range for {self._n} items")
-        return _take(self.data, k % self._n)
+        return _Item(_take(self.data, k % self._n))
 
 
 def collate_batch(items: Any) -> Any:
@@ -58,6 +65,21 @@ def collate_batch(items: Any) -> Any:
     if isinstance(items, SampleBatch):
         return items.data
     return default_collate(items)
+
+
+def _collate_items(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """``default_collate`` of a sequence whose first element is an :class:`_Item`: a SampleBatch
+    is returned as its stacked data; a list of items is collated key by key as any mapping."""
+    if isinstance(batch, SampleBatch):
+        return batch.data
+    from torch.utils.data._utils.collate import collate
+
+    return {key: collate([d[key] for d in batch], collate_fn_map=collate_fn_map) for key in batch[0]}
+
+
+# torch documents extending default_collate by adding entries to this registry; the key is a
+# type of our own, so no other collation changes.
+default_collate_fn_map[_Item] = _collate_items
 
 
 class _Base(Dataset):
@@ -76,8 +98,13 @@ class _Base(Dataset):
         """This process's read-only buffer (opened lazily in each worker)."""
         return self._src.buffer
 
-    def _out(self, a: np.ndarray) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(a)) if self.output == "torch" else a
+    @staticmethod
+    def _torch(a: np.ndarray) -> Any:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    @staticmethod
+    def _numpy(a: np.ndarray) -> Any:
+        return a
 
     def _indices(self, indices: Any) -> np.ndarray:
         idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
@@ -87,11 +114,20 @@ class _Base(Dataset):
         return np.where(idx < 0, idx + n, idx)
 
     def read_batch(self, indices: Any) -> dict[str, Any]:
-        """Items ``indices`` as one stacked batch ``{field: (B, ...)}``."""
+        """Items ``indices`` (non-negative) as one stacked batch ``{field: (B, ...)}``."""
+        return self._read(indices, self._torch if self.output == "torch" else self._numpy)
+
+    def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         raise NotImplementedError  # abstract
 
     def __getitems__(self, indices: Any) -> SampleBatch:
+        """The items ``indices`` as one batch (what a DataLoader calls with a whole batch of indices).
+
+        In a DataLoader worker with ``output="torch"`` every array of the batch is laid out in one
+        buffer, so the batch crosses to the main process as one object (see ``_transfer``)."""
         idx = self._indices(indices)
+        if self.output == "torch" and in_worker():
+            return SampleBatch(pack(self._read(idx, self._numpy)), len(idx))
         return SampleBatch(self.read_batch(idx), len(idx))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -134,7 +170,7 @@ class TransitionDataset(_Base):
     def __len__(self) -> int:
         return self._n
 
-    def read_batch(self, indices: Any) -> dict[str, Any]:
+    def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         idx = np.asarray(indices, dtype=np.int64)
         buf = self._src.buffer
         buf._sync()
@@ -142,10 +178,10 @@ class TransitionDataset(_Base):
             raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
         s, e = self._sel.step_leaves, self._sel.episode_leaves
         arrays = buf._read_rows(idx, s + e) if s or e else []
-        out = self._sel.assemble(arrays[: len(s)], arrays[len(s):], self._out)
+        batch = self._sel.assemble(arrays[: len(s)], arrays[len(s):], out)
         if self.episode_ids:
-            out["episode_id"] = self._out(np.asarray(buf._step_ids(idx), dtype=np.int64))
-        return out
+            batch["episode_id"] = out(np.asarray(buf._step_ids(idx), dtype=np.int64))
+        return batch
 
 
 class SequenceDataset(_Base):
@@ -209,7 +245,7 @@ class SequenceDataset(_Base):
         """Logical row of the first frame of every item."""
         return self._anchors
 
-    def read_batch(self, indices: Any) -> dict[str, Any]:
+    def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         anchors = self._anchors[np.asarray(indices, dtype=np.int64)]
         buf = self._src.buffer
         buf._sync()
@@ -218,9 +254,9 @@ class SequenceDataset(_Base):
         if anchors.size and anchors.max() >= t.count:
             raise IndexOutOfRangeError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
         if self._src.is_trajectory:
-            ids_of = lambda absolute: buf._step_ids(absolute - start)  # noqa: E731
+            ids_of = lambda absolute: buf._step_ids(absolute - start)
         else:
-            ids_of = lambda absolute: np.zeros(np.shape(absolute), np.int64)  # noqa: E731
+            ids_of = lambda absolute: np.zeros(np.shape(absolute), np.int64)
         rows, valid = window_rows(anchors + start, self._offsets, start, end, ids_of)
         src = pad_sources(rows, valid, self._offsets, anchors + start) if self.pad == "edge" else rows
         B, T = rows.shape
@@ -232,6 +268,6 @@ class SequenceDataset(_Base):
                     a[~valid] = 0
                 steps.append(a)
         eps = buf._read_rows(anchors, self._sel.episode_leaves) if self._sel.episode_leaves else []
-        out = self._sel.assemble(steps, eps, self._out)
-        out[self.mask_key] = self._out(valid)
-        return out
+        batch = self._sel.assemble(steps, eps, out)
+        batch[self.mask_key] = out(valid)
+        return batch
