@@ -40,6 +40,9 @@ __all__ = ["ChunkedField"]
 
 #: A batch decodes a chunk whole (not row by row) once it wants more than this share of its rows.
 WHOLE_CHUNK_SHARE = 0.25
+#: Fields of at most this many allocated bytes read random rows from whole decoded chunks (they fit
+#: the decoded cache, whose hits beat decoding a block per row); bigger ones decode rows alone.
+ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
 #: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
 MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
@@ -173,6 +176,16 @@ class ChunkedField:
                 plain.append(k)
             else:
                 out[k] = staged
+        if plain and self._partial:
+            # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
+            frames = self._get_frames(plain, keep=False)
+            for k in plain:
+                f = frames[k]
+                if f is not None:
+                    chunk = self._empty_chunk()
+                    self._decode_rows(f, k, 0, self.C, chunk.ctypes.data)
+                    out[k] = chunk
+            plain = [k for k in plain if k not in out]
         if plain:
             shape0 = self.z.shape[0]
             rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
@@ -254,7 +267,7 @@ class ChunkedField:
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
         ks = phys // self.C
-        if not self._partial or self.allocated * self._rb <= CACHE_BYTES // 2:
+        if not self._partial or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
             # A field that fits the decoded cache is served from whole cached chunks.
             return self._gather_whole(phys, ks)
         most = max(1, int(self.C * WHOLE_CHUNK_SHARE))
@@ -310,9 +323,10 @@ class ChunkedField:
             raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} does not decode "
                                     f"(blosc_getitem returned {got})")
 
-    def _get_frames(self, ks: list[int]) -> dict[int, _Frame | None]:
-        """The encoded frames of chunks ``ks`` (cached; fetched concurrently from a remote store);
-        None for a chunk that is read whole instead (missing file, not a blosc 1 frame)."""
+    def _get_frames(self, ks: list[int], keep: bool = True) -> dict[int, _Frame | None]:
+        """The encoded frames of chunks ``ks`` (cached unless not ``keep``; fetched concurrently from
+        a remote store); None for a chunk that is read whole instead (missing file, not a blosc 1
+        frame)."""
         out: dict[int, _Frame | None] = {}
         missing = []
         for k in ks:
@@ -338,10 +352,12 @@ class ChunkedField:
                 except ValueError as e:
                     raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} is not a valid "
                                             f"blosc frame ({e})") from None
-                if ts is not None and self.spec.row_bytes % ts == 0:
+                if ts is not None and self._rb % ts == 0:
                     frame = _Frame(buf, ts, owner)
-                    self._frame_bytes += len(buf)
-            self._frames[k] = out[k] = frame
+            out[k] = frame
+            if keep:
+                self._frames[k] = frame
+                self._frame_bytes += 0 if frame is None else len(frame.buf)
         while self._frames and (len(self._frames) > MAX_ENCODED or self._frame_bytes > ENCODED_BYTES):
             k, f = self._frames.popitem(last=False)
             if f is not None:
@@ -376,7 +392,7 @@ class ChunkedField:
         return gather_windows_by_rows(self, phys, length)
 
     def read_range(self, lo: int, hi: int) -> np.ndarray:
-        if not self._partial or hi - lo <= 0 or self.allocated * self._rb <= CACHE_BYTES // 2:
+        if not self._partial or hi - lo <= 0 or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
             return self.gather(np.arange(lo, hi))
         # A scan of a big field: each chunk decoded straight into the result from its encoded
         # frame (mapped or fetched, 256 chunks at a time), without filling the decoded cache.
