@@ -22,7 +22,7 @@ from trajstore.torch import (
     TransitionDataset,
     collate_batch,
 )
-from trajstore.torch._transfer import pack
+from trajstore.torch._transfer import POOL_SEGMENTS, _alive, _mapped, pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",
                                         "ignore:.*pin_memory.*:UserWarning")
@@ -128,12 +128,10 @@ def test_image_batches_cross_in_shared_memory(images):
     assert len(got) == 4
     for b, idx in zip(got, want):
         assert b["obs"].shape == (256, *IMG) and b["obs"].dtype == torch.uint8 and b["row"].dtype == torch.int64
-        assert b["obs"].is_shared() and b["row"].is_shared()  # one shared buffer, not pickled bytes
-        assert b["obs"].untyped_storage().data_ptr() == b["row"].untyped_storage().data_ptr()
+        assert b["obs"].untyped_storage().data_ptr() == b["row"].untyped_storage().data_ptr()  # one buffer
         np.testing.assert_array_equal(b["row"].numpy(), idx)
         np.testing.assert_array_equal(b["obs"].numpy(), _image(np.asarray(idx)))
     small = next(iter(DataLoader(ds, batch_size=8, num_workers=1)))  # 32 KiB: through the pipe
-    assert not small["obs"].is_shared()
     np.testing.assert_array_equal(small["obs"].numpy(), _image(np.arange(8)))
 
 
@@ -163,7 +161,7 @@ def test_pack_round_trip_and_default_collate(traj):
         if big:
             value["img"] = np.ones((256, *IMG), np.uint8)
         packed = pack(value)
-        assert packed._shared is big
+        assert packed._how == ("pool" if big else "pipe")
         back = pickle.loads(ForkingPickler.dumps(packed))
         assert type(back) is dict and isinstance(back["t"], tuple)
         for got, want in ((back["a"], value["a"]), (back["b"]["c"], value["b"]["c"]), (back["t"][0], value["t"][0]),
@@ -177,3 +175,24 @@ def test_pack_round_trip_and_default_collate(traj):
     items = default_collate([ds[4], ds[2]])  # a list of single items still collates as mappings
     np.testing.assert_array_equal(items["action"].numpy(), [4, 2])
     np.testing.assert_array_equal(default_collate([sb[0], sb[1]])["reward"].numpy(), [1.0, 0.5])
+
+
+def test_reused_segments_never_overwrite_held_batches(images):
+    """Workers reuse their shared-memory segments only once every tensor of the batch in them is
+    freed: batches kept by the loop stay intact while later ones stream past, and a loop holding
+    more batches than the pools have segments gets fresh shared memory instead."""
+    ds = TransitionDataset(images, ["obs", "row"])
+    n = 3 * 2 * POOL_SEGMENTS
+    sampler = RandomBatchSampler(ds, 256, num_batches=n, seed=5)
+    want = list(RandomBatchSampler(ds, 256, num_batches=n, seed=5))
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, collate_fn=collate_batch, prefetch_factor=4)
+    kept = {}
+    for k, b in enumerate(loader):
+        np.testing.assert_array_equal(b["row"].numpy(), want[k])
+        np.testing.assert_array_equal(b["obs"].numpy(), _image(np.asarray(want[k])))
+        if k % 2 == 0:
+            kept[k] = b  # held across the rest of the loop: more than all the segments
+    for k, b in kept.items():
+        np.testing.assert_array_equal(b["row"].numpy(), want[k])
+        np.testing.assert_array_equal(b["obs"].numpy(), _image(np.asarray(want[k])))
+    assert sum(_alive(pid) for pid, _ in _mapped.values()) <= 2 * POOL_SEGMENTS

@@ -1,32 +1,40 @@
 """How a batch made in a DataLoader worker process reaches the main process: as one buffer.
 
 torch pickles every tensor of a batch on its own: each is copied into a new shared-memory
-segment whose file descriptor is then handed over through a socket handshake with the worker
-(about 0.3-1 ms per tensor on a busy 2-core machine), which made a batch of three small fields
-cost more to move than to read.  A worker batch (:class:`WorkerBatch`) instead lays all of its
-arrays out in one flat buffer, written once by the worker, and pickles as that buffer plus a
-small description of the fields:
+segment (zero-filled first) whose file descriptor is then handed over through a socket handshake
+with the worker (about 0.3-1 ms per tensor on a busy 2-core machine), which made a batch of three
+small fields cost more to move than to read.  A worker batch (:class:`WorkerBatch`) instead lays
+all of its arrays out in one flat buffer, written once by the worker, and pickles as that buffer
+plus a small description of the fields:
 
-- below :data:`SHM_MIN_BYTES` the buffer travels inside the pickle through the worker's pipe
-  (one bytes object; no descriptor handshake, which costs more than copying a few hundred KiB);
-- from :data:`SHM_MIN_BYTES` on it is one shared-memory tensor (one descriptor per batch, no
-  copy of the data on either side).
+- below :data:`PIPE_MAX_BYTES` the buffer travels inside the pickle through the worker's pipe;
+- larger batches are written into a segment of the worker's pool of shared-memory files
+  (``memfd``), which are reused: the main process maps each segment once (the only descriptor
+  handshake, per segment, not per batch) and marks a segment free again in its header when the
+  last tensor viewing that batch is freed; a batch that finds no free segment (the training loop
+  holds many batches) gets a fresh torch shared-memory tensor instead.
 
 Either way the main process rebuilds the same nesting of tensors as views into that buffer.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import weakref
 from collections.abc import Mapping
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SHM_MIN_BYTES", "WorkerBatch", "in_worker", "pack"]
+__all__ = ["PIPE_MAX_BYTES", "WorkerBatch", "in_worker", "pack"]
 
-SHM_MIN_BYTES = 1 << 20  # batches at least this large cross in shared memory, smaller ones in the pipe
+PIPE_MAX_BYTES = 1 << 16  # smaller batches cross in the pipe, larger ones in shared memory
+POOL_SEGMENTS = 8  # shared-memory segments per worker process, at most
 _ALIGN = 64
+_HEADER = 64  # segment header: byte 0 = in use (set by the worker, cleared by the main process), byte 1 = mapped
 
 
 def in_worker() -> bool:
@@ -67,6 +75,107 @@ def _views(flat: torch.Tensor, tree: Any) -> Any:
     return tuple(_views(flat, v) for v in tree)
 
 
+class _Segment:
+    """One shared-memory file of a worker's pool."""
+
+    def __init__(self, seg_id: int, size: int) -> None:
+        self.id, self.size = seg_id, size
+        self.fd = os.memfd_create(f"trajstore-batch-{seg_id}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, _HEADER + size)
+        self.map = mmap.mmap(self.fd, _HEADER + size)
+
+    @property
+    def free(self) -> bool:
+        return self.map[0] == 0
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class _Pool:
+    """The shared-memory segments of one worker process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.token = os.urandom(8).hex()
+        self.segments: list[_Segment] = []
+        self.next_id = 0
+
+    def acquire(self, nbytes: int) -> _Segment | None:
+        """A free segment of at least ``nbytes`` (marked in use), or None when every segment is taken."""
+        fits = [s for s in self.segments if s.free and nbytes <= s.size <= 2 * nbytes + (1 << 20)]
+        if fits:
+            seg = fits[0]
+        else:
+            if len(self.segments) >= POOL_SEGMENTS:
+                free = [s for s in self.segments if s.free]  # free but of the wrong size: replace one
+                if not free:
+                    return None
+                self.segments.remove(free[0])
+                free[0].close()
+            seg = _Segment(self.next_id, nbytes)
+            self.next_id += 1
+            self.segments.append(seg)
+        seg.map[0] = 1
+        return seg
+
+
+_pool: _Pool | None = None
+
+
+def _worker_pool() -> _Pool:
+    global _pool
+    if _pool is None or _pool.pid != os.getpid():
+        _pool = _Pool()
+    return _pool
+
+
+# In the main process: (worker token, segment id) -> (worker pid, mapping), each segment mapped once.
+_mapped: dict[tuple[str, int], tuple[int, mmap.mmap]] = {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _segment_map(pid: int, token: str, seg_id: int, size: int, fd: Any) -> mmap.mmap:
+    key = (token, seg_id)
+    if key in _mapped:
+        if fd is not None:
+            os.close(fd.detach())
+        return _mapped[key][1]
+    if fd is None:
+        raise RuntimeError(f"batch segment {seg_id} of DataLoader worker {pid} was never mapped in this process")
+    for k in [k for k, (p, _) in _mapped.items() if not _alive(p)]:  # segments of exited workers
+        del _mapped[k]  # unmapped once no tensor views them
+    local = fd.detach()
+    try:
+        mm = mmap.mmap(local, _HEADER + size)
+    finally:
+        os.close(local)
+    mm[1] = 1
+    _mapped[key] = (pid, mm)
+    return mm
+
+
+def _release(mm: mmap.mmap) -> None:
+    mm[0] = 0
+
+
+def _unpack_segment(pid: int, token: str, seg_id: int, size: int, nbytes: int, fd: Any, tree: Any) -> dict[str, Any]:
+    mm = _segment_map(pid, token, seg_id, size, fd)
+    base = np.frombuffer(mm, np.uint8, count=nbytes, offset=_HEADER)
+    weakref.finalize(base, _release, mm).atexit = False  # torch keeps ``base`` alive while any tensor views it
+    return _views(torch.from_numpy(base), tree)
+
+
 def _unpack(payload: Any, tree: Any) -> dict[str, Any]:
     """In the receiving process: the batch as tensors viewing the one buffer that crossed."""
     if isinstance(payload, torch.Tensor):
@@ -85,10 +194,16 @@ class WorkerBatch(dict):
 
     _flat: torch.Tensor
     _tree: Any
-    _shared: bool
+    _how: str  # "pipe", "pool" or "shm"
+    _segment: _Segment | None = None
 
     def __reduce__(self) -> Any:
-        if self._shared:
+        seg = self._segment
+        if seg is not None:
+            pool = _worker_pool()
+            fd = None if seg.map[1] else DupFd(seg.fd)  # the main process maps each segment once
+            return (_unpack_segment, (pool.pid, pool.token, seg.id, seg.size, self._flat.numel(), fd, self._tree))
+        if self._how == "shm":
             payload: Any = self._flat
         else:
             payload = bytearray(self._flat.numpy().data)
@@ -101,16 +216,21 @@ def pack(arrays: Mapping[str, Any]) -> WorkerBatch:
     pos = [0]
     tree = _layout(arrays, leaves, pos)
     total = pos[0]
-    shared = total >= SHM_MIN_BYTES
-    if shared:
+    seg = _worker_pool().acquire(total) if total > PIPE_MAX_BYTES else None
+    if seg is not None:
+        how = "pool"
+        flat = torch.from_numpy(np.frombuffer(seg.map, np.uint8, count=total, offset=_HEADER))
+    elif total > PIPE_MAX_BYTES:
+        how = "shm"
         flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
     else:
+        how = "pipe"
         flat = torch.empty(total, dtype=torch.uint8)
     buf = flat.numpy()
     for leaf, a in zip(_iter_leaves(tree), leaves):
         buf[leaf.offset: leaf.offset + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
     out = WorkerBatch(_views(flat, tree))
-    out._flat, out._tree, out._shared = flat, tree, shared
+    out._flat, out._tree, out._how, out._segment = flat, tree, how, seg
     return out
 
 
