@@ -250,3 +250,47 @@ def test_s3_compressed_image_rows_fetched_concurrently(s3_options, monkeypatch):
             assert in_flight["max"] > 1, "chunks were fetched one after another"
             assert f.stats["in_flight_max"] > 1
         np.testing.assert_array_equal(ro[:], data)
+
+
+def test_s3_local_chunk_cache(s3_options, monkeypatch, tmp_path):
+    """``storage_options={"trajstore_chunk_cache": folder, "trajstore_chunk_cache_bytes": n}``: chunks
+    read once are read from the folder afterwards (no GET), the folder stays bounded, and a new
+    commit is never served chunks cached under an older one."""
+    space = gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 255, (1000, 16, 16, 3), dtype=np.uint8)
+    url = f"s3://trajstore-test/{uuid.uuid4().hex}/cached"
+    with ReplayBuffer.create(space, cache_path=url, storage_options=s3_options, chunk_rows=50, capacity=1000) as rb:
+        rb.extend(data)
+    folder = tmp_path / "cache"
+    opts = {**s3_options, "trajstore_chunk_cache": str(folder), "trajstore_chunk_cache_bytes": 10 << 20}
+    counter = RequestCounter(monkeypatch)
+    with ReplayBuffer.load_from(url, read_only=True, storage_options=opts) as ro:
+        (f,) = ro._table.fields
+        assert f.loc.chunk_cache is not None
+        np.testing.assert_array_equal(ro[:], data)
+        f.drop_cache()
+        counter.reset()
+        idx = rng.integers(0, 1000, 200)
+        np.testing.assert_array_equal(ro[idx], data[idx])
+        chunk_gets = [k for c, k in zip(counter.calls, counter.keys) if c == "get_object" and "/c/" in k]
+        assert chunk_gets == [], chunk_gets  # every chunk came from the folder
+        assert f.stats.get("cache_hits", 0) > 0
+    # a second process-like open shares the folder
+    with ReplayBuffer.load_from(url, read_only=True, storage_options=opts) as ro:
+        counter.reset()
+        np.testing.assert_array_equal(ro[idx], data[idx])
+        assert not [k for c, k in zip(counter.calls, counter.keys) if c == "get_object" and "/c/" in k]
+    # new rows overwrite the ring: a reader with the same cache folder reads the new values
+    new = rng.integers(0, 255, (300, 16, 16, 3), dtype=np.uint8)
+    with ReplayBuffer.load_from(url, storage_options=s3_options) as w:
+        w.extend(new)
+    want = np.concatenate([data[300:], new])
+    with ReplayBuffer.load_from(url, read_only=True, storage_options=opts) as ro:
+        np.testing.assert_array_equal(ro[:], want)
+    # bounded: a tiny bound keeps the folder small
+    small = {**s3_options, "trajstore_chunk_cache": str(tmp_path / "small"), "trajstore_chunk_cache_bytes": 64 << 10}
+    with ReplayBuffer.load_from(url, read_only=True, storage_options=small) as ro:
+        np.testing.assert_array_equal(ro[:], want)
+    held = sum(p.stat().st_size for p in (tmp_path / "small").rglob("*") if p.is_file())
+    assert held <= 64 << 10

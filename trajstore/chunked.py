@@ -450,6 +450,8 @@ class ChunkedField:
     def drop_cache(self) -> None:
         """Forget clean cached chunks (another process may have rewritten them)."""
         self._forget_frames()
+        if self.loc.chunk_cache is not None:
+            self.loc.chunk_cache.invalidate()  # entries are per commit record: fetch it again
         for k in list(self._cache):
             if k not in self._dirty:
                 del self._cache[k]

@@ -10,6 +10,7 @@ so that the fast paths (memory-mapped chunk files, ``os.replace``, ``fsync``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 import warnings
@@ -69,6 +70,7 @@ class Location:
         self.url = url
         self.local_root = local_root
         self.head_path = None if local_root is None else str(local_root / "trajstore.head.json")
+        self.chunk_cache: ChunkCache | None = None  # opt-in, remote stores (resolve_location)
         self._conf: Confinement | None = None
         if local_root is not None:
             conf = getattr(zstore, "_conf", None)  # share the folder checks with the zarr store
@@ -147,14 +149,30 @@ class Location:
     def get_many(self, keys: list[str], *, limit: int | None = None, concurrency: int = GET_CONCURRENCY,
                  stats: dict[str, int] | None = None) -> list[bytes | None]:
         """``[self.get(key) for key in keys]``, with up to ``concurrency`` requests in flight at once
-        on a non-local store (one event-loop round trip for the whole list).
+        on a non-local store (one event-loop round trip for the whole list), through the
+        :class:`ChunkCache` when one is set.
 
-        ``stats`` (optional) counts ``gets`` and records ``in_flight_max``.
+        ``stats`` (optional) counts ``gets`` (requests), ``cache_hits`` and records ``in_flight_max``.
         """
         if self._conf is not None:
             return [self.get(key, limit=limit) for key in keys]
         for key in keys:
             check_key(key, self.url)
+        cache = self.chunk_cache
+        if cache is not None:
+            found = [cache.get(self, key, limit) for key in keys]
+            if stats is not None:
+                stats["cache_hits"] = stats.get("cache_hits", 0) + sum(b is not None for b in found)
+            todo = [k for k, b in zip(keys, found) if b is None]
+            fetched = dict(zip(todo, self._get_many(todo, limit, concurrency, stats))) if todo else {}
+            for key, data in fetched.items():
+                if data is not None:
+                    cache.put(self, key, data)
+            return [b if b is not None else fetched[k] for k, b in zip(keys, found)]
+        return self._get_many(keys, limit, concurrency, stats)
+
+    def _get_many(self, keys: list[str], limit: int | None, concurrency: int,
+                  stats: dict[str, int] | None) -> list[bytes | None]:
         proto = default_buffer_prototype()
         in_flight = [0]
 
@@ -300,6 +318,95 @@ class Location:
 
 
 
+class ChunkCache:
+    """A bounded folder of encoded chunks of one remote store, for stores read many times.
+
+    Opt in with ``storage_options={"trajstore_chunk_cache": "/local/folder"}`` (and optionally
+    ``"trajstore_chunk_cache_bytes": N``, default 8 GiB); the two keys are taken out before the
+    options reach fsspec.  Only the chunk reads of compressed fields go through it.
+
+    Entries live under ``<folder>/<hash of the URL>/<hash of the commit record>/<chunk key>``: a
+    store whose commit record changed (a new commit, a rewrite) never reads entries written under an
+    older record; :meth:`invalidate` (called when a reader adopts a new commit) makes the next read
+    fetch the record again (one small GET).  Files are written to a temp name and renamed, so
+    several processes may share the folder; the oldest files (by modification time, refreshed on
+    every hit) are deleted once the folder holds more than ``max_bytes``.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], max_bytes: int, url: str) -> None:
+        import hashlib
+
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"trajstore_chunk_cache_bytes must be a non-negative int; got {max_bytes!r}")
+        self.root = Path(folder).expanduser().absolute() / hashlib.sha1(url.encode()).hexdigest()[:20]
+        self.max_bytes = max_bytes
+        self._tag: str | None = None
+        self._total: int | None = None
+
+    def invalidate(self) -> None:
+        self._tag = None
+
+    def _dir(self, loc: Location) -> Path:
+        if self._tag is None:
+            import hashlib
+
+            head = sync(loc.zstore.get("trajstore.head.json", prototype=default_buffer_prototype()))
+            self._tag = hashlib.sha1(b"" if head is None else head.to_bytes()).hexdigest()[:20]
+        return self.root / self._tag
+
+    def get(self, loc: Location, key: str, limit: int | None) -> bytes | None:
+        p = self._dir(loc) / key
+        try:
+            with open(p, "rb") as f:
+                data = f.read((read_limit(key) if limit is None else limit) + 1)
+            os.utime(p)
+        except OSError:
+            return None
+        return None if len(data) > (read_limit(key) if limit is None else limit) else data
+
+    def put(self, loc: Location, key: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        p = self._dir(loc) / key
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "xb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        except OSError:  # a full or read-only cache folder only costs the cache
+            return
+        if self._total is None:
+            self._total = sum(sz for _p, sz, _t in self._files())
+        else:
+            self._total += len(data)
+        if self._total > self.max_bytes:
+            self._evict()
+
+    def _files(self) -> list[tuple[Path, int, float]]:
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                q = Path(dirpath) / name
+                try:
+                    st = os.lstat(q)
+                except OSError:
+                    continue
+                out.append((q, st.st_size, st.st_mtime))
+        return out
+
+    def _evict(self) -> None:
+        files = sorted(self._files(), key=lambda e: e[2])
+        total = sum(sz for _p, sz, _t in files)
+        for q, sz, _t in files:
+            if total <= self.max_bytes * 3 // 4:  # some slack: a walk per eviction, not per put
+                break
+            with contextlib.suppress(OSError):
+                q.unlink()
+                total -= sz
+        self._total = total
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (POSIX: fsync the directory)."""
     fd = os.open(path, os.O_RDONLY)
@@ -352,8 +459,13 @@ def resolve_location(
             zstore = ZipWriter(path)
         return Location(zstore, path, None)
     if _is_url(path):
-        store = FsspecStore.from_url(path, storage_options=storage_options or {}, read_only=read_only)
+        opts = dict(storage_options or {})
+        cache_folder = opts.pop("trajstore_chunk_cache", None)
+        cache_bytes = opts.pop("trajstore_chunk_cache_bytes", 8 << 30)
+        store = FsspecStore.from_url(path, storage_options=opts, read_only=read_only)
         loc = Location(store, path, None)
+        if cache_folder is not None:
+            loc.chunk_cache = ChunkCache(cache_folder, cache_bytes, path)
         if must_exist and not loc.exists("zarr.json"):
             raise StoreNotFoundError(f"no store at {path!r}: zarr.json not found")
         return loc
