@@ -1,6 +1,6 @@
 """Faults of the filesystem and of the process around a store (DESIGN.md 3, invariants 3, 5, 9).
 
-- A real full disk: a 4 MiB tmpfs mounted here (root only; skipped otherwise).  The writer
+- A real full disk: a 24 MiB tmpfs mounted here (root only; skipped otherwise).  The writer
   runs in a subprocess, so a ``SIGBUS`` (a store through a mapping into a hole the full
   filesystem cannot fill) shows as a signal exit and fails the test.
 - Injected faults: ``ENOSPC`` and ``EIO`` raised by the Nth call to ``os.pwrite``, ``os.write``,
@@ -109,6 +109,8 @@ def _template(root: Path, layout: str, capacity: int | None) -> Path:
     path = root / f"template-{layout}-{capacity}"
     if not path.exists():
         kw = {"compressor": "lz4"} if layout == "lz4" else {}
+    if capacity is not None:
+        kw["chunk_rows"] = 64  # a ring of two chunks that wraps within the disk, and fills it
         with ReplayBuffer.create(_space(), cache_path=path, capacity=capacity, chunk_rows=64,
                                  commit_interval=3600, **kw) as rb:
             rb.extend(_rows(range(BASE)))
@@ -458,9 +460,13 @@ _CHILD = textwrap.dedent('''
     out = {}
     filler = os.path.join(fs, "filler")
     with open(filler, "wb") as f:
-        f.write(os.urandom(1 << 20))
+        # Deleted later, it leaves room for one more raw chunk of 256 frames; a ring (two chunks of
+        # 64 frames, 3.4 MiB) meets a full disk only with less than that free.
+        f.write(os.urandom((8 if capacity is None else 21) << 20))
     path = os.path.join(fs, "store")
     kw = {"compressor": "lz4"} if layout == "lz4" else {}
+    if capacity is not None:
+        kw["chunk_rows"] = 64  # a ring of two chunks that wraps within the disk, and fills it
     rb = ReplayBuffer.create(Box(0, 255, SHAPE, np.uint8), cache_path=path, capacity=capacity,
                              commit_interval=3600, **kw)
     added = committed = 0
@@ -543,12 +549,12 @@ _CHILD = textwrap.dedent('''
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    """A 4 MiB tmpfs (root only), unmounted at teardown."""
+    """A 24 MiB tmpfs (root only), unmounted at teardown."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "fs"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
     try:
@@ -560,7 +566,7 @@ def tiny_fs(tmp_path):
 
 @pytest.mark.parametrize("layout,capacity", [("raw", None), ("raw", 128), ("lz4", None)])
 def test_a_full_disk_is_an_error_not_sigbus(tiny_fs, layout, capacity):
-    """(84, 84, 4) uint8 rows until a 4 MiB filesystem is full, in a subprocess: the write raises
+    """(84, 84, 4) uint8 rows until a 24 MiB filesystem is full, in a subprocess: the write raises
     OSError ENOSPC, the process lives on, every committed row is intact and the store verifies;
     close and reopen work or raise trajstore errors; once a filler file is deleted, writing
     resumes and commits."""

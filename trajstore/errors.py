@@ -87,6 +87,13 @@ class StoreFullError(TrajstoreError, OSError):
     """
 
 
+class MappingLimitError(TrajstoreError, OSError):
+    """The process cannot map more chunk files (``errno`` is ``ENOMEM``): Linux limits a process to
+    ``vm.max_map_count`` mappings (65,530 by default) and every raw chunk file mapped is one.  Raise
+    the limit (``sysctl vm.max_map_count=262144``), open fewer stores at once, or create the store
+    with larger ``chunk_rows``.  Nothing was written; the buffer stays usable for other rows."""
+
+
 class IndexOutOfRangeError(TrajstoreError, IndexError):
     """A row index (or an element of an index array) is outside ``[-len, len)``, or a bool mask's
     length differs from the buffer's."""

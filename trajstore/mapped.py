@@ -10,6 +10,7 @@ mapped, so a store into a mapping never meets a full disk (which would be ``SIGB
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import _vmap
 from .confined import full_disk as _full_disk
-from .errors import DamagedStoreError
+from .errors import DamagedStoreError, MappingLimitError
 from .fieldspec import PWRITE_BYTES, FieldSpec, chunk_key, open_zarr_array
 from .storage import Location, fsync_dir
 
@@ -131,6 +132,10 @@ class MappedField:
         except EOFError as e:
             raise DamagedStoreError(str(e)) from None
         except OSError as e:
+            if e.errno == errno.ENOMEM:
+                raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
+                                        "reached its limit of memory mappings (vm.max_map_count; see "
+                                        "trajstore.errors.MappingLimitError)", name) from None
             raise _full_disk(e, name, "reserve space for a chunk file created sparse")
         finally:
             os.close(fd)
