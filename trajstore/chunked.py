@@ -66,13 +66,14 @@ _HEADER = struct.Struct("<BBBBiii")
 _MEMCPYED = 0x02
 
 
-def _decode_jobs(jobs: list[tuple[int, int, int, int, int]], rb: int) -> int | None:
-    """Run ``blosc_getitem`` jobs (frame address, first item, items, destination, chunk); the chunk
-    of the first that fails, or None.  (Splitting a batch between two threads measured no gain.)"""
+def _decode_jobs(src: list[int], start: list[int], nitems: list[int], dest: list[int], nbytes: int) -> int | None:
+    """``blosc_getitem(src[i], start[i], nitems[i], dest[i])`` for every i, each expected to give
+    ``nbytes``; the first i that fails, or None.  (Splitting a batch between two threads measured
+    no gain: the time is lz4's, about 5 us per 12 KiB row.)"""
     getitem = _GETITEM
-    for src, start, nitems, dest, k in jobs:
-        if getitem(src, start, nitems, dest) != rb:  # type: ignore[misc]
-            return k
+    for i, (s, st, n, d) in enumerate(zip(src, start, nitems, dest)):
+        if getitem(s, st, n, d) != nbytes:  # type: ignore[misc]
+            return i
     return None
 
 
@@ -283,21 +284,25 @@ class ChunkedField:
             return self._gather_whole(phys, ks)
         frames = self._get_frames(rowwise)
         out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
-        base, rb, C = out.ctypes.data, self._rb, self.C
-        whole, jobs = [], []
-        for i, r in enumerate(phys.tolist()):
-            k = r // C
-            f = frames.get(k)
-            if f is None:
-                whole.append(i)
-            else:
-                jobs.append((f.addr, (r - k * C) * rb // f.typesize, rb // f.typesize, base + i * rb, k))
-        bad = _decode_jobs(jobs, rb)
-        if bad is not None:
-            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {bad} does not decode "
-                                    "(blosc_getitem failed)")
-        if whole:
-            sel = np.asarray(whole)
+        rb, C = self._rb, self.C
+        # Vectorised job list: for each row, its frame's address and typesize (0: read whole).
+        fk = np.fromiter(frames.keys(), np.int64, len(frames))
+        order = np.argsort(fk)
+        fk = fk[order]
+        addr = np.fromiter((0 if f is None else f.addr for f in frames.values()), np.int64, len(frames))[order]
+        tsz = np.fromiter((1 if f is None else f.typesize for f in frames.values()), np.int64, len(frames))[order]
+        pos = np.minimum(np.searchsorted(fk, ks), len(fk) - 1)
+        by_row = (fk[pos] == ks) & (addr[pos] != 0)
+        rows = np.flatnonzero(by_row)
+        if len(rows):
+            p, t = pos[rows], tsz[pos[rows]]
+            bad = _decode_jobs(addr[p].tolist(), ((phys[rows] - ks[rows] * C) * rb // t).tolist(), (rb // t).tolist(),
+                               (out.ctypes.data + rows * rb).tolist(), rb)
+            if bad is not None:
+                raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {int(ks[rows[bad]])} does "
+                                        "not decode (blosc_getitem failed)")
+        if len(rows) < len(phys):
+            sel = np.flatnonzero(~by_row)
             out[sel] = self._gather_whole(phys[sel], ks[sel])
         return out
 
