@@ -1,7 +1,10 @@
 """Offline-dataset benchmark: DataLoader throughput (samples/s) of trajstore.torch datasets, random
 batches of 256 transitions and of 256 x 32-step sequences, with 0, 2 and 4 worker processes, on a
-local store, against a numpy in-RAM gather of the same batches; and S3 requests per batch against a
-moto server on 127.0.0.1 (needs moto[server] and s3fs; skipped without them).
+local store, against a numpy in-RAM gather of the same batches; workers against no workers for raw
+vector rows, raw image rows and lz4 image rows (cold: from a fresh DataLoader, worker start-up
+included; steady: blocks of consecutive batches after that), and the cost of moving one batch
+through the worker queue; and S3 requests per batch against a moto server on 127.0.0.1 (needs
+moto[server] and s3fs; skipped without them).
 
     python scripts/bench_offline.py                          # 1M-row store
     python scripts/bench_offline.py --quick                  # 50k rows, fewer batches (smoke test)
@@ -27,10 +30,17 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
+from bench_core import _median_time, _replace_section, _reproduce
 
-from trajstore import TrajectoryReplayBuffer  # noqa: E402
-from trajstore.torch import RandomBatchSampler, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.torch import (
+    RandomBatchSampler,
+    SampleBatch,
+    SequenceDataset,
+    TransitionDataset,
+    collate_batch,
+)
+from trajstore.torch._transfer import in_worker, pack
 
 B, T = 256, 32
 FIELDS = ["obs", "action", "reward"]
@@ -63,7 +73,7 @@ def build(path: str, data: dict[str, np.ndarray], episode: int = 500, **kwargs) 
 def loader_rate(ds, workers: int, batches: int) -> float:
     """Samples/s drawing ``batches`` random batches (after the workers delivered a first one)."""
     sampler = RandomBatchSampler(ds, B, num_batches=batches + 1 + 2 * workers, seed=0)
-    kw = dict(num_workers=workers, collate_fn=collate_batch)
+    kw = {"num_workers": workers, "collate_fn": collate_batch}
     if workers:
         kw.update(multiprocessing_context="fork", prefetch_factor=4)
     it = iter(DataLoader(ds, batch_sampler=sampler, **kw))
@@ -74,6 +84,91 @@ def loader_rate(ds, workers: int, batches: int) -> float:
     for batch in it:
         n += len(batch[FIELDS[0]])
     return n / (time.perf_counter() - t)
+
+
+IMG = (84, 84, 4)
+IMAGE_SPACE = gym.spaces.Dict({"obs": gym.spaces.Box(0, 255, IMG, np.uint8), "action": gym.spaces.Discrete(18),
+                               "reward": gym.spaces.Box(-np.inf, np.inf, (), np.float32)})
+
+
+def build_images(path: str, rows: int, **kwargs) -> None:
+    """Atari-like frames: a dark background with a few noisy bands (lz4 shrinks them about 3x)."""
+    rng = np.random.default_rng(1)
+    with ReplayBuffer.create(IMAGE_SPACE, cache_path=path, overwrite=True, **kwargs) as rb:
+        for lo in range(0, rows, 1024):
+            n = min(1024, rows - lo)
+            obs = np.zeros((n, *IMG), np.uint8)
+            obs[:, 10:40] = rng.integers(0, 255, (n, 30, *IMG[1:]), dtype=np.uint8)
+            obs[:, 60:70] = 142
+            rb.extend({"obs": obs, "action": rng.integers(0, 18, n), "reward": rng.standard_normal(n, dtype=np.float32)})
+
+
+def workers_rates(ds, workers: int, cold: int, blocks: int, block: int, plain: bool = False) -> tuple[float, float]:
+    """(cold, steady) samples/s of a fresh DataLoader: cold over its first ``cold`` batches, start-up
+    of the workers included; steady the median over ``blocks`` blocks of ``block`` consecutive batches."""
+    n = cold + blocks * block
+    if plain:  # the documented plain usage: default collate, shuffled epoch
+        loader = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, drop_last=True)
+    else:
+        loader = DataLoader(ds, batch_sampler=RandomBatchSampler(ds, B, num_batches=n, seed=workers),
+                            num_workers=workers, collate_fn=collate_batch)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    stamps = []
+    for _ in range(n):
+        next(it)
+        stamps.append(time.perf_counter())
+    del it
+    steady = [block * B / (stamps[cold + (k + 1) * block - 1] - stamps[cold + k * block - 1]) for k in range(blocks)]
+    return cold * B / (stamps[cold - 1] - t0), float(np.median(steady))
+
+
+class _OneBatch(torch.utils.data.Dataset):
+    """Hands out the same prepared batch (no reading): what is left is moving it to the loop."""
+
+    def __init__(self, batch: dict[str, np.ndarray]) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitems__(self, idx):
+        data = pack(self.batch) if in_worker() else {k: torch.from_numpy(v.copy()) for k, v in self.batch.items()}
+        return SampleBatch(data, len(idx))
+
+
+def workers_table(d: str, data: dict[str, np.ndarray], quick: bool) -> str:
+    vec = os.path.join(d, "vectors")
+    build(vec, data)
+    img_rows = 2_000 if quick else 12_000  # 12k frames: 340 MB, more than the 256 MB decoded-chunk cache
+    raw, lz4 = os.path.join(d, "images_raw"), os.path.join(d, "images_lz4")
+    build_images(raw, img_rows)
+    build_images(lz4, img_rows, compressor="lz4")
+    cold, blocks, block = (5, 3, 10) if quick else (20, 7, 30)
+    head = (f"| rows | loader | workers | cold samples/s (first {cold} batches, start-up included) "
+            f"| steady samples/s (median of {blocks} blocks of {block}) | steady vs 0 workers |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    configs = [("raw (17,)+(6,)+() f32", vec, FIELDS, False), ("raw (17,)+(6,)+() f32", vec, FIELDS, True),
+               ("raw (84,84,4) u8", raw, None, False), ("lz4 (84,84,4) u8", lz4, None, False)]
+    for name, path, fields, plain in configs:
+        ds = TransitionDataset(path, fields)
+        base = None
+        for workers in (0, 2):
+            c, st = workers_rates(ds, workers, cold, blocks, block, plain)
+            base = base or st
+            how = "`batch_size=256, shuffle=True` (default collate)" if plain else "`RandomBatchSampler` + `collate_batch`"
+            lines.append(f"| {name} | {how} | {workers} | {c:,.0f} | {st:,.0f} | {st / base:.2f}x |")
+        ds.close()
+    # The floor: a batch prepared in advance, only moved from a worker to the loop.
+    floor = ["", "| batch of 256 | ms per batch, 0 workers (copy only) | ms per batch, 2 workers (moved through the queue) |",
+             "|---|---|---|"]
+    rng = np.random.default_rng(0)
+    for name, batch in (("(17,)+(6,)+() f32 (24 KiB, pipe)", {k: v[:B].copy() for k, v in data.items()}),
+                        ("(84,84,4) u8 (7 MiB, shared memory)",
+                         {"obs": rng.integers(0, 255, (B, *IMG), dtype=np.uint8), "reward": np.zeros(B, np.float32)})):
+            ms = [1e3 * B / workers_rates(_OneBatch(batch), w, cold, blocks, block)[1] for w in (0, 2)]
+            floor.append(f"| {name} | {ms[0]:.3f} | {ms[1]:.3f} |")
+    return "\n".join(lines + floor) + "\n"
 
 
 def numpy_rate(data: dict[str, np.ndarray], seq: bool, repeats: int) -> float:
@@ -176,7 +271,9 @@ def main() -> int:
             ds.output = "numpy"
             rate = loader_rate(ds, 4, batches)
             lines.append(f"| {name}, output=\"numpy\" | 4 | {rate:,.0f} | {base:,.0f} | {base / rate:.2f}x slower |")
-    text = "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        workers = workers_table(d, data, args.quick)
+    text += "\n### Workers\n\n" + workers
     s3 = s3_requests(make_data(20_000 if args.quick else 200_000), 5 if args.quick else 20)
     if s3 is not None:
         text += ("\n| S3 (moto) batch of 256 | requests per batch | chunks touched (arrays x chunks) | ms per batch (moto-bound) |\n"
@@ -188,7 +285,10 @@ def main() -> int:
                    f"`TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 obs, (6,) f32 "
                    f"actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "
                    "`collate_fn=collate_batch`, fork workers; numpy baseline: the same gather from arrays in RAM "
-                   "in one process. S3: a cold batch (chunk cache dropped) read in-process through s3fs "
+                   "in one process. Workers: fresh DataLoaders (fork) over local stores of "
+                   f"{rows:,} vector rows and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames, raw and lz4; "
+                   "the last table times a prepared batch that is only moved from a worker to the loop "
+                   "(the floor of any worker loader). S3: a cold batch (chunk cache dropped) read in-process through s3fs "
                    "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows).\n\n" + text)
         _replace_section(args.markdown, "## Offline datasets", section)
     return 0

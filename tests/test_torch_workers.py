@@ -119,10 +119,11 @@ def test_pin_memory_persistent_workers(traj, ctx):
     del loader
 
 
-def test_image_batches_cross_in_shared_memory(images):
+@pytest.mark.parametrize("ctx", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_image_batches_cross_in_shared_memory(images, ctx):
     ds = TransitionDataset(images)
     loader = DataLoader(ds, batch_sampler=RandomBatchSampler(ds, 256, num_batches=4, seed=2), num_workers=2,
-                        collate_fn=collate_batch)
+                        collate_fn=collate_batch, multiprocessing_context=ctx)
     want = list(RandomBatchSampler(ds, 256, num_batches=4, seed=2))
     got = list(loader)
     assert len(got) == 4

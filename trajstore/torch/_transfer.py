@@ -103,7 +103,10 @@ class _Pool:
         self.next_id = 0
 
     def acquire(self, nbytes: int) -> _Segment | None:
-        """A free segment of at least ``nbytes`` (marked in use), or None when every segment is taken."""
+        """A free segment of at least ``nbytes`` (marked in use), or None when every segment is taken
+        (or the platform has no ``memfd``)."""
+        if not hasattr(os, "memfd_create"):
+            return None
         fits = [s for s in self.segments if s.free and nbytes <= s.size <= 2 * nbytes + (1 << 20)]
         if fits:
             seg = fits[0]
