@@ -43,13 +43,13 @@ def in_worker() -> bool:
 
 
 class _Leaf:
-    __slots__ = ("dtype", "offset", "shape")
+    __slots__ = ("dtype", "end", "offset", "shape")
 
-    def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.offset, self.dtype, self.shape = offset, dtype, shape
+    def __init__(self, offset: int, end: int, dtype: str, shape: tuple[int, ...]) -> None:
+        self.offset, self.end, self.dtype, self.shape = offset, end, dtype, shape
 
     def __reduce__(self) -> Any:
-        return (_Leaf, (self.offset, self.dtype, self.shape))
+        return (_Leaf, (self.offset, self.end, self.dtype, self.shape))
 
 
 def _layout(value: Any, leaves: list[np.ndarray], pos: list[int]) -> Any:
@@ -59,20 +59,19 @@ def _layout(value: Any, leaves: list[np.ndarray], pos: list[int]) -> Any:
     if isinstance(value, tuple):
         return tuple(_layout(v, leaves, pos) for v in value)
     a = np.asarray(value)
-    leaf = _Leaf(pos[0], torch.from_numpy(np.empty(0, a.dtype)).dtype, tuple(a.shape))
+    leaf = _Leaf(pos[0], pos[0] + a.nbytes, a.dtype.str, a.shape)  # a dtype string pickles much faster
     leaves.append(a)
     pos[0] += -(-a.nbytes // _ALIGN) * _ALIGN
     return leaf
 
 
-def _views(flat: torch.Tensor, tree: Any) -> Any:
+def _views(base: np.ndarray, tree: Any) -> Any:
+    """Tensors viewing the uint8 array ``base`` (numpy views: each keeps ``base`` alive)."""
     if isinstance(tree, _Leaf):
-        itemsize = torch.empty(0, dtype=tree.dtype).element_size()
-        n = int(np.prod(tree.shape, dtype=np.int64))
-        return flat[tree.offset: tree.offset + n * itemsize].view(tree.dtype).view(tree.shape)
+        return torch.from_numpy(base[tree.offset: tree.end].view(tree.dtype).reshape(tree.shape))
     if isinstance(tree, dict):
-        return {k: _views(flat, v) for k, v in tree.items()}
-    return tuple(_views(flat, v) for v in tree)
+        return {k: _views(base, v) for k, v in tree.items()}
+    return tuple(_views(base, v) for v in tree)
 
 
 class _Segment:
@@ -175,19 +174,17 @@ def _release(mm: mmap.mmap) -> None:
 def _unpack_segment(pid: int, token: str, seg_id: int, size: int, nbytes: int, fd: Any, tree: Any) -> dict[str, Any]:
     mm = _segment_map(pid, token, seg_id, size, fd)
     base = np.frombuffer(mm, np.uint8, count=nbytes, offset=_HEADER)
-    weakref.finalize(base, _release, mm).atexit = False  # torch keeps ``base`` alive while any tensor views it
-    return _views(torch.from_numpy(base), tree)
+    weakref.finalize(base, _release, mm).atexit = False  # alive while any tensor views the batch
+    return _views(base, tree)
 
 
 def _unpack(payload: Any, tree: Any) -> dict[str, Any]:
     """In the receiving process: the batch as tensors viewing the one buffer that crossed."""
     if isinstance(payload, torch.Tensor):
-        flat = payload
-    elif len(payload):
-        flat = torch.frombuffer(payload, dtype=torch.uint8)  # a bytearray: writable, kept alive by the views
+        base = payload.numpy()  # keeps the shared-memory tensor alive
     else:
-        flat = torch.empty(0, dtype=torch.uint8)
-    return _views(flat, tree)
+        base = np.frombuffer(payload, np.uint8)  # a bytearray: writable
+    return _views(base, tree)
 
 
 class WorkerBatch(dict):
@@ -195,9 +192,10 @@ class WorkerBatch(dict):
     batch pickles as that buffer (see the module docstring).  The main process receives a plain
     ``dict`` of tensors."""
 
-    _flat: torch.Tensor
+    _payload: Any  # bytearray ("pipe"), shared-memory uint8 tensor ("shm") or None ("pool")
+    _nbytes: int
     _tree: Any
-    _how: str  # "pipe", "pool" or "shm"
+    _how: str
     _segment: _Segment | None = None
 
     def __reduce__(self) -> Any:
@@ -205,12 +203,8 @@ class WorkerBatch(dict):
         if seg is not None:
             pool = _worker_pool()
             fd = None if seg.map[1] else DupFd(seg.fd)  # the main process maps each segment once
-            return (_unpack_segment, (pool.pid, pool.token, seg.id, seg.size, self._flat.numel(), fd, self._tree))
-        if self._how == "shm":
-            payload: Any = self._flat
-        else:
-            payload = bytearray(self._flat.numpy().data)
-        return (_unpack, (payload, self._tree))
+            return (_unpack_segment, (pool.pid, pool.token, seg.id, seg.size, self._nbytes, fd, self._tree))
+        return (_unpack, (self._payload, self._tree))
 
 
 def pack(arrays: Mapping[str, Any]) -> WorkerBatch:
@@ -220,20 +214,22 @@ def pack(arrays: Mapping[str, Any]) -> WorkerBatch:
     tree = _layout(arrays, leaves, pos)
     total = pos[0]
     seg = _worker_pool().acquire(total) if total > PIPE_MAX_BYTES else None
+    payload: Any = None
     if seg is not None:
         how = "pool"
-        flat = torch.from_numpy(np.frombuffer(seg.map, np.uint8, count=total, offset=_HEADER))
+        buf = np.frombuffer(seg.map, np.uint8, count=total, offset=_HEADER)
     elif total > PIPE_MAX_BYTES:
         how = "shm"
-        flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
+        payload = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
+        buf = payload.numpy()
     else:
         how = "pipe"
-        flat = torch.empty(total, dtype=torch.uint8)
-    buf = flat.numpy()
+        payload = bytearray(total)
+        buf = np.frombuffer(payload, np.uint8)
     for leaf, a in zip(_iter_leaves(tree), leaves):
-        buf[leaf.offset: leaf.offset + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
-    out = WorkerBatch(_views(flat, tree))
-    out._flat, out._tree, out._how, out._segment = flat, tree, how, seg
+        buf[leaf.offset: leaf.end].view(a.dtype).reshape(a.shape)[...] = a
+    out = WorkerBatch(_views(buf, tree))
+    out._payload, out._nbytes, out._tree, out._how, out._segment = payload, total, tree, how, seg
     return out
 
 
