@@ -109,8 +109,6 @@ def _template(root: Path, layout: str, capacity: int | None) -> Path:
     path = root / f"template-{layout}-{capacity}"
     if not path.exists():
         kw = {"compressor": "lz4"} if layout == "lz4" else {}
-    if capacity is not None:
-        kw["chunk_rows"] = 64  # a ring of two chunks that wraps within the disk, and fills it
         with ReplayBuffer.create(_space(), cache_path=path, capacity=capacity, chunk_rows=64,
                                  commit_interval=3600, **kw) as rb:
             rb.extend(_rows(range(BASE)))
