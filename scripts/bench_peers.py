@@ -54,7 +54,6 @@ import numpy as np
 
 import gymnasium as gym
 
-import trajstore
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -504,17 +503,20 @@ def machine(store_dir: Path) -> str:
 
 
 def versions() -> str:
-    out = [f"trajstore {trajstore.__version__ if hasattr(trajstore, '__version__') else '?'}"]
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        out = [f"trajstore {version('trajstore')}"]
+    except PackageNotFoundError:
+        out = ["trajstore (not installed)"]
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "trajstore"], capture_output=True,
                                text=True, timeout=10).stdout.strip()
-        out[0] += f" (git {rev}{', trajstore/ modified' if dirty else ''})"
+        out[0] += f" (imported at git {rev}{' with uncommitted changes in trajstore/' if dirty else ''})"
     except (OSError, subprocess.SubprocessError):
         pass
-    from importlib.metadata import PackageNotFoundError, version
-
     for pkg in ("numpy", "zarr", "numcodecs", "torch", "stable-baselines3", "torchrl", "tensordict", "h5py"):
         try:
             out.append(f"{pkg} {version(pkg)}")
@@ -695,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
            f"rows and {', '.join(f'{s:,}' for s in isizes)} image rows; sequences at {', '.join(f'{s:,}' for s in ssizes)} "
            f"rows; {calls} calls per system per read workload, time budget {budget:g} s per system per workload")
     _optional()
+    vers = versions()  # the code imported now is the code measured
     base = a.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -718,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                 seqs += bench_sequences(tmp, n, calls, budget, k)
                 k += 1
     took = time.perf_counter() - t_start
-    text = report(cmd, mach, versions(), took, q, cfg, append, sample, seqs, png if sample else None)
+    text = report(cmd, mach, vers, took, q, cfg, append, sample, seqs, png if sample else None)
     print(text)
     if png is not None and sample:
         plot(sample, png)
