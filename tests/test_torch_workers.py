@@ -132,6 +132,10 @@ def test_image_batches_cross_in_shared_memory(images, ctx):
         assert b["row"].data_ptr() - b["obs"].data_ptr() == b["obs"].nbytes  # both in one buffer, one after the other
         np.testing.assert_array_equal(b["row"].numpy(), idx)
         np.testing.assert_array_equal(b["obs"].numpy(), _image(np.asarray(idx)))
+    epoch = list(DataLoader(ds, batch_size=300, num_workers=2, multiprocessing_context=ctx))  # 1.2 MiB, 0.4 MiB
+    assert [len(b["row"]) for b in epoch] == [300, 300, 100]
+    np.testing.assert_array_equal(torch.cat([b["row"] for b in epoch]).numpy(), np.arange(700))
+    np.testing.assert_array_equal(torch.cat([b["obs"] for b in epoch]).numpy(), _image(np.arange(700)))
     small = next(iter(DataLoader(ds, batch_size=8, num_workers=1)))  # 32 KiB: through the pipe
     np.testing.assert_array_equal(small["obs"].numpy(), _image(np.arange(8)))
 

@@ -32,7 +32,8 @@ import torch
 __all__ = ["PIPE_MAX_BYTES", "WorkerBatch", "in_worker", "pack"]
 
 PIPE_MAX_BYTES = 1 << 16  # smaller batches cross in the pipe, larger ones in shared memory
-POOL_SEGMENTS = 8  # shared-memory segments per worker process, at most
+POOL_SEGMENTS = 8  # shared-memory segments per worker process, at most ...
+POOL_BYTES = 512 << 20  # ... and at most this many bytes of them (but always room for 2 segments)
 _ALIGN = 64
 _HEADER = 64  # segment header: byte 0 = in use (set by the worker, cleared by the main process), byte 1 = mapped
 
@@ -88,8 +89,11 @@ class _Segment:
         return self.map[0] == 0
 
     def close(self) -> None:
-        self.map.close()
         os.close(self.fd)
+        try:
+            self.map.close()
+        except BufferError:  # still viewed in this process: unmapped when the last view goes
+            pass
 
 
 class _Pool:
@@ -110,7 +114,8 @@ class _Pool:
         if fits:
             seg = fits[0]
         else:
-            if len(self.segments) >= POOL_SEGMENTS:
+            held = sum(seg.size for seg in self.segments)
+            if len(self.segments) >= 2 and (len(self.segments) >= POOL_SEGMENTS or held + nbytes > POOL_BYTES):
                 free = [s for s in self.segments if s.free]  # free but of the wrong size: replace one
                 if not free:
                     return None
@@ -156,7 +161,7 @@ def _segment_map(pid: int, token: str, seg_id: int, size: int, fd: Any) -> mmap.
     if fd is None:
         raise RuntimeError(f"batch segment {seg_id} of DataLoader worker {pid} was never mapped in this process")
     for k in [k for k, (p, _) in _mapped.items() if not _alive(p)]:  # segments of exited workers
-        del _mapped[k]  # unmapped once no tensor views them
+        _mapped.pop(k, None)  # unmapped once no tensor views them
     local = fd.detach()
     try:
         mm = mmap.mmap(local, _HEADER + size)
