@@ -232,6 +232,7 @@ def _read_everything(path: str) -> dict:
     chunked.ROW_READS_ABOVE_BYTES = 0  # (in the forked child)
     out = {}
     for name, fn in (("rows", lambda rb: rb[np.arange(0, 300, 3)]), ("scan", lambda rb: rb[:]),
+                     ("one", lambda rb: [rb[i] for i in range(64, 128, 5)]),
                      ("sample", lambda rb: rb.sample(64, rng=0))):
         try:
             with ReplayBuffer.load_from(path, read_only=True) as rb:
