@@ -2,15 +2,17 @@
 
 ```python
 from torch.utils.data import DataLoader
-from trajstore.torch import TransitionDataset, SequenceDataset, RandomBatchSampler, collate_batch
+from trajstore.torch import TransitionDataset, SequenceDataset, RandomBatchSampler
 
 ds = TransitionDataset("runs/dataset", fields=["obs", "action", "reward"])
-loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=4, collate_fn=collate_batch,
-                    persistent_workers=True)
+loader = DataLoader(ds, batch_size=256, shuffle=True)      # small local rows: no workers
 seqs = SequenceDataset("s3://bucket/dataset", 32, within_episode=True, storage_options={...})
 loader = DataLoader(seqs, batch_sampler=RandomBatchSampler(seqs, 64, num_batches=None),
-                    num_workers=4, collate_fn=collate_batch)
+                    num_workers=4, pin_memory=True, persistent_workers=True)
 ```
+
+Each batch is read whole (``__getitems__``) and, in a worker, crosses to the main process as one
+buffer (``_transfer``); torch's default collate and :func:`collate_batch` both pass it through.
 """
 
 from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch
