@@ -2,7 +2,7 @@
 
 torch pickles every tensor of a batch on its own: each is copied into a new shared-memory
 segment (zero-filled first) whose file descriptor is then handed over through a socket handshake
-with the worker (about 0.3-1 ms per tensor on a busy 2-core machine), which made a batch of three
+with the worker (1.5-2 ms per tensor measured on the loaded 2-core machine), which made a batch of three
 small fields cost more to move than to read.  A worker batch (:class:`WorkerBatch`) instead lays
 all of its arrays out in one flat buffer, written once by the worker, and pickles as that buffer
 plus a small description of the fields:
