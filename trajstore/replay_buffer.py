@@ -163,6 +163,12 @@ class ReplayBuffer(StoredBuffer):
         ``read_only=True`` never writes a byte (no lock file, no temp file); any number of
         readers may open a store while one writer appends.  A given ``single_instance_space``
         must equal the stored one.
+
+        ``storage_options`` are fsspec's options for a URL (credentials, endpoint...), plus two of
+        trajstore's own for remote stores read many times: ``trajstore_chunk_cache`` (a local
+        folder) and ``trajstore_chunk_cache_bytes`` (its bound, default 8 GiB).  Chunks read once
+        are kept there and reused by later opens and other processes; entries are tied to the
+        store's commit record, so a new commit never reads stale ones.
         """
         opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.OPEN_OPTIONS)
 

@@ -32,7 +32,7 @@ from .confined import (
 )
 from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
 
-__all__ = ["Location", "resolve_location", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
+__all__ = ["Location", "resolve_location", "fsspec_options", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
 # Our own temp files live in one folder at the store root (same filesystem, so
 # ``os.replace`` stays atomic); a writer that opens the store clears it.
@@ -416,6 +416,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: storage_options keys that trajstore reads itself (ChunkCache); never passed on to fsspec.
+TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes")
+
+
+def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` without trajstore's own keys: what fsspec (s3fs, gcsfs...) is given."""
+    return {k: v for k, v in (storage_options or {}).items() if k not in TRAJSTORE_OPTION_KEYS}
+
+
 def resolve_location(
     cache_path: str | os.PathLike[str] | None,
     *,
@@ -459,9 +468,9 @@ def resolve_location(
             zstore = ZipWriter(path)
         return Location(zstore, path, None)
     if _is_url(path):
-        opts = dict(storage_options or {})
-        cache_folder = opts.pop("trajstore_chunk_cache", None)
-        cache_bytes = opts.pop("trajstore_chunk_cache_bytes", 8 << 30)
+        opts = fsspec_options(storage_options)
+        cache_folder = (storage_options or {}).get("trajstore_chunk_cache")
+        cache_bytes = (storage_options or {}).get("trajstore_chunk_cache_bytes", 8 << 30)
         store = FsspecStore.from_url(path, storage_options=opts, read_only=read_only)
         loc = Location(store, path, None)
         if cache_folder is not None:

@@ -220,6 +220,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
         The ``*_storage_kwargs`` dicts are accepted for UniEnv compatibility; chunking and codecs
         are fixed at create, so only ``fsync`` and ``commit_interval`` (in ``**storage_kwargs``) apply.
+        ``storage_options`` as in :meth:`ReplayBuffer.load_from` (fsspec's options, and the
+        ``trajstore_chunk_cache`` folder for remote stores read many times).
         """
         opts = ZarrStorage.check_options(dict(storage_kwargs), ZarrStorage.OPEN_OPTIONS)
         for extra in (step_storage_kwargs, step_episode_id_storage_kwargs, episode_storage_kwargs):

@@ -26,6 +26,7 @@ import gymnasium
 
 from ..errors import FormatVersionError, NotATrajstoreError, SpaceMismatchError, StoreExistsError
 from ..spaces import space_from_json, space_to_json
+from ..storage import fsspec_options
 
 __all__ = ["StoreRoot", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
 
@@ -81,7 +82,7 @@ class StoreRoot:
         self.is_url = "://" in path
         self.path = path.rstrip("/") if self.is_url else os.path.abspath(os.path.expanduser(path))
         self.storage_options = storage_options
-        self.fs, self._fs_root = fsspec.core.url_to_fs(self.path, **(storage_options or {}))
+        self.fs, self._fs_root = fsspec.core.url_to_fs(self.path, **fsspec_options(storage_options))
 
     # -- paths ----------------------------------------------------------------------------------
     @property
