@@ -9,9 +9,10 @@ Workloads, (84,84,4) uint8 frames (Atari-style), page cache warm, each system fr
   ``TrajectoryReplayBuffer`` against the memmap gather of the same 256 x 4 rows;
 - ``ZarrReplayBuffer.sample(256)`` (obs and next_obs) and ``add`` against SB3's ``ReplayBuffer``.
 
-How it is measured (docs/benchmarks.md): systems run in blocks of 25 consecutive calls, block
-after block, the order of the systems rotated each round so neither gets the process's warm-up
-(allocator, page tables) for free; no read pass before timing.  "cold" is the total time of the
+How it is measured (docs/benchmarks.md): each read workload runs in a fresh interpreter that opens
+both systems; they run in blocks of 25 consecutive calls, block after block, the order of the
+systems rotated each round so neither gets the process's warm-up (allocator, page tables) for free;
+no read pass before timing.  "cold" is the total time of the
 first 200 calls after opening (the process's mappings cold), "steady" the total of the calls after
 those.  Ratio = trajstore / baseline (lower is better).
 
@@ -23,20 +24,22 @@ those.  Ratio = trajstore / baseline (lower is better).
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _replace_section, _reproduce  # noqa: E402
+import gymnasium as gym
+from bench_core import _replace_section, _reproduce
 
-import gymnasium as gym  # noqa: E402
-
-from trajstore import ReplayBuffer, TrajectoryReplayBuffer  # noqa: E402
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 FRAME = (84, 84, 4)
 BATCH = 256
@@ -92,83 +95,111 @@ def build_stores(tmp: Path, n: int) -> dict[str, Path]:
     return {"rb": tmp / "rb", "tb": tmp / "tb", "mm": tmp / "frames.npy"}
 
 
-def bench_reads(paths: dict[str, Path], n: int, calls: int) -> list[Row]:
-    rows: list[Row] = []
+def _read_workloads(paths: dict[str, Path], n: int) -> dict[str, tuple[str, str, float, Callable[[], dict[str, Callable[[], Any]]]]]:
+    """name -> (ours, baseline, target, a function opening both systems and returning their calls)."""
     g = np.random.default_rng(1)
+    offs = np.arange(-3, 1)
 
     def memmap() -> Callable[[], Any]:
         mm = np.load(paths["mm"], mmap_mode="r")
         return lambda: mm[g.integers(0, n, BATCH)]
 
-    def rb(backend: str = "numpy") -> ReplayBuffer:
-        return ReplayBuffer.load_from(paths["rb"], read_only=True, backend=backend)
-
-    # sample(256): numpy backend vs memmap; torch backend vs numpy backend
-    t = run_blocks({"trajstore": (lambda b: lambda: b.sample(BATCH))(rb()), "memmap": memmap()}, calls)
-    rows += ratio_rows("sample(256), numpy", t, "trajstore", "memmap", 1.5)
-    t = run_blocks({"torch": (lambda b: lambda: b.sample(BATCH))(rb("torch")),
-                    "numpy": (lambda b: lambda: b.sample(BATCH))(rb())}, calls)
-    rows += ratio_rows("sample(256), torch vs numpy backend", t, "torch", "numpy", 1.2)
-    # rb[idx] and views indexed with random rows
-    for what, make in (("rb[idx]", lambda b: b),
-                       ("get_slice(:)[idx]", lambda b: b.get_slice(slice(None))),
-                       ("get_column(['obs'])[idx]", lambda b: b.get_column(["obs"]))):
-        t = run_blocks({"trajstore": (lambda v: lambda: v[g.integers(0, n, BATCH)])(make(rb())),
-                        "memmap": memmap()}, calls)
-        rows += ratio_rows(f"{what}, 256 random rows", t, "trajstore", "memmap", 1.5)
-    # frame stacks of 4
-    offs = np.arange(-3, 1)
-
     def mm_windows() -> Callable[[], Any]:
         mm = np.load(paths["mm"], mmap_mode="r")
         return lambda: mm[(g.integers(3, n, BATCH)[:, None] + offs).ravel()].reshape(BATCH, 4, *FRAME)
 
-    tb = TrajectoryReplayBuffer.load_from(paths["tb"], read_only=True)
-    t = run_blocks({"trajstore": lambda: tb.get_sequences(g.integers(0, n, BATCH), offs), "memmap": mm_windows()},
-                   calls)
-    rows += ratio_rows("get_sequences(256 anchors, offsets -3..0)", t, "trajstore", "memmap", 1.5)
-    tb2 = TrajectoryReplayBuffer.load_from(paths["tb"], read_only=True)
-    t = run_blocks({"trajstore": lambda: tb2.sample_sequences(BATCH, 4), "memmap": mm_windows()}, calls)
-    rows += ratio_rows("sample_sequences(256, 4)", t, "trajstore", "memmap", 1.5)
-    for b in (tb, tb2):
-        b.close()
+    def rb(backend: str = "numpy") -> ReplayBuffer:
+        return ReplayBuffer.load_from(paths["rb"], read_only=True, backend=backend)
+
+    def tb() -> TrajectoryReplayBuffer:
+        return TrajectoryReplayBuffer.load_from(paths["tb"], read_only=True)
+
+    def indexed(view: Any) -> Callable[[], Any]:
+        return lambda: view[g.integers(0, n, BATCH)]
+
+    def sampled(buf: Any) -> Callable[[], Any]:
+        return lambda: buf.sample(BATCH)
+
+    def windows(buf: TrajectoryReplayBuffer) -> Callable[[], Any]:
+        return lambda: buf.get_sequences(g.integers(0, n, BATCH), offs)
+
+    def sequences(buf: TrajectoryReplayBuffer) -> Callable[[], Any]:
+        return lambda: buf.sample_sequences(BATCH, 4)
+
+    return {
+        "sample(256), numpy": ("trajstore", "memmap", 1.5, lambda: {"trajstore": sampled(rb()), "memmap": memmap()}),
+        "sample(256), torch vs numpy backend": (
+            "torch", "numpy", 1.2, lambda: {"torch": sampled(rb("torch")), "numpy": sampled(rb())}),
+        "rb[idx], 256 random rows": ("trajstore", "memmap", 1.5, lambda: {"trajstore": indexed(rb()), "memmap": memmap()}),
+        "get_slice(:)[idx], 256 random rows": (
+            "trajstore", "memmap", 1.5, lambda: {"trajstore": indexed(rb().get_slice(slice(None))), "memmap": memmap()}),
+        "get_column(['obs'])[idx], 256 random rows": (
+            "trajstore", "memmap", 1.5, lambda: {"trajstore": indexed(rb().get_column(["obs"])), "memmap": memmap()}),
+        "get_sequences(256 anchors, offsets -3..0)": (
+            "trajstore", "memmap", 1.5,
+            lambda: {"trajstore": windows(tb()), "memmap": mm_windows()}),
+        "sample_sequences(256, 4)": (
+            "trajstore", "memmap", 1.5,
+            lambda: {"trajstore": sequences(tb()), "memmap": mm_windows()}),
+    }
+
+
+def bench_read(paths: dict[str, Path], n: int, calls: int, name: str) -> list[Row]:
+    """One read workload, both systems freshly opened in this process."""
+    ours, base, target, make = _read_workloads(paths, n)[name]
+    return ratio_rows(name, run_blocks(make(), calls), ours, base, target)
+
+
+def bench_reads(tmp: Path, paths: dict[str, Path], n: int, calls: int) -> list[Row]:
+    """Every read workload in a fresh interpreter of its own (cold means cold for both systems:
+    no mapping, allocator arena or page table left over from an earlier workload)."""
+    rows: list[Row] = []
+    for name in _read_workloads(paths, n):
+        out = tmp / "rows.json"
+        subprocess.run([sys.executable, __file__, "--one", name, "--dir", str(tmp), "--rows", str(n),
+                        "--calls", str(calls), "--json", str(out)], check=True)
+        rows += json.loads(out.read_text())
     return rows
 
 
-def bench_sb3(tmp: Path, sizes: list[int], calls: int) -> list[Row]:
-    """ZarrReplayBuffer vs SB3's ReplayBuffer: sample(256) (obs and next_obs) at each size, and add."""
+def _sb3_add(buf: Any, frames: np.ndarray) -> Callable[[], None]:
+    """One ``add`` of a (1, 84, 84, 4) frame pair per call, cycling through ``frames``."""
+    act, rew, done, infos = np.zeros((1, 1), np.int64), np.zeros(1, np.float32), np.zeros(1, bool), [{}]
+    k = [0]
+
+    def go() -> None:
+        i = k[0] = (k[0] + 1) % (len(frames) - 1)
+        buf.add(frames[i], frames[i + 1], act, rew, done, infos)
+
+    return go
+
+
+def bench_sb3(tmp: Path, size: int, calls: int, with_add: bool) -> list[Row]:
+    """ZarrReplayBuffer vs SB3's ReplayBuffer holding ``size`` transitions: sample(256) (obs and
+    next_obs), and (``with_add``) ``add`` once the ring is full."""
     from stable_baselines3.common.buffers import ReplayBuffer as SB3ReplayBuffer
 
     from trajstore.sb3 import ZarrReplayBuffer
 
     obs_space, act_space = gym.spaces.Box(0, 255, FRAME, np.uint8), gym.spaces.Discrete(4)
-    act, rew, done, infos = np.zeros((1, 1), np.int64), np.zeros(1, np.float32), np.zeros(1, bool), [{}]
     frames = _frames(64)[:, None]
-    rows: list[Row] = []
-    for size in sizes:
-        ref = SB3ReplayBuffer(size, obs_space, act_space, "cpu")
-        path = tmp / f"sb3_{size}"
-        ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path, overwrite=True)
-        for i in range(size):
-            for buf in (ref, ours):
-                buf.add(frames[i % 63], frames[i % 63 + 1], act, rew, done, infos)
-        ours.close()
-        ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path)  # reopened: resumes the rows
+    ref = SB3ReplayBuffer(size, obs_space, act_space, "cpu")
+    path = tmp / f"sb3_{size}"
+    ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path, overwrite=True)
+    fill_ref, fill_ours = _sb3_add(ref, frames), _sb3_add(ours, frames)
+    for _ in range(size):
+        fill_ref()
+        fill_ours()
+    ours.close()
+    ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path)  # reopened: it resumes the rows
+    try:
         t = run_blocks({"trajstore": lambda: ours.sample(BATCH), "sb3": lambda: ref.sample(BATCH)}, calls)
-        rows += ratio_rows(f"ZarrReplayBuffer.sample(256), {size:,} transitions", t, "trajstore", "sb3", 1.0)
-        if size == sizes[-1]:
-            k = [0]
-
-            def add(buf: Any) -> Callable[[], None]:
-                def go() -> None:
-                    i = k[0] = (k[0] + 1) % 63
-                    buf.add(frames[i], frames[i + 1], act, rew, done, infos)
-                return go
-
-            t = run_blocks({"trajstore": add(ours), "sb3": add(ref)}, max(4 * calls, COLD + 400))
+        rows = ratio_rows(f"ZarrReplayBuffer.sample(256), {size:,} transitions", t, "trajstore", "sb3", 1.0)
+        if with_add:
+            t = run_blocks({"trajstore": _sb3_add(ours, frames), "sb3": _sb3_add(ref, frames)}, max(4 * calls, COLD + 400))
             rows += ratio_rows(f"ZarrReplayBuffer.add, {size:,} transitions (ring full)", t, "trajstore", "sb3", 1.5)
+    finally:
         ours.close()
-        del ref
     return rows
 
 
@@ -188,14 +219,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="frames in the stores (default 50,000)")
     ap.add_argument("--sb3-sizes", type=str, default=None, help="comma-separated sizes (default 1000,10000,100000)")
     ap.add_argument("--markdown", type=Path, default=None, help="also (re)write this script's section of FILE")
+    ap.add_argument("--calls", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one read workload
+    ap.add_argument("--dir", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     n = a.rows or (3000 if a.quick else 50_000)
-    calls = 250 if a.quick else 600
+    calls = a.calls or (250 if a.quick else 600)
+    if a.one is not None:  # a child of bench_reads
+        paths = {"rb": a.dir / "rb", "tb": a.dir / "tb", "mm": a.dir / "frames.npy"}
+        a.json.write_text(json.dumps(bench_read(paths, n, calls, a.one)))
+        return 0
     sizes = [int(s) for s in (a.sb3_sizes or ("1000" if a.quick else "1000,10000,100000")).split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_images_") as d:
         tmp = Path(d)
         t0 = time.perf_counter()
-        rows = bench_reads(build_stores(tmp, n), n, calls) + bench_sb3(tmp, sizes, calls)
+        rows = bench_reads(tmp, build_stores(tmp, n), n, calls)
+        for size in sizes:
+            rows += bench_sb3(tmp, size, calls, with_add=size == sizes[-1])
         took = time.perf_counter() - t0
     text = (f"{n:,} frames of (84,84,4) uint8, {calls} calls per system (first {COLD} = cold), blocks of "
             f"{BLOCK}, took {took:.0f} s.\n\n" + table(rows))

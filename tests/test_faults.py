@@ -749,3 +749,38 @@ def test_multiprocessing_writers_keep_their_shared_lock_across_fork(tmp_path):
         os.waitpid(pid, 0)
     with ReplayBuffer.load_from(path) as again:  # the child is gone: free
         assert len(again) == 5
+
+
+def test_appends_after_a_failed_block_retry_it_and_drop_nothing(tmp_path, monkeypatch):
+    """A full disk while a block of staged single-row appends is handed to the table: the append that
+    filled the block raises, the next one tries the block again (the same error while the disk stays
+    full, never an IndexError), and once space returns every appended row is stored, in order."""
+    import trajstore.table as table_mod
+
+    space = Box(0, 255, (84, 84, 4), np.uint8)
+    rb = ReplayBuffer.create(space, cache_path=tmp_path / "s", commit_interval=3600)
+    rows = rb._stager.rows
+    real = table_mod.Table.extend
+    full = {"on": True}
+
+    def extend(self, arrays, n):
+        if full["on"]:
+            raise StoreFullError(errno.ENOSPC, "injected: no space left", None)
+        return real(self, arrays, n)
+
+    monkeypatch.setattr(table_mod.Table, "extend", extend)
+    frame = lambda i: np.full((84, 84, 4), i % 251, np.uint8)  # noqa: E731
+    for i in range(rows - 1):
+        rb.append(frame(i))
+    with pytest.raises(StoreFullError):
+        rb.append(frame(rows - 1))  # fills the block: its hand-over fails
+    with pytest.raises(StoreFullError):
+        rb.append(frame(rows))  # tries the block again first: still full, this row not taken
+    full["on"] = False
+    rb.append(frame(rows))
+    for i in range(rows + 1, rows + 5):
+        rb.append(frame(i))
+    assert len(rb) == rows + 5
+    got = rb[:]
+    assert [int(x[0, 0, 0]) for x in got] == [i % 251 for i in range(rows + 5)]
+    rb.close()

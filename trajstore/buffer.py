@@ -16,7 +16,8 @@ import numpy as np
 from .backend import Backend
 from .errors import ConcurrentWriteError, EmptyBufferError
 from .store import Store
-from .table import RowStager, Table
+from .stager import RowStager
+from .table import Table
 from .views import BatchBase
 
 _T = TypeVar("_T")
@@ -99,7 +100,7 @@ class StoredBuffer(BatchBase):
         if self._closed:
             raise ValueError("I/O operation on a closed buffer")
         for st in self._stagers:
-            if st.n:
+            if st.pending:
                 st.drain()
         if (not self._store.writable or self._store.multiprocessing) and not self._pinned:
             self._store.refresh()

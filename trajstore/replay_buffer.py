@@ -21,7 +21,7 @@ from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, flatdim, space_to_json
 from .buffer import StoredBuffer
 from .store import Store, TableSpec, _progress
-from .table import RowStager
+from .stager import RowStager
 from .views import BatchBase
 
 __all__ = ["ReplayBuffer", "ZarrStorage"]
@@ -204,6 +204,7 @@ class ReplayBuffer(StoredBuffer):
                 self._table.extend(arrays, n)
             return
         st = self._stager
+        st.room()
         self._plan.write_row(value, st.bufs, st.n)
         st.added()
 
@@ -216,6 +217,7 @@ class ReplayBuffer(StoredBuffer):
             self.append(self._plan.from_arrays(list(arrays)))  # the checked path, as it takes a lock anyway
             return
         st = self._stager
+        st.room()
         j = st.n
         for b, a in zip(st.bufs, arrays):
             b[j] = a
@@ -275,7 +277,7 @@ class ReplayBuffer(StoredBuffer):
 
     def clear(self) -> None:
         """Remove every row (committed at once; the arrays keep their size)."""
-        self._stager.n = 0
+        self._stager.discard()
         with self._store.write_op():
             t = self._table
             t.state.start = t.state.end = 0

@@ -31,7 +31,7 @@ from .fields import make_field_spec
 from . import sequences as _seq
 from .spaces import ValuePlan, space_to_json
 from .store import Store, TableSpec, _progress
-from .table import RowStager
+from .stager import RowStager
 from .views import BatchBase
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
@@ -375,6 +375,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         if (not self._store.multiprocessing and self._store.writable
                 and not (isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS)):
             st = self._stager
+            st.room()
             self._step_plan.write_row(value, st.bufs, st.n)
             st.bufs[-1][st.n] = self.current_episode_id
             st.added()
@@ -491,7 +492,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
     def clear(self) -> None:
         """Remove every step and episode; ids are never reused (a fresh episode starts)."""
         with self._store.write_op():
-            self._stager.n = 0
+            self._stager.discard()
             for tab in (self._table, self._ep_table):
                 if tab is not None:
                     tab.state.start = tab.state.end = 0
