@@ -135,7 +135,8 @@ def test_policy():
     assert c.blocksize == rb and c.typesize == 32 and c.shuffle.value == "noshuffle"
     c = fieldspec.row_block_codec("zstd", np.dtype(np.float32), 64 * 64 * 4)
     assert c.typesize == 4 and c.shuffle.value == "shuffle"
-    assert fieldspec.row_block_codec("lz4", np.dtype(np.uint8), 17 * 4) is None  # small rows: auto blocks
+    small = fieldspec.row_block_codec("lz4", np.dtype(np.float32), 17 * 4)  # small rows: 16 KiB blocks
+    assert small.blocksize == fieldspec.SMALL_ROWS_BLOCK_BYTES and small.typesize == 4
     assert fieldspec.row_block_codec("lz4", np.dtype(np.uint8), 4099) is None  # prime: no typesize fits
     spec = fieldspec.make_field_spec("a", (84, 84, 4), np.uint8, capacity=None, compressor="lz4", chunk_rows=None)
     assert spec.compressor.blocksize == 84 * 84 * 4 and spec.chunk_rows * 84 * 84 * 4 <= fieldspec.COMPRESSED_CHUNK_BYTES

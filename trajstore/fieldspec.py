@@ -26,6 +26,7 @@ __all__ = [
     "RAW_CHUNK_BYTES",
     "RAW_CHUNK_MAX_BYTES",
     "RAW_CHUNK_MIN_ROWS",
+    "SMALL_ROWS_BLOCK_BYTES",
     "FieldSpec",
     "chunk_key",
     "gather_windows_by_rows",
@@ -89,10 +90,13 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
 ROW_BLOCK_MIN_BYTES = 4 << 10
 #: ... and at most this many (a larger row is a chunk of its own anyway).
 ROW_BLOCK_MAX_BYTES = 1 << 20
+#: Blosc block size of compressed fields with rows under ROW_BLOCK_MIN_BYTES (a random row decodes one block).
+SMALL_ROWS_BLOCK_BYTES = 16 << 10
 
 
 def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
-    """A blosc codec whose blocks hold exactly one row, or None where the policy does not apply.
+    """A blosc codec whose blocks hold exactly one row (rows under ROW_BLOCK_MIN_BYTES: blocks of
+    SMALL_ROWS_BLOCK_BYTES), or None where the policy does not apply.
 
     A blosc frame (what zarr's ``blosc`` codec writes for a chunk) is a 16-byte header, a table of
     block offsets, then blocks compressed independently: it is a small shard with its index at
@@ -106,9 +110,15 @@ def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
     dtypes keep their byte shuffle (it matters for their ratio); zstd honours their block size,
     lz4 keeps 64 KiB blocks.
     """
-    if compressor not in ("lz4", "zstd") or not ROW_BLOCK_MIN_BYTES <= row_bytes <= ROW_BLOCK_MAX_BYTES:
+    if compressor not in ("lz4", "zstd") or row_bytes > ROW_BLOCK_MAX_BYTES:
         return None
     cname, level = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}[compressor]
+    if row_bytes < ROW_BLOCK_MIN_BYTES:
+        # Small rows share blocks of SMALL_ROWS_BLOCK_BYTES: c-blosc's own choice for lz4 is 64-256
+        # KiB, decoded whole for every random row (1e6-row (17,) float32 store: sample(256) 28 ->
+        # 5.8 ms, same bytes on disk; scans faster too).
+        return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
+                                      blocksize=SMALL_ROWS_BLOCK_BYTES)
     if dtype.itemsize == 1:
         ts = next((t for t in (*range(32, 256), *range(17, 32)) if row_bytes % t == 0), None)
         if ts is None:
