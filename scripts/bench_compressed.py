@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +36,8 @@ import zarr
 from gymnasium.spaces import Box
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import MotoS3
 
 from trajstore import (
     ReplayBuffer,
@@ -152,23 +152,12 @@ class S3Hook:
 
 def remote(args, data: np.ndarray) -> dict:
     try:
-        import boto3
-        from moto.server import ThreadedMotoServer
+        server = MotoS3()
+        opts = {**server.options, "use_listings_cache": False}
     except ImportError as e:
         print(f"remote: skipped ({e})", file=sys.stderr)
         return {}
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     try:
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket="bench")
-        opts = {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
-                "client_kwargs": {"region_name": "us-east-1"}, "use_listings_cache": False, "max_concurrency": 1}
         out = {"rows": len(data)}
         for name, comp in (("before", OLD_CODEC), ("after", "lz4")):
             url = f"s3://bench/{uuid.uuid4().hex}"

@@ -12,8 +12,10 @@ Times are medians over repeats; page cache warm.  A ratio < 1 means trajstore is
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -290,6 +292,44 @@ def _replace_section(path: Path, heading: str, section: str) -> None:
         end = text.find("\n## ", start + len(heading))
         text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
     path.write_text(text)
+
+
+class MotoS3:
+    """A moto S3 server on a free port of 127.0.0.1 with ``bucket`` created, until :meth:`stop`;
+    ``options`` are s3fs ``storage_options`` for it (one request at a time per call:
+    ``max_concurrency=1``).  Raises ImportError without moto[server] and boto3."""
+
+    def __init__(self, bucket: str = "bench") -> None:
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self._server.start()
+        endpoint = f"http://127.0.0.1:{port}"
+        try:
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                         region_name="us-east-1").create_bucket(Bucket=bucket)
+        except BaseException:
+            self._server.stop()
+            raise
+        self.options: dict[str, Any] = {"key": "bench", "secret": "bench", "endpoint_url": endpoint,
+                                         "max_concurrency": 1, "client_kwargs": {"region_name": "us-east-1"}}
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def _write_markdown(path: Path, script: str, quick: bool, heading: str, text: str) -> None:
+    """Replace the section ``heading`` of ``path`` with ``text``, under the command that rewrites
+    it and this machine's description (numpy and zarr versions)."""
+    import zarr
+
+    cmd, machine = _reproduce(script, quick, f"numpy {np.__version__}, zarr {zarr.__version__}")
+    _replace_section(path, heading, f"{heading}\n\n`{cmd}` ({machine})\n\n{text}\n")
 
 
 if __name__ == "__main__":

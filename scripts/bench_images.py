@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gymnasium as gym
-from bench_core import _replace_section, _reproduce
+from bench_core import _write_markdown
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
@@ -242,11 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{BLOCK}, took {took:.0f} s.\n\n" + table(rows))
     print(text)
     if a.markdown is not None:
-        import zarr
-
-        cmd, machine = _reproduce("bench_images.py", a.quick, f"numpy {np.__version__}, zarr {zarr.__version__}")
-        heading = "## Image rows: every read path against the memmap limit"
-        _replace_section(a.markdown, heading, f"{heading}\n\n`{cmd}` ({machine})\n\n{text}\n")
+        _write_markdown(a.markdown, "bench_images.py", a.quick, "## Image rows: every read path against the memmap limit",
+                        text)
     return 0
 
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _replace_section, _reproduce  # noqa: E402
+from bench_core import _write_markdown
 
 _PROBE = ("import time; t=time.perf_counter(); import zarr, numpy, gymnasium; t1=time.perf_counter(); "
           "import trajstore; t2=time.perf_counter(); print(t1 - t, t2 - t1)")
@@ -64,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     text = f"Median of {runs} fresh interpreters.\n\n" + "\n".join(lines)
     print(text)
     if a.markdown is not None:
-        import numpy as np
-        import zarr
-
-        cmd, machine = _reproduce("bench_import.py", a.quick, f"numpy {np.__version__}, zarr {zarr.__version__}")
-        heading = "## Import time"
-        _replace_section(a.markdown, heading, f"{heading}\n\n`{cmd}` ({machine})\n\n{text}\n")
+        _write_markdown(a.markdown, "bench_import.py", a.quick, "## Import time", text)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Offline-dataset benchmark: DataLoader throughput (samples/s) of trajstore.torch datasets, random
 batches of 256 transitions and of 256 x 32-step sequences, with 0, 2 and 4 worker processes, on a
 local store, against a numpy in-RAM gather of the same batches; workers against no workers for raw
-vector rows, raw image rows and lz4 image rows (cold: from a fresh DataLoader, worker start-up
+vector rows, raw image rows and lz4 / zstd image rows (cold: from a fresh DataLoader, worker start-up
 included; steady: blocks of consecutive batches after that), and the cost of moving one batch
 through the worker queue; and S3 requests per batch against a moto server on 127.0.0.1 (needs
 moto[server] and s3fs; skipped without them).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section, _reproduce
+from bench_core import MotoS3, _median_time, _replace_section, _reproduce
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.torch import (
@@ -141,15 +140,17 @@ def workers_table(d: str, data: dict[str, np.ndarray], quick: bool) -> str:
     vec = os.path.join(d, "vectors")
     build(vec, data)
     img_rows = 2_000 if quick else 12_000  # 12k frames: 340 MB, more than the 256 MB decoded-chunk cache
-    raw, lz4 = os.path.join(d, "images_raw"), os.path.join(d, "images_lz4")
+    raw, lz4, zstd = (os.path.join(d, f"images_{c}") for c in ("raw", "lz4", "zstd"))
     build_images(raw, img_rows)
     build_images(lz4, img_rows, compressor="lz4")
+    build_images(zstd, img_rows, compressor="zstd")
     cold, blocks, block = (5, 3, 10) if quick else (20, 7, 30)
     head = (f"| rows | loader | workers | cold samples/s (first {cold} batches, start-up included) "
             f"| steady samples/s (median of {blocks} blocks of {block}) | steady vs 0 workers |")
     lines = [head, "|---|---|---|---|---|---|"]
     configs = [("raw (17,)+(6,)+() f32", vec, FIELDS, False), ("raw (17,)+(6,)+() f32", vec, FIELDS, True),
-               ("raw (84,84,4) u8", raw, None, False), ("lz4 (84,84,4) u8", lz4, None, False)]
+               ("raw (84,84,4) u8", raw, None, False), ("lz4 (84,84,4) u8", lz4, None, False),
+               ("zstd (84,84,4) u8", zstd, None, False)]
     for name, path, fields, plain in configs:
         ds = TransitionDataset(path, fields)
         base = None
@@ -185,29 +186,16 @@ def numpy_rate(data: dict[str, np.ndarray], seq: bool, repeats: int) -> float:
     return B / _median_time(one, repeats, 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
     """Rows of the S3 table: requests per batch for transitions and sequences (moto on 127.0.0.1)."""
     try:
-        import boto3
         import s3fs
-        from moto.server import ThreadedMotoServer
+
+        server = MotoS3()
+        opts = server.options
     except ImportError:
         return None
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     try:
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                     region_name="us-east-1").create_bucket(Bucket="bench")
-        opts = {"key": "bench", "secret": "bench", "endpoint_url": endpoint, "max_concurrency": 1,
-                "client_kwargs": {"region_name": "us-east-1"}}
         url = f"s3://bench/{uuid.uuid4().hex}"
         build(url, data, storage_options=opts, chunk_rows=1024)
         calls: list[str] = []

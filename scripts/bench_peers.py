@@ -176,6 +176,36 @@ def phases(ts: np.ndarray) -> tuple[float, float | None, int]:
 # append (and commit)
 
 
+def _row_writer(target: Any, batch: int, nxt: Callable[[int], np.ndarray]) -> Callable[[], None]:
+    """Appends to an array-like ``target`` (memmap, h5py dataset) by assignment: row ``i`` on each call
+    (``batch == 1``), else rows ``i .. i + batch``, ``i`` counting up from 0."""
+    c = [0]
+
+    def go() -> None:
+        i = c[0]
+        c[0] += batch
+        if batch == 1:
+            target[i] = nxt(i)
+        else:
+            target[i : i + batch] = nxt(i)
+
+    return go
+
+
+def _open_and_run(ops: dict[str, Callable[[], Callable[[], Any]]], first: int, calls: int,
+                  budget_s: float) -> tuple[dict[str, Any], dict[str, float]]:
+    """Open every system (``ops[name]()`` returns its sampler; who opens, and then goes, first
+    rotates with ``first``), then :func:`run_blocks` them; returns (times, open ms per system)."""
+    names = list(ops)
+    names = names[first % len(names):] + names[: first % len(names)]
+    samplers, opened = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        samplers[name] = ops[name]()
+        opened[name] = (time.perf_counter() - t0) * 1e3
+    return run_blocks(samplers, calls, BLOCK, budget_s), opened
+
+
 def appenders(tmp: Path, shape: tuple[int, ...], n: int, batch: int) -> dict[str, tuple[Callable, Callable | None, Callable, Path | None]]:
     """Per system: (append the next ``batch`` rows, commit or None, close, path)."""
     pool = rows_of(shape)(1024 + batch, 7)
@@ -198,17 +228,7 @@ def appenders(tmp: Path, shape: tuple[int, ...], n: int, batch: int) -> dict[str
 
     p = tmp / f"memmap_append_{batch}.npy"
     mm = np.lib.format.open_memmap(p, mode="w+", dtype=pool.dtype, shape=(n + 64 * batch, *shape))
-    c = [0]
-
-    def go_mm(mm=mm, c=c) -> None:
-        i = c[0]
-        c[0] += batch
-        if batch == 1:
-            mm[i] = nxt(i)
-        else:
-            mm[i : i + batch] = nxt(i)
-
-    out[MM] = (go_mm, mm.flush, lambda mm=mm: mm._mmap.close(), p)
+    out[MM] = (_row_writer(mm, batch, nxt), mm.flush, lambda mm=mm: mm._mmap.close(), p)
 
     if SB3 not in SKIPPED:
         opt = shape == IMG  # SB3's own advice for frames: halve the RAM
@@ -242,17 +262,7 @@ def appenders(tmp: Path, shape: tuple[int, ...], n: int, batch: int) -> dict[str
         p = tmp / f"h5py_append_{batch}.h5"
         f = h5py.File(p, "w")
         ds = f.create_dataset("obs", shape=(n + 64 * batch, *shape), dtype=pool.dtype, chunks=h5_chunk(shape, n))
-        c = [0]
-
-        def go_h5(ds=ds, c=c) -> None:
-            i = c[0]
-            c[0] += batch
-            if batch == 1:
-                ds[i] = nxt(i)
-            else:
-                ds[i : i + batch] = nxt(i)
-
-        out[H5] = (go_h5, f.flush, f.close, p)
+        out[H5] = (_row_writer(ds, batch, nxt), f.flush, f.close, p)
     return out
 
 
@@ -374,15 +384,8 @@ def bench_sample(tmp: Path, shape: tuple[int, ...], n: int, calls: int, budget_s
     t0 = time.perf_counter()
     paths = build(d, shape, n)
     built = time.perf_counter() - t0
-    samplers, opened = {}, {}
     ops = openers(paths, shape, n, seed=n)
-    names = list(ops)
-    names = names[first % len(names):] + names[: first % len(names)]  # who opens (and goes) first alternates
-    for name in names:
-        t0 = time.perf_counter()
-        samplers[name] = ops[name]()
-        opened[name] = (time.perf_counter() - t0) * 1e3
-    t = run_blocks(samplers, calls, BLOCK, budget_s)
+    t, opened = _open_and_run(ops, first, calls, budget_s)
     rows = []
     kind = "vector (17,) f32" if shape == VEC else "image (84,84,4) u8"
     for name in ops:
@@ -398,7 +401,7 @@ def bench_sample(tmp: Path, shape: tuple[int, ...], n: int, calls: int, budget_s
               f"{'-' if r['steady'] is None else format(r['steady'], '8.3f')} ms ({r['calls']} calls) "
               f"open {r['open_ms'] if r['open_ms'] is None else round(r['open_ms'], 2)} ms", flush=True)
     print(f"  (built in {built:.1f} s)", flush=True)
-    del samplers, ops, paths
+    del ops, paths
     gc.collect()
     shutil.rmtree(d, ignore_errors=True)
     return rows
@@ -447,14 +450,7 @@ def bench_sequences(tmp: Path, n: int, calls: int, budget_s: float, first: int) 
 
     ops = {RAW: o_ts, MM: o_mm, TRL: o_trl}
     ops = {k: v for k, v in ops.items() if k not in SKIPPED}
-    names = list(ops)
-    names = names[first % len(names):] + names[: first % len(names)]
-    samplers, opened = {}, {}
-    for name in names:
-        t0 = time.perf_counter()
-        samplers[name] = ops[name]()
-        opened[name] = (time.perf_counter() - t0) * 1e3
-    t = run_blocks(samplers, calls, BLOCK, budget_s)
+    t, opened = _open_and_run(ops, first, calls, budget_s)
     rows = []
     for name in ops:
         cold, steady, made = phases(t[name])
@@ -466,7 +462,7 @@ def bench_sequences(tmp: Path, n: int, calls: int, budget_s: float, first: int) 
         r["steady_ratio"] = r["steady"] / mmr["steady"] if r["steady"] is not None and mmr["steady"] else None
         print(f"  sequences {n:>10,} {r['system']:<14} cold {r['cold']:8.3f} ms steady "
               f"{'-' if r['steady'] is None else format(r['steady'], '8.3f')} ms ({r['calls']} calls)", flush=True)
-    del samplers, ops
+    del ops
     gc.collect()
     shutil.rmtree(d, ignore_errors=True)
     return rows

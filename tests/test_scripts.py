@@ -33,3 +33,24 @@ def test_ring_fullness_quick() -> None:
                           "--seconds", "1.5", "--check"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "capacity     1,000: writer" in out.stdout and "0 sample errors" in out.stdout
+
+
+def test_bench_images_quick(tmp_path: Path) -> None:
+    """Every image read path against the memmap, each read workload in its own interpreter."""
+    md = tmp_path / "bench.md"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_images.py"), "--quick", "--rows", "1000",
+                          "--sb3-sizes", "300", "--markdown", str(md)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for what in ("sample(256), numpy", "sample(256), torch vs numpy backend", "rb[idx], 256 random rows",
+                 "get_slice(:)[idx]", "get_column(['obs'])[idx]", "get_sequences(256 anchors", "sample_sequences(256, 4)",
+                 "ZarrReplayBuffer.sample(256), 300 transitions", "ZarrReplayBuffer.add, 300 transitions"):
+        assert out.stdout.count(f"| {what}") == 2, what  # cold and steady rows
+    assert "## Image rows: every read path against the memmap limit" in md.read_text()
+
+
+def test_bench_import_quick(tmp_path: Path) -> None:
+    md = tmp_path / "bench.md"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_import.py"), "--runs", "1", "--markdown",
+                          str(md)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| cached |" in out.stdout and "## Import time" in md.read_text()
