@@ -289,7 +289,10 @@ def _replace_section(path: Path, heading: str, section: str) -> None:
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
-        end = text.find("\n## ", start + len(heading))
+        # The section ends at the next heading or marker comment (another script's delimited section).
+        ends = [e for e in (text.find("\n## ", start + len(heading)), text.find("\n<!-- ", start + len(heading)))
+                if e >= 0]
+        end = min(ends) if ends else -1
         text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
     path.write_text(text)
 

@@ -311,13 +311,17 @@ class ChunkedField:
             out[k] = frame
             if keep:
                 self._frames[k] = frame
-                self._frame_bytes += 0 if frame is None else len(frame.buf)
+                self._frame_bytes += self._frame_cost(frame)
         while self._frames and (len(self._frames) > MAX_ENCODED or self._frame_bytes > ENCODED_BYTES):
             k, f = self._frames.popitem(last=False)
-            if f is not None:
-                self._frame_bytes -= len(f.buf)
+            self._frame_bytes -= self._frame_cost(f)
             out.setdefault(k, f)  # still used by this batch (the reference keeps it alive)
         return out
+
+    def _frame_cost(self, frame: _Frame | None) -> int:
+        """Bytes of RAM a cached frame holds: a fetched one its size; a memory-mapped one (local
+        stores) none beyond the page cache, so local frames are bounded by MAX_ENCODED maps alone."""
+        return 0 if frame is None or self.loc.is_local else len(frame.buf)
 
     def _map(self, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
         """The chunk file ``key`` memory-mapped read-only (None: missing, empty, or implausibly large,
@@ -338,9 +342,7 @@ class ChunkedField:
 
     def _forget_frames(self, ks: list[int] | None = None) -> None:
         for k in (list(self._frames) if ks is None else ks):
-            f = self._frames.pop(k, None)
-            if f is not None:
-                self._frame_bytes -= len(f.buf)
+            self._frame_bytes -= self._frame_cost(self._frames.pop(k, None))
 
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
         return gather_windows_by_rows(self, phys, length)
