@@ -14,17 +14,18 @@ from .views import BatchBase, ColumnView, SliceView
 
 # Maintenance (verify, repair) is imported on first use: most programs never call it, and
 # ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = {"verify_store": "verify", "repair_store": "repair"}
+_LAZY = ("verify_store", "repair_store")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "verify_store":
+        from .verify import verify_store as value
+    elif name == "repair_store":
+        from .repair import repair_store as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

@@ -350,8 +350,8 @@ class ChunkCache:
         if self._tag is None:
             import hashlib
 
-            head = sync(loc.zstore.get("trajstore.head.json", prototype=default_buffer_prototype()))
-            self._tag = hashlib.sha1(b"" if head is None else head.to_bytes()).hexdigest()[:20]
+            head = loc.get("trajstore.head.json")  # bounded like every read of the record
+            self._tag = hashlib.sha1(b"" if head is None else head).hexdigest()[:20]
         return self.root / self._tag
 
     def get(self, loc: Location, key: str, limit: int | None) -> bytes | None:
