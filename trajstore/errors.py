@@ -23,6 +23,9 @@ __all__ = [
     "StoreExistsError",
     "MissingDependencyError",
     "StoreFullError",
+    "BadArgumentError",
+    "UnknownFieldError",
+    "NoEpisodesError",
 ]
 
 
@@ -110,3 +113,20 @@ class EmptyBufferError(TrajstoreError, ValueError):
 class ConcurrentWriteError(TrajstoreError, RuntimeError):
     """A reader could not get one consistent result: the writer kept evicting or rewriting the
     rows it read (retried many times first)."""
+
+
+class BadArgumentError(TrajstoreError, TypeError):
+    """An argument has the wrong type for its parameter (e.g. a path given positionally where
+    ``create`` takes the storage class); the message names the parameter and the fix."""
+
+
+class UnknownFieldError(TrajstoreError, KeyError):
+    """A field name that the store does not have; the message lists the fields it has."""
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return str(self.args[0]) if self.args else ""
+
+
+class NoEpisodesError(TrajstoreError, ValueError):
+    """Episodes were asked of a store that records no episode boundaries (a ReplayBuffer without
+    ``terminated``/``truncated``/``done`` fields); the message names the fields looked for."""

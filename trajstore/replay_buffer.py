@@ -15,7 +15,7 @@ import gymnasium
 import numpy as np
 
 from .backend import Backend
-from .errors import SpaceMismatchError
+from .errors import BadArgumentError, SpaceMismatchError
 from .fields import make_field_spec
 from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, flatdim, space_to_json
@@ -62,8 +62,12 @@ class ZarrStorage:
 
 
 def _storage_cls_check(storage_cls: Any) -> None:
+    if isinstance(storage_cls, (str, os.PathLike)):  # the usual slip: create(space, "runs/x")
+        raise BadArgumentError(f"got the path {os.fspath(storage_cls)!r} where create() takes the storage class: "
+                               "the second positional argument is storage_cls; pass the path as "
+                               f"cache_path={os.fspath(storage_cls)!r}")
     if storage_cls not in (None, ZarrStorage):
-        raise TypeError(f"storage_cls must be None or trajstore.ZarrStorage; got {storage_cls!r}")
+        raise BadArgumentError(f"storage_cls must be None or trajstore.ZarrStorage; got {storage_cls!r}")
 
 
 def _is_remote(cache_path: Any) -> bool:

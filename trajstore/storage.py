@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 import uuid
 import warnings
 from pathlib import Path
@@ -479,14 +480,40 @@ def resolve_location(
             raise StoreNotFoundError(f"no store at {path!r}: zarr.json not found")
         return loc
     root = Path(path).expanduser().absolute()
+    _check_not_a_file(root)
     if must_exist and not root.exists():
         raise StoreNotFoundError(f"no store at {str(root)!r}: the folder does not exist")
-    if root.exists() and not root.is_dir():  # the user's own path may be a link to a folder
-        raise NotATrajstoreError(f"{str(root)!r} is a {file_kind(os.stat(root).st_mode)}, not a folder; a local "
-                                 "store is a folder")
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)
     return Location(ConfinedLocalStore(root, read_only=read_only), str(root), root)
+
+
+def _check_not_a_file(root: Path) -> None:
+    """Refuse a local path that is, or lies under, something other than a folder.
+
+    Without this, the OS answers with a bare ``[Errno 17]`` / ``[Errno 20]`` from ``mkdir`` or
+    ``open`` deep inside zarr, naming neither the problem nor the fix.
+
+    Raises
+    ------
+    NotATrajstoreError
+        ``root`` (followed through links: the user's own path may be a link to a folder) or one
+        of its parents exists and is not a folder.
+    """
+    for p in (root, *root.parents):
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there (yet): look at its parent
+        except OSError:
+            return  # unreadable: leave the error to the open itself
+        if stat.S_ISDIR(st.st_mode):
+            return
+        kind = file_kind(st.st_mode)
+        where = (f"{str(root)!r}: is a {kind}, not a trajstore store" if p == root else
+                 f"{str(root)!r}: cannot be a trajstore store, its parent {str(p)!r} is a {kind}")
+        raise NotATrajstoreError(f"{where} (a store is a folder, a .zip or a URL); pass the path of a store folder, "
+                                 "or to create one a path that is not a file")
 
 
 def open_zarr_group(loc: Location, *, mode: str) -> zarr.Group:

@@ -15,7 +15,15 @@ Each batch is read whole (``__getitems__``) and, in a worker, crosses to the mai
 buffer (``_transfer``); torch's default collate and :func:`collate_batch` both pass it through.
 """
 
-from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch
-from .samplers import RandomBatchSampler
+from ..errors import MissingDependencyError
+
+try:
+    import torch  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError("trajstore.torch needs torch: pip install 'trajstore[torch]' "
+                                 "(it pins torch==2.13.0)") from None
+
+from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
+from .samplers import RandomBatchSampler  # noqa: E402
 
 __all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..buffer import StoredBuffer
+from ..errors import UnknownFieldError
 from ..replay_buffer import ReplayBuffer
 from ..spaces import ValuePlan, subspace
 from ..trajectory import TrajectoryReplayBuffer
@@ -130,9 +131,10 @@ class FieldSelection:
             if traj and not is_ep:
                 keys = ["step_data", *keys]
             if is_ep and buf.episode_space is None:  # type: ignore[attr-defined]
-                raise KeyError(f"field {name!r}: this buffer has no episode data")
-            keys = _tuple_keys(buf.single_space, keys)
-            space = subspace(buf.single_space, keys)  # KeyError for unknown fields
+                raise UnknownFieldError(f"{buf.cache_path}: no field {name!r}: this store has no episode data; "
+                                        f"its fields are {_field_list(buf, traj)}")
+            keys = _tuple_keys(buf, traj, name, keys)
+            space = subspace(buf.single_space, keys)
             prefix = tuple(keys)
             ids = [j for j, leaf in enumerate(buf._plan.leaves) if leaf.path[: len(prefix)] == prefix]
             self.names.append(name or "data")
@@ -158,14 +160,39 @@ class FieldSelection:
         return result
 
 
-def _tuple_keys(space: Any, keys: list[Any]) -> list[Any]:
-    """Turn digit keys that index a Tuple space into ints."""
+def _field_list(buf: StoredBuffer, traj: bool) -> str:
+    """The field names a dataset accepts for ``buf``: every leaf as a ``/``-path (any prefix of
+    one is a field too), for the error that names an unknown field."""
+    names = []
+    for leaf in buf._plan.leaves:  # type: ignore[attr-defined]
+        path = list(leaf.path)
+        if traj and path[:1] == ["step_data"]:
+            path = path[1:]
+        names.append("/".join(map(str, path)))
+    if names == [""]:
+        return "none by name: each row is one value, read it with fields=None"
+    listed = ", ".join(repr(n) for n in names if n)
+    return listed + " (a '/'-prefix of one selects its subtree)" if any("/" in n for n in names) else listed
+
+
+def _tuple_keys(buf: StoredBuffer, traj: bool, name: str, keys: list[Any]) -> list[Any]:
+    """Check ``keys`` (the parts of field ``name``) against the buffer's space, turning digit
+    keys that index a Tuple space into ints.
+
+    Raises
+    ------
+    UnknownFieldError
+        A key the space does not have; the message lists the fields the store has.
+    """
     import gymnasium
 
-    out = []
+    space, out = buf.single_space, []  # type: ignore[attr-defined]
     for k in keys:
-        if isinstance(space, gymnasium.spaces.Tuple):
+        if isinstance(space, gymnasium.spaces.Tuple) and str(k).isdigit() and int(k) < len(space.spaces):
             k = int(k)
+        elif not (isinstance(space, gymnasium.spaces.Dict) and k in space.spaces):
+            raise UnknownFieldError(f"{buf.cache_path}: no field {name!r} in this store; its fields are "
+                                    f"{_field_list(buf, traj)}")
         out.append(k)
         space = space[k]
     return out

@@ -1,0 +1,164 @@
+"""Errors a new user provokes in the first hour name the path, the field and the fix, and are
+``trajstore.errors`` types (issue 13, "Errors that guide")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer, errors
+from trajstore.demo import record_demo
+
+SPACE = gym.spaces.Dict({"obs": gym.spaces.Box(-1, 1, (3,), np.float32), "action": gym.spaces.Discrete(2)})
+
+
+@pytest.fixture
+def text_file(tmp_path) -> str:
+    p = tmp_path / "file.txt"
+    p.write_text("not a store\n")
+    return str(p)
+
+
+# -- a regular file where a store is expected ------------------------------------------------
+@pytest.mark.parametrize("open_it", [
+    lambda p: ReplayBuffer.load_from(p),
+    lambda p: ReplayBuffer.load_from(p, read_only=True),
+    lambda p: TrajectoryReplayBuffer.load_from(p),
+    lambda p: TrajectoryReplayBuffer.load_from(p, read_only=True),
+    lambda p: ReplayBuffer.create(SPACE, cache_path=p),
+    lambda p: ReplayBuffer.create(SPACE, cache_path=p, overwrite=True),
+    lambda p: TrajectoryReplayBuffer.create(SPACE, cache_path=p),
+], ids=["rb-load", "rb-load-ro", "trb-load", "trb-load-ro", "rb-create", "rb-create-overwrite", "trb-create"])
+def test_a_file_is_not_a_store(text_file, open_it):
+    with pytest.raises(errors.NotATrajstoreError) as ei:
+        open_it(text_file)
+    msg = str(ei.value)
+    assert text_file in msg and "is a file, not a trajstore store" in msg
+    assert "folder" in msg and ".zip" in msg and "URL" in msg  # what a store is: the fix
+    with open(text_file) as f:
+        assert f.read() == "not a store\n"  # untouched
+
+
+@pytest.mark.parametrize("open_it", [
+    lambda p: ReplayBuffer.load_from(p),
+    lambda p: ReplayBuffer.create(SPACE, cache_path=p),
+    lambda p: TrajectoryReplayBuffer.create(SPACE, cache_path=p),
+], ids=["rb-load", "rb-create", "trb-create"])
+def test_a_path_under_a_file(text_file, open_it):
+    """``file.txt/sub``: the OS would say ``[Errno 20] Not a directory``; the error names the file."""
+    with pytest.raises(errors.NotATrajstoreError) as ei:
+        open_it(os.path.join(text_file, "sub"))
+    msg = str(ei.value)
+    assert os.path.join(text_file, "sub") in msg and f"parent {text_file!r} is a file" in msg
+
+
+def test_cli_info_on_a_file(text_file):
+    r = subprocess.run([sys.executable, "-m", "trajstore", "info", text_file], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "Errno" not in r.stderr and "Traceback" not in r.stderr
+    assert text_file in r.stderr and "is a file, not a trajstore store" in r.stderr
+
+
+# -- the path passed positionally into storage_cls --------------------------------------------
+@pytest.mark.parametrize("cls", [ReplayBuffer, TrajectoryReplayBuffer])
+@pytest.mark.parametrize("path", ["runs/x", "pathlib"])
+def test_path_given_as_storage_cls(tmp_path, cls, path):
+    import pathlib
+
+    where = pathlib.Path(tmp_path / "x") if path == "pathlib" else "runs/x"
+    with pytest.raises(errors.BadArgumentError) as ei:
+        cls.create(SPACE, where)
+    assert isinstance(ei.value, TypeError)  # what the check raised before: callers catching it still do
+    msg = str(ei.value)
+    assert "storage_cls" in msg and f"cache_path={os.fspath(where)!r}" in msg
+    assert not os.path.exists("runs/x") and not (tmp_path / "x").exists()  # nothing created
+
+
+def test_other_storage_cls_still_refused():
+    with pytest.raises(errors.BadArgumentError, match="storage_cls must be None or trajstore.ZarrStorage"):
+        ReplayBuffer.create(SPACE, dict)
+
+
+# -- dataset fields ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory) -> str:
+    return record_demo(str(tmp_path_factory.mktemp("demo") / "cartpole"), episodes=2)
+
+
+@pytest.mark.parametrize("which", ["TransitionDataset", "SequenceDataset"])
+@pytest.mark.parametrize("field", ["observation", "obs/x", "episode_data/return"])
+def test_unknown_dataset_field_lists_the_fields(demo_store, which, field):
+    pytest.importorskip("torch")
+    import trajstore.torch as tt
+
+    make = (lambda: tt.TransitionDataset(demo_store, fields=["reward", field])) if which == "TransitionDataset" \
+        else (lambda: tt.SequenceDataset(demo_store, 4, fields=[field]))
+    with pytest.raises(errors.UnknownFieldError) as ei:
+        make()
+    assert isinstance(ei.value, KeyError)  # as before, for callers that catch KeyError
+    msg = str(ei.value)
+    assert not msg.startswith("'")  # shown as a sentence, not a quoted KeyError repr
+    assert demo_store in msg and repr(field) in msg
+    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated"):
+        assert repr(name) in msg
+
+
+def test_unknown_field_of_a_trajectory_store(tmp_path):
+    pytest.importorskip("torch")
+    from trajstore.torch import TransitionDataset
+
+    step = gym.spaces.Dict({"obs": gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,), np.float32),
+                                                    "tag": gym.spaces.Tuple([gym.spaces.Discrete(3)])})})
+    path = str(tmp_path / "traj")
+    with TrajectoryReplayBuffer.create(step, cache_path=path,
+                                       episode_data_instance_space=gym.spaces.Dict({"ret": gym.spaces.Box(0, 1, ())})) as b:
+        b.append(step.sample())
+    assert TransitionDataset(path, ["obs/tag/0", "episode_data/ret"]).fields == ["obs/tag/0", "episode_data/ret"]
+    for bad in ("obs/tag/1", "obs/vel", "episode_data/return", "step_data/obs"):
+        with pytest.raises(errors.UnknownFieldError) as ei:
+            TransitionDataset(path, [bad])
+        msg = str(ei.value)
+        assert repr(bad) in msg and "'obs/pos', 'obs/tag/0'" in msg and "'episode_data/ret'" in msg
+
+    no_ep = str(tmp_path / "no_ep")
+    with TrajectoryReplayBuffer.create(step, cache_path=no_ep) as b:
+        b.append(step.sample())
+    with pytest.raises(errors.UnknownFieldError, match="no episode data"):
+        TransitionDataset(no_ep, ["episode_data/ret"])
+
+
+def test_unnamed_rows_say_use_fields_none(tmp_path):
+    pytest.importorskip("torch")
+    from trajstore.torch import TransitionDataset
+
+    path = str(tmp_path / "box")
+    with ReplayBuffer.create(gym.spaces.Box(0, 1, (2,), np.float32), cache_path=path) as b:
+        b.append(np.zeros(2, np.float32))
+    with pytest.raises(errors.UnknownFieldError, match="fields=None"):
+        TransitionDataset(path, ["obs"])
+
+
+# -- trajstore.torch without torch -----------------------------------------------------------
+def test_import_trajstore_torch_without_torch():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # import torch now raises ImportError, as when not installed
+        import trajstore
+        from trajstore import errors
+        try:
+            import trajstore.torch
+        except errors.MissingDependencyError as e:
+            assert isinstance(e, ImportError)
+            print("MSG:", e)
+        else:
+            raise SystemExit("imported without torch")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "trajstore.torch needs torch" in r.stdout and "pip install 'trajstore[torch]'" in r.stdout
