@@ -241,7 +241,7 @@ def test_reopen_keeps_every_transition(tmp_path: Path, optimize: bool) -> None:
     rb = ZarrReplayBuffer(40, obs_space, act_space, "cpu", cache_path=tmp_path / "rb", **kw)
     _fill([ref, rb], obs_space, act_space, 2, 27, seed=4)  # wraps
     rb.close()
-    rb = ZarrReplayBuffer(40, obs_space, act_space, "cpu", cache_path=tmp_path / "rb", **kw)  # as SAC.load does
+    rb = ZarrReplayBuffer(40, obs_space, act_space, "cpu", cache_path=tmp_path / "rb", resume=True, **kw)  # as SAC.load does
     assert (rb.pos, rb.full) == (ref.pos, ref.full)
     assert_arrays_like_sb3(rb, ref)
     same_sample(rb, ref, seed=5)
@@ -259,7 +259,7 @@ def test_ram_edits_are_persisted(tmp_path: Path) -> None:
         rb.dones[(rb.pos - 1) % rb.buffer_size] = True
         rb.rewards[0, 1] = 42.0
         dones, rewards = rb.dones.copy(), rb.rewards.copy()
-    with ZarrReplayBuffer(12, obs_space, act_space, cache_path=tmp_path / "rb", **kw) as rb:
+    with ZarrReplayBuffer(12, obs_space, act_space, cache_path=tmp_path / "rb", resume=True, **kw) as rb:
         np.testing.assert_array_equal(rb.dones, dones)
         np.testing.assert_array_equal(rb.rewards, rewards)
     store = StoreBuffer.load_from(tmp_path / "rb" / "transitions", read_only=True)  # any trajstore reader
@@ -376,7 +376,7 @@ def test_second_buffer_on_same_path_takes_over(tmp_path: Path) -> None:
     first = ZarrReplayBuffer(10, obs, act, cache_path=tmp_path / "rb")
     _fill([first], obs, act, 1, 3, seed=13)
     with pytest.warns(UserWarning, match="was still open"):
-        second = ZarrReplayBuffer(10, obs, act, cache_path=tmp_path / "rb")
+        second = ZarrReplayBuffer(10, obs, act, cache_path=tmp_path / "rb", resume=True)
     assert first.closed and second.pos == 3
     with pytest.raises(ValueError, match="closed"):
         first.sample(2)
@@ -391,7 +391,7 @@ def test_memory_url(tmp_path: Path) -> None:
     with ZarrReplayBuffer(12, obs_space, act_space, "cpu", n_envs=2, cache_path=url) as rb:
         _fill([ref, rb], obs_space, act_space, 2, 9, seed=14)
         same_sample(rb, ref, seed=15)
-    with ZarrReplayBuffer(12, obs_space, act_space, "cpu", n_envs=2, cache_path=url) as rb:
+    with ZarrReplayBuffer(12, obs_space, act_space, "cpu", n_envs=2, cache_path=url, resume=True) as rb:
         same_sample(rb, ref, seed=16)
 
 
@@ -416,7 +416,7 @@ def test_reopen_after_writer_died_while_full(tmp_path: Path) -> None:
     live.sample(1)  # the writer hands rows to the store: a ring eviction is committed first
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # the folder as a SIGKILL at this instant leaves it
     live.close()
-    rb = ZarrReplayBuffer(64, obs_space, act_space, "cpu", n_envs=2, cache_path=tmp_path / "b")
+    rb = ZarrReplayBuffer(64, obs_space, act_space, "cpu", n_envs=2, cache_path=tmp_path / "b", resume=True)
     count = rb.size()
     assert count < rb.buffer_size and not rb.full and rb._offset != 0, "no partial ring to test"
     steps = np.asarray(rb.observations)[:, 0, 0]

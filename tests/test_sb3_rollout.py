@@ -288,7 +288,7 @@ def test_keep_history(tmp_path: Path) -> None:
     starts[2, 0, 1] = 1  # env 1: an episode ends exactly at a rollout boundary
     p = tmp_path / "z"
     z = ZarrRolloutBuffer(T, obs_space, act_space, "cpu", gae_lambda=LAMBDA, gamma=GAMMA, n_envs=n, cache_path=p,
-                          keep_history=True)
+                          keep_history=True, resume=True)
     ref = ref_buffer(obs_space, act_space, n)
     kept: list[dict[str, np.ndarray]] = []
     for r in range(3):
@@ -312,7 +312,7 @@ def test_keep_history(tmp_path: Path) -> None:
         tb.close()
     # reopening appends: the next rollout starts a new episode and gets the next rollout index
     z = ZarrRolloutBuffer(T, obs_space, act_space, "cpu", gae_lambda=LAMBDA, gamma=GAMMA, n_envs=n, cache_path=p,
-                          keep_history=True)
+                          keep_history=True, resume=True)
     first = np.zeros((T, n), np.float32)
     first[0] = 1
     rollout([z], obs_space, act_space, n, seed=9, starts=first)

@@ -170,7 +170,8 @@ CHILD = textwrap.dedent("""
     env = make_vec_env("Pendulum-v1", n_envs=1, seed=0)
     model = SAC("MlpPolicy", env, buffer_size=100_000, learning_starts=50, batch_size=32, seed=0, device="cpu",
                 policy_kwargs=dict(net_arch=[16, 16]), replay_buffer_class=ZarrReplayBuffer,
-                replay_buffer_kwargs=dict(cache_path=os.path.join(work, "buffer"), commit_interval=0.1))
+                replay_buffer_kwargs=dict(cache_path=os.path.join(work, "buffer"), commit_interval=0.1,
+                                          resume=True))
     if mode == "clean":
         model.learn(150)
         model.save(os.path.join(work, "model"))

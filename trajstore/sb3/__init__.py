@@ -2,7 +2,8 @@
 
 - :class:`ZarrReplayBuffer`, :class:`ZarrDictReplayBuffer`: SB3's replay buffers (SAC, TD3,
   DDPG, DQN) with observations in a trajstore store under ``cache_path``; reopened (not
-  truncated) when the same ``cache_path`` is used again, e.g. by ``SAC.load``.
+  truncated) when the same ``cache_path`` is used again, e.g. by ``SAC.load`` (``resume=True``
+  says that is wanted; without it a :class:`ResumedBufferWarning` names the data found).
 - :class:`ZarrRolloutBuffer`, :class:`ZarrDictRolloutBuffer`: SB3's rollout buffers (PPO, A2C)
   with the rollout's observations on disk and an optional history of every rollout.
 - :class:`DummyVecRolloutBuffer`: a rollout facade that gives every env its own sub-buffer.
@@ -20,9 +21,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("trajstore.sb3 needs stable-baselines3: pip install 'trajstore[sb3]'") from None
 
+from ._root import ResumedBufferWarning  # noqa: E402
 from .dummy_vec import DummyVecRolloutBuffer  # noqa: E402
 from .replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
 from .rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
-           "DummyVecRolloutBuffer"]
+           "DummyVecRolloutBuffer", "ResumedBufferWarning"]

@@ -102,7 +102,8 @@ class ZarrBufferMixin:
 
     # -- opening ----------------------------------------------------------------------------------
     def _init_root(self, cache_path: Any, storage_options: dict[str, Any] | None, overwrite: bool,
-                   config: dict[str, Any], parts: list[str], storage_kwargs: dict[str, Any]) -> bool:
+                   config: dict[str, Any], parts: list[str], storage_kwargs: dict[str, Any],
+                   resume: bool | None = None) -> bool:
         """Resolve ``cache_path``, check or prepare its record; True when the buffer is new."""
         self.closed = True
         self._stores: dict[str, Any] = {}
@@ -111,7 +112,7 @@ class ZarrBufferMixin:
         self._create_opts, self._open_opts = _root.storage_split(storage_kwargs)
         self._config = config
         self._parts = parts
-        created = self._root.prepare(self.KIND, config, parts, overwrite)
+        created = self._root.prepare(self.KIND, config, parts, overwrite, resume)
         _root.register(self._root, self)
         self.closed = False
         _LIVE.add(self)
@@ -314,8 +315,10 @@ class ZarrBufferMixin:
         """Reopen the buffer at ``cache_path`` with the spaces and sizes recorded there.
 
         ``kwargs`` are the other constructor arguments (e.g. ``handle_timeout_termination``,
-        ``commit_interval``).  Raises ``StoreNotFoundError`` when there is no buffer.
+        ``commit_interval``); ``resume`` is True (reopening is what was asked).  Raises
+        ``StoreNotFoundError`` when there is no buffer.
         """
+        kwargs.setdefault("resume", True)
         cfg = _root.StoreRoot(cache_path, storage_options).read_config()
         if cfg is None:
             raise StoreNotFoundError(f"no trajstore stable-baselines3 buffer at {os.fspath(cache_path)!r}")

@@ -142,11 +142,13 @@ class StoreRoot:
             f.write(data)
         os.replace(tmp, os.path.join(self.path, CONFIG_KEY))
 
-    def prepare(self, kind: str, config: dict[str, Any], parts: list[str], overwrite: bool) -> bool:
+    def prepare(self, kind: str, config: dict[str, Any], parts: list[str], overwrite: bool,
+                resume: bool | None = None) -> bool:
         """Decide between reopening and creating; return True when the buffer must be created.
 
         An existing record of the same ``kind`` whose ``config`` matches is reopened (never
-        truncated).  With ``overwrite=True`` nothing is erased here: the caller replaces the
+        truncated), unless ``resume=False``, which refuses it (the caller announces a reopen made
+        with ``resume=None``: see :func:`announce_resume`).  With ``overwrite=True`` nothing is erased here: the caller replaces the
         parts (trajstore's ``create(overwrite=True)`` takes each part's writer lock before
         erasing it, so a buffer another process writes is never touched), then
         :meth:`drop_parts` removes the parts it did not recreate and :meth:`write_config`
@@ -161,11 +163,15 @@ class StoreRoot:
             A space, ``n_envs``, capacity or layout flag differs from the record (the message
             names the stored and the given value).
         StoreExistsError
-            The folder holds something that is not a buffer and ``overwrite`` is False.
+            The folder holds something that is not a buffer and ``overwrite`` is False, or it holds
+            a buffer and ``resume=False``.
         """
         cfg = None if self.temporary else self.read_config()
         if cfg is not None and not overwrite:
             self._validate(kind, cfg, config)
+            if resume is False:
+                raise StoreExistsError(f"{self.path}: holds a {kind} from an earlier run and resume=False; pass "
+                                       "resume=True to continue with its data, or overwrite=True to start empty")
             return False
         if cfg is None and not overwrite and not self.is_empty():
             names = set(self.fs.ls(self._fs_root, detail=False))
@@ -201,6 +207,23 @@ class StoreRoot:
         """Delete the folder (temporary roots only)."""
         if self.temporary:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+class ResumedBufferWarning(UserWarning):
+    """A stable-baselines3 buffer reopened an existing ``cache_path`` because ``resume`` was not
+    given: training continues with the data of an earlier run.  Pass ``resume=True`` to say so
+    (and silence this), ``resume=False`` to refuse, or ``overwrite=True`` to start empty."""
+
+
+def announce_resume(resume: bool | None, kind: str, path: str, held: str) -> None:
+    """Warn that ``kind`` at ``path`` reopened ``held`` (e.g. "1,200 transitions") from an earlier
+    run, unless the caller asked for it with ``resume=True``."""
+    if resume is None:
+        import warnings
+
+        warnings.warn(f"{kind}: {path} already holds a buffer; reopened it with {held} from an earlier run. "
+                      "Pass resume=True to continue with them (silences this warning), overwrite=True to start "
+                      "empty, or resume=False to refuse an existing buffer", ResumedBufferWarning, stacklevel=3)
 
 
 def space_config(observation_space: gymnasium.Space, action_space: gymnasium.Space) -> dict[str, Any]:

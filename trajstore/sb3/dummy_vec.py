@@ -89,7 +89,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         (default :class:`ZarrRolloutBuffer`, :class:`ZarrDictRolloutBuffer` for Dict spaces).
         ``buffer_kwargs``: extra keyword arguments of every sub-buffer (e.g. ``keep_history``).
         ``cache_path``: sub-buffer ``i`` gets ``cache_path/env_{i}`` (None: each its own
-        temporary folder).  ``storage_options``: fsspec options for URLs.
+        temporary folder).  ``buffer_kwargs["resume"]`` decides for the whole facade what an
+        existing buffer at ``cache_path`` does (as in :class:`ZarrRolloutBuffer`: one warning, not
+        one per env).  ``storage_options``: fsspec options for URLs.
         ``max_workers``: threads (default ``min(n_envs, os.cpu_count())``).
 
     Attributes
@@ -155,7 +157,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
             root = _root.StoreRoot(self.cache_path, storage_options)
             config = {**_root.space_config(self.observation_space, self.action_space), "n_envs": self.n_envs,
                       "buffer_size": self.buffer_size}
-            created = root.prepare(KIND, config, parts, bool(buffer_kwargs.get("overwrite", False)))
+            resume = buffer_kwargs.pop("resume", None)
+            created = root.prepare(KIND, config, parts, bool(buffer_kwargs.get("overwrite", False)), resume)
+            buffer_kwargs["resume"] = True  # decided (and announced below) for the whole facade
             if storage_options is not None:
                 buffer_kwargs.setdefault("storage_options", storage_options)
         subs: list[Any] = []
@@ -173,6 +177,9 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         if root is not None and created:  # sub-stores of a replaced facade with more envs go
             root.drop_parts([n for n in root.names() if n.startswith("env_")], keep=set(parts))
             root.write_config({"kind": KIND, **config})
+        steps = sum(len(tb) for sub in subs for tb in getattr(sub, "history", []))
+        if root is not None and not created and steps:
+            _root.announce_resume(resume, KIND, root.path, f"{steps:,} steps in the history of its {len(subs)} envs")
         return subs
 
     def _check_buffers(self, buffers: list[Any]) -> list[Any]:

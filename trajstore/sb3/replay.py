@@ -29,7 +29,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from ..errors import UnsupportedSpaceError
 from ._base import PositionView, ZarrBufferMixin
 from ._layout import ObsLayout, scalar_box, storage_box
-from ._root import space_config
+from ._root import announce_resume, space_config
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
 
@@ -58,6 +58,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         cache_path: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
+        resume: bool | None = None,
         **storage_kwargs: Any,
     ) -> None:
         BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
@@ -85,7 +86,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
                   "optimize_memory_usage": bool(optimize_memory_usage)}
         created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
-                                  storage_kwargs)
+                                  storage_kwargs, resume)
         try:
             self._rb = self._open_replay("transitions", self._row_space(), size, created)
             if optimize_memory_usage:
@@ -97,6 +98,9 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         except BaseException:
             self._release()
             raise
+        if not created:
+            held = f"{self._count * n:,} transitions" + (f" ({self._count:,} positions x {n} envs)" if n > 1 else "")
+            announce_resume(resume, type(self).__name__, self._root.path, held)
 
     # -- layout ---------------------------------------------------------------------------------
     @staticmethod
@@ -364,12 +368,17 @@ class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):
     cache_path : str or path-like, optional
         Folder or fsspec URL of the buffer.  An existing buffer there is reopened (its spaces,
         n_envs, capacity and optimize_memory_usage must match) with every committed
-        transition, so ``SAC.load`` continues where the saved run stopped.  ``None``: a
-        temporary folder deleted by :meth:`close`.
+        transition, so ``SAC.load`` continues where the saved run stopped (see ``resume``).
+        ``None``: a temporary folder deleted by :meth:`close`.
     storage_options : dict, optional
         fsspec options for URLs.
     overwrite : bool
         Replace an existing buffer at ``cache_path`` instead of reopening it.
+    resume : bool or None
+        What to do with an existing buffer at ``cache_path``: ``True`` reopens it, ``False``
+        refuses it (``StoreExistsError``), ``None`` (default) reopens it with a
+        ``ResumedBufferWarning`` naming the transitions found, so a rerun script never trains a
+        new model on an earlier run's data unawares.  Ignored when nothing is there yet.
     **storage_kwargs
         trajstore storage options: ``chunk_rows``, ``compressor`` (fixed at creation),
         ``fsync``, ``commit_interval`` (seconds between automatic commits, default 1).

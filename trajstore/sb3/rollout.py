@@ -30,7 +30,7 @@ from ..errors import UnsupportedSpaceError
 from ..trajectory import TrajectoryReplayBuffer
 from ._base import PositionView, ZarrBufferMixin, concat, take
 from ._layout import ObsLayout, scalar_box, storage_box
-from ._root import space_config
+from ._root import announce_resume, space_config
 
 __all__ = ["ZarrRolloutBuffer", "ZarrDictRolloutBuffer", "RolloutArrays", "to_numpy"]
 
@@ -81,6 +81,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         cache_path: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
+        resume: bool | None = None,
         keep_history: bool = False,
         history_capacity: int | None = None,
         load_obs_on_get: bool = True,
@@ -99,7 +100,8 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         self._flat_obs: dict | None = None  # env-major observations of the prepared rollout
         self._written = True  # rows in the rollout store since the last clear (unknown: True)
         config = {**space_config(observation_space, action_space), "n_envs": self.n_envs, "buffer_size": buffer_size}
-        created = self._init_root(cache_path, storage_options, overwrite, config, ["rollout", "history"], storage_kwargs)
+        created = self._init_root(cache_path, storage_options, overwrite, config, ["rollout", "history"], storage_kwargs,
+                                  resume)
         try:
             obs_space = spaces.Dict(self._layout.leaves("obs"))
             self._rb = self._open_replay("rollout", obs_space, buffer_size, created)
@@ -113,6 +115,10 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         except BaseException:
             self._release()
             raise
+        steps = sum(len(tb) for tb in self.history)
+        if not created and steps:  # only the history carries an earlier run's data into this one
+            announce_resume(resume, type(self).__name__, self._root.path,
+                            f"{self._rollouts:,} rollouts ({steps:,} steps) in its history")
 
     @staticmethod
     def _check_space(observation_space: gymnasium.Space) -> None:
@@ -317,6 +323,10 @@ class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):
         fsspec options for URLs.
     overwrite : bool
         Replace an existing buffer (and its history) at ``cache_path``.
+    resume : bool or None
+        What to do with an existing buffer at ``cache_path``: ``True`` reopens it (its history
+        grows on), ``False`` refuses it (``StoreExistsError``), ``None`` (default) reopens it,
+        with a ``ResumedBufferWarning`` when its history holds steps of an earlier run.
     keep_history : bool
         Also append every finished rollout (at ``compute_returns_and_advantage``) to
         :attr:`history`: one :class:`trajstore.TrajectoryReplayBuffer` per env whose steps hold
