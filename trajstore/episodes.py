@@ -17,7 +17,55 @@ from .table import Table
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["EpisodeIndex", "RunIndex"]
+__all__ = ["EpisodeIndex", "RunIndex", "done_fields", "done_field_names", "all_done", "done_at", "episode_numbers"]
+
+
+# -- episodes of a ReplayBuffer: ends flagged by done-like fields --------------------------------
+# A ReplayBuffer store has no episode ids; its episodes are the CLI's (``trajstore episodes``):
+# an episode ends after a row flagged by any done-like field (terminated / truncated / done, see
+# ``summary``), and the rows before a ring's first flag are a (partial) episode too.  The field
+# rule is summary's own, imported, so the datasets and the CLI can never disagree.
+def done_fields(t: Table) -> dict[str, int] | None:
+    """The done-like fields of step table ``t`` (``{"terminated"|"truncated"|"done": field index}``),
+    or None when it has none: scalar (one-element) leaves named as :func:`done_field_names` says."""
+    from .summary import _flag_fields
+
+    return _flag_fields(t)
+
+
+def done_field_names() -> str:
+    """The leaf names :func:`done_fields` looks for, for messages."""
+    from .summary import _DONE_NAMES, _TERM_NAMES, _TRUNC_NAMES
+
+    return ", ".join(_TERM_NAMES + _TRUNC_NAMES + _DONE_NAMES)
+
+
+def all_done(t: Table, fields: dict[str, int]) -> np.ndarray:
+    """Whether each committed logical row ends an episode, (count,) bool."""
+    from .summary import _done_flags
+
+    return _done_flags(t, fields)
+
+
+def done_at(t: Table, fields: dict[str, int], rows: np.ndarray) -> np.ndarray:
+    """Whether logical ``rows`` (any shape) end an episode: any done-like field set (as
+    :func:`all_done`, for a few rows instead of the whole column)."""
+    flat = np.asarray(rows, np.int64).reshape(-1)
+    done = np.zeros(len(flat), bool)
+    for a in t.gather(flat, list(fields.values())):
+        done |= a.reshape(len(flat)).astype(bool)
+    return done.reshape(np.shape(rows))
+
+
+def episode_numbers(done: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Episode number of each row along ``axis`` given its done flags, counted from 0 at the first
+    row: a row after a flagged row starts the next episode (an exclusive cumulative sum), int64.
+
+    On a whole column these are the CLI's episode ids; on windows of consecutive rows, frames
+    with the anchor's number lie in the anchor's episode.
+    """
+    d = np.asarray(done, bool)
+    return np.cumsum(d, axis=axis, dtype=np.int64) - d
 
 
 class EpisodeIndex:

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
-from ..errors import IndexOutOfRangeError
+from ..episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
+from ..errors import IndexOutOfRangeError, NoEpisodesError
 from ..sequences import PADS, pad_sources, window_rows
 from ._source import BufferSource, FieldSelection
 from ._transfer import in_worker, pack
@@ -171,8 +172,11 @@ class TransitionDataset(_Base):
         return self._n
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
-        idx = np.asarray(indices, dtype=np.int64)
         buf = self._src.buffer
+        # A reader of a live store retries until no writer evicted or rewrote the rows meanwhile.
+        return buf._consistent(lambda: self._read_once(buf, np.asarray(indices, dtype=np.int64), out))
+
+    def _read_once(self, buf: Any, idx: np.ndarray, out: Any) -> dict[str, Any]:
         buf._sync()
         if idx.size and idx.max() >= buf._table.count:
             raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
@@ -191,6 +195,12 @@ class SequenceDataset(_Base):
     to the anchor's episode (as :meth:`TrajectoryReplayBuffer.get_sequences`).  Invalid frames are
     filled by ``pad`` (``"edge"`` repeats the nearest valid frame, ``"zero"`` fills zeros).
 
+    Episodes are those ``trajstore episodes`` lists: a TrajectoryReplayBuffer store's episode ids;
+    in a ReplayBuffer store an episode ends after a row flagged by a done-like field
+    (``terminated``, ``truncated``, ``done``...: any set); the rows before a ring's first flag are
+    a (partial) episode.  A ReplayBuffer store without such fields is one long episode, and
+    ``within_episode=True`` is refused on it.
+
     Parameters
     ----------
     seq_len : int
@@ -205,7 +215,10 @@ class SequenceDataset(_Base):
     mask_key : str
         Key of the valid mask in each item.
 
-    A ReplayBuffer store (no episode ids) is one long episode.
+    Raises
+    ------
+    NoEpisodesError
+        ``within_episode=True`` on a ReplayBuffer store without done-like fields.
     """
 
     def __init__(self, source: Any, seq_len: int, fields: Sequence[str] | str | None = None, *, pad: str = "edge",
@@ -220,10 +233,19 @@ class SequenceDataset(_Base):
             raise ValueError(f"mask_key {mask_key!r} collides with a field name")
         self.seq_len, self.pad, self.within_episode, self.stride, self.mask_key = seq_len, pad, within_episode, stride, mask_key
         buf = self._src.buffer
-        n = len(buf)
+        # Done-like fields of a ReplayBuffer store (None: no episode boundaries, or a trajectory store).
+        self._done = None if self._src.is_trajectory else done_fields(buf._table)
+        if within_episode and not self._src.is_trajectory and self._done is None:
+            raise NoEpisodesError(
+                f"{self._src.path or 'in-memory buffer'}: within_episode=True needs episode boundaries, but this ReplayBuffer store "
+                f"has no done-like field (looked for a scalar step field named {done_field_names()}; it has "
+                f"{_top_fields(buf)}). Record one of those fields, use a "
+                "TrajectoryReplayBuffer (episode ids), or pass within_episode=False (windows then run across "
+                "episode ends, as one long episode)")
+        # Row count and ids from one commit record (a writer may be appending or evicting).
+        n, ids = buf._consistent(lambda: (buf._table.count, self._all_ids(buf) if within_episode else None))
         anchors = np.arange(0, n, stride, dtype=np.int64)
         if within_episode:
-            ids = self._all_ids(buf, n)
             # run_end[i]: first row after the run of equal ids that contains row i.
             change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
             ends = np.append(change, n)
@@ -232,10 +254,14 @@ class SequenceDataset(_Base):
         self._anchors = anchors
         self._offsets = np.arange(seq_len, dtype=np.int64)
 
-    def _all_ids(self, buf: Any, n: int) -> np.ndarray:
-        if not self._src.is_trajectory:
-            return np.zeros(n, np.int64)
-        return buf._table.read_contiguous(0, n, [buf._id_field])[0]
+    def _all_ids(self, buf: Any) -> np.ndarray:
+        """An episode id of every committed row: stored ids, or episode numbers from done flags."""
+        t = buf._table
+        if self._src.is_trajectory:
+            return t.read_contiguous(0, t.count, [buf._id_field])[0]
+        if self._done is None:
+            return np.zeros(t.count, np.int64)
+        return episode_numbers(all_done(t, self._done))
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -246,18 +272,28 @@ class SequenceDataset(_Base):
         return self._anchors
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
-        anchors = self._anchors[np.asarray(indices, dtype=np.int64)]
         buf = self._src.buffer
+        # One commit record for the mask and the data: a reader of a live store retries until
+        # no writer evicted or rewrote the rows meanwhile (as TrajectoryReplayBuffer.get_sequences).
+        return buf._consistent(lambda: self._read_once(buf, np.asarray(indices, dtype=np.int64), out))
+
+    def _read_once(self, buf: Any, indices: np.ndarray, out: Any) -> dict[str, Any]:
+        anchors = self._anchors[indices]
         buf._sync()
         t = buf._table
         start, end = t.state.start, t.state.end
         if anchors.size and anchors.max() >= t.count:
             raise IndexOutOfRangeError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
         if self._src.is_trajectory:
-            ids_of = lambda absolute: buf._step_ids(absolute - start)
+            rows, valid = window_rows(anchors + start, self._offsets, start, end,
+                                      lambda absolute: buf._step_ids(absolute - start))
         else:
-            ids_of = lambda absolute: np.zeros(np.shape(absolute), np.int64)
-        rows, valid = window_rows(anchors + start, self._offsets, start, end, ids_of)
+            rows, valid = window_rows(anchors + start, self._offsets, start, end,
+                                      lambda absolute: np.zeros(np.shape(absolute), np.int64))
+            if self._done is not None:
+                # Frames (consecutive rows from the anchor, frame 0) after a flagged frame belong
+                # to a later episode; clipped frames past the last row are invalid already.
+                valid &= episode_numbers(done_at(t, self._done, rows - start), axis=1) == 0
         src = pad_sources(rows, valid, self._offsets, anchors + start) if self.pad == "edge" else rows
         B, T = rows.shape
         steps = []
@@ -271,3 +307,13 @@ class SequenceDataset(_Base):
         batch = self._sel.assemble(steps, eps, out)
         batch[self.mask_key] = out(valid)
         return batch
+
+
+def _top_fields(buf: Any) -> str:
+    """The top-level step fields of a ReplayBuffer, for messages."""
+    import gymnasium
+
+    space = buf.single_space
+    if not isinstance(space, gymnasium.spaces.Dict):
+        return f"one unnamed {type(space).__name__} value per row"
+    return ", ".join(repr(k) for k in space.spaces)
