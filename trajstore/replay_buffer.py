@@ -63,9 +63,9 @@ class ZarrStorage:
 
 def _storage_cls_check(storage_cls: Any) -> None:
     if isinstance(storage_cls, (str, os.PathLike)):  # the usual slip: create(space, "runs/x")
-        raise BadArgumentError(f"got the path {os.fspath(storage_cls)!r} where create() takes the storage class: "
-                               "the second positional argument is storage_cls; pass the path as "
-                               f"cache_path={os.fspath(storage_cls)!r}")
+        raise BadArgumentError(f"got the path {os.fspath(storage_cls)!r} as the storage class: the second positional "
+                               "argument of create() is storage_cls (step_data_storage_cls for a "
+                               f"TrajectoryReplayBuffer); pass the path as cache_path={os.fspath(storage_cls)!r}")
     if storage_cls not in (None, ZarrStorage):
         raise BadArgumentError(f"storage_cls must be None or trajstore.ZarrStorage; got {storage_cls!r}")
 
