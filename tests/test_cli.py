@@ -133,8 +133,11 @@ def test_info_and_episodes_of_a_trajectory_store_match_the_python_api(tmp_path: 
     info = cli_json(capsys, "info", str(tmp_path / "t"))
     assert info["kind"] == "TrajectoryReplayBuffer"
     assert info["tables"]["step_data"] == {"rows": len(tb), "capacity": 4096, "offset": tb.offset}
-    assert info["episodes"] == {"present": len(api["episode_id"]), "total": tb.current_episode_id + 1,
-                                "current_id": tb.current_episode_id, "with_data": 5, "source": "episode ids"}
+    # (finished / in_progress / finished_total were added; the earlier keys keep their meaning)
+    want = {"present": len(api["episode_id"]), "total": tb.current_episode_id + 1,
+            "current_id": tb.current_episode_id, "with_data": 5, "source": "episode ids"}
+    assert {k: info["episodes"][k] for k in want} == want
+    assert info["episodes"]["finished"] + info["episodes"]["in_progress"] == len(api["episode_id"])
 
     eps = cli_json(capsys, "episodes", str(tmp_path / "t"))
     assert [e["id"] for e in eps["episodes"]] == api["episode_id"].tolist()
@@ -491,8 +494,10 @@ def test_copy_local_memory_zip_and_relayout(tmp_path: Path, capsys) -> None:
     ]
     for dst, extra in targets:
         out = cli_json(capsys, "copy", str(tmp_path / "t"), dst, *extra)
-        assert out["verified"] is True and out["rows"] == 3000 + 5
-        assert out["method"] == ("relayout" if extra else "byte copy")
+        # "rows" are step rows (it was step rows + episode-data rows); each table's rows apart
+        assert out["verified"] is True and out["rows"] == 3000
+        assert out["table_rows"] == {"step_data": 3000, "episode_data": 5}
+        assert out["method"] == ("zip" if dst.endswith(".zip") else "relayout" if extra else "byte copy")
         with TrajectoryReplayBuffer.load_from(dst, read_only=True) as tb:
             got = tb[:]
             np.testing.assert_array_equal(got["step_data"]["obs"], want["step_data"]["obs"])

@@ -257,16 +257,32 @@ class StoredBuffer(BatchBase):
         return None
 
     def dumps(self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
-              progress: bool | None = None) -> None:
+              progress: bool | None = None, compressor: Any = "auto") -> None:
         """Make everything written so far durable and consistent.
 
         To the buffer's own ``cache_path`` (or ``path=None``) this is one commit: chunks being
         filled are written and the commit record replaced (milliseconds at any size).  To another
         path it copies the store there (progress bar on a terminal) and leaves this one open.
+
+        A ``.zip`` is a file meant for sharing, so it is written small: only chunks holding
+        committed rows, raw fields compressed (``compressor``: ``"auto"`` (default) compresses raw
+        fields with lz4 row blocks and keeps compressed ones; ``"keep"`` keeps every field's codec;
+        ``"none"`` stores raw chunks; ``"lz4"``/``"zstd"`` or a codec for every field).  Folders and
+        URLs get a byte copy, whose layout is the store's own (``compressor`` must stay ``"auto"``
+        or ``"keep"``; ``trajstore copy --compressor`` re-encodes them).
         """
         self.flush()
         if path is None or self._same_path(path):
             return
+        p = os.fspath(path)
+        if "://" not in p and "::" not in p and p.endswith(".zip") and not os.path.isdir(p):
+            from ._zipstore import write_zip
+
+            write_zip(self._store, p, compressor=compressor, progress=progress)
+            return
+        if not (isinstance(compressor, str) and compressor in ("auto", "keep")):
+            raise ValueError(f"dumps({p!r}, compressor={compressor!r}): a folder or URL copy keeps the store's "
+                             "layout; re-encode with `trajstore copy SRC DST --compressor ...`, or dumps to a .zip")
         self._store.copy_to(path, storage_options=storage_options, progress=progress)
 
     def _same_path(self, path: Any) -> bool:

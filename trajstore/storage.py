@@ -451,19 +451,22 @@ def resolve_location(
     path = os.fspath(cache_path)
     if path.startswith("file://"):
         path = path[len("file://") :]
-    if not _is_url(path) and path.endswith(".zip"):
+    # A folder named *.zip is a folder store (below); anything else named *.zip is a zip file.
+    if not _is_url(path) and path.endswith(".zip") and not os.path.isdir(path):
         if must_exist and not os.path.exists(path):
             raise StoreNotFoundError(f"no store at {path!r}: the file does not exist")
         # A zip is written once, start to end (dumps/copy), and read-only afterwards: it cannot
         # be updated in place.  So a writer never opens an existing zip (refused before the file
         # is touched), and a new zip is written beside the path and renamed onto it when done
         # (trajstore._zipstore: an existing zip is never truncated, a failed copy leaves it whole).
-        from ._zipstore import ZipWriter, zip_read_only_error
+        from ._zipstore import ZipWriter, check_zip_file, zip_read_only_error
 
         if read_only:
+            check_zip_file(path)  # zipfile's "File is not a zip file" names neither the path nor the fix
             zstore = ZipStore(path, mode="r")
             sync(zstore._open())
         elif must_exist:
+            check_zip_file(path)
             raise zip_read_only_error(path)
         else:
             zstore = ZipWriter(path)

@@ -21,7 +21,7 @@ from .table import Table
 
 __all__ = [
     "store_info", "space_tree", "open_store", "array_list", "select_fields", "episode_table", "head_rows",
-    "field_stats", "summarize_value",
+    "field_stats", "summarize_value", "episode_counts",
 ]
 
 #: Rows a block read may hold (bytes), so stats/episodes stay in bounded memory.
@@ -79,7 +79,9 @@ def _array_sizes(store: Store) -> dict[str, tuple[int, int]]:
 
 def array_list(store: Store) -> list[dict[str, Any]]:
     """One entry per stored array: path, table, shape, committed rows, dtype, chunk shape, codec,
-    stored bytes and chunks, logical bytes (committed rows x row size) and their ratio."""
+    stored bytes and chunks, logical bytes (committed rows x row size) and ``ratio``: logical /
+    stored bytes for compressed arrays, ``None`` for raw ones (their chunk files are allocated
+    whole ahead of the rows, so the quotient says how full they are, not how well they compress)."""
     sizes = _array_sizes(store)
     out = []
     for name, table in store.tables.items():
@@ -87,12 +89,13 @@ def array_list(store: Store) -> list[dict[str, Any]]:
             z = store.group[f.spec.array_path]
             stored, nchunks = sizes.get(f.spec.array_path, (0, 0))
             logical = table.count * f.spec.row_bytes
+            codec = _codec_label(z)
             out.append({
                 "path": f.spec.array_path, "table": name, "shape": [int(s) for s in z.shape],
                 "committed_rows": table.count, "dtype": str(f.spec.dtype), "chunk_rows": f.spec.chunk_rows,
-                "chunks": [int(c) for c in z.chunks], "layout": f.spec.layout, "codec": _codec_label(z),
+                "chunks": [int(c) for c in z.chunks], "layout": f.spec.layout, "codec": codec,
                 "stored_bytes": stored, "stored_chunks": nchunks, "logical_bytes": logical,
-                "ratio": float(logical / stored) if stored else None,
+                "ratio": float(logical / stored) if stored and codec != "none" else None,
             })
     return out
 
@@ -105,18 +108,21 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
     dict
         ``path, kind, format_version, created_by, created_at, generation, tables`` (rows,
         capacity, offset per table), ``spaces`` (JSON), ``spaces_text`` (rendered), ``arrays``
-        (as :func:`array_list`), ``episodes`` (trajectory stores: ``present`` episodes with steps,
-        ``total`` ids ever given, ``current_id``, ``with_data``; replay buffers with
-        terminated/truncated/done fields: episodes counted from those flags; else ``None``),
-        ``stored_bytes`` (every key, temp files included), ``logical_bytes`` (committed rows x row
-        size) and ``compression_ratio`` (logical / stored bytes of the arrays).
+        (as :func:`array_list`), ``episodes`` (as :func:`episode_counts`), ``stored_bytes``
+        (every key, temp files included; of a zip store, the zip file), ``logical_bytes``
+        (committed rows x row size),
+        ``compression_ratio`` (logical / stored bytes of the compressed arrays; ``None`` when
+        every array is raw), ``compressed_arrays`` and ``raw_arrays`` (counts).
     """
     store = open_store(path, storage_options)
     try:
         arrays = array_list(store)
         logical = sum(a["logical_bytes"] for a in arrays)
         stored_total = sum(n for _k, n in store.loc.iter_sizes(""))
-        stored_arrays = sum(a["stored_bytes"] for a in arrays)
+        if store.loc.url is not None and str(store.loc.url).endswith(".zip") and os.path.isfile(store.loc.url):
+            stored_total = os.path.getsize(store.loc.url)  # the file, not its members unpacked
+        packed = [a for a in arrays if a["ratio"] is not None or (a["codec"] != "none" and not a["stored_bytes"])]
+        stored_packed = sum(a["stored_bytes"] for a in packed)
         spaces = store.attrs.get("spaces", {})
         return {
             "path": store.loc.url,
@@ -129,10 +135,13 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
             "spaces": spaces,
             "spaces_text": {n: space_tree(store.space(n)) for n in spaces},
             "arrays": arrays,
-            "episodes": _episode_summary(store),
+            "episodes": episode_counts(store),
             "stored_bytes": stored_total,
             "logical_bytes": logical,
-            "compression_ratio": float(logical / stored_arrays) if stored_arrays else float("nan"),
+            "compression_ratio": (float(sum(a["logical_bytes"] for a in packed) / stored_packed) if stored_packed
+                                  else None),
+            "compressed_arrays": len(packed),
+            "raw_arrays": len(arrays) - len(packed),
             "state": store.committed.state,
             "dataset": _dataset_info(store),
         }
@@ -140,22 +149,39 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
         store.close()
 
 
-def _episode_summary(store: Store) -> dict[str, Any] | None:
+def episode_counts(store: Store) -> dict[str, Any] | None:
+    """How many episodes the store holds, as a user counts them.
+
+    Returns
+    -------
+    dict or None
+        ``finished`` (ended episodes with steps in the store), ``in_progress`` (1 when the
+        episode being recorded has steps, else 0), ``present`` (``finished + in_progress``) and
+        ``source``.  Trajectory stores add ``finished_total`` (episodes ended since the store was
+        created, evicted ones included), ``total`` (episode ids ever given: the current one too,
+        even without steps), ``current_id`` and ``with_data`` (episode-data rows).  Replay
+        buffers with terminated/truncated/done fields count from those flags (and add
+        ``complete``, the same as ``finished``); other replay buffers give None.
+    """
     if store.attrs.get("kind") == "TrajectoryReplayBuffer":
         t = store.tables[STEPS]
-        ids = _read_column(t, _field_index(t, STEP_IDS))
+        ids = np.unique(_read_column(t, _field_index(t, STEP_IDS)))
         state = store.committed.state
         cur = int(state.get("current_episode_id", 0))
+        total = int(state.get("next_episode_id", cur + 1))
+        open_ = int(bool(np.isin(cur, ids)))
         et = store.tables.get(EPISODES)
-        return {"present": int(np.unique(ids).size), "total": int(state.get("next_episode_id", cur + 1)),
-                "current_id": cur, "with_data": 0 if et is None else et.count, "source": "episode ids"}
+        return {"present": int(ids.size), "finished": int(ids.size) - open_, "in_progress": open_,
+                "finished_total": max(total - 1, int(ids.size) - open_), "total": total, "current_id": cur,
+                "with_data": 0 if et is None else et.count, "source": "episode ids"}
     flags = _flag_fields(store.tables[STEPS])
     if flags is None:
         return None
     done = _done_flags(store.tables[STEPS], flags)
     n = int(done.sum())
-    open_tail = bool(len(done) and not done[-1])
-    return {"present": n + int(open_tail), "complete": n, "source": "terminated/truncated flags"}
+    open_tail = int(bool(len(done) and not done[-1]))
+    return {"present": n + open_tail, "finished": n, "in_progress": open_tail, "complete": n,
+            "source": "terminated/truncated flags"}
 
 
 # -- fields ----------------------------------------------------------------------------------

@@ -63,7 +63,10 @@ class VerifyReport:
     deep: bool
     faults: list[Fault] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    checked: dict[str, int] = field(default_factory=lambda: {"arrays": 0, "chunks": 0, "decoded": 0, "rows": 0})
+    #: ``arrays``, ``chunks``, ``decoded``: what was checked; ``rows``: committed rows of every table
+    #: together; ``table_rows``: of each table (step rows and episode-data rows are different things)
+    checked: dict[str, Any] = field(default_factory=lambda: {"arrays": 0, "chunks": 0, "decoded": 0, "rows": 0,
+                                                             "table_rows": {}})
     #: keys that repair may delete (temp files, unreferenced staging, uncommitted chunks)
     removable: list[tuple[str, str]] = field(default_factory=list)
 
@@ -355,6 +358,7 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                                     f"but its capacity is {cap}", name, (cap, st.count)))
             bad.append((cap, st.count))
         rep.checked["rows"] += st.count
+        rep.checked["table_rows"][name] = st.count
         for path in t["fields"]:
             a = sc.arrays.get(path)
             if a is None or path in sc.unlistable:

@@ -12,15 +12,23 @@ from ..metadata import DATASET_KEY
 from ..summary import iter_blocks, open_store
 from ..repair import RepairReport, repair_store
 from ..verify import VerifyReport, verify_store
-from ._common import CLIError, add_store_args, json_arg, positive_int, print_json, progress
+from ._common import CLIError, add_store_args, fmt_bytes, json_arg, positive_int, print_json, progress
 
 __all__ = ["register", "copy_store"]
 
 
 # -- verify ---------------------------------------------------------------------------------------
+def _rows_text(table_rows: dict[str, int], total: int) -> str:
+    """Committed rows as a user counts them: steps, and episode-data rows apart (never summed)."""
+    if not table_rows:
+        return f"{total} committed rows"
+    names = {"step_data": "step rows", "episode_data": "episode-data rows"}
+    return ", ".join(f"{n} {names.get(t, t + ' rows')}" for t, n in table_rows.items())
+
+
 def _print_verify(rep: VerifyReport, indent: str = "") -> None:
     c = rep.checked
-    what = f"{c['arrays']} arrays, {c['chunks']} chunks, {c['rows']} committed rows"
+    what = f"{c['arrays']} arrays, {c['chunks']} chunks, {_rows_text(c.get('table_rows') or {}, c['rows'])}"
     if rep.deep:
         what += f", {c['decoded']} chunks decoded"
     for f in rep.faults:
@@ -126,20 +134,37 @@ def _compare(src: Any, dst: Any, bar: Any) -> int:
     return n
 
 
-def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_rows: int | None = None,
+def _is_zip(path: str) -> bool:
+    return not _is_url(path) and path.endswith(".zip") and not os.path.isdir(path)
+
+
+def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_rows: int | None = None,
                src_options: dict[str, Any] | None = None, dst_options: dict[str, Any] | None = None,
                overwrite: bool = False) -> dict[str, Any]:
     """Copy the store ``src`` to ``dst`` (any locations, a ``.zip`` included), then verify the copy.
 
-    Unchanged layout (``compressor="keep"``, no ``chunk_rows``): a byte copy of the committed store
-    (``dumps``).  Otherwise a new store with the same kind, spaces and capacities and the requested
-    layout is created and every committed row (and, for trajectories, every episode id, every
-    episode-data row and the episode counters) is copied through the buffer API, a bounded block of
-    rows at a time.  The copy is then compared row by row with the source and verified.
+    A ``.zip`` destination is written small (:func:`trajstore._zipstore.write_zip`): only chunks
+    holding committed rows, and with ``compressor="auto"`` (the default) raw fields compressed
+    with lz4 row blocks (``"keep"``: every field's own codec; ``"none"``: raw chunks).  Other
+    destinations: with ``compressor`` ``"auto"``/``"keep"`` and no ``chunk_rows`` a byte copy of
+    the committed store (``dumps``); otherwise a new store with the same kind, spaces and
+    capacities and the requested layout is created and every committed row (and, for
+    trajectories, every episode id, every episode-data row and the episode counters) is copied
+    through the buffer API, a bounded block of rows at a time.  The copy is then compared row by
+    row with the source and verified.
+
+    Returns
+    -------
+    dict
+        ``source, destination, kind, method`` (``"byte copy"``, ``"relayout"`` or ``"zip"``),
+        ``rows`` (step rows), ``table_rows`` (rows of each table), ``episodes`` (as ``trajstore
+        info``: finished episodes and the one in progress, or None), ``arrays``, ``bytes`` (stored
+        bytes of the copy) and ``verified``.
     """
     from .. import ReplayBuffer, TrajectoryReplayBuffer
+    from .._zipstore import write_zip
     from ..spaces import ValuePlan, space_from_json
-    from ..summary import STEPS
+    from ..summary import STEPS, episode_counts
 
     if _same(src, dst):
         raise CLIError("SRC and DST are the same store", code=2)
@@ -148,9 +173,16 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_row
     source = open_store(src, src_options)
     try:
         kind = source.attrs.get("kind")
-        rows_total = sum(t.count for t in source.tables.values())
-        relayout = compressor != "keep" or chunk_rows is not None
-        if not relayout:
+        table_rows = {name: t.count for name, t in source.tables.items()}
+        rows_total = sum(table_rows.values())
+        episodes = episode_counts(source)
+        to_zip = _is_zip(dst)
+        relayout = compressor not in ("auto", "keep") or chunk_rows is not None
+        if to_zip:
+            method = "zip"
+            write_zip(source, dst, compressor=compressor, chunk_rows=chunk_rows)
+        elif not relayout:
+            method = "byte copy"
             cls = ReplayBuffer if kind == "ReplayBuffer" else TrajectoryReplayBuffer
             buf = cls.load_from(src, read_only=True, storage_options=src_options)
             try:
@@ -158,6 +190,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_row
             finally:
                 buf.close()
         else:
+            method = "relayout"
             _relayout(source, kind, dst, compressor, chunk_rows, dst_options, ValuePlan, space_from_json, STEPS,
                       ReplayBuffer, TrajectoryReplayBuffer, rows_total)
         copy = open_store(dst, dst_options)
@@ -172,6 +205,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_row
                     if source.committed.state.get(key) != copy.committed.state.get(key):
                         raise CLIError(f"copy verification failed: {key} is {copy.committed.state.get(key)} in the "
                                        f"copy, {source.committed.state.get(key)} in the source")
+            stored = sum(n for _k, n in copy.loc.iter_sizes(""))
         finally:
             copy.close()
     finally:
@@ -179,20 +213,21 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "keep", chunk_row
     rep = verify_store(dst, storage_options=dst_options)
     if not rep.ok:
         raise CLIError(f"copy verification failed: {rep.faults[0].message}")
-    return {"source": src, "destination": dst, "kind": kind, "method": "relayout" if relayout else "byte copy",
-            "rows": rows_total, "arrays": n_arrays, "verified": True}
+    if to_zip:
+        stored = os.path.getsize(dst)
+    return {"source": src, "destination": dst, "kind": kind, "method": method, "rows": table_rows[STEPS],
+            "table_rows": table_rows, "episodes": episodes, "arrays": n_arrays, "bytes": stored, "verified": True}
 
 
 def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_rows: int | None,
               dst_options: dict[str, Any] | None, ValuePlan: Any, space_from_json: Any, STEPS: str,
               ReplayBuffer: Any, TrajectoryReplayBuffer: Any, rows_total: int) -> None:
-    to_zip = not _is_url(dst) and dst.endswith(".zip")
-    target = None if to_zip else dst  # a zip is written once: build in memory, then dump it
+    """A new store at ``dst`` (a folder or URL; zips go through ``write_zip``) with the requested layout."""
     spaces = source.attrs["spaces"]
     steps = source.tables[STEPS]
 
     def comp(path: str) -> Any:
-        if compressor == "keep":
+        if compressor in ("keep", "auto"):
             return _source_codec(source, path)
         return None if compressor == "none" else compressor
 
@@ -201,15 +236,15 @@ def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_ro
     bar = progress(rows_total, f"copy to {dst}", unit="row")
     try:
         if kind == "ReplayBuffer":
-            out = ReplayBuffer.create(step_plan.space, cache_path=target, capacity=steps.capacity, overwrite=True,
-                                      storage_options=None if to_zip else dst_options,
+            out = ReplayBuffer.create(step_plan.space, cache_path=dst, capacity=steps.capacity, overwrite=True,
+                                      storage_options=dst_options,
                                       compressor=comp(steps.fields[0].spec.array_path), chunk_rows=chunk_rows)
         else:
             ep_space = space_from_json(spaces["episode_data"]) if "episode_data" in spaces else None
             et = source.tables.get("episode_data")
             out = TrajectoryReplayBuffer.create(
-                step_plan.space, step_data_capacity=steps.capacity, cache_path=target, overwrite=True,
-                storage_options=None if to_zip else dst_options,
+                step_plan.space, step_data_capacity=steps.capacity, cache_path=dst, overwrite=True,
+                storage_options=dst_options,
                 step_episode_id_storage_kwargs={"compressor": comp("step_episode_ids"), "chunk_rows": chunk_rows},
                 episode_data_instance_space=ep_space, episode_data_capacity=None if et is None else et.capacity,
                 episode_data_storage_kwargs=({"compressor": comp(et.fields[0].spec.array_path), "chunk_rows": chunk_rows}
@@ -240,8 +275,6 @@ def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_ro
                 out.current_episode_id = int(state.get("current_episode_id", 0))
                 # No public setter for the next fresh id: keep the source's so ids are never reused.
                 out._next_id = max(int(state.get("next_episode_id", 0)), out.current_episode_id + 1)
-            if to_zip:
-                out.dumps(dst)
         finally:
             out.close()
     finally:
@@ -257,8 +290,14 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     if args.json:
         print_json(out)
     else:
-        print(f"copied {out['rows']} rows ({out['arrays']} arrays, {out['method']}) from {out['source']} to "
-              f"{out['destination']}; the copy matches the source and verifies")
+        eps = out.get("episodes")
+        what = f"{out['rows']} steps"
+        if eps:
+            what += f", {eps['finished']} finished episodes" + (" (+1 in progress)" if eps["in_progress"] else "")
+        if "episode_data" in out["table_rows"]:
+            what += f", {out['table_rows']['episode_data']} episode-data rows"
+        print(f"copied {what} from {out['source']} to {out['destination']} ({out['arrays']} arrays, {out['method']}, "
+              f"{fmt_bytes(out['bytes'])}); the copy matches the source and verifies")
     return 0
 
 
@@ -286,13 +325,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("copy", parents=[common], help="copy, rechunk or recompress a store (the copy is verified)",
                        description="Copy the store SRC to DST: local folders, .zip files and fsspec URLs in any "
-                                   "direction.  Without --compressor/--chunk-rows the bytes are copied as they are; "
+                                   "direction.  A .zip is written for sharing: only chunks holding committed rows, "
+                                   "raw arrays compressed with lz4 (--compressor none keeps them raw).  To other "
+                                   "destinations, without --compressor/--chunk-rows the bytes are copied as they are; "
                                    "with them a new store with the requested layout is written.  The copy is then "
                                    "compared row by row with the source and verified.")
     p.add_argument("src", metavar="SRC", help="source store (folder, .zip or URL)")
     p.add_argument("dst", metavar="DST", help="destination (folder, .zip or URL)")
-    p.add_argument("--compressor", choices=("keep", "none", "lz4", "zstd"), default="keep",
-                   help="codec of the copy: keep the source's (default), none (raw), lz4 or zstd")
+    p.add_argument("--compressor", choices=("auto", "keep", "none", "lz4", "zstd"), default="auto",
+                   help="codec of the copy: auto (default: a .zip gets lz4 for raw arrays, other destinations keep "
+                        "the source's), keep (the source's), none (raw), lz4 or zstd (smallest, slower reads)")
     p.add_argument("--chunk-rows", type=positive_int, default=None, metavar="N", help="rows per chunk in the copy")
     p.add_argument("--src-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for SRC")
     p.add_argument("--dst-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for DST")

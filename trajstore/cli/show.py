@@ -12,10 +12,31 @@ from ..summary import episode_table, field_stats, head_rows, open_store, store_i
 from ._common import (CLIError, add_store_args, fmt_bytes, fmt_num, non_negative_int, positive_int, print_json,
                       print_table, progress)
 
-__all__ = ["register", "print_info"]
+__all__ = ["register", "print_info", "episode_text", "ratio_text"]
 
 
 # -- info ----------------------------------------------------------------------------------------
+def episode_text(eps: dict[str, Any], capacity: int | None = None) -> str:
+    """``eps`` (:func:`trajstore.summary.episode_counts`) as a user counts episodes: finished ones,
+    the one in progress, and (trajectory rings) the ones evicted."""
+    text = f"{eps['finished']} finished" + (" (+1 in progress)" if eps.get("in_progress") else "")
+    if eps["source"] == "episode ids":
+        gone = eps.get("finished_total", eps["finished"]) - eps["finished"]
+        if gone > 0 and capacity is not None:
+            text += f", {eps['finished_total']} since the store was created ({gone} evicted from the ring)"
+        return text + f", {eps['with_data']} with episode data, current id {eps['current_id']}"
+    return text + f", from {eps['source']}"
+
+
+def ratio_text(info: dict[str, Any]) -> str:
+    """The compression ratio where it means something (compressed arrays), ``raw`` otherwise."""
+    ratio, raw = info.get("compression_ratio"), info.get("raw_arrays", 0)
+    if not info.get("compressed_arrays"):
+        return "raw (uncompressed; raw chunk files are allocated whole, ahead of the rows)"
+    ratio_s = "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
+    return f"compression ratio {ratio_s}" + (f" ({raw} raw array(s) not counted)" if raw else "")
+
+
 def print_info(info: dict[str, Any]) -> None:
     print(f"store          {info['path']}")
     print(f"kind           {info['kind']} (format v{info['format_version']}, {info['created_by']}, {info['created_at']})")
@@ -29,15 +50,9 @@ def print_info(info: dict[str, Any]) -> None:
         print(f"table {name:<8} rows={t['rows']} capacity={cap} offset={t['offset']}")
     eps = info.get("episodes")
     if eps is not None:
-        if eps["source"] == "episode ids":
-            print(f"episodes       {eps['present']} present / {eps['total']} recorded in total, current id "
-                  f"{eps['current_id']}, {eps['with_data']} with episode data")
-        else:
-            print(f"episodes       {eps['present']} ({eps['complete']} ended), from {eps['source']}")
-    ratio = info["compression_ratio"]
-    ratio_s = "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
-    print(f"size on disk   {fmt_bytes(info['stored_bytes'])} (data {fmt_bytes(info['logical_bytes'])} "
-          f"committed, ratio {ratio_s})")
+        print(f"episodes       {episode_text(eps, info['tables']['step_data']['capacity'])}")
+    print(f"size on disk   {fmt_bytes(info['stored_bytes'])}: {fmt_bytes(info['logical_bytes'])} of committed data, "
+          f"{ratio_text(info)}")
     print("spaces")
     for name, tree in info["spaces_text"].items():
         print(f"  {name}:")
@@ -59,6 +74,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 # -- ls --------------------------------------------------------------------------------------------
+def _array_ratio(a: dict[str, Any]) -> str:
+    if a["codec"] == "none":
+        return "raw"
+    return "-" if a["ratio"] is None else f"{a['ratio']:.2f}x"
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from ..summary import array_list
 
@@ -72,7 +93,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print_table(["path", "shape", "rows", "dtype", "chunks", "codec", "stored", "ratio"],
                 [[a["path"], str(tuple(a["shape"])), a["committed_rows"], a["dtype"], str(tuple(a["chunks"])), a["codec"],
-                  fmt_bytes(a["stored_bytes"]), "-" if a["ratio"] is None else f"{a['ratio']:.2f}x"] for a in arrays],
+                  fmt_bytes(a["stored_bytes"]), _array_ratio(a)] for a in arrays],
                 right=("rows", "stored", "ratio"))
     return 0
 
@@ -214,9 +235,19 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ..demo import record_demo
 
-    path = record_demo(args.dir, env_id=args.env, episodes=args.episodes, seed=args.seed, overwrite=args.overwrite)
+    from ..errors import StoreExistsError
+
+    try:
+        path = record_demo(args.dir, env_id=args.env, episodes=args.episodes, seed=args.seed, overwrite=args.overwrite)
+    except StoreExistsError:  # the library's message says overwrite=True; here it is a flag
+        raise CLIError(f"{args.dir}: a store or other files already exist there; pass --overwrite to replace them, "
+                       "or name a new folder") from None
+    info = store_info(path)
+    if args.json:
+        print_json({k: v for k, v in info.items() if k != "spaces_text"})  # as `info --json`
+        return 0
     print(f"recorded {args.episodes} episodes of {args.env} into {path}; reopened read-only:\n")
-    print_info(store_info(path))
+    print_info(info)
     return 0
 
 
@@ -284,4 +315,5 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--episodes", type=positive_int, default=5, help="episodes to record (default 5)")
     p.add_argument("--seed", type=int, default=0, help="reset seed of the first episode (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DIR")
+    p.add_argument("--json", action="store_true", help="print the new store's info as JSON (as info --json)")
     p.set_defaults(func=_cmd_demo)
