@@ -1,5 +1,12 @@
 """One contiguous numpy array over many chunk files (Linux).
 
+:data:`AVAILABLE` says whether this process can build one (Linux with a loadable libc, and the
+environment variable ``TRAJSTORE_NO_MMAP`` unset or ``0``); it is computed at import and never
+raises.  Where it is False (macOS, Windows, a libc ctypes cannot load, ``TRAJSTORE_NO_MMAP=1``),
+or where the first mapping on a store fails (:func:`mapping_works`), raw fields are read and
+written through zarr chunk by chunk instead (:class:`trajstore.chunked.ChunkedField`): the same
+bytes on disk, slower random reads.
+
 An uncompressed zarr chunk file is a raw C-order block of ``chunk_rows`` rows.  We
 reserve one virtual address range for the whole field and map each chunk file at its
 place with ``MAP_FIXED``; unmapped stretches are anonymous zero pages (what zarr reads
@@ -22,30 +29,105 @@ import mmap as _mmap
 import os
 import stat
 import sys
+from typing import Any
 
 import numpy as np
 
 PAGE = _mmap.PAGESIZE
-SUPPORTED = sys.platform.startswith("linux")
 
+#: Environment variable that turns the memory-mapped engine off (``1``): raw fields then go
+#: through :class:`trajstore.chunked.ChunkedField`, as on systems without ``MAP_FIXED``.
+NO_MMAP_ENV = "TRAJSTORE_NO_MMAP"
+
+# Linux values (the flag bits differ on other systems, which take the portable path).
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-if SUPPORTED:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.mmap.restype = ctypes.c_void_p
-    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    _libc.munmap.restype = ctypes.c_int
-    _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    _libc.msync.restype = ctypes.c_int
-    _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
-    if _fallocate is not None:
-        _fallocate.restype = ctypes.c_int
-        _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-else:
-    _fallocate = None
+_libc: Any = None
+_fallocate: Any = None
+
+
+def _load_libc() -> str | None:
+    """Bind libc's mmap, munmap, msync and fallocate; the reason when that is not possible."""
+    global _libc, _fallocate
+    if not sys.platform.startswith("linux"):
+        return f"{sys.platform} is not Linux"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.msync.restype = ctypes.c_int
+        libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError) as e:  # no loadable libc (static builds, some sandboxes)
+        return f"libc cannot be loaded ({e})"
+    _libc = libc
+    fa = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fa is not None:
+        fa.restype = ctypes.c_int
+        fa.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _fallocate = fa
+    return None
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(NO_MMAP_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+#: Why the mapped engine is off in this process (None: it is on).
+UNAVAILABLE_REASON: str | None = _load_libc()
+if UNAVAILABLE_REASON is None and _disabled_by_env():
+    UNAVAILABLE_REASON = f"{NO_MMAP_ENV} is set"
+#: The memory-mapped engine can be used in this process (see the module docstring).
+AVAILABLE: bool = UNAVAILABLE_REASON is None
+#: Former name of :data:`AVAILABLE`.
+SUPPORTED = AVAILABLE
+
+# Errors of a first mmap that mean "this system or filesystem cannot map files this way" (not a
+# full disk or a damaged file): the caller falls back on the portable engine.
+_MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno.ENOSYS,
+                    getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
+
+
+def disable(reason: str) -> None:
+    """Turn the mapped engine off for the rest of this process (a mapping failed: see
+    :func:`mapping_works`); fields opened afterwards use the portable engine."""
+    global AVAILABLE, SUPPORTED, UNAVAILABLE_REASON
+    AVAILABLE = SUPPORTED = False
+    UNAVAILABLE_REASON = reason
+
+
+def mapping_works(fd: int) -> bool:
+    """Whether a file of this filesystem maps the way :class:`VirtualArray` maps chunk files: one
+    page of the open file ``fd`` (read-only, any non-empty regular file) ``MAP_SHARED | MAP_FIXED``
+    into a reserved range, then both unmapped.  Nothing is read or written.
+
+    Returns False when ``mmap`` answers with an error that says the filesystem cannot do it (the
+    caller uses the portable engine for that store), and turns the engine off for the whole
+    process (:func:`disable`) when not even address space can be reserved; other errors (no
+    memory...) are raised.
+    """
+    if not AVAILABLE:
+        return False
+    base = _libc.mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
+    if base is None or base == _MAP_FAILED:
+        err = ctypes.get_errno()
+        if err in _MAP_UNSUPPORTED:
+            disable(f"reserving address space failed ({os.strerror(err)})")
+            return False
+        raise OSError(err, f"reserve address range: {os.strerror(err)}")
+    try:
+        addr = _libc.mmap(base, PAGE, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            if err in _MAP_UNSUPPORTED:
+                return False
+            raise OSError(err, f"map a file: {os.strerror(err)}")
+        return True
+    finally:
+        _libc.munmap(base, PAGE)
 
 
 # Answers of posix_fallocate / fallocate for "this filesystem cannot preallocate" (glibc's
@@ -78,6 +160,8 @@ def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
     """
     try:
         if fresh:
+            if not hasattr(os, "posix_fallocate"):  # macOS, Windows: zeros are written below
+                raise OSError(errno.ENOSYS, "posix_fallocate is not available")
             os.posix_fallocate(fd, 0, nbytes)
         else:
             _fallocate_in_place(fd, nbytes)

@@ -28,7 +28,7 @@ from zarr.storage import LocalStore
 from .errors import DamagedStoreError, StoreFullError
 
 __all__ = ["ConfinedLocalStore", "Confinement", "MAX_META_BYTES", "MAX_HEAD_BYTES", "MAX_FILE_BYTES",
-           "check_key", "file_kind", "full_disk", "read_limit"]
+           "HEAD_FILES", "OPEN_FLAGS", "check_key", "file_kind", "full_disk", "pread", "pwrite", "read_limit"]
 
 
 #: zarr.json files (the root one carries the consolidated metadata of every array).
@@ -39,7 +39,43 @@ MAX_HEAD_BYTES = 1 << 20
 #: valid store holds (trajstore.schema.MAX_CHUNK_BYTES plus codec overhead).
 MAX_FILE_BYTES = 1 << 30
 
-_NOFOLLOW_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: The commit record and the copy of it a local writer keeps (trajstore.head.PREV_KEY); both are
+#: read with the commit record's bound.
+HEAD_FILES = ("trajstore.head.json", "trajstore.head.prev.json")
+
+# Flags of every open of a store's file.  Windows has no O_NOFOLLOW, O_NONBLOCK or O_CLOEXEC (its
+# descriptors are not inherited anyway) but needs O_BINARY, or reads translate line ends.
+_HAS_NOFOLLOW = hasattr(os, "O_NOFOLLOW")
+OPEN_FLAGS = (getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+              | getattr(os, "O_BINARY", 0))
+_NOFOLLOW_FLAGS = OPEN_FLAGS
+
+
+def pread(fd: int, n: int, offset: int) -> bytes:
+    """``os.pread`` where the system has it; elsewhere (Windows) a seek and a read loop, which is
+    the same for the descriptors trajstore reads this way (each one private to its caller)."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    parts, got = [], 0
+    while got < n:
+        b = os.read(fd, n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def pwrite(fd: int, data: bytes, offset: int) -> int:
+    """``os.pwrite`` where the system has it; elsewhere a seek and a write loop."""
+    if hasattr(os, "pwrite"):
+        return os.pwrite(fd, data, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
 
 
 # openat2(2) (Linux 5.6+) resolves a whole key in the kernel, refusing every symbolic link and any
@@ -54,10 +90,13 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-_openat2_ok = sys.platform.startswith("linux")
+_openat2_ok = sys.platform.startswith("linux") and hasattr(os, "O_PATH")
 if _openat2_ok:
-    _syscall = ctypes.CDLL(None, use_errno=True).syscall
-    _syscall.restype = ctypes.c_long
+    try:  # a libc that ctypes cannot load (static builds, sandboxes): the portable path below
+        _syscall = ctypes.CDLL(None, use_errno=True).syscall
+        _syscall.restype = ctypes.c_long
+    except (OSError, AttributeError):
+        _openat2_ok = False
 
 
 def _open_beneath(root: Path, key: str, flags: int) -> int | None:
@@ -95,7 +134,7 @@ def _open_beneath(root: Path, key: str, flags: int) -> int | None:
 def read_limit(key: str) -> int:
     """The most bytes a whole-file read of ``key`` may return."""
     name = key.rsplit("/", 1)[-1]
-    if name == "trajstore.head.json":
+    if name in HEAD_FILES:
         return MAX_HEAD_BYTES
     if name.endswith(".json"):
         return MAX_META_BYTES
@@ -193,6 +232,15 @@ class Confinement:
         path, ok = self.resolve(key, write=bool(flags & (os.O_WRONLY | os.O_RDWR)))
         if not ok:
             raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+        if not _HAS_NOFOLLOW:
+            # No O_NOFOLLOW (Windows): refuse a link seen just before the open (a narrower check:
+            # a link swapped in between the two calls is followed).
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    raise DamagedStoreError(f"{self.url}: {key} is a symbolic link, not a regular file; trajstore "
+                                            "never follows links inside a store")
+            except (FileNotFoundError, NotADirectoryError):
+                raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
         try:
             fd = os.open(path, flags | _NOFOLLOW_FLAGS)
         except NotADirectoryError:
@@ -246,7 +294,7 @@ class Confinement:
                 raise DamagedStoreError(f"{self.url}: {key} holds {size} bytes; at most {limit} are expected there")
             parts, pos = [], lo
             while pos < hi:  # the file may shrink meanwhile; it can never make us read past `hi`
-                b = os.pread(fd, min(hi - pos, 64 << 20), pos)
+                b = pread(fd, min(hi - pos, 64 << 20), pos)
                 if not b:
                     break
                 parts.append(b)
@@ -400,7 +448,7 @@ class ConfinedLocalStore(LocalStore):
             yield name
 
 
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def full_disk(e: OSError, path: Any, what: str) -> OSError:

@@ -136,6 +136,12 @@ class MappedField:
                 raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
                                         "reached its limit of memory mappings (vm.max_map_count; see "
                                         "trajstore.errors.MappingLimitError)", name) from None
+            if e.errno in _vmap._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
+                # The store's first mapping worked (trajstore.fields.mapping_ok), this one did not:
+                # a file on another filesystem, or a system that changed its mind.
+                raise OSError(e.errno, f"cannot memory-map chunk {k} of {self.spec.array_path} "
+                              f"({os.strerror(e.errno)}); set the environment variable {_vmap.NO_MMAP_ENV}=1 to "
+                              "read and write raw fields without memory mappings", name) from None
             raise _full_disk(e, name, "reserve space for a chunk file created sparse")
         finally:
             os.close(fd)

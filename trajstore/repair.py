@@ -2,9 +2,10 @@
 
 :func:`repair_store` never changes the commit protocol: it only ever writes a commit record
 that names a subset of the rows the previous one named (rows whose chunks are all intact), or
-one found complete on disk (a record left in ``.trajstore-tmp`` by a commit that was
-interrupted before its rename), or, for a store with no data at all, an empty record.  When
-none of these is provably right it changes nothing and says why.
+one found complete on disk (the previous commit record ``trajstore.head.prev.json`` that local
+writers keep, or a record left in ``.trajstore-tmp`` by a commit that was interrupted before its
+rename), or, for a store with no data at all, an empty record.  When none of these is provably
+right it changes nothing and says why.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import numpy as np
 import zarr
 
 from .errors import DamagedStoreError, LockedError, ReadOnlyError
-from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, TableState, WriterLock, write_head
+from .head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, TableState, WriterLock, write_head
 from .schema import check_pending, load_json
 from .confined import MAX_HEAD_BYTES
 from .storage import STAGING_DIR, TMP_DIR, Location
-from .verify import VerifyReport, _check_rows, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans
+from .verify import (VerifyReport, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans, probe_head,
+                     usable_prev)
 
 __all__ = ["RepairReport", "repair_store"]
 
@@ -88,14 +90,7 @@ def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
 
 def _probe(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
     """verify's row checks as if ``head`` were the commit record."""
-    probe = VerifyReport(str(loc.url), False)
-    saved = sc.head
-    sc.head = head
-    try:
-        _check_rows(loc, sc, probe, False, None)
-    finally:
-        sc.head = saved
-    return probe
+    return probe_head(loc, sc, head)
 
 
 def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
@@ -157,16 +152,33 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
         # zeros), so it is treated like an unreadable one.
         untrusted = sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in before.faults)
         if untrusted:
-            for cand in _tmp_head_candidates(loc, sc):
-                if _head_consistent(loc, sc, cand):
-                    new_head = cand.copy()
-                    new_head.generation += 1
-                    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "replaced the damaged commit record "
-                                        f"by a complete one (generation {cand.generation}) left in {TMP_DIR} by an "
-                                        "interrupted commit"})
-                    break
+            # The previous commit record (kept by local writers) and complete records left in the
+            # temp folder: the newest whose rows are all present and whole (the previous one first
+            # on a tie: it was committed).
+            prev, prev_why = usable_prev(loc, sc)
+            cands = [(c.generation, 0, c) for c in _tmp_head_candidates(loc, sc) if _head_consistent(loc, sc, c)]
+            if prev is not None:
+                cands.append((prev.generation, 1, prev))
+            no_data = not any(sc.chunks.get(a) for a in sc.arrays)
+            if cands and not no_data:
+                _gen, is_prev, cand = max(cands, key=lambda c: (c[0], c[1]))
+                new_head = cand.copy()
+                # Past any record a reader may have seen (the damaged one may have been the next
+                # generation), and a new epoch: rows it named past these may be written anew.
+                new_head.generation += 2 if is_prev else 1
+                new_head.epoch += 1
+                rows = {n: [st.start, st.end] for n, st in cand.tables.items()}
+                if is_prev:
+                    why = (f"replaced the damaged commit record by the previous one, {PREV_KEY} (generation "
+                           f"{cand.generation}; rows {', '.join(f'{n} {st.count}' for n, st in cand.tables.items())}): "
+                           "it is a copy of the last commit record, or of the one before it when a writer was killed "
+                           "while committing, so at most the rows of the last commit are lost")
+                else:
+                    why = (f"replaced the damaged commit record by a complete one (generation {cand.generation}) left "
+                           f"in {TMP_DIR} by an interrupted commit")
+                rep.changes.append({"action": "write", "key": HEAD_KEY, "rows_after": rows, "why": why})
             else:
-                if not any(sc.chunks.get(a) for a in sc.arrays):
+                if no_data:  # an empty record loses nothing (whatever an earlier record says)
                     new_head = Head(1, 0, {name: TableState(0, 0, sc.arrays[t["fields"][0]].shape[0])
                                            for name, t in sc.tables.items()}, {}, None)
                     if sc.attrs.get("kind") == "TrajectoryReplayBuffer":
@@ -176,9 +188,9 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                 else:
                     what = "is missing or unreadable" if sc.head_fault else "names rows past the stored data"
                     rep.recovered = False
-                    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk: which "
-                                        "rows were committed cannot be known safely, so nothing was changed; restore "
-                                        "the store from a backup or copy")
+                    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk "
+                                        f"({PREV_KEY}: {prev_why}): which rows were committed cannot be known "
+                                        "safely, so nothing was changed; restore the store from a backup or copy")
                     return rep
         elif any(sc.bad_rows.get(t) for t in sc.tables):
             assert sc.head is not None

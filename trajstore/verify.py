@@ -29,7 +29,7 @@ import numpy as np
 import zarr
 
 from .errors import DamagedStoreError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
-from .head import HEAD_KEY, Head, TableState
+from .head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
 from .ring import contiguous_runs
 from .schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
                      check_schema, load_json)
@@ -311,7 +311,53 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
         if not any(f.kind.startswith("head") for f in rep.faults):
             _check_episodes(loc, sc, rep, storage_options)
     _scan_orphans(loc, keys, sc.head, rep)
+    if sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in rep.faults):
+        _note_prev(loc, sc, rep)
     return rep, sc
+
+
+def probe_head(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
+    """verify's row checks as if ``head`` were the commit record (what the scan learned is kept)."""
+    probe = VerifyReport(str(loc.url), False)
+    saved = sc.head, sc.bad_rows, sc.stale
+    sc.head, sc.bad_rows, sc.stale = head, {}, dict(sc.stale)
+    try:
+        _check_rows(loc, sc, probe, False, None)
+    finally:
+        sc.head, sc.bad_rows, sc.stale = saved
+    return probe
+
+
+def usable_prev(loc: Location, sc: _Scan) -> tuple[Head | None, str]:
+    """The previous commit record (``trajstore.head.prev.json``) when repair can use it: readable,
+    an entry for each table and nothing else, a pending rewrite that fits the schema, and every row
+    it names present and whole.  Otherwise ``(None, why not)``."""
+    head, why = read_prev(loc)
+    if head is None:
+        return None, why or "it is unreadable"
+    if set(head.tables) != set(sc.tables):
+        return None, f"it names tables {sorted(head.tables)}, the store has {sorted(sc.tables)}"
+    try:
+        check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
+    except DamagedStoreError as e:
+        return None, _why(e)
+    bad = [f.message for f in probe_head(loc, sc, head).faults if f.kind != "stale-shape"]
+    if bad:
+        return None, f"it does not fit the data either ({bad[0]})"
+    return head, ""
+
+
+def _note_prev(loc: Location, sc: _Scan, rep: VerifyReport) -> None:
+    """Say whether ``trajstore repair`` can recover a damaged commit record from the previous one."""
+    if not sc.tables:
+        return
+    head, why = usable_prev(loc, sc)
+    if head is None:
+        rep.notes.append(f"{PREV_KEY}: the previous commit record cannot replace it: {why}")
+        return
+    rows = ", ".join(f"{n} {st.count}" for n, st in head.tables.items())
+    rep.notes.append(f"`trajstore repair` can recover from the previous commit record {PREV_KEY} (generation "
+                     f"{head.generation}; committed rows: {rows}); at most the rows of the last commit are lost")
 
 
 def _head_plausible(sc: _Scan, rep: VerifyReport, name: str, st: TableState, cap: int | None) -> bool:
