@@ -208,7 +208,9 @@ def bench_layouts(tmp: Path, n: int, repeats: int) -> list[dict[str, Any]]:
         t = _median_time(lambda: ro.sample(256, rng=rng), repeats, 50, 20)
         ro.close()
         info = store_info(path)
-        rows.append({"what": f"layout compressor={comp}: sample(256) (17,) f32 [ratio {info['compression_ratio']:.2f}x, "
+        ratio = info["compression_ratio"]  # None for raw stores (no compression to report)
+        rows.append({"what": f"layout compressor={comp}: sample(256) (17,) f32 [ratio "
+                             f"{'raw' if ratio is None else f'{ratio:.2f}x'}, "
                              f"extend {n / t_write:,.0f} rows/s]", "ours": t * 1e3, "unit": "ms"})
     return rows
 
