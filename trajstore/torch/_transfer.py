@@ -143,6 +143,8 @@ _mapped: dict[tuple[str, int], tuple[int, mmap.mmap]] = {}
 
 
 def _alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there (no memfd segments anyway)
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
