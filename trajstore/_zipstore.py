@@ -279,7 +279,10 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
     in the zip (see :func:`write_zip`)."""
     from .fieldspec import FieldSpec, _raw_row_align, make_field_spec, parse_compressor
 
-    src = [c for c in store.group[path].metadata.codecs if c.to_dict()["name"] != "bytes"]  # type: ignore[union-attr]
+    import zarr
+
+    codecs = store.group[path].metadata.codecs  # type: ignore[union-attr]
+    src = [c for c in codecs if isinstance(c, zarr.abc.codec.BytesBytesCodec)]  # compressors, not the bytes codec
     choice = compressor
     if isinstance(choice, str) and choice == "auto":
         choice = "keep" if src else ZIP_COMPRESSOR
