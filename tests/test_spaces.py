@@ -171,8 +171,8 @@ def test_to_arrays_unbatched_mixed_inputs() -> None:
     plan = ValuePlan(ZOO["nested"])
     value = {
         "pos": torch.ones(2, 3, dtype=torch.float64, requires_grad=True),  # float64 → float32 allowed
-        "act": 3,  # Python int
-        "md": [[1, 2], [3, 4]],  # nested list
+        "act": 1,  # Python int (Discrete(4, start=-2))
+        "md": [[1, 1], [3, 4]],  # nested list
         "mb": np.array([[True, False], [False, True]]),  # bool → int8 is safe
         "inner": [np.array([1, 2, 3], np.int64), OrderedDict(a=np.float32(0.5), z=np.int8(1))],  # key order irrelevant
     }
@@ -180,7 +180,7 @@ def test_to_arrays_unbatched_mixed_inputs() -> None:
     assert b == 1
     for leaf, arr in zip(plan.leaves, arrays, strict=True):
         assert arr.shape == (1, *leaf.shape) and arr.dtype == leaf.dtype
-    assert arrays[0].sum() == 6 and arrays[1][0] == 3 and arrays[4].tolist() == [[1, 2, 3]]
+    assert arrays[0].sum() == 6 and arrays[1][0] == 1 and arrays[4].tolist() == [[1, 2, 3]]
     back = plan.from_arrays(arrays)
     assert list(back) == ["pos", "act", "md", "mb", "inner"] and isinstance(back["inner"], tuple)
     assert list(back["inner"][1]) == ["z", "a"]
@@ -205,7 +205,9 @@ def test_root_leaf_values() -> None:
     assert plan.from_arrays(arrays) is arrays[0]
     plan = ValuePlan(Discrete(5))
     assert plan.to_arrays(np.int32(4), batched=False)[0][0].tolist() == [4]
-    assert plan.to_arrays(9, batched=False)[0][0].tolist() == [9]  # ranges are not checked by design
+    assert plan.to_arrays(4, batched=False)[0][0].tolist() == [4]
+    with pytest.raises(BadValueError, match=r"^value is 9; expected an integer in \[0, 4\] \(Discrete\(5\)\)$"):
+        plan.to_arrays(9, batched=False)  # ranges are checked (tests/test_value_checks.py)
     t = torch.tensor([1, 2, 3])
     assert plan.from_arrays([t]) is t
 
@@ -222,9 +224,9 @@ def test_root_leaf_values() -> None:
     (Dict(obs=Box(0, 1, (17,))), {"obs": np.zeros((1, 17))}, False, BadValueError, r"value at 'obs' has shape \(1, 17\); expected \(17,\)"),
     (Discrete(3), 1, True, BadValueError, r"^value has shape \(\); expected \(B,\)$"),
     (Tuple((Discrete(3), Box(0, 1, (2,)))), ([0, 1], np.zeros((3, 2))), True, BadValueError, r"value at '1' has batch size 3; expected 2 \(the batch size of value at '0'\)"),
-    (Box(0, 255, (1,), np.uint8), [300], False, BadValueError, r"int64 values in \[300, 300\]; expected values within the range of uint8 \[0, 255\]"),
+    (Box(0, 255, (1,), np.uint8), [300], False, BadValueError, r"^value element \[0\] is 300; expected a value within the range of uint8 \[0, 255\] \(got int64\)$"),
     (Box(0, 255, (1,), np.uint8), [-1], False, BadValueError, r"range of uint8"),
-    (Discrete(3), 1.0, False, BadValueError, r"^value has dtype float64; expected int64 or a dtype that casts to it safely"),
+    (Discrete(3), 1.5, False, BadValueError, r"^value is 1.5; expected a whole number for an integer field of dtype int64"),
     (Box(0, 1, (1,)), np.array([1j]), False, BadValueError, r"complex128; expected float32"),
     (Box(0, 1, (1,), np.bool_), [1], False, BadValueError, r"int64; expected bool"),
     (Box(0, 1, (2,)), ["a", "b"], False, BadValueError, r"<U1"),
@@ -240,8 +242,9 @@ def test_casting_rule() -> None:
     plan = ValuePlan(Box(-100, 100, (2,), np.int8))
     assert plan.to_arrays(np.array([-100, 100], np.int64), batched=False)[0][0].dtype == np.int8
     assert plan.to_arrays(np.array([True, False]), batched=False)[0][0].tolist() == [[1, 0]]
+    assert plan.to_arrays(np.array([0.0, 1.0], np.float32), batched=False)[0][0].tolist() == [[0, 1]]  # whole floats
     with pytest.raises(BadValueError):
-        plan.to_arrays(np.array([0.0, 1.0], np.float32), batched=False)
+        plan.to_arrays(np.array([0.0, 1.5], np.float32), batched=False)
     plan = ValuePlan(Box(0, 1, (2,), np.float16))
     assert plan.to_arrays(np.array([0.5, 1.0]), batched=False)[0][0].dtype == np.float16
     assert plan.to_arrays(np.array([1, 2], np.int64), batched=False)[0][0].dtype == np.float16  # int→float allowed

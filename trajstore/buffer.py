@@ -140,6 +140,12 @@ class StoredBuffer(BatchBase):
     def multiprocessing(self) -> bool:
         return self._store.multiprocessing
 
+    @property
+    def check_bounds(self) -> bool:
+        """Whether this handle's writes refuse Box values outside the bounds (``create`` /
+        ``load_from`` keyword; a setting of the handle, not saved in the store)."""
+        return bool(self._open_args.get("check_bounds", False))
+
     # -- reads -----------------------------------------------------------------------------------
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         # No refresh here: ``idx`` was just resolved against len(self), i.e. the current commit.
@@ -336,6 +342,8 @@ class StoredBuffer(BatchBase):
         kwargs = dict(backend=a["backend"], device=a["device"], read_only=self.read_only,
                       multiprocessing=self.multiprocessing, storage_options=a["storage_options"],
                       **{k: v for k, v in a["options"].items() if k in ("fsync", "commit_interval")})
+        if self.check_bounds:  # a policy of the handle: the copy in another process keeps it
+            kwargs["check_bounds"] = True
         return (_reopen, (type(self), self.cache_path, kwargs))
 
 

@@ -300,21 +300,136 @@ def _to_numpy(x: Any, path: _Path) -> np.ndarray:
         raise BadValueError(f"{_at('value', path)} is not array-like: {e}") from None
 
 
-def _cast(arr: np.ndarray, dst: np.dtype, path: _Path) -> np.ndarray:
-    """Apply the casting rule documented in :meth:`ValuePlan.to_arrays`."""
+def _bad_value(arr: np.ndarray, bad: np.ndarray, path: _Path, batched: bool, expected: str,
+               row0: int = 0) -> BadValueError:
+    """The error for the elements of ``arr`` flagged in ``bad`` (same shape): the first one by row
+    (when ``batched``; rows counted from ``row0``) and element, its value and what was expected,
+    then how many more there are."""
+    pos = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = [f"row {row0 + pos[0]}"] if batched else []
+    if pos[int(batched):]:
+        where.append(f"element {list(pos[int(batched):])}")
+    text = f"{_at('value', path)}{' ' + ', '.join(where) if where else ''} is {arr[pos].item()!r}; expected {expected}"
+    n_bad = int(np.count_nonzero(bad))
+    if n_bad > 1:
+        rows = f" in {int(np.count_nonzero(bad.reshape(len(bad), -1).any(axis=1)))} of {len(bad)} rows" if batched else ""
+        seen = list(dict.fromkeys(arr[bad][:256].tolist()))  # distinct, in order of appearance
+        text += f" ({n_bad} bad values{rows}: {', '.join(map(repr, seen[:5]))}{', ...' if len(seen) > 5 else ''})"
+    return BadValueError(text)
+
+
+def _cast(arr: np.ndarray, dst: np.dtype, path: _Path, batched: bool = False) -> np.ndarray:
+    """Apply the casting rule documented in :meth:`ValuePlan.to_arrays` (``batched``: axis 0 is rows,
+    for the error message)."""
     src = arr.dtype
     if src == dst:  # hot path: no copy, no scan
         return arr
     if np.can_cast(src, dst, "safe") or (src.kind in "biuf" and dst.kind == "f"):
         return arr.astype(dst)
-    if src.kind in "biu" and dst.kind in "iu":
-        if arr.size:  # only here are values scanned: int width/signedness differ
-            info, lo, hi = np.iinfo(dst), int(arr.min()), int(arr.max())
-            if lo < info.min or hi > info.max:
-                raise BadValueError(f"{_at('value', path)} has {src} values in [{lo}, {hi}]; expected values within "
-                                    f"the range of {dst} [{info.min}, {info.max}]")
+    if src.kind in "biuf" and dst.kind in "iu":
+        if arr.size:  # only here are values scanned: int width/signedness differ, or floats into ints
+            info = np.iinfo(dst)
+            if src.kind == "f" and arr.size <= 64:  # small: Python floats beat a handful of 0-d ufuncs
+                vals = arr.reshape(-1).tolist()
+                if all(v.is_integer() for v in vals) and info.min <= min(vals) and max(vals) < float(info.max) + 1:
+                    return arr.astype(dst)
+            if src.kind == "f":
+                # Whole floats are accepted (1.0 for a Discrete: torch policies, SB3's float action
+                # arrays); 0.5 would be truncated silently, NaN has no integer.
+                frac = arr != np.trunc(arr)
+                if frac.any():
+                    raise _bad_value(arr, frac, path, batched, f"a whole number for an integer field of dtype {dst} "
+                                     f"(got {src} with a fractional part)")
+                lo, hi = float(info.min), float(info.max) + 1  # both exact floats for every width: 2**63, 2**64
+                if not (arr.min() >= lo and arr.max() < hi):
+                    raise _bad_value(arr, (arr < lo) | (arr >= hi), path, batched,
+                                     f"a value within the range of {dst} [{info.min}, {info.max}] (got {src})")
+            elif int(arr.min()) < info.min or int(arr.max()) > info.max:
+                raise _bad_value(arr, (arr < info.min) | (arr > info.max), path, batched,
+                                 f"a value within the range of {dst} [{info.min}, {info.max}] (got {src})")
         return arr.astype(dst)
     raise BadValueError(f"{_at('value', path)} has dtype {src}; expected {dst} or a dtype that casts to it safely")
+
+
+def _braces(space: gymnasium.Space) -> str:
+    """A one-line ``str(space)`` for messages, safe inside a ``str.format`` template."""
+    if type(space) is MultiDiscrete:  # numpy's repr of a 2-D nvec spans lines
+        start = f", start={space.start.tolist()}" if space.start.any() else ""
+        text = f"MultiDiscrete({space.nvec.tolist()}{start})"
+    else:
+        text = str(space)
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+class _Allowed:
+    """What a leaf's space allows, checked on values already of the leaf's dtype.
+
+    Discrete, MultiDiscrete and MultiBinary always; Box only with ``check_bounds`` (its bounds, as
+    ``Box.contains``: NaN is outside every bound, +-inf inside an infinite one).  ``ok`` is the
+    per-call hot path: numpy reductions cost microseconds each, so small integer rows (a Discrete
+    action, a MultiBinary) are compared as Python numbers.
+    """
+
+    __slots__ = ("lo", "hi", "uniform", "lo_list", "hi_list", "row_size", "py", "expected")
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray, dtype: np.dtype, expected: str) -> None:
+        self.lo, self.hi = lo, hi  # arrays of the leaf's row shape
+        flat_lo, flat_hi = lo.reshape(-1), hi.reshape(-1)
+        self.uniform = bool(flat_lo.size) and bool((flat_lo == flat_lo[0]).all() and (flat_hi == flat_hi[0]).all())
+        self.lo_list, self.hi_list = flat_lo.tolist(), flat_hi.tolist()
+        self.row_size = flat_lo.size
+        self.py = dtype.kind in "biu"  # no NaN: Python's min/max are exact
+        self.expected = expected
+
+    @classmethod
+    def of(cls, space: gymnasium.Space, check_bounds: bool) -> "_Allowed | None":
+        """The check for a leaf space, or None when no value of its dtype can be outside it.
+
+        ``expected`` is a template of the message: ``{lo}``, ``{hi}`` are the bad element's bounds,
+        ``{at}`` says they are that element's own when they differ between elements.
+        """
+        dt = np.dtype(space.dtype)
+        shape = tuple(space.shape)
+        if type(space) is Discrete:
+            lo, hi = int(space.start), int(space.start) + int(space.n) - 1
+            return cls(np.full(shape, lo, dt), np.full(shape, hi, dt), dt, f"an integer in [{{lo}}, {{hi}}] ({_braces(space)})")
+        if type(space) is MultiDiscrete:
+            return cls(np.asarray(space.start, dt), np.asarray(space.start + space.nvec - 1, dt), dt,
+                       f"an integer in [{{lo}}, {{hi}}]{{at}} ({_braces(space)})")
+        if type(space) is MultiBinary:
+            return cls(np.zeros(shape, dt), np.ones(shape, dt), dt, f"0 or 1 ({_braces(space)})")
+        if not check_bounds or dt.kind == "b":
+            return None
+        lo_a, hi_a = np.asarray(space.low, dt), np.asarray(space.high, dt)
+        if dt.kind in "iu" and (lo_a == np.iinfo(dt).min).all() and (hi_a == np.iinfo(dt).max).all():
+            return None  # the bounds span the dtype; the cast already checked that range
+        return cls(lo_a, hi_a, dt, "a value in [{lo}, {hi}]{at} (the Box's bounds: check_bounds=True, "
+                                   "which also refuses NaN)")
+
+    def ok(self, a: np.ndarray) -> bool:
+        """Whether every value of ``a`` (one row, or rows of the leaf's shape) is allowed."""
+        if a.size == 0:
+            return True
+        if a.ndim == 0 and self.uniform:  # one scalar (NaN fails both comparisons)
+            return self.lo_list[0] <= a.item() <= self.hi_list[0]
+        if self.py and a.size <= 64:
+            vals = a.reshape(-1).tolist()
+            if self.uniform:
+                return self.lo_list[0] <= min(vals) and max(vals) <= self.hi_list[0]
+            if a.size == self.row_size:
+                return all(lo <= v <= hi for lo, v, hi in zip(self.lo_list, vals, self.hi_list))
+        if self.uniform:  # min/max propagate NaN, and NaN fails both comparisons
+            return bool(self.lo_list[0] <= a.min() and a.max() <= self.hi_list[0])
+        return bool(((a >= self.lo) & (a <= self.hi)).all())
+
+    def error(self, a: np.ndarray, path: _Path, batched: bool, row0: int = 0) -> BadValueError:
+        """The error for a value that failed :meth:`ok` (rows counted from ``row0``)."""
+        bad = ~((a >= self.lo) & (a <= self.hi))
+        elem = tuple(int(i) for i in np.argwhere(bad)[0])[int(batched):]
+        expected = self.expected.format(lo=self.lo[elem].item(), hi=self.hi[elem].item(),
+                                        at="" if self.uniform else " at that element")
+        return _bad_value(a, bad, path, batched, expected, row0)
 
 
 def _nest(node: tuple[Any, ...], it: Iterator[Any]) -> Any:
@@ -343,10 +458,13 @@ class ValuePlan:
         dtype of ``gymnasium.spaces.flatten``: ``np.result_type`` of the children at every
         Dict/Tuple level, as gymnasium's nested ``np.concatenate`` gives (numpy promotion is not
         associative, so this can differ from the result type of all leaves at once).
+    check_bounds : bool
+        Whether writes also check Box values against ``low``/``high`` (see :meth:`to_arrays`).
     """
 
-    def __init__(self, space: gymnasium.Space) -> None:
+    def __init__(self, space: gymnasium.Space, *, check_bounds: bool = False) -> None:
         self.space = space
+        self.check_bounds = bool(check_bounds)
         self.leaves: list[Leaf] = leaves(space)
         self.flat_dim: int = sum(leaf.flat_dim for leaf in self.leaves)
         self.flat_dtype: np.dtype = self._flat_dtype(space)
@@ -357,6 +475,13 @@ class ValuePlan:
         self._flat_keys = (tuple(space.spaces) if type(space) is Dict and all(len(leaf.path) == 1 for leaf in self.leaves)
                            else None)
         self._onehot = [self._onehot_tables(leaf.space) for leaf in self.leaves]
+        # What each leaf allows beyond its dtype (None: nothing to check), and the leaves that have
+        # a check: the only values scanned on a write whose dtypes already match.
+        self._allowed = [_Allowed.of(leaf.space, self.check_bounds) for leaf in self.leaves]
+        self._checked = [(i, a) for i, a in enumerate(self._allowed) if a is not None]
+        # Root Discrete leaf, or Dict keys of Discrete leaves: a Python int is checked and stored
+        # without becoming an array first (the usual ``append({"obs": ..., "action": 3})``).
+        self._int_leaf = [type(leaf.space) is Discrete for leaf in self.leaves]
 
     def _compile(self, sp: gymnasium.Space, path: _Path) -> tuple[Any, ...]:
         # Nodes: ("leaf",) | ("dict", path, keys, keyset, children) | ("tuple", path, children)
@@ -411,7 +536,7 @@ class ValuePlan:
             else:
                 self._gather(child, item, out)
 
-    def to_arrays(self, value: Any, *, batched: bool) -> tuple[list[np.ndarray], int]:
+    def to_arrays(self, value: Any, *, batched: bool, check: bool = True) -> tuple[list[np.ndarray], int]:
         """Validate ``value`` against the space and convert it to one array per leaf.
 
         Parameters
@@ -420,6 +545,10 @@ class ValuePlan:
             tensors, numpy or Python scalars or nested lists.
         batched : bool
             True: every leaf has a leading batch axis of one length B; False: one row, B = 1.
+        check : bool
+            Check values against the space (default).  ``False`` only converts (dtype and shape
+            rules still apply): for reads such as :meth:`flatten`, which must not fail on rows a
+            store already holds.
 
         Returns
         -------
@@ -431,17 +560,27 @@ class ValuePlan:
         Notes
         -----
         Casting is allowed when ``np.can_cast(src, dst, "safe")``; also bool/int/float → any float
-        (float64 data or Python ints into a float32 Box are normal), and bool/int → int of another
-        width or signedness when every value fits ``dst`` (only then are min/max scanned).
-        float → int, complex → real and non-bool → bool are refused.  Python scalars arrive as
-        int64/float64.  Values are NOT checked against Box bounds or Discrete ranges.
+        (float64 data or Python ints into a float32 Box are normal), bool/int → int of another
+        width or signedness when every value fits ``dst``, and float → int when every value is a
+        whole number that fits ``dst`` (``1.0`` for a Discrete, as torch policies and SB3's float
+        action arrays give; ``0.5`` and NaN are refused).  Only these casts scan values.
+        complex → real and non-bool → bool are refused.  Python scalars arrive as int64/float64.
+
+        Then values are checked against the space (after the cast, so what is checked is what
+        would be stored): Discrete in ``[start, start + n - 1]``, MultiDiscrete in
+        ``[start, start + nvec - 1]`` element-wise, MultiBinary 0 or 1.  Box bounds only with
+        ``check_bounds=True`` (as ``Box.contains``: NaN is refused, +-inf only where the bound is
+        infinite).  Each check is one vectorized pass; leaves that no value can violate (float
+        Boxes without ``check_bounds``, integer Boxes whose bounds span the dtype) cost nothing.
 
         Raises
         ------
         SpaceMismatchError
             The structure differs from the space (Dict keys, Tuple length, Mapping at a leaf).
         BadValueError
-            Wrong shape, differing batch sizes, or a dtype that cannot be cast.
+            Wrong shape, differing batch sizes, a dtype that cannot be cast, a value that does not
+            fit the field's dtype, or a value outside the space; the message names the field, the
+            first bad row (batched) and element, the value, and what the space allows.
         """
         raw: list[Any] = []
         self._gather(self._tree, value, raw)
@@ -450,11 +589,16 @@ class ValuePlan:
         for i, leaf in enumerate(self.leaves):
             path, shape = leaf.path, leaf.shape
             arr = _to_numpy(raw[i], path)
+            allowed = self._allowed[i] if check else None
             if not batched:
                 if arr.shape != shape:
                     raise BadValueError(f"{_at('value', path)} has shape {arr.shape}; expected {shape}")
-                arr = arr.reshape(self._one_row[i])
-            elif arr.ndim != len(shape) + 1 or arr.shape[1:] != shape:
+                arr = _cast(arr, leaf.dtype, path)
+                if allowed is not None and not allowed.ok(arr):
+                    raise allowed.error(arr, path, False)
+                out.append(arr.reshape(self._one_row[i]))
+                continue
+            if arr.ndim != len(shape) + 1 or arr.shape[1:] != shape:
                 want = f"(B, {', '.join(map(str, shape))})".replace("(B, )", "(B,)")
                 with_b = f" = {(arr.shape[0], *shape)}" if arr.ndim else ""
                 raise BadValueError(f"{_at('value', path)} has shape {arr.shape}; expected {want}{with_b}")
@@ -463,16 +607,28 @@ class ValuePlan:
             elif arr.shape[0] != batch:
                 raise BadValueError(f"{_at('value', path)} has batch size {arr.shape[0]}; expected {batch} "
                                     f"(the batch size of {_at('value', first)})")
-            out.append(_cast(arr, leaf.dtype, path))
+            arr = _cast(arr, leaf.dtype, path, True)
+            if allowed is not None and not allowed.ok(arr):
+                raise allowed.error(arr, path, True)
+            out.append(arr)
         return out, (batch if batched else 1)
+
+    def check(self, arrays: Sequence[np.ndarray], *, first_row: int = 0) -> None:
+        """Check per-leaf arrays ``(B, *leaf.shape)`` already of the leaf dtypes (rows read from
+        another store, for instance) against the space, as :meth:`to_arrays` does; rows in the
+        message are counted from ``first_row``."""
+        for i, allowed in self._checked:
+            a = arrays[i]
+            if not allowed.ok(a):
+                raise allowed.error(a, self.leaves[i].path, True, first_row)
 
     def write_row(self, value: Any, out: Sequence[np.ndarray], j: int) -> None:
         """Validate one row and copy it into ``out[i][j]`` for every leaf ``i``.
 
         The per-step hot path of ``append``.  A flat Dict (every value a leaf) whose values
         already have the exact shape and dtype is copied without conversion; anything else goes
-        through the rules of :meth:`to_arrays` (same errors).  On error, rows other than ``j`` of
-        ``out`` are untouched.
+        through the rules of :meth:`to_arrays` (same errors and value checks).  On error, ``out``
+        is untouched.
         """
         keys = self._flat_keys
         raw: list[Any] | None = None
@@ -484,15 +640,32 @@ class ValuePlan:
         if raw is None:
             raw = []
             self._gather(self._tree, value, raw)
+        # Every leaf is converted and checked before any is copied: a bad leaf leaves row j as it was.
+        arrs: list[np.ndarray] = []
         for i, leaf in enumerate(self.leaves):
             x = raw[i]
+            allowed = self._allowed[i]
+            if self._int_leaf[i] and isinstance(x, (int, float, np.integer, np.floating)) and type(x) is not bool:
+                # A scalar for a Discrete: compared as a Python number, no array (ufuncs on 0-d
+                # arrays cost microseconds each); a whole float is stored as its int.
+                v = x if type(x) is int else x.item() if isinstance(x, np.generic) else x
+                if type(v) is float and v.is_integer():
+                    v = int(v)
+                if type(v) is int and allowed.lo_list[0] <= v <= allowed.hi_list[0]:  # type: ignore[union-attr]
+                    arrs.append(v)  # type: ignore[arg-type]  # the assignment below stores it as the leaf dtype
+                    continue  # anything else takes the general path, which raises the right error
             if type(x) is np.ndarray and x.dtype == leaf.dtype and x.shape == leaf.shape:
-                out[i][j] = x
-                continue
-            arr = _to_numpy(x, leaf.path)
-            if arr.shape != leaf.shape:
-                raise BadValueError(f"{_at('value', leaf.path)} has shape {arr.shape}; expected {leaf.shape}")
-            out[i][j] = _cast(arr, leaf.dtype, leaf.path)
+                arr = x
+            else:
+                arr = _to_numpy(x, leaf.path)
+                if arr.shape != leaf.shape:
+                    raise BadValueError(f"{_at('value', leaf.path)} has shape {arr.shape}; expected {leaf.shape}")
+                arr = _cast(arr, leaf.dtype, leaf.path)
+            if allowed is not None and not allowed.ok(arr):
+                raise allowed.error(arr, leaf.path, False)
+            arrs.append(arr)
+        for i, arr in enumerate(arrs):
+            out[i][j] = arr
 
     def from_arrays(self, arrays: Sequence[Any]) -> Any:
         """Nest per-leaf arrays (numpy, torch, ...; not converted) like the space.
@@ -518,7 +691,7 @@ class ValuePlan:
             Bad shapes or dtypes, or a Discrete/MultiDiscrete value outside ``[start, start + n)``
             (it has no one-hot encoding).
         """
-        arrs, batch = self.to_arrays(self.from_arrays(arrays), batched=True)
+        arrs, batch = self.to_arrays(self.from_arrays(arrays), batched=True, check=False)
         out = np.zeros((batch, self.flat_dim), dtype=self.flat_dtype)
         rows = np.arange(batch)[:, None]
         for leaf, arr, col, tables in zip(self.leaves, arrs, self._cols, self._onehot):
@@ -539,15 +712,18 @@ class ValuePlan:
     def unflatten(self, flat: Any) -> list[np.ndarray]:
         """``(B, flat_dim)`` → per-leaf arrays ``(B, *leaf.shape)`` of the leaf dtypes.
 
-        Equals ``gymnasium.spaces.unflatten`` row by row: Box/MultiBinary columns are cast
-        (unsafely, as gymnasium does) to the leaf dtype; in one-hot segments the first non-zero
-        entry wins.
+        Equals ``gymnasium.spaces.unflatten`` row by row for every value the space holds; in
+        one-hot segments the first non-zero entry wins.  Unlike gymnasium, which casts unsafely,
+        Box/MultiBinary columns follow the :meth:`to_arrays` casting rule and value checks (this
+        is the write path of the flattened layout: 300.0 for a uint8 field or 0.5 for a
+        MultiBinary is refused, not wrapped or truncated), except that a bool field takes the
+        values 0 and 1 of any dtype, as a flattened row of mixed leaves is never bool.
 
         Raises
         ------
         BadValueError
-            ``flat`` is not 2-D, has the wrong width or a non-numeric dtype, or a row has an
-            all-zero Discrete/MultiDiscrete segment.
+            ``flat`` is not 2-D, has the wrong width or a non-numeric dtype, a row has an
+            all-zero Discrete/MultiDiscrete segment, or a Box/MultiBinary value is refused.
         """
         flat = _to_numpy(flat, ())
         if flat.dtype.kind not in "biuf":
@@ -558,10 +734,21 @@ class ValuePlan:
             raise BadValueError(f"expected flattened width {self.flat_dim}, got {flat.shape[1]}")
         batch = flat.shape[0]
         out: list[np.ndarray] = []
-        for leaf, col, tables in zip(self.leaves, self._cols, self._onehot):
+        for i, (leaf, col, tables) in enumerate(zip(self.leaves, self._cols, self._onehot)):
             seg = flat[:, col:col + leaf.flat_dim]
             if tables is None or tables[0].size == 0:  # MultiDiscrete([]) decodes to an empty array
-                out.append(seg.astype(leaf.dtype).reshape(batch, *leaf.shape))
+                seg = seg.reshape(batch, *leaf.shape)
+                if leaf.dtype.kind == "b" and seg.dtype.kind != "b":
+                    bad = (seg != 0) & (seg != 1)
+                    if bad.any():
+                        raise _bad_value(seg, bad, leaf.path, True, "0 or 1 for a bool field")
+                    out.append(seg != 0)
+                    continue
+                seg = _cast(seg, leaf.dtype, leaf.path, True)
+                allowed = self._allowed[i]
+                if allowed is not None and not allowed.ok(seg):
+                    raise allowed.error(seg, leaf.path, True)
+                out.append(seg)  # may view ``flat``: callers copy into storage, as with to_arrays
                 continue
             nvec, start, offsets, local = tables
             # first non-zero column within each category, like gymnasium's np.nonzero; flat_dim means none

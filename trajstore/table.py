@@ -63,6 +63,12 @@ class Table:
     def offset(self) -> int:
         return 0 if self.capacity is None else self.state.start % self.capacity
 
+    @property
+    def row_bytes(self) -> int:
+        """Uncompressed bytes of one row over all fields (``FieldSpec.row_bytes`` summed): what
+        sizes work done in row blocks, e.g. the steps of ``extend_from``."""
+        return sum(f.spec.row_bytes for f in self.fields)
+
     # -- writing -------------------------------------------------------------------------
     def extend(self, arrays: Sequence[np.ndarray], n: int) -> None:
         """Append ``n`` rows; ``arrays[j]`` has shape (n, *row_shape of field j).

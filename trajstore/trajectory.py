@@ -24,13 +24,13 @@ from .backend import Backend
 from .buffer import StoredBuffer, as_generator
 from .episodes import EpisodeIndex, RunIndex
 from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
-from .replay_buffer import ZarrStorage, _is_remote, _storage_cls_check
+from .replay_buffer import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
 from .schema import MAX_INT
 from .ring import IndexLike, normalize_index
 from .fields import make_field_spec
 from . import sequences as _seq
 from .spaces import ValuePlan, space_to_json
-from .store import Store, TableSpec, _progress
+from .store import Store, TableSpec
 from .stager import RowStager
 from .views import BatchBase
 
@@ -85,6 +85,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
     ``get_at_with_metadata`` adds ``{"episode_ids": ...}``.  ``single_space`` is
     ``Dict(step_data=..., episode_data=...)`` so flattened rows follow gymnasium's layout.
+
+    Step and episode data are checked against their spaces before anything is written, as in
+    :class:`~trajstore.replay_buffer.ReplayBuffer` (dtype ranges, Discrete/MultiDiscrete/
+    MultiBinary values; Box bounds only with ``check_bounds=True``).
     """
 
     def __init__(self, store: Store, step_space: gymnasium.Space, episode_space: gymnasium.Space | None,
@@ -93,9 +97,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self.step_space, self.episode_space = step_space, episode_space
         parts = {"step_data": step_space} | ({"episode_data": episode_space} if episode_space is not None else {})
         self.single_space = gymnasium.spaces.Dict(parts)
-        self._plan = ValuePlan(self.single_space)
-        self._step_plan = ValuePlan(step_space)
-        self._ep_plan = ValuePlan(episode_space) if episode_space is not None else None
+        cb = bool(open_args.get("check_bounds", False))
+        self._plan = ValuePlan(self.single_space, check_bounds=cb)
+        self._step_plan = ValuePlan(step_space, check_bounds=cb)
+        self._ep_plan = ValuePlan(episode_space, check_bounds=cb) if episode_space is not None else None
         self._table = store.tables[STEPS]
         self._ep_table = store.tables.get(EPISODES)
         n_step = len(self._step_plan.leaves)
@@ -154,6 +159,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         device: Any = None,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
+        check_bounds: bool = False,
         **kwargs: Any,
     ) -> "TrajectoryReplayBuffer":
         """Create an empty trajectory buffer.
@@ -163,6 +169,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
         ``episode_data_capacity`` bounds the episode rows.  ``**kwargs`` are storage options for
         the step data (``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``); the
         ``*_storage_kwargs`` dicts override ``chunk_rows``/``compressor`` for ids and episode data.
+        ``check_bounds=True`` makes writes of step and episode data refuse Box values outside
+        ``low``/``high`` and NaN, as :meth:`ReplayBuffer.create <trajstore.ReplayBuffer.create>`
+        explains: a setting of this handle, not saved in the store (give it to ``load_from``
+        again; pickled handles keep it).
         """
         for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
             _storage_cls_check(c)
@@ -199,7 +209,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
                              options=opts)
         store.committed.state = {"current_episode_id": 0, "next_episode_id": 1}
         return cls(store, step_data_instance_space, episode_data_instance_space, bk, open_args=dict(
-            backend=backend, device=device, storage_options=storage_options, options=opts))
+            backend=backend, device=device, storage_options=storage_options, options=opts,
+            check_bounds=bool(check_bounds)))
 
     @classmethod
     def load_from(
@@ -214,6 +225,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         step_episode_id_storage_kwargs: dict[str, Any] | None = None,
         episode_storage_kwargs: dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
+        check_bounds: bool = False,
         **storage_kwargs: Any,
     ) -> "TrajectoryReplayBuffer":
         """Open an existing trajectory buffer (metadata and commit record only).
@@ -222,13 +234,16 @@ class TrajectoryReplayBuffer(StoredBuffer):
         are fixed at create, so only ``fsync`` and ``commit_interval`` (in ``**storage_kwargs``) apply.
         ``storage_options`` as in :meth:`ReplayBuffer.load_from` (fsspec's options, and the
         ``trajstore_chunk_cache`` folder for remote stores read many times).
+        ``check_bounds=True``: this handle's writes refuse Box values outside the bounds (see
+        :meth:`create`; not stored, so give it on every open).
         """
         opts = ZarrStorage.check_options(dict(storage_kwargs), ZarrStorage.OPEN_OPTIONS)
         for extra in (step_storage_kwargs, step_episode_id_storage_kwargs, episode_storage_kwargs):
             ZarrStorage.check_options(dict(extra or {}), ZarrStorage.OPEN_OPTIONS + ("chunk_rows", "compressor"))
 
         def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "TrajectoryReplayBuffer":
-            return cls(store, store.space(STEPS), store.space(EPISODES), bk, open_args=open_args)
+            return cls(store, store.space(STEPS), store.space(EPISODES), bk,
+                       open_args=open_args | {"check_bounds": bool(check_bounds)})
 
         return cls._open_store("TrajectoryReplayBuffer", path, build, backend=backend,  # type: ignore[return-value]
                                device=device, read_only=read_only, multiprocessing=multiprocessing,
@@ -503,12 +518,18 @@ class TrajectoryReplayBuffer(StoredBuffer):
             head.state = self._state()
             self._store._write_head(head)
 
-    def extend_from(self, other: BatchBase, chunk_size: int = 8, tqdm: bool = False) -> None:
-        """Append every step of ``other``, ``chunk_size`` steps at a time.
+    def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
+        """Append every step of ``other``.
 
         From a trajectory buffer, episode boundaries and episode data are kept; its episodes get
         fresh ids here.  From any other batch whose space equals ``step_space`` (a ReplayBuffer,
         a view), the steps join the current episode.
+
+        ``chunk_size`` steps are copied at a time; ``None`` (default) sizes steps by bytes, about
+        8 MiB of step data each.  ``tqdm``: ``True``/``False`` force the progress bar on/off;
+        ``None`` (default) shows it on a terminal for copies of at least 64 MiB, when tqdm is
+        installed.  Steps and episode data are checked against this buffer's spaces a step at a
+        time, like ``extend``: a refused row stops the copy, with the steps before it appended.
         """
         src_traj = isinstance(other, TrajectoryReplayBuffer)
         src_space = other.step_space if src_traj else other.single_space  # type: ignore[attr-defined]
@@ -516,25 +537,28 @@ class TrajectoryReplayBuffer(StoredBuffer):
             raise SpaceMismatchError(f"extend_from: step spaces differ: {src_space} vs {self.step_space}")
         copy_episodes = src_traj and self._ep_plan is not None and other.episode_space == self.episode_space  # type: ignore[attr-defined]
         n = len(other)
+        n_step = len(self._step_plan.leaves)
         fresh: dict[int, int] = {}
-        bar = _progress(n, "extend_from", True if tqdm else False, unit="row")
+        step, bar = _copy_steps(n, self._table.row_bytes, chunk_size, tqdm)
         try:
-            for lo in range(0, n, chunk_size):
-                hi = min(lo + chunk_size, n)
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
                 if src_traj:
-                    step_leaves = [j for j, src in enumerate(other._src) if src[0] == "s"]
-                    arrays = other._read_rows(np.arange(lo, hi), step_leaves)
-                    src_ids = other._step_ids(np.arange(lo, hi))
-                    for eid in np.unique(src_ids).tolist():
+                    # Equal step spaces: other's step fields come in this buffer's leaf order, its ids last.
+                    *step_arrays, src_ids = other._table.read_contiguous(  # type: ignore[attr-defined]
+                        lo, hi, list(range(n_step)) + [other._id_field])  # type: ignore[attr-defined]
+                    self._step_plan.check(step_arrays, first_row=lo)
+                    uniq, inverse = np.unique(src_ids, return_inverse=True)
+                    for eid in uniq.tolist():
                         if eid not in fresh:
                             fresh[eid] = self._next_id
                             self._next_id += 1
-                    ids = np.array([fresh[e] for e in src_ids.tolist()], np.int64)
-                    order = [other._src[j][1] for j in step_leaves]  # step fields, in other's plan order
-                    step_arrays = [arrays[order.index(f)] for f in range(len(self._step_plan.leaves))]
+                    ids = np.array([fresh[e] for e in uniq.tolist()], np.int64)[inverse.reshape(-1)]
                     self._extend(step_arrays, hi - lo, ids, None)
                 else:
-                    self._extend(other._read_slice(slice(lo, hi), other._all_leaves), hi - lo, None, None)
+                    arrays = other._read_slice(slice(lo, hi), other._all_leaves)
+                    self._step_plan.check(arrays, first_row=lo)
+                    self._extend(arrays, hi - lo, None, None)
                 bar.update(hi - lo)
         finally:
             bar.close()
@@ -550,6 +574,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
                 have = (rows >= 0) & alive
                 if have.any():
                     data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
+                    self._ep_plan.check(data)  # type: ignore[union-attr]
                     for k, eid in enumerate(src[have].tolist()):
                         self._episodes.set_row(fresh[eid], [a[k : k + 1] for a in data])
             self._new_episode()
