@@ -411,7 +411,7 @@ class _Allowed:
         """Whether every value of ``a`` (one row, or rows of the leaf's shape) is allowed."""
         if a.size == 0:
             return True
-        if a.ndim == 0 and self.uniform:  # one scalar (NaN fails both comparisons)
+        if a.size == 1 and self.uniform:  # one value (NaN fails both comparisons)
             return self.lo_list[0] <= a.item() <= self.hi_list[0]
         if self.py and a.size <= 64:
             vals = a.reshape(-1).tolist()
