@@ -49,13 +49,13 @@ def _batch(n: int, **kw):
     (Discrete(2), float("nan"), r"^value is nan; expected a whole number"),
     (Discrete(2), 3.0, r"^value is 3; expected an integer in \[0, 1\]"),  # whole, but outside
     (Discrete(2), torch.tensor(2), r"^value is 2; expected an integer in \[0, 1\]"),
-    (MultiDiscrete([2, 3]), [1, 3], r"^value element \[1\] is 3; expected an integer in \[0, 2\] at that element "
-                                    r"\(MultiDiscrete\(\[2, 3\]\)\)$"),
+    (MultiDiscrete([2, 3]), [1, 3], (r"^value element \[1\] is 3; expected an integer in \[0, 2\] at that element "
+                                     r"\(MultiDiscrete\(\[2, 3\]\)\)$")),
     (MultiDiscrete([[2, 3]]), [[2, 3]], r"element \[0, 0\] is 2; .* \(2 bad values: 2, 3\)$"),
     (MultiBinary(3), [0, 2, 1], r"^value element \[1\] is 2; expected 0 or 1 \(MultiBinary\(3\)\)$"),
     (MultiBinary(3), np.array([0, -1, 1], np.int8), r"element \[1\] is -1; expected 0 or 1"),
-    (Box(0, 255, (2,), np.uint8), [300, 1], r"^value element \[0\] is 300; expected a value within the range of "
-                                            r"uint8 \[0, 255\] \(got int64\)$"),
+    (Box(0, 255, (2,), np.uint8), [300, 1], (r"^value element \[0\] is 300; expected a value within the range of "
+                                             r"uint8 \[0, 255\] \(got int64\)$")),
     (Box(0, 255, (2,), np.uint8), np.array([1, -1]), r"element \[1\] is -1; expected a value within the range of uint8"),
     (Box(-5, 5, (1,), np.int32), np.array([2**40]), r"is 1099511627776; expected a value within the range of int32"),
     (Box(0, 255, (1,), np.uint8), np.array([256.0]), r"is 256.0; expected a value within the range of uint8"),

@@ -371,7 +371,7 @@ class _Allowed:
     action, a MultiBinary) are compared as Python numbers.
     """
 
-    __slots__ = ("lo", "hi", "uniform", "lo_list", "hi_list", "row_size", "py", "expected")
+    __slots__ = ("expected", "hi", "hi_list", "lo", "lo_list", "py", "row_size", "uniform")
 
     def __init__(self, lo: np.ndarray, hi: np.ndarray, dtype: np.dtype, expected: str) -> None:
         self.lo, self.hi = lo, hi  # arrays of the leaf's row shape
@@ -383,7 +383,7 @@ class _Allowed:
         self.expected = expected
 
     @classmethod
-    def of(cls, space: gymnasium.Space, check_bounds: bool) -> "_Allowed | None":
+    def of(cls, space: gymnasium.Space, check_bounds: bool) -> _Allowed | None:
         """The check for a leaf space, or None when no value of its dtype can be outside it.
 
         ``expected`` is a template of the message: ``{lo}``, ``{hi}`` are the bad element's bounds,
@@ -393,7 +393,8 @@ class _Allowed:
         shape = tuple(space.shape)
         if type(space) is Discrete:
             lo, hi = int(space.start), int(space.start) + int(space.n) - 1
-            return cls(np.full(shape, lo, dt), np.full(shape, hi, dt), dt, f"an integer in [{{lo}}, {{hi}}] ({_braces(space)})")
+            return cls(np.full(shape, lo, dt), np.full(shape, hi, dt), dt,
+                       f"an integer in [{{lo}}, {{hi}}] ({_braces(space)})")
         if type(space) is MultiDiscrete:
             return cls(np.asarray(space.start, dt), np.asarray(space.start + space.nvec - 1, dt), dt,
                        f"an integer in [{{lo}}, {{hi}}]{{at}} ({_braces(space)})")
