@@ -12,7 +12,9 @@ Sections: the runnable blocks under one heading (any level, up to the next headi
 ``<file>::<heading>``. They run in document order in one fresh interpreter (a subprocess with a
 timeout): the Python blocks share one namespace, and each shell command runs through
 ``bash -o pipefail -c`` from that interpreter, with this venv's ``bin`` first on PATH (so
-``trajstore`` and ``python`` are the venv's) and stdin closed. No section sees another's Python
+``trajstore`` and ``python`` are the venv's) and stdin closed. Sections run with
+``OMP_NUM_THREADS=1``: the examples' small torch networks gain nothing from a second thread, and on
+busy shared cores two threads per process slowed SAC's training steps 7x (230 against 33 ms). No section sees another's Python
 names, so each section's imports are complete as a reader would paste them. Working directory:
 
 - README.md: a fresh tmp dir per section (a reader jumps to any section);
@@ -31,7 +33,8 @@ Substitutions (the only changes made to documented code before it runs):
    and trains); the README's SAC example states how long the full ``learn(10_000)`` takes.
 2. README's setup commands ``python3 -m venv .venv && .venv/bin/pip install ... [&& REST]``: the
    venv and install steps are not run (they build the environment this suite runs in; CI runs
-   exactly these commands); REST runs, with ``.venv/bin/`` meaning this venv.
+   exactly these commands); REST runs, with ``.venv/bin/`` meaning this venv, unless it runs pytest
+   (that is this suite).
 3. ``python -m pytest ARGS`` (it would rerun tests of this very suite) runs as
    ``python -m pytest --collect-only -q ARGS`` from the repository root: the named tests exist and
    import.
@@ -82,9 +85,8 @@ LOCAL_CLUSTER = "Client(n_workers=2, threads_per_worker=1, dashboard_address=Non
 # sections that train or take more than ~20 s (measured on 2 shared cores); checked to exist
 SLOW_SECTIONS = {
     ("README.md", "stable-baselines3"),
-    ("docs/offline.md", "Recording gymnasium environments"),
-    ("docs/offline.md", "DataLoader workers: when and how"),
-    ("docs/offline.md", "On a cluster against object storage"),
+    ("README.md", "Command line"),  # a dozen CLI processes and the moto server's seed store
+    ("docs/reliability.md", "Reproduce"),  # collects five test modules, runs scripts/ring_fullness.py
     ("docs/sb3.md", "Off-policy: SAC, TD3, DDPG, DQN"),
     ("docs/sb3.md", "Resuming a run"),
     ("docs/sb3.md", "On-policy: PPO and A2C"),
@@ -98,8 +100,8 @@ _FENCE = re.compile(r"^```(\S*)\s*$")
 _SKIP = re.compile(r"^<!--\s*docs-test:\s*skip\s*\((.*\S.*)\)\s*-->\s*$")
 _MARKER = re.compile(r"docs-test")
 _LEARN = re.compile(r"\.learn\(\s*([0-9_]+)")
-_SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install [^&]*(?:&& (.*))?$")
-_PYTEST = re.compile(r"^(\S*python3?) -m pytest\b(.*)$")
+_SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install [^&]*(?:&& (.*))?$", re.S)
+_PYTEST = re.compile(r"^(\S*python3?) -m pytest\b(.*)$", re.S)
 _SCRIPT = re.compile(r"(?<![\w/.])scripts/([\w-]+\.py)\b")
 
 
@@ -202,8 +204,8 @@ def substitute_shell(cmd: str) -> tuple[str | None, str | None, str]:
     why = ""
     if setup:
         why = "the venv and pip install steps build the environment this suite runs in (CI runs them)"
-        if setup.group(1) is None:
-            return None, None, why
+        if setup.group(1) is None or _PYTEST.match(setup.group(1).replace(".venv/bin/", "")):
+            return None, None, why + ("" if setup.group(1) is None else "; the rest is this test suite")
         cmd = setup.group(1).replace(".venv/bin/", f"{VENV_BIN}/")
     test = _PYTEST.match(cmd)
     if test:
@@ -291,6 +293,7 @@ def doc_env(home: Path, endpoint: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
     creds = "aws_access_key_id = testing\naws_secret_access_key = testing\n"
     (home / "aws_config").write_text("[default]\nregion = us-east-1\n[profile lab]\nregion = us-east-1\n")
     (home / "aws_credentials").write_text(f"[default]\n{creds}[lab]\n{creds}")
@@ -422,11 +425,12 @@ def test_parser_and_substitutions() -> None:
     with pytest.raises(AssertionError, match="malformed docs-test marker"):
         doc_sections("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
     assert substitute_shell("python3 -m venv .venv && .venv/bin/pip install -q -e .")[0] is None
-    cmd, cwd, _ = substitute_shell('python3 -m venv .venv && .venv/bin/pip install -q -e ".[test]" && '
-                                   ".venv/bin/python -m pytest -q")
-    assert (cmd, cwd) == (f"{VENV_BIN}/python -m pytest --collect-only -q -q", str(ROOT))
-    assert substitute_shell("python -m pytest -q tests/test_a.py") == (
-        "python -m pytest --collect-only -q -q tests/test_a.py", str(ROOT), "")
+    assert substitute_shell('python3 -m venv .venv && .venv/bin/pip install -q -e ".[test]" && '
+                            ".venv/bin/python -m pytest -q")[0] is None
+    assert substitute_shell("python3 -m venv .venv && .venv/bin/pip install -q -e . && "
+                            ".venv/bin/trajstore demo d --overwrite")[0] == f"{VENV_BIN}/trajstore demo d --overwrite"
+    assert substitute_shell("python -m pytest -q tests/test_a.py \\\n  tests/test_b.py") == (
+        "python -m pytest --collect-only -q -q tests/test_a.py \\\n  tests/test_b.py", str(ROOT), "")
     cmd, cwd, _ = substitute_shell("python scripts/ring_fullness.py")
     assert (cmd, cwd) == (f"python {ROOT}/scripts/ring_fullness.py --seconds 1", None)
     assert substitute_shell("trajstore info demo_store") == ("trajstore info demo_store", None, "")
