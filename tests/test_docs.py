@@ -82,7 +82,8 @@ SCRIPT_ARGS = {"ring_fullness.py": ["--seconds", "1"]}  # 4 s per capacity by de
 EXAMPLE_ENDPOINT = "https://s3.example.org"
 SCHEDULER = 'Client("tcp://scheduler:8786")'
 LOCAL_CLUSTER = "Client(n_workers=2, threads_per_worker=1, dashboard_address=None)"
-# sections that train or take more than ~20 s (measured on 2 shared cores); checked to exist
+# sections that train or took more than ~15 s (on 2 shared cores); checked to exist. A docs/ page's
+# sections below a slow one are slow too (run alone, they run it first).
 SLOW_SECTIONS = {
     ("README.md", "stable-baselines3"),
     ("README.md", "Command line"),  # a dozen CLI processes and the moto server's seed store
@@ -175,8 +176,9 @@ def doc_sections(text: str, name: str = "README.md") -> dict[str, list[Step]]:
         else:
             m = _HEADING.match(lines[i])
             if m:
-                heading = m.group(1)
-                assert heading not in seen, f"{name}:{i + 1}: duplicate heading {heading!r}"
+                heading, k = m.group(1), 2
+                while heading in seen:  # a repeated heading gets its own test id: "Usage (2)"
+                    heading, k = f"{m.group(1)} ({k})", k + 1
                 seen.add(heading)
         i += 1
     return sections
@@ -366,8 +368,15 @@ def _run_section(doc: str, heading: str, cwd: Path, request: pytest.FixtureReque
     return None
 
 
+def _is_slow(doc: str, heading: str) -> bool:
+    """Slow itself, or on a docs/ page below a slow section (which it runs first when run alone)."""
+    headings = list(SECTIONS[doc])
+    above = headings[:headings.index(heading)] if doc != "README.md" else []
+    return any((doc, h) in SLOW_SECTIONS for h in [*above, heading])
+
+
 def _params() -> list[Any]:
-    return [pytest.param(doc, h, id=f"{doc}::{h}", marks=[pytest.mark.slow] if (doc, h) in SLOW_SECTIONS else [])
+    return [pytest.param(doc, h, id=f"{doc}::{h}", marks=[pytest.mark.slow] if _is_slow(doc, h) else [])
             for doc in DOCS for h in SECTIONS[doc]]
 
 
@@ -390,7 +399,9 @@ def test_doc_section_runs(doc: str, heading: str, tmp_path_factory: pytest.TempP
                 page.results[h] = _run_section(doc, h, page.cwd, request)
             if page.results[h] is not None:
                 earlier.append(h)
-        failure = page.results[heading] = _run_section(doc, heading, page.cwd, request)
+        if heading not in page.results:  # not already run for a section below it (another test order)
+            page.results[heading] = _run_section(doc, heading, page.cwd, request)
+        failure = page.results[heading]
         if failure is not None and earlier:
             failure += f"\n(sections above it on the page failed too: {earlier})"
     if failure is not None:
@@ -422,6 +433,8 @@ def test_parser_and_substitutions() -> None:
         "a": [Step("python", 3, "x = 1\n")],
         "b": [Step("shell", 7, "ls  # list"), Step("shell", 10, "echo a \\\n  b"),
               Step("shell", 14, "trajstore info s"), Step("python", 19, "y = 2\n", "needs a GPU")]}
+    assert doc_sections("# u\n```sh\nls\n```\n# u\n```sh\npwd\n```\n") == {
+        "u": [Step("shell", 3, "ls")], "u (2)": [Step("shell", 7, "pwd")]}
     with pytest.raises(AssertionError, match="malformed docs-test marker"):
         doc_sections("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
     assert substitute_shell("python3 -m venv .venv && .venv/bin/pip install -q -e .")[0] is None
