@@ -107,7 +107,7 @@ def test_repair_recovers_a_garbage_record_from_the_previous_one(tmp_path, store,
     make(path, capacity, compressor)
     head_path, prev_path = path / HEAD_KEY, path / PREV_KEY
     good = head_path.read_bytes()
-    assert prev_path.read_bytes() == good  # the writer keeps a copy of the last commit record
+    assert prev_path.read_bytes().rstrip() == good  # the writer keeps a copy of the last commit record
     want = _content(path)
     head_path.write_bytes(GARBAGE[garbage](good))
 
@@ -126,7 +126,7 @@ def test_repair_recovers_a_garbage_record_from_the_previous_one(tmp_path, store,
     assert _content(path) == want
     after = json.loads(head_path.read_bytes())
     assert after["generation"] > json.loads(good)["generation"]  # past any record a reader saw
-    assert prev_path.read_bytes() == head_path.read_bytes()
+    assert prev_path.read_bytes().rstrip() == head_path.read_bytes()
     with (TrajectoryReplayBuffer if store.startswith("trajectory") else ReplayBuffer).load_from(path) as w:
         w.extend(W.encode(np.arange(1000, 1010)))  # and it is writable again
     assert verify_store(path, deep=True).ok
@@ -168,7 +168,7 @@ def test_a_writer_that_opens_makes_the_copy_current(tmp_path):
         pass
     assert W.tree_snapshot(str(path)) == snap
     with ReplayBuffer.load_from(path):
-        assert (path / PREV_KEY).read_bytes() == (path / HEAD_KEY).read_bytes()
+        assert (path / PREV_KEY).read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()
 
 
 def test_stores_without_a_previous_record_open_and_repair_as_before(tmp_path):
@@ -196,7 +196,7 @@ def test_stores_without_a_previous_record_open_and_repair_as_before(tmp_path):
     assert rep.recovered and "left in .trajstore-tmp" in rep.changes[0]["why"]
     with ReplayBuffer.load_from(path) as rb:
         assert len(rb) == 450
-    assert (path / PREV_KEY).read_bytes() == (path / HEAD_KEY).read_bytes()
+    assert (path / PREV_KEY).read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()
 
 
 def test_a_previous_record_that_does_not_fit_the_data_is_not_used(tmp_path):
@@ -248,7 +248,7 @@ def test_a_hostile_previous_record_is_never_followed_or_trusted(tmp_path, kind):
         rb.extend(W.encode(np.arange(450, 460)))
     assert (target.read_bytes(), target.stat().st_mtime_ns) == before
     if kind != "folder":  # a folder is left alone (os.replace cannot replace it): no copy, as in old stores
-        assert prev.is_file() and not prev.is_symlink() and prev.read_bytes() == (path / HEAD_KEY).read_bytes()
+        assert prev.is_file() and not prev.is_symlink() and prev.read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()
     assert verify_store(path, deep=True).ok
 
 
@@ -271,6 +271,7 @@ def test_cli_verify_and_repair_and_ls_with_the_previous_record(tmp_path, capsys)
 def test_a_failed_copy_never_outlives_its_commit(tmp_path, monkeypatch):
     """When the copy cannot be written after a commit (full disk...), the commit stands and the
     outdated copy is removed rather than left naming rows a later commit may reuse."""
+    import trajstore.head as head_mod
     import trajstore.storage as storage
 
     path = tmp_path / "s"
@@ -284,14 +285,18 @@ def test_a_failed_copy_never_outlives_its_commit(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(self, key, data, **kw)
 
+    def in_place(loc, data):
+        raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(storage.Location, "put", put)
+    monkeypatch.setattr(head_mod, "_write_prev_in_place", in_place)
     rb.extend(W.encode(np.arange(50, 300)))
     rb.flush()  # no error: the commit is in place
     assert not (path / PREV_KEY).exists()
-    monkeypatch.setattr(storage.Location, "put", real)
+    monkeypatch.undo()
     rb.extend(W.encode(np.arange(300, 310)))
     rb.flush()
-    assert (path / PREV_KEY).read_bytes() == (path / HEAD_KEY).read_bytes()
+    assert (path / PREV_KEY).read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()
     rb.close()
 
 
@@ -368,6 +373,14 @@ def test_a_writer_reusing_ring_slots_before_its_first_commit_keeps_the_copy_usab
     rb.extend(W.encode(np.arange(seq, seq + free)))
     assert json.loads((path / HEAD_KEY).read_bytes())["generation"] == json.loads(
         (path / PREV_KEY).read_bytes())["generation"]
+    # A shorter record written over a longer copy: padded with JSON whitespace, one write.
+    from trajstore.head import _write_prev_in_place
+    from trajstore.storage import resolve_location
+    loc = resolve_location(str(path), read_only=False, must_exist=True)
+    assert _write_prev_in_place(loc, (path / HEAD_KEY).read_bytes()[:5] + b"}")  # any bytes: layout only
+    assert (path / PREV_KEY).read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()[:5] + b"}"
+    assert _write_prev_in_place(loc, (path / HEAD_KEY).read_bytes())
+    loc.close()
     rb._store.close()  # and dies too
     rb._closed = True
     (path / HEAD_KEY).write_bytes(RNG_BYTES)

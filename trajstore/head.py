@@ -7,8 +7,9 @@ atomically (temp file + rename locally, a single PUT elsewhere) and written last
 the data it names.
 
 On a local folder the writer also keeps ``trajstore.head.prev.json`` (:data:`PREV_KEY`): right
-after each record is renamed into place, the same bytes are written under that name, again by
-temp file + rename (a copy, not a hard link: damage in place must not reach both).  So the
+after each record is renamed into place, the same bytes are written under that name (a copy, not
+a hard link: damage in place must not reach both; one write into its single page, or temp file +
+rename, so it is always whole).  So the
 previous record is the current one, or (after a kill between the two renames) the one before
 it; both name only rows that were committed.  Readers never use it; ``repair`` falls back on it
 when the commit record itself is damaged (garbage bytes, wrong types, rows past the data).
@@ -177,19 +178,54 @@ def write_head(loc: Location, head: Head, *, fsync: bool = False) -> None:
         _install_prev(loc, data, fsync)
 
 
+#: Records up to this size replace the previous copy in place (one write into one page).
+_PREV_IN_PLACE = 4096
+
+
 def _install_prev(loc: Location, data: bytes, fsync: bool) -> None:
     """Make :data:`PREV_KEY` hold ``data``, the record just renamed into place (see :func:`write_head`).
 
     A file of its own, not a hard link to the record: a record damaged in place (a tool or an
-    editor writing into it, a bad block) would damage both names of one file.
+    editor writing into it, a bad block) would damage both names of one file.  A record of at
+    most one page replaces the copy in place (:func:`_write_prev_in_place`: no file is created,
+    so a commit costs little more than before); a larger one, a missing copy and ``fsync``
+    commits go through temp file + rename.
     """
     try:
-        loc.put(PREV_KEY, data, fsync=fsync)
+        if fsync or len(data) > _PREV_IN_PLACE or not _write_prev_in_place(loc, data):
+            loc.put(PREV_KEY, data, fsync=fsync)
     except Exception:
         try:  # an outdated copy must not outlive the commit that replaced it
             loc.delete(PREV_KEY)
         except Exception:
             pass
+
+
+def _write_prev_in_place(loc: Location, data: bytes) -> bool:
+    """Overwrite an existing copy of at most one page with ``data`` in a single ``write`` at offset 0,
+    padded with spaces (JSON whitespace) to the file's size: the write lands in one page cache page
+    at once, so a killed writer leaves the old or the new record, never a mix.  False when there
+    is no such copy (missing, larger, a link or special file: the caller replaces it by rename).
+
+    Raises
+    ------
+    OSError
+        The write failed (the caller removes the copy).
+    """
+    try:
+        fd = loc.open_inside(PREV_KEY, os.O_RDWR)
+    except (FileNotFoundError, DamagedStoreError):
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size > _PREV_IN_PLACE:
+            return False
+        buf = data + b" " * (size - len(data))
+        if pwrite(fd, buf, 0) != len(buf):
+            raise OSError(errno.EIO, "short write of the previous commit record")
+        return True
+    finally:
+        os.close(fd)
 
 
 def sync_prev(loc: Location) -> None:
@@ -213,7 +249,8 @@ def sync_prev(loc: Location) -> None:
     except (DamagedStoreError, FormatVersionError):
         return
     try:
-        if loc.get(PREV_KEY, limit=MAX_HEAD_BYTES) == raw:
+        prev = loc.get(PREV_KEY, limit=MAX_HEAD_BYTES)
+        if prev is not None and prev.rstrip(b" ") == raw:  # padded in place (_write_prev_in_place)
             return
     except DamagedStoreError:  # a link, FIFO or oversized file: replaced below
         pass
@@ -547,10 +584,10 @@ class WriterLock:
         self.forked_child = False  # this process is a fork of the one that took the lock
         self.previous_unclean = False
         self.sole = loc.local_root is not None
+        locks = self._locks = _locks()
         if loc.local_root is None:
             return
         path = loc.local_root / LOCK_KEY
-        locks = self._locks = _locks()
         fd = _open_lock_file(path)
         try:
             if locks.try_exclusive(fd):
