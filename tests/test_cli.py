@@ -326,6 +326,7 @@ def test_truncated_chunk_file_is_found_and_repaired(tmp_path: Path, capsys) -> N
 
 def test_commit_record_pointing_past_the_data(tmp_path: Path, capsys) -> None:
     make_rb(tmp_path / "r")
+    (tmp_path / "r" / "trajstore.head.prev.json").unlink()  # a store from before the copy was kept
     head_path = tmp_path / "r" / "trajstore.head.json"
     head = json.loads(head_path.read_text())
     head["tables"]["step_data"].update(end=9000, allocated=9000)
@@ -345,6 +346,7 @@ def test_commit_record_pointing_past_the_data(tmp_path: Path, capsys) -> None:
 
 def test_garbage_commit_record(tmp_path: Path, capsys) -> None:
     make_rb(tmp_path / "r")
+    (tmp_path / "r" / "trajstore.head.prev.json").unlink()  # a store from before the copy was kept
     head_path = tmp_path / "r" / "trajstore.head.json"
     good = head_path.read_bytes()
     head_path.write_bytes(b"\x00garbage{")

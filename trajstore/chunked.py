@@ -335,7 +335,7 @@ class ChunkedField:
             size = os.fstat(fd).st_size
             if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
                 return None, None
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
         finally:
             os.close(fd)
         return np.frombuffer(mm, np.uint8), mm

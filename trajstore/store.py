@@ -32,8 +32,10 @@ from .errors import (
     StoreNotFoundError,
     TrajstoreError,
 )
+from .confined import OPEN_FLAGS
 from .fields import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
-from .head import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, Head, HeadWatch, TableState, WriterLock, read_head, write_head
+from .head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState, WriterLock,
+                   read_head, write_head)
 from .schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
 from .storage import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from .spaces import space_from_json
@@ -528,7 +530,7 @@ class Store:
 
     def _copy_keys(self, target: Location, progress: bool | None) -> None:
         """Every data key, then the commit record (a copy cut short has none: not a store)."""
-        skip = (LOCK_KEY, MPLOCK_KEY, HEAD_KEY)
+        skip = (LOCK_KEY, MPLOCK_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
         bar = _progress(len(keys), f"copy to {target.url}", progress)
         try:
@@ -538,7 +540,7 @@ class Store:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     # Never through a link: the source by a checked descriptor, the copy replacing
                     # whatever a copy cut short left there (but not a link's target).
-                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | OPEN_FLAGS, 0o644)
                     with os.fdopen(self.loc.open_inside(key, os.O_RDONLY), "rb") as src, os.fdopen(fd, "wb") as out:
                         shutil.copyfileobj(src, out, 1 << 20)
                 else:
