@@ -17,34 +17,52 @@ from .table import Table
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["EpisodeIndex", "RunIndex", "done_fields", "done_field_names", "all_done", "done_at", "episode_numbers"]
+__all__ = ["EpisodeIndex", "RunIndex", "done_fields", "done_field_names", "all_done", "done_at", "episode_numbers",
+           "scalar_field", "leaf_name", "TERMINATED_NAMES", "TRUNCATED_NAMES", "DONE_NAMES"]
 
 
 # -- episodes of a ReplayBuffer: ends flagged by done-like fields --------------------------------
-# A ReplayBuffer store has no episode ids; its episodes are the CLI's (``trajstore episodes``):
-# an episode ends after a row flagged by any done-like field (terminated / truncated / done, see
-# ``summary``), and the rows before a ring's first flag are a (partial) episode too.  The field
-# rule is summary's own, imported, so the datasets and the CLI can never disagree.
+# A ReplayBuffer store has no episode ids; its episodes end after a row flagged by any done-like
+# field, and the rows before a ring's first flag are a (partial) episode too.  This is the one
+# rule: ``trajstore episodes``/``info`` (summary) and the datasets all use it.
+TERMINATED_NAMES = ("terminated", "terminal", "terminals")
+TRUNCATED_NAMES = ("truncated", "timeout", "timeouts")
+DONE_NAMES = ("done", "dones")
+
+
+def leaf_name(t: Table, j: int) -> str:
+    """The path of field ``j`` of table ``t`` within the table (``"obs/pos"``)."""
+    p = t.fields[j].spec.array_path
+    return p[len(t.name) + 1:] if p.startswith(t.name + "/") else p
+
+
+def scalar_field(t: Table, names: tuple[str, ...]) -> int | None:
+    """Index of the first one-element field of ``t`` whose leaf name is in ``names``, or None."""
+    for j, f in enumerate(t.fields):
+        if leaf_name(t, j) in names and int(np.prod(f.spec.row_shape, dtype=np.int64)) == 1:
+            return j
+    return None
+
+
 def done_fields(t: Table) -> dict[str, int] | None:
     """The done-like fields of step table ``t`` (``{"terminated"|"truncated"|"done": field index}``),
     or None when it has none: scalar (one-element) leaves named as :func:`done_field_names` says."""
-    from .summary import _flag_fields
-
-    return _flag_fields(t)
+    found = (("terminated", scalar_field(t, TERMINATED_NAMES)), ("truncated", scalar_field(t, TRUNCATED_NAMES)),
+             ("done", scalar_field(t, DONE_NAMES)))
+    return {k: j for k, j in found if j is not None} or None
 
 
 def done_field_names() -> str:
     """The leaf names :func:`done_fields` looks for, for messages."""
-    from .summary import _DONE_NAMES, _TERM_NAMES, _TRUNC_NAMES
-
-    return ", ".join(_TERM_NAMES + _TRUNC_NAMES + _DONE_NAMES)
+    return ", ".join(TERMINATED_NAMES + TRUNCATED_NAMES + DONE_NAMES)
 
 
 def all_done(t: Table, fields: dict[str, int]) -> np.ndarray:
     """Whether each committed logical row ends an episode, (count,) bool."""
-    from .summary import _done_flags
-
-    return _done_flags(t, fields)
+    done = np.zeros(t.count, bool)
+    for j in fields.values():
+        done |= t.read_contiguous(0, t.count, [j])[0].reshape(t.count).astype(bool)
+    return done
 
 
 def done_at(t: Table, fields: dict[str, int], rows: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import gymnasium
 import numpy as np
 
+from .episodes import all_done, done_fields, episode_numbers, scalar_field
 from .schema import load_json
 from .store import Store
 from .table import Table
@@ -31,9 +32,6 @@ HEAD_MAX_ELEMENTS = 16
 
 STEPS, EPISODES, STEP_IDS = "step_data", "episode_data", "step_episode_ids"
 _REWARD_NAMES = ("reward", "rewards", "rew")
-_TERM_NAMES = ("terminated", "terminal", "terminals")
-_TRUNC_NAMES = ("truncated", "timeout", "timeouts")
-_DONE_NAMES = ("done", "dones")
 
 
 def space_tree(space: gymnasium.Space, indent: str = "") -> str:
@@ -174,10 +172,10 @@ def episode_counts(store: Store) -> dict[str, Any] | None:
         return {"present": int(ids.size), "finished": int(ids.size) - open_, "in_progress": open_,
                 "finished_total": max(total - 1, int(ids.size) - open_), "total": total, "current_id": cur,
                 "with_data": 0 if et is None else et.count, "source": "episode ids"}
-    flags = _flag_fields(store.tables[STEPS])
+    flags = done_fields(store.tables[STEPS])
     if flags is None:
         return None
-    done = _done_flags(store.tables[STEPS], flags)
+    done = all_done(store.tables[STEPS], flags)
     n = int(done.sum())
     open_tail = int(bool(len(done) and not done[-1]))
     return {"present": n + open_tail, "finished": n, "in_progress": open_tail, "complete": n,
@@ -236,33 +234,8 @@ def _read_column(t: Table, j: int) -> np.ndarray:
     return t.read_contiguous(0, t.count, [j])[0]
 
 
-def _leaf_name(t: Table, j: int) -> str:
-    p = t.fields[j].spec.array_path
-    return p[len(t.name) + 1:] if p.startswith(t.name + "/") else p
-
-
-def _scalar_field(t: Table, names: tuple[str, ...]) -> int | None:
-    for j, f in enumerate(t.fields):
-        if _leaf_name(t, j) in names and int(np.prod(f.spec.row_shape, dtype=np.int64)) == 1:
-            return j
-    return None
-
-
-def _flag_fields(t: Table) -> dict[str, int] | None:
-    out = {k: j for k, j in (("terminated", _scalar_field(t, _TERM_NAMES)), ("truncated", _scalar_field(t, _TRUNC_NAMES)),
-                             ("done", _scalar_field(t, _DONE_NAMES))) if j is not None}
-    return out or None
-
-
 def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(len(a))
-
-
-def _done_flags(t: Table, flags: dict[str, int]) -> np.ndarray:
-    done = np.zeros(t.count, bool)
-    for j in flags.values():
-        done |= _flat(_read_column(t, j)).astype(bool)
-    return done
 
 
 # -- episodes ----------------------------------------------------------------------------------
@@ -289,7 +262,7 @@ def episode_table(store: Store, reward_field: str | None = None) -> dict[str, An
         ``reward_field`` names no scalar step leaf.
     """
     t = store.tables[STEPS]
-    flags = _flag_fields(t)
+    flags = done_fields(t)
     n = t.count
     if store.attrs.get("kind") == "TrajectoryReplayBuffer":
         ids = _read_column(t, _field_index(t, STEP_IDS))
@@ -308,8 +281,8 @@ def episode_table(store: Store, reward_field: str | None = None) -> dict[str, An
             raise ValueError("this ReplayBuffer has no terminated/truncated (or done) fields, so it has no episode "
                              "boundaries; episodes are listed for TrajectoryReplayBuffer stores and for replay "
                              "buffers that record those flags")
-        done = _done_flags(t, flags)
-        ep_of_row = np.concatenate([[0], np.cumsum(done[:-1])]).astype(np.int64) if n else np.zeros(0, np.int64)
+        done = all_done(t, flags)
+        ep_of_row = episode_numbers(done)
         n_eps = int(ep_of_row[-1]) + 1 if n else 0
         counts = np.bincount(ep_of_row, minlength=n_eps)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if n_eps else np.zeros(0, np.int64)
@@ -338,7 +311,7 @@ def episode_table(store: Store, reward_field: str | None = None) -> dict[str, An
             raise KeyError(f"--reward-field {reward_field!r} must name one scalar step field")
         rj: int | None = sel[0][1]
     else:
-        rj = _scalar_field(t, _REWARD_NAMES)
+        rj = scalar_field(t, _REWARD_NAMES)
     if rj is not None:
         rew = _flat(_read_column(t, rj)).astype(np.float64)
         out["return"] = np.bincount(ep_of_row, weights=rew, minlength=n_eps) if n else np.zeros(0)
