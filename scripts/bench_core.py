@@ -314,10 +314,12 @@ class MotoS3:
             port = int(s.getsockname()[1])
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self._server.start()
-        endpoint = f"http://127.0.0.1:{port}"
+        self.endpoint = endpoint = f"http://127.0.0.1:{port}"
+        #: a boto3 client of the server (moto accepts any credentials)
+        self.client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench",
+                                   aws_secret_access_key="bench", region_name="us-east-1")
         try:
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                         region_name="us-east-1").create_bucket(Bucket=bucket)
+            self.client.create_bucket(Bucket=bucket)
         except BaseException:
             self._server.stop()
             raise

@@ -60,11 +60,9 @@ A block is skipped only with a marker on the line right before its fence that sa
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -261,25 +259,18 @@ def run_steps(doc: str, steps: list[Step], cwd: Path, env: dict[str, str] | None
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
-class MotoS3:
-    """A moto S3 server on a free port of 127.0.0.1 with the public-read bucket ``bucket``."""
+class DocS3:
+    """The S3 of substitution 5: scripts/bench_core.py's moto server on 127.0.0.1 with the bucket
+    ``bucket``, readable anonymously, holding a demo store at ``s3://bucket/buf``."""
 
     def __init__(self, home: Path) -> None:
-        import boto3
-        from moto.server import ThreadedMotoServer
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_core import MotoS3
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        self.server.start()
-        self.endpoint = f"http://127.0.0.1:{port}"
-        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
-        s3.create_bucket(Bucket="bucket")
+        self.moto = MotoS3(bucket="bucket")
+        self.endpoint = self.moto.endpoint
         # anonymous GET/HEAD/LIST (moto checks s3:HeadObject for HEAD, where AWS checks GetObject)
-        s3.put_bucket_policy(Bucket="bucket", Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+        self.moto.client.put_bucket_policy(Bucket="bucket", Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
             "Effect": "Allow", "Principal": "*",
             "Action": ["s3:GetObject", "s3:HeadObject", "s3:ListBucket"],
             "Resource": ["arn:aws:s3:::bucket", "arn:aws:s3:::bucket/*"]}]}))
@@ -307,14 +298,14 @@ def doc_env(home: Path, endpoint: str | None) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocS3]:
     pytest.importorskip("moto.server", reason="needs moto[server] (the test extra)")
     pytest.importorskip("s3fs", reason="needs s3fs (the test extra)")
-    server = MotoS3(tmp_path_factory.mktemp("moto"))
+    s3 = DocS3(tmp_path_factory.mktemp("moto"))
     try:
-        yield server
+        yield s3
     finally:
-        server.server.stop()
+        s3.moto.stop()
 
 
 @dataclass

@@ -113,6 +113,23 @@ def _check_append(ro: Any, traj: bool, capacity: int | None, flushed: int, who: 
     return end
 
 
+def make_append_store(tmp_path: Path, kind: str, capacity: int | None,
+                      compressor: str | None) -> tuple[str, str, type]:
+    """The store the append kill loops write (``kind`` "replay" or "trajectory"), holding
+    ``capacity`` rows (100 when unbounded) so a ring starts full and every write evicts.
+    Returns its path, the path of the acknowledgement log and the buffer class."""
+    store, log = str(tmp_path / "store"), str(tmp_path / "log")
+    if kind == "trajectory":
+        rb = TrajectoryReplayBuffer.create(W.SPACE, step_data_capacity=capacity, cache_path=store,
+                                           episode_data_instance_space=K.EPISODE_SPACE, compressor=compressor,
+                                           chunk_rows=64)
+    else:
+        rb = ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor, chunk_rows=64)
+    with rb:
+        rb.extend(W.encode(np.arange(capacity or 100)))
+    return store, log, TrajectoryReplayBuffer if kind == "trajectory" else ReplayBuffer
+
+
 @pytest.mark.parametrize("kind,capacity,compressor,kills,max_delay", [
     ("replay", 700, None, 80, 0.08),
     ("replay", 700, "lz4", 45, 0.3),  # compressed chunks are written whole: slower writes, longer rounds
@@ -122,16 +139,7 @@ def _check_append(ro: Any, traj: bool, capacity: int | None, flushed: int, who: 
 ], ids=["replay-ring-raw", "replay-ring-lz4", "replay-unbounded", "trajectory-ring", "trajectory-unbounded-lz4"])
 def test_kill_appends(tmp_path, procs, request, kind, capacity, compressor, kills, max_delay):
     traj = kind == "trajectory"
-    store, log = str(tmp_path / "store"), str(tmp_path / "log")
-    if traj:
-        rb = TrajectoryReplayBuffer.create(W.SPACE, step_data_capacity=capacity, cache_path=store,
-                                           episode_data_instance_space=K.EPISODE_SPACE, compressor=compressor,
-                                           chunk_rows=64)
-    else:
-        rb = ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor, chunk_rows=64)
-    with rb:
-        rb.extend(W.encode(np.arange(capacity or 100)))  # a ring starts full: every write evicts
-    cls = TrajectoryReplayBuffer if traj else ReplayBuffer
+    store, log, cls = make_append_store(tmp_path, kind, capacity, compressor)
     rng = np.random.default_rng(zlib.crc32(request.node.callspec.id.encode()))
     # Batches up to 1.5x the ring (whole-ring replacement in one extend) and many rows between
     # flushes: a ring wraps several times between commits the writer asked for.

@@ -28,7 +28,7 @@ if HERE not in sys.path:
 
 import _kill_workers as K  # noqa: E402
 import _workers as W  # noqa: E402
-from test_kill_loops import _acked, _check_append, _kill_round  # noqa: E402
+from test_kill_loops import _acked, _check_append, _kill_round, make_append_store  # noqa: E402
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, repair_store, verify_store  # noqa: E402
 from trajstore.cli import main  # noqa: E402
@@ -318,16 +318,7 @@ def test_kill_then_garbage_record_is_always_recovered(tmp_path, procs, request, 
     lost).  The other half of the rounds leave the store as the kill left it, so the next writer
     opens after a kill that may have fallen between the record and its copy."""
     traj = kind == "trajectory"
-    store, log = str(tmp_path / "store"), str(tmp_path / "log")
-    if traj:
-        rb = TrajectoryReplayBuffer.create(W.SPACE, step_data_capacity=capacity, cache_path=store,
-                                           episode_data_instance_space=K.EPISODE_SPACE, compressor=compressor,
-                                           chunk_rows=64)
-    else:
-        rb = ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor, chunk_rows=64)
-    with rb:
-        rb.extend(W.encode(np.arange(capacity or 100)))
-    cls = TrajectoryReplayBuffer if traj else ReplayBuffer
+    store, log, cls = make_append_store(tmp_path, kind, capacity, compressor)
     rng = np.random.default_rng(zlib.crc32(request.node.callspec.id.encode()) + 1)
     max_batch = int(1.5 * capacity) if capacity else 120
     held = 63 if compressor else 0
