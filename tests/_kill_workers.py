@@ -200,7 +200,7 @@ def sb3_program(store: str, log: str, ready: str, seed: int) -> None:
     ack = _Log(log)
     obs_space = gym.spaces.Box(-np.inf, np.inf, (5,), np.float32)
     act_space = gym.spaces.Box(-1, 1, (2,), np.float32)
-    rb = ZarrReplayBuffer(SB3_CAPACITY, obs_space, act_space, device="cpu", n_envs=2, cache_path=store,
+    rb = ZarrReplayBuffer(SB3_CAPACITY, obs_space, act_space, device="cpu", n_envs=2, cache_path=store, resume=True,
                           commit_interval=0.02)
     seq = int(np.asarray(rb.observations)[(rb.pos - 1) % rb.buffer_size, 0, 0]) + 1 if rb.size() else 0
     W.touch(ready)

@@ -244,12 +244,14 @@ def _batch(rb: ReplayBuffer, n: int = 3, **override: Any) -> dict[str, Any]:
 
 # The last leaf of the Dict is "mb": a bad value there comes after three valid leaves, so a
 # writer that stored leaf by leaf before checking would leave a partial row.
+# Floats into integer fields are refused when they are not whole (whole ones, e.g. SB3's float
+# actions, are accepted: tests/test_value_checks.py).
 BAD_VALUES: dict[str, tuple[type[Exception], Callable[[ReplayBuffer], None]]] = {
     "append_wrong_shape": (BadValueError, lambda rb: rb.append(_row(rb, mb=np.zeros(5, np.int8)))),
     "append_batched_row": (BadValueError, lambda rb: rb.append(_batch(rb, 1))),
-    "append_float_into_discrete": (BadValueError, lambda rb: rb.append(_row(rb, act=np.float64(2.0)))),
-    "append_float_into_uint8_box": (BadValueError, lambda rb: rb.append(_row(rb, img=np.ones((84, 84, 4))))),
-    "append_float_into_multibinary": (BadValueError, lambda rb: rb.append(_row(rb, mb=np.ones(6, np.float32)))),
+    "append_float_into_discrete": (BadValueError, lambda rb: rb.append(_row(rb, act=np.float64(2.5)))),
+    "append_float_into_uint8_box": (BadValueError, lambda rb: rb.append(_row(rb, img=np.full((84, 84, 4), 0.5)))),
+    "append_float_into_multibinary": (BadValueError, lambda rb: rb.append(_row(rb, mb=np.full(6, 0.5, np.float32)))),
     "append_missing_key": (SpaceMismatchError, lambda rb: rb.append(_row(rb, mb=None))),
     "append_extra_key": (SpaceMismatchError, lambda rb: rb.append({**_row(rb), "zzz": np.zeros(1)})),
     "append_renamed_key": (SpaceMismatchError, lambda rb: rb.append({**_row(rb, mb=None), "mbx": np.zeros(6, np.int8)})),
@@ -257,8 +259,8 @@ BAD_VALUES: dict[str, tuple[type[Exception], Callable[[ReplayBuffer], None]]] = 
     "extend_wrong_shape": (BadValueError, lambda rb: rb.extend(_batch(rb, mb=np.zeros((3, 7), np.int8)))),
     "extend_unbatched": (BadValueError, lambda rb: rb.extend(_row(rb))),
     "extend_batch_sizes_differ": (BadValueError, lambda rb: rb.extend(_batch(rb, mb=np.zeros((2, 6), np.int8)))),
-    "extend_float_into_int": (BadValueError, lambda rb: rb.extend(_batch(rb, mb=np.zeros((3, 6))))),
-    "extend_torch_float_into_int": (BadValueError, lambda rb: rb.extend(_batch(rb, act=torch.zeros(3)))),
+    "extend_float_into_int": (BadValueError, lambda rb: rb.extend(_batch(rb, mb=np.full((3, 6), 0.5)))),
+    "extend_torch_float_into_int": (BadValueError, lambda rb: rb.extend(_batch(rb, act=torch.full((3,), 0.5)))),
     "extend_int_out_of_range": (BadValueError, lambda rb: rb.extend(_batch(rb, mb=np.full((3, 6), 300)))),
     "extend_missing_key": (SpaceMismatchError, lambda rb: rb.extend(_batch(rb, mb=None))),
     "extend_extra_key": (SpaceMismatchError, lambda rb: rb.extend({**_batch(rb), "zzz": np.zeros((3, 1))})),
@@ -266,7 +268,7 @@ BAD_VALUES: dict[str, tuple[type[Exception], Callable[[ReplayBuffer], None]]] = 
     "append_flattened_narrow": (BadValueError, lambda rb: rb.append_flattened(np.zeros(_flatdim(rb) - 1))),
     "extend_flattened_wide": (BadValueError, lambda rb: rb.extend_flattened(np.zeros((2, _flatdim(rb) + 3)))),
     "set_at_wrong_shape": (BadValueError, lambda rb: rb.set_at(0, _row(rb, mb=np.zeros(5, np.int8)))),
-    "set_at_float_into_int": (BadValueError, lambda rb: rb.set_at(1, _row(rb, act=np.float32(1.0)))),
+    "set_at_float_into_int": (BadValueError, lambda rb: rb.set_at(1, _row(rb, act=np.float32(1.5)))),
     "set_at_too_few_rows": (BadValueError, lambda rb: rb.set_at([0, 1, 2, 3], _batch(rb, 3))),
     "set_at_missing_key": (SpaceMismatchError, lambda rb: rb.set_at(slice(0, 3), _batch(rb, mb=None))),
     "set_flattened_at_wide": (BadValueError, lambda rb: rb.set_flattened_at(0, np.zeros(_flatdim(rb) + 1))),
@@ -302,7 +304,7 @@ def test_bad_values_on_nested_and_tuple_spaces(buffers):
     with pytest.raises(SpaceMismatchError):
         nested.append({**row, "extra": (row["extra"][0],)})  # Tuple of the wrong length
     with pytest.raises(BadValueError):
-        nested.append({**row, "obs": {"pos": row["obs"]["pos"], "cam": np.zeros((4, 4, 3), np.float32)}})
+        nested.append({**row, "obs": {"pos": row["obs"]["pos"], "cam": np.full((4, 4, 3), 0.5, np.float32)}})
     tup = buffers.create(SPACES["tuple"]())
     trow = random_rows(tup.single_space, 1, 0)[0]
     with pytest.raises(SpaceMismatchError):

@@ -313,7 +313,8 @@ def test_kill_sb3_add(tmp_path, procs, request):
                     ctx=multiprocessing.get_context("fork"))
         flushed = _acked(log)
         _verify_deep(os.path.join(store, "transitions"), f"round {r}")  # the buffer's trajstore store
-        rb = ZarrReplayBuffer(K.SB3_CAPACITY, obs_space, act_space, device="cpu", n_envs=2, cache_path=store)
+        rb = ZarrReplayBuffer(K.SB3_CAPACITY, obs_space, act_space, device="cpu", n_envs=2, cache_path=store,
+                              resume=True)
         try:
             n = rb.size()
             obs = np.asarray(rb.observations)

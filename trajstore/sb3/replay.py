@@ -98,7 +98,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         except BaseException:
             self._release()
             raise
-        if not created:
+        if not created and self._count:  # an empty buffer carries nothing of an earlier run
             held = f"{self._count * n:,} transitions" + (f" ({self._count:,} positions x {n} envs)" if n > 1 else "")
             announce_resume(resume, type(self).__name__, self._root.path, held)
 
