@@ -162,3 +162,24 @@ def test_import_trajstore_torch_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "trajstore.torch needs torch" in r.stdout and "pip install 'trajstore[torch]'" in r.stdout
+
+
+def test_optional_dependencies_are_probed_in_one_place() -> None:
+    """``trajstore._optional``: tensors recognized without importing torch, and a missing optional
+    module named with the pip extra that installs it."""
+    import torch
+
+    from trajstore._optional import EXTRAS, is_tensor, require, to_numpy
+    from trajstore.errors import MissingDependencyError
+
+    t = torch.arange(3)
+    assert is_tensor(t) and not is_tensor(np.arange(3)) and not is_tensor([0, 1, 2])
+    assert to_numpy(t).tolist() == [0, 1, 2] and to_numpy((1, 2)).tolist() == [1, 2]
+    assert require("json", "this test").__name__ == "json"
+    EXTRAS["trajstore_no_such_module"] = "nothing"
+    try:
+        with pytest.raises(MissingDependencyError, match=r"the frobnicator needs trajstore-no-such-module: "
+                                                         r"pip install 'trajstore\[nothing\]'"):
+            require("trajstore_no_such_module.sub", "the frobnicator")
+    finally:
+        del EXTRAS["trajstore_no_such_module"]

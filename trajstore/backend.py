@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MissingDependencyError
+from ._optional import require
 
 __all__ = ["Backend"]
 
@@ -30,10 +30,7 @@ class Backend:
         self.device = device
         self._torch: Any = None
         if name == "torch":
-            try:
-                import torch
-            except ImportError:
-                raise MissingDependencyError("backend='torch' needs torch: pip install torch==2.13.0") from None
+            torch = require("torch", "backend='torch'")
             self._torch = torch
             self.device = torch.device(device) if device is not None else torch.device("cpu")
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import gymnasium
 import numpy as np
 
+from ._optional import to_numpy
 from .backend import Backend
 from .errors import BadArgumentError, SpaceMismatchError
 from .fields import make_field_spec
@@ -277,7 +278,7 @@ class ReplayBuffer(StoredBuffer):
 
     def append_flattened(self, value: Any) -> None:
         """Add one row given in gymnasium's flattened layout, shape (flatdim,)."""
-        flat = np.asarray(value if type(value).__module__.split(".")[0] != "torch" else value.detach().cpu().numpy())
+        flat = to_numpy(value)
         if flat.ndim != 1:
             from .errors import BadValueError
 
@@ -286,7 +287,7 @@ class ReplayBuffer(StoredBuffer):
 
     def extend_flattened(self, value: Any) -> None:
         """Add rows given in gymnasium's flattened layout, shape (B, flatdim)."""
-        flat = np.asarray(value if type(value).__module__.split(".")[0] != "torch" else value.detach().cpu().numpy())
+        flat = to_numpy(value)
         arrays = self._plan.unflatten(flat)
         with self._store.write_op():
             self._stager.drain()

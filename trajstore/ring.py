@@ -13,17 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from ._optional import to_numpy
 from .errors import BadIndexError, IndexOutOfRangeError
 
 __all__ = ["normalize_index", "physical", "contiguous_runs", "IndexLike"]
 
 IndexLike = Any  # int | slice | Ellipsis | sequence/array/tensor of ints or bools
-
-
-def _to_numpy(idx: Any) -> np.ndarray:
-    if type(idx).__module__.split(".")[0] == "torch":
-        return idx.detach().cpu().numpy()
-    return np.asarray(idx)
 
 
 def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
@@ -54,7 +49,7 @@ def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
         return np.arange(length, dtype=np.int64)
     if isinstance(idx, (str, bytes, float, bool)) or idx is None:
         raise BadIndexError(f"buffer indices must be int, slice, ..., int array or bool mask; got {type(idx).__name__}")
-    arr = _to_numpy(idx)
+    arr = to_numpy(idx)
     if arr.ndim == 0 and arr.dtype.kind in "iu":
         return normalize_index(int(arr), length)
     if arr.dtype == bool:

@@ -17,6 +17,7 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tuple
 
+from trajstore._optional import is_tensor
 from trajstore.errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
 
 __all__ = ["Leaf", "ValuePlan", "flatdim", "leaves", "space_from_json", "space_to_json", "subspace"]
@@ -287,7 +288,7 @@ def _to_numpy(x: Any, path: _Path) -> np.ndarray:
         return x
     if isinstance(x, (np.generic, int, float)):
         return np.asarray(x)
-    if type(x).__module__.split(".", 1)[0] == "torch" and hasattr(x, "detach"):
+    if is_tensor(x):
         try:
             return x.detach().cpu().numpy()
         except (TypeError, RuntimeError) as e:  # e.g. bfloat16 has no numpy dtype

@@ -22,10 +22,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import zarr
 
+from ._optional import require
 from .errors import (
     DamagedStoreError,
     FormatVersionError,
     LockedError,
+    MissingDependencyError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreExistsError,
@@ -605,12 +607,10 @@ def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -
     if enabled is False or (enabled is None and not sys.stderr.isatty()):
         return _NoBar()
     try:
-        from tqdm.auto import tqdm
-    except ImportError:
+        tqdm = require("tqdm.auto", "progress bars").tqdm
+    except MissingDependencyError:
         if enabled:
-            from .errors import MissingDependencyError
-
-            raise MissingDependencyError("progress bars need tqdm: pip install tqdm") from None
+            raise
         return _NoBar()
     return tqdm(total=total, desc=desc, unit=unit)
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence, TypedDict
 import gymnasium
 import numpy as np
 
+from ._optional import is_tensor, to_numpy
 from .backend import Backend
 from .buffer import StoredBuffer, as_generator
 from .episodes import EpisodeIndex, RunIndex
@@ -291,8 +292,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
             An id that has no episode data (never set, or evicted).
         """
         self._sync()
-        is_torch = type(episode_id).__module__.split(".")[0] == "torch"
-        q = episode_id.detach().cpu().numpy() if is_torch else np.asarray(episode_id)
+        is_torch = is_tensor(episode_id)
+        q = to_numpy(episode_id)
         rows = self._episodes.lookup(q.astype(np.int64).ravel())
         if (rows < 0).any():
             raise KeyError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
@@ -370,7 +371,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             step, ids, ep = value, None, None
         arrays, n = self._step_plan.to_arrays(step, batched=batched)
         if ids is not None:
-            raw = ids.detach().cpu().numpy() if type(ids).__module__.split(".")[0] == "torch" else np.asarray(ids)
+            raw = to_numpy(ids)
             if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
                 raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
                                     f"got {raw.dtype} {raw.shape}")
@@ -405,13 +406,13 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     def extend_flattened(self, value: Any) -> None:
         """Add steps given in gymnasium's flattened layout of ``single_space`` (B, flatdim)."""
-        flat = value.detach().cpu().numpy() if type(value).__module__.split(".")[0] == "torch" else np.asarray(value)
+        flat = to_numpy(value)
         arrays = self._plan.unflatten(flat)
         nested = self._plan.from_arrays(arrays)
         self.extend({k: v for k, v in nested.items()})
 
     def append_flattened(self, value: Any) -> None:
-        flat = value.detach().cpu().numpy() if type(value).__module__.split(".")[0] == "torch" else np.asarray(value)
+        flat = to_numpy(value)
         if flat.ndim != 1:
             raise BadValueError(f"append_flattened expects shape ({self._plan.flat_dim},); got {flat.shape}")
         self.extend_flattened(flat[None])

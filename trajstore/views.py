@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import gymnasium
 import numpy as np
 
+from ._optional import to_numpy
 from .backend import Backend
 from .errors import ReadOnlyError
 from .ring import IndexLike, normalize_index
@@ -144,7 +145,7 @@ class BatchBase:
 
     def set_flattened_at(self, idx: IndexLike, value: Any) -> None:
         """Set rows from gymnasium-flattened values (``(flatdim,)`` for an int index)."""
-        flat = _as_numpy(value)
+        flat = to_numpy(value)
         single = not isinstance(normalize_index(idx, len(self)), np.ndarray) if not isinstance(idx, slice) else False
         arrays = self._plan.unflatten(flat[None] if single else flat)
         self.set_at(idx, self._plan.from_arrays([a[0] for a in arrays] if single else arrays))
@@ -166,12 +167,6 @@ class BatchBase:
 
     def append_flattened(self, value: Any) -> None:
         self._refuse("append_flattened")
-
-
-def _as_numpy(value: Any) -> np.ndarray:
-    if type(value).__module__.split(".")[0] == "torch":
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 class _View(BatchBase):

@@ -14,12 +14,9 @@ See docs/sb3.md.
 
 from __future__ import annotations
 
-from ..errors import MissingDependencyError
+from .._optional import require
 
-try:
-    import stable_baselines3  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the environment
-    raise MissingDependencyError("trajstore.sb3 needs stable-baselines3: pip install 'trajstore[sb3]'") from None
+require("stable_baselines3", "trajstore.sb3")
 
 from ._root import ResumedBufferWarning  # noqa: E402
 from .dummy_vec import DummyVecRolloutBuffer  # noqa: E402

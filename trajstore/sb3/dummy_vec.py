@@ -28,7 +28,8 @@ from ..errors import SpaceMismatchError
 from . import _root
 from ._base import concat, take
 from ._layout import ObsLayout
-from .rollout import FLAT, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin, to_numpy
+from .._optional import to_numpy
+from .rollout import FLAT, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin
 
 __all__ = ["DummyVecRolloutBuffer"]
 

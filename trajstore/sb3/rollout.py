@@ -26,13 +26,14 @@ from stable_baselines3.common.buffers import BaseBuffer, DictRolloutBuffer, Roll
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
+from .._optional import to_numpy
 from ..errors import UnsupportedSpaceError
 from ..trajectory import TrajectoryReplayBuffer
 from ._base import PositionView, ZarrBufferMixin, concat, take
 from ._layout import ObsLayout, scalar_box, storage_box
 from ._root import announce_resume, space_config
 
-__all__ = ["ZarrRolloutBuffer", "ZarrDictRolloutBuffer", "RolloutArrays", "to_numpy"]
+__all__ = ["ZarrRolloutBuffer", "ZarrDictRolloutBuffer", "RolloutArrays"]
 
 #: Per-step RAM arrays, in the order SB3's ``get`` flattens them.
 FLAT = ("actions", "values", "log_probs", "advantages", "returns")
@@ -43,13 +44,6 @@ HISTORY_FIELDS = {"action": "actions", "reward": "rewards", "episode_start": "ep
 #: What a rollout minibatch is made of, as numpy: (observations (B, ...) or dict, actions (B,
 #: action_dim) float32, old_values, old_log_prob, advantages, returns (B,) float32).
 RolloutArrays = tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    """A torch tensor (detached, on CPU) or array-like as a numpy array."""
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
 
 
 def _slice(value: Any, s: slice) -> Any:

@@ -15,13 +15,9 @@ Each batch is read whole (``__getitems__``) and, in a worker, crosses to the mai
 buffer (``_transfer``); torch's default collate and :func:`collate_batch` both pass it through.
 """
 
-from ..errors import MissingDependencyError
+from .._optional import require
 
-try:
-    import torch  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the environment
-    raise MissingDependencyError("trajstore.torch needs torch: pip install 'trajstore[torch]' "
-                                 "(it pins torch==2.13.0)") from None
+require("torch", "trajstore.torch")
 
 from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
 from .samplers import RandomBatchSampler  # noqa: E402
