@@ -183,3 +183,66 @@ def test_optional_dependencies_are_probed_in_one_place() -> None:
             require("trajstore_no_such_module.sub", "the frobnicator")
     finally:
         del EXTRAS["trajstore_no_such_module"]
+
+
+def _closed_buffer() -> ReplayBuffer:
+    rb = ReplayBuffer.create(gym.spaces.Discrete(3))
+    rb.close()
+    return rb
+
+
+def _closed_trajectory() -> TrajectoryReplayBuffer:
+    tb = TrajectoryReplayBuffer.create(gym.spaces.Discrete(3))
+    tb.close()
+    return tb
+
+
+def test_writes_to_a_closed_store_raise_and_touch_nothing(tmp_path) -> None:
+    """Writes after close() were accepted and lost (append, extend) or wrote a commit record after
+    the writer lock was released (clear): each must raise ClosedError and leave the files alone."""
+    for cls in (ReplayBuffer, TrajectoryReplayBuffer):
+        path = tmp_path / cls.__name__
+        rb = cls.create(gym.spaces.Discrete(3), cache_path=path)
+        rb.extend(np.array([0, 1, 2]))
+        rb.close()
+        before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+        for write in (lambda: rb.append(1), lambda: rb.extend(np.array([1])), lambda: rb.set_at(0, 2),
+                      lambda: rb.remove_at(0), lambda: rb.clear(), lambda: rb.append_flattened(np.eye(3)[1])):
+            with pytest.raises(errors.ClosedError):
+                write()
+        assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+        with cls.load_from(path, read_only=True) as ro:
+            assert len(ro) == 3
+
+
+# (call, trajstore type, the builtin it also is, words the message must hold)
+_ARGUMENT_ERRORS = {
+    "capacity-zero": (lambda: ReplayBuffer.create(gym.spaces.Discrete(3), capacity=0),
+                      errors.BadOptionError, ValueError, "capacity must be a positive int"),
+    "chunk-rows-zero": (lambda: ReplayBuffer.create(gym.spaces.Discrete(3), chunk_rows=0),
+                        errors.BadOptionError, ValueError, "chunk_rows"),
+    "unknown-option": (lambda: ReplayBuffer.create(gym.spaces.Discrete(3), chunkrows=8),
+                       errors.BadArgumentError, TypeError, "unexpected storage option(s) ['chunkrows']"),
+    "backend": (lambda: ReplayBuffer.create(gym.spaces.Discrete(3), backend="jax"),
+                errors.BadOptionError, ValueError, "backend must be 'numpy' or 'torch'; got 'jax'"),
+    "compressor": (lambda: ReplayBuffer.create(gym.spaces.Discrete(3), compressor="brotli"),
+                   errors.BadOptionError, ValueError, "compressor must be None, 'lz4', 'zstd'"),
+    "closed-append": (lambda: _closed_buffer().append(1), errors.ClosedError, ValueError, "closed buffer"),
+    "closed-extend": (lambda: _closed_buffer().extend(np.array([1, 2])), errors.ClosedError, ValueError, "closed"),
+    "closed-clear": (lambda: _closed_buffer().clear(), errors.ClosedError, ValueError, "closed"),
+    "closed-trajectory-append": (lambda: _closed_trajectory().append(1), errors.ClosedError, ValueError, "closed"),
+    "trajectory-capacity": (lambda: TrajectoryReplayBuffer.create(gym.spaces.Discrete(3), step_data_capacity=-1),
+                            errors.BadOptionError, ValueError, "must be a positive int or None"),
+    "unknown-episode": (lambda: TrajectoryReplayBuffer.create(
+        gym.spaces.Discrete(3), episode_data_instance_space=gym.spaces.Discrete(2)).episode_id_to_episode_data_index(7),
+        errors.UnknownEpisodeError, KeyError, "no episode data for episode id(s) [7]"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ARGUMENT_ERRORS))
+def test_argument_errors_are_trajstore_types_and_keep_their_builtin(case: str) -> None:
+    call, kind, builtin, words = _ARGUMENT_ERRORS[case]
+    with pytest.raises(kind) as info:
+        call()
+    assert isinstance(info.value, builtin) and isinstance(info.value, errors.TrajstoreError)
+    assert words in str(info.value), str(info.value)

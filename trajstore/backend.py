@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ._optional import require
+from .errors import BadOptionError
 
 __all__ = ["Backend"]
 
@@ -23,9 +24,9 @@ class Backend:
 
     def __init__(self, name: str = "numpy", device: Any = None) -> None:
         if name not in ("numpy", "torch"):
-            raise ValueError(f"backend must be 'numpy' or 'torch'; got {name!r}")
+            raise BadOptionError(f"backend must be 'numpy' or 'torch'; got {name!r}")
         if name == "numpy" and device is not None:
-            raise ValueError(f"device={device!r} needs backend='torch'")
+            raise BadOptionError(f"device={device!r} needs backend='torch'")
         self.name = name
         self.device = device
         self._torch: Any = None

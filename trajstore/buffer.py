@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from .backend import Backend
-from .errors import ConcurrentWriteError, EmptyBufferError
+from .errors import BadOptionError, ClosedError, ConcurrentWriteError, EmptyBufferError
 from .store import Store
 from .stager import RowStager
 from .table import Table
@@ -98,7 +98,7 @@ class StoredBuffer(BatchBase):
         """Before reading: a writer hands staged appends to its tables; readers (and
         multi-process writers) adopt the latest commit, unless a read in progress pinned it."""
         if self._closed:
-            raise ValueError("I/O operation on a closed buffer")
+            raise ClosedError("I/O operation on a closed buffer")
         for st in self._stagers:
             if st.pending:
                 st.drain()
@@ -150,7 +150,7 @@ class StoredBuffer(BatchBase):
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         # No refresh here: ``idx`` was just resolved against len(self), i.e. the current commit.
         if self._closed:
-            raise ValueError("I/O operation on a closed buffer")
+            raise ClosedError("I/O operation on a closed buffer")
         self._drain()
         return self._read_rows(idx, leaf_ids)
 
@@ -287,7 +287,7 @@ class StoredBuffer(BatchBase):
             write_zip(self._store, p, compressor=compressor, progress=progress)
             return
         if not (isinstance(compressor, str) and compressor in ("auto", "keep")):
-            raise ValueError(f"dumps({p!r}, compressor={compressor!r}): a folder or URL copy keeps the store's "
+            raise BadOptionError(f"dumps({p!r}, compressor={compressor!r}): a folder or URL copy keeps the store's "
                              "layout; re-encode with `trajstore copy SRC DST --compressor ...`, or dumps to a .zip")
         self._store.copy_to(path, storage_options=storage_options, progress=progress)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .buffer import StoredBuffer
-from .errors import ConcurrentWriteError
+from .errors import BadArgumentError, ConcurrentWriteError
 from .replay_buffer import ReplayBuffer
 from .spaces import ValuePlan
 from .trajectory import TrajectoryReplayBuffer
@@ -39,7 +39,7 @@ def _resolve(view: BatchBase) -> tuple[StoredBuffer, list[int]]:
         leaves = [node._leaf_map[j] for j in leaves]
         node = node.parent
     if not isinstance(node, StoredBuffer):
-        raise TypeError(f"to_dask needs a buffer or a column view of one (possibly nested); got {type(node).__name__} "
+        raise BadArgumentError(f"to_dask needs a buffer or a column view of one (possibly nested); got {type(node).__name__} "
                         "in the chain (take the rows you need from the dask array instead: arr[lo:hi])")
     return node, leaves
 
@@ -48,7 +48,7 @@ def _field_of(buf: StoredBuffer, leaf: int) -> Any:
     if isinstance(buf, TrajectoryReplayBuffer):
         src, f = buf._src[leaf]
         if src != "s":
-            raise TypeError("to_dask covers step columns; episode data has one row per episode, not per step "
+            raise BadArgumentError("to_dask covers step columns; episode data has one row per episode, not per step "
                             "(read it with buffer.get_column(['episode_data', ...]) instead)")
         return buf._table.fields[f]
     return buf._table.fields[leaf]

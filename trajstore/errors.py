@@ -23,8 +23,16 @@ __all__ = [
     "StoreExistsError",
     "MissingDependencyError",
     "StoreFullError",
+    "MappingLimitError",
+    "IndexOutOfRangeError",
+    "BadIndexError",
+    "EmptyBufferError",
+    "ConcurrentWriteError",
     "BadArgumentError",
+    "BadOptionError",
+    "ClosedError",
     "UnknownFieldError",
+    "UnknownEpisodeError",
     "NoEpisodesError",
 ]
 
@@ -118,6 +126,23 @@ class ConcurrentWriteError(TrajstoreError, RuntimeError):
 class BadArgumentError(TrajstoreError, TypeError):
     """An argument has the wrong type for its parameter (e.g. a path given positionally where
     ``create`` takes the storage class); the message names the parameter and the fix."""
+
+
+class BadOptionError(TrajstoreError, ValueError):
+    """An argument's value is outside what its parameter allows (a capacity, ``chunk_rows``,
+    ``seq_len``, ``pad``, ``backend``, ``compressor``...); the message names the parameter, what
+    it allows and what arrived."""
+
+
+class ClosedError(TrajstoreError, ValueError):
+    """An operation on a buffer that was closed (as Python's files, a ``ValueError``)."""
+
+
+class UnknownEpisodeError(TrajstoreError, KeyError):
+    """An episode id that has no data (or no steps) in the store: never written, or evicted."""
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return str(self.args[0]) if self.args else ""
 
 
 class UnknownFieldError(TrajstoreError, KeyError):

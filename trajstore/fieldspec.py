@@ -13,6 +13,7 @@ import numpy as np
 import zarr
 
 from . import _vmap
+from .errors import BadOptionError
 from .storage import Location
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
     if isinstance(compressor, str):
         names = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
         if compressor not in names:
-            raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
         cname, level = names[compressor]
         codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
         return codec, compressor
@@ -81,9 +82,9 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
         cfg = {k: v for k, v in compressor.get_config().items() if k != "id"}
         wrapper = getattr(zn, type(compressor).__name__, None)
         if wrapper is None:
-            raise ValueError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
+            raise BadOptionError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
         return wrapper(**cfg), compressor.codec_id
-    raise ValueError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+    raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
 
 
 #: Rows of at least this many bytes are compressed one row per blosc block (see row_block_codec).

@@ -16,7 +16,7 @@ from importlib import metadata as _im
 from typing import Any
 
 from .buffer import StoredBuffer
-from .errors import DamagedStoreError, ReadOnlyError
+from .errors import BadArgumentError, BadValueError, DamagedStoreError, ReadOnlyError
 from .schema import load_json
 from .storage import Location, resolve_location
 
@@ -31,7 +31,7 @@ def _check_json(value: Any, where: str = "dataset info") -> None:
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"{where}: {value!r} is not valid JSON (use null or a string)")
+            raise BadValueError(f"{where}: {value!r} is not valid JSON (use null or a string)")
         return
     if isinstance(value, (list, tuple)):
         for k, v in enumerate(value):
@@ -40,10 +40,10 @@ def _check_json(value: Any, where: str = "dataset info") -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise TypeError(f"{where}: keys must be strings; got {k!r}")
+                raise BadArgumentError(f"{where}: keys must be strings; got {k!r}")
             _check_json(v, f"{where}.{k}")
         return
-    raise TypeError(f"{where}: {type(value).__name__} is not JSON (only dict, list, str, int, float, bool, None)")
+    raise BadArgumentError(f"{where}: {type(value).__name__} is not JSON (only dict, list, str, int, float, bool, None)")
 
 
 def _location(target: Any, storage_options: dict[str, Any] | None, write: bool) -> tuple[Location, bool]:

@@ -19,6 +19,7 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Box, Dict
 
+from .errors import BadOptionError, UnknownFieldError, UnsupportedSpaceError
 from .trajectory import TrajectoryReplayBuffer
 
 __all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE"]
@@ -39,7 +40,7 @@ def _info_space(value: Any) -> Box:
         return Box(info.min, info.max, a.shape, a.dtype)
     if a.dtype.kind == "f":
         return Box(-np.inf, np.inf, a.shape, a.dtype)
-    raise TypeError(f"info value of dtype {a.dtype} cannot be recorded (numbers and bools only)")
+    raise UnsupportedSpaceError(f"info value of dtype {a.dtype} cannot be recorded (numbers and bools only)")
 
 
 def step_space(observation_space: gymnasium.Space, action_space: gymnasium.Space, *, next_obs: bool = False,
@@ -67,7 +68,7 @@ class _Recorder:
                info_keys: Sequence[str] | Mapping[str, gymnasium.Space] | None, create_kwargs: dict[str, Any],
                dataset_info: dict[str, Any] | None) -> None:
         if buffer is not None and cache_path is not None:
-            raise ValueError("pass either buffer or cache_path, not both")
+            raise BadOptionError("pass either buffer or cache_path, not both")
         self.record_next_obs = record_next_obs
         self.info_keys = list(info_keys or [])
         self._info_spaces = dict(info_keys) if isinstance(info_keys, Mapping) else None
@@ -76,7 +77,7 @@ class _Recorder:
         self.buffer: TrajectoryReplayBuffer | None = buffer
         if buffer is not None:
             if buffer.episode_space != EPISODE_SPACE:
-                raise ValueError("the buffer must be created with episode_data_instance_space=recording.EPISODE_SPACE")
+                raise BadOptionError("the buffer must be created with episode_data_instance_space=recording.EPISODE_SPACE")
             self._start_fresh_episode()
         elif not self.info_keys or self._info_spaces is not None:
             self._create(self._info_spaces)
@@ -95,7 +96,7 @@ class _Recorder:
         if self.buffer is None:
             missing = [k for k in self.info_keys if k not in info]
             if missing:
-                raise KeyError(f"info keys {missing} not in the first step's info; pass info_keys as a dict "
+                raise UnknownFieldError(f"info keys {missing} not in the first step's info; pass info_keys as a dict "
                                "{key: space} to record keys that appear later")
             self._create({k: _info_space(np.asarray(info[k])[0] if vector else info[k]) for k in self.info_keys})
         assert self.buffer is not None

@@ -16,7 +16,7 @@ import numpy as np
 
 from ._optional import to_numpy
 from .backend import Backend
-from .errors import BadArgumentError, SpaceMismatchError
+from .errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from .fields import make_field_spec
 from .ring import IndexLike, normalize_index
 from .spaces import ValuePlan, flatdim, space_to_json
@@ -76,10 +76,10 @@ class ZarrStorage:
     def check_options(cls, kwargs: dict[str, Any], allowed: Sequence[str]) -> dict[str, Any]:
         bad = sorted(set(kwargs) - set(allowed))
         if bad:
-            raise TypeError(f"unexpected storage option(s) {bad}; allowed: {list(allowed)}")
+            raise BadArgumentError(f"unexpected storage option(s) {bad}; allowed: {list(allowed)}")
         if "chunk_rows" in kwargs and kwargs["chunk_rows"] is not None:
             if not isinstance(kwargs["chunk_rows"], (int, np.integer)) or kwargs["chunk_rows"] < 1:
-                raise ValueError(f"chunk_rows must be a positive int; got {kwargs['chunk_rows']!r}")
+                raise BadOptionError(f"chunk_rows must be a positive int; got {kwargs['chunk_rows']!r}")
         return dict(kwargs)
 
 
@@ -176,7 +176,7 @@ class ReplayBuffer(StoredBuffer):
         _storage_cls_check(storage_cls)
         opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.CREATE_OPTIONS)
         if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
-            raise ValueError(f"capacity must be a positive int or None; got {capacity!r}")
+            raise BadOptionError(f"capacity must be a positive int or None; got {capacity!r}")
         bk = Backend(backend, device)
         plan = ValuePlan(single_instance_space)  # refuses unsupported spaces before touching disk
         compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
@@ -244,7 +244,7 @@ class ReplayBuffer(StoredBuffer):
     # -- writes ----------------------------------------------------------------------------
     def append(self, value: Any) -> None:
         """Add one row (a value of ``single_space``)."""
-        if self._store.multiprocessing or not self._store.writable:
+        if self._store.multiprocessing or not self._store.writable or self._store.closed:
             arrays, n = self._plan.to_arrays(value, batched=False)
             with self._store.write_op():
                 self._table.extend(arrays, n)
@@ -323,8 +323,9 @@ class ReplayBuffer(StoredBuffer):
 
     def clear(self) -> None:
         """Remove every row (committed at once; the arrays keep their size)."""
+        op = self._store.write_op()  # refuses a read-only or closed buffer before anything is dropped
         self._stager.discard()
-        with self._store.write_op():
+        with op:
             t = self._table
             t.state.start = t.state.end = 0
             head = self._store._current_head()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
+from .errors import BadOptionError, UnknownEpisodeError
 from .ring import normalize_index
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def get_sequences(buf: "TrajectoryReplayBuffer", idx: Any, offsets: Any, pad: st
     """Frames ``idx[b] + offsets[t]`` of a trajectory buffer; see
     :meth:`TrajectoryReplayBuffer.get_sequences`."""
     if pad not in PADS:
-        raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
+        raise BadOptionError(f"pad must be one of {PADS}; got {pad!r}")
     buf._sync()
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
 
@@ -216,9 +217,9 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
     depends on the share of valid windows, never on the number of rows or episodes stored.
     """
     if pad not in PADS:
-        raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
+        raise BadOptionError(f"pad must be one of {PADS}; got {pad!r}")
     if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1; got {seq_len}")
+        raise BadOptionError(f"seq_len must be >= 1; got {seq_len}")
     offs = np.arange(seq_len, dtype=np.int64)
     # A reader re-checks the commit record after reading: windows whose first row was evicted
     # meanwhile (it may have been overwritten) are drawn again, everything after a rewrite.
@@ -255,7 +256,7 @@ def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarr
             break
         draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
     if need:
-        raise ValueError(f"no window of {len(offs)} steps lies inside one episode (or almost none do): "
+        raise BadOptionError(f"no window of {len(offs)} steps lies inside one episode (or almost none do): "
                          "use a shorter seq_len or within_episode=False")
     return np.concatenate(kept)
 
@@ -280,5 +281,5 @@ def episode_rows(buf: "TrajectoryReplayBuffer", episode_id: int) -> np.ndarray:
     first, lengths, ids = buf._runs.runs()
     mine = np.flatnonzero(ids == episode_id)
     if mine.size == 0:
-        raise KeyError(f"episode {episode_id} has no steps in the buffer")
+        raise UnknownEpisodeError(f"episode {episode_id} has no steps in the buffer")
     return np.concatenate([np.arange(first[k], first[k] + lengths[k]) for k in mine.tolist()])

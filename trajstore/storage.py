@@ -31,7 +31,7 @@ from .confined import (
     full_disk,
     read_limit,
 )
-from .errors import DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
+from .errors import BadOptionError, DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
 
 __all__ = ["Location", "resolve_location", "fsspec_options", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
@@ -338,7 +338,7 @@ class ChunkCache:
         import hashlib
 
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"trajstore_chunk_cache_bytes must be a non-negative int; got {max_bytes!r}")
+            raise BadOptionError(f"trajstore_chunk_cache_bytes must be a non-negative int; got {max_bytes!r}")
         self.root = Path(folder).expanduser().absolute() / hashlib.sha1(url.encode()).hexdigest()[:20]
         self.max_bytes = max_bytes
         self._tag: str | None = None

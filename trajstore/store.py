@@ -24,6 +24,8 @@ import zarr
 
 from ._optional import require
 from .errors import (
+    BadOptionError,
+    ClosedError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
@@ -108,6 +110,7 @@ class Store:
         self.group = group
         self.attrs = attrs
         self.writable = writable
+        self.closed = False  # after close() every write raises ClosedError (nothing may touch the store)
         self.multiprocessing = multiprocessing
         self.lock = lock
         self.options = options
@@ -267,6 +270,9 @@ class Store:
 
     # -- commit protocol -----------------------------------------------------------------
     def _check_writable(self) -> None:
+        if self.closed:
+            raise ClosedError("I/O operation on a closed buffer: its store was closed (and its writer lock "
+                              "released); reopen it with load_from to write")
         if not self.writable:
             raise ReadOnlyError(f"{self.loc.url}: the buffer is open read-only")
         if self.forked:
@@ -515,7 +521,7 @@ class Store:
         """Copy every key of this store to ``dst`` (head last), with an optional progress bar."""
         target = resolve_location(dst, read_only=False, storage_options=storage_options, must_exist=False)
         if target.url == self.loc.url and target.url is not None:
-            raise ValueError("copy_to needs a different destination")
+            raise BadOptionError("copy_to needs a different destination")
         if target.exists("zarr.json") or target.exists(HEAD_KEY):
             if not overwrite:
                 raise StoreExistsError(f"{target.url}: a store already exists here")
@@ -557,6 +563,7 @@ class Store:
         write_head(target, head, fsync=self.fsync)
 
     def close(self) -> None:
+        self.closed = True
         self._watch.close()
         for t in self.tables.values():
             for f in t.fields:

@@ -24,7 +24,7 @@ from ._optional import is_tensor, to_numpy
 from .backend import Backend
 from .buffer import StoredBuffer, as_generator
 from .episodes import EpisodeIndex, RunIndex
-from .errors import BadValueError, SpaceMismatchError, UnsupportedSpaceError
+from .errors import BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError, UnsupportedSpaceError
 from .replay_buffer import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
 from .schema import MAX_INT
 from .ring import IndexLike, normalize_index
@@ -178,14 +178,14 @@ class TrajectoryReplayBuffer(StoredBuffer):
         for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
             _storage_cls_check(c)
         if step_episode_id_capacity is not None and step_episode_id_capacity != step_data_capacity:
-            raise ValueError(f"step_episode_id_capacity={step_episode_id_capacity} must equal step_data_capacity="
+            raise BadOptionError(f"step_episode_id_capacity={step_episode_id_capacity} must equal step_data_capacity="
                              f"{step_data_capacity}: the id ring is aligned with the step ring")
         opts = ZarrStorage.check_options(dict(kwargs), ZarrStorage.CREATE_OPTIONS)
         id_opts = ZarrStorage.check_options(dict(step_episode_id_storage_kwargs or {}), ("chunk_rows", "compressor"))
         ep_opts = ZarrStorage.check_options(dict(episode_data_storage_kwargs or {}), ("chunk_rows", "compressor"))
         for cap, name in ((step_data_capacity, "step_data_capacity"), (episode_data_capacity, "episode_data_capacity")):
             if cap is not None and (not isinstance(cap, (int, np.integer)) or cap < 1):
-                raise ValueError(f"{name} must be a positive int or None; got {cap!r}")
+                raise BadOptionError(f"{name} must be a positive int or None; got {cap!r}")
         bk = Backend(backend, device)
         step_plan = ValuePlan(step_data_instance_space)
         ep_plan = ValuePlan(episode_data_instance_space) if episode_data_instance_space is not None else None
@@ -288,15 +288,15 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
         Raises
         ------
-        KeyError
-            An id that has no episode data (never set, or evicted).
+        UnknownEpisodeError
+            An id that has no episode data (never set, or evicted); a ``KeyError``.
         """
         self._sync()
         is_torch = is_tensor(episode_id)
         q = to_numpy(episode_id)
         rows = self._episodes.lookup(q.astype(np.int64).ravel())
         if (rows < 0).any():
-            raise KeyError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
+            raise UnknownEpisodeError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
         rows = rows.reshape(q.shape)
         if q.ndim == 0 and not is_torch:
             return int(rows)
@@ -388,7 +388,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     def append(self, value: Any) -> None:
         """Add one step (bare step data, or ``{"step_data", "episode_ids"?, "episode_data"?}``)."""
-        if (not self._store.multiprocessing and self._store.writable
+        if (not self._store.multiprocessing and self._store.writable and not self._store.closed
                 and not (isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS)):
             st = self._stager
             st.room()

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import gymnasium
 import numpy as np
 
-from ..errors import DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
+from ..errors import ClosedError, DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
 from ..replay_buffer import ReplayBuffer as StoreBuffer
 from ..spaces import space_from_json
 from ..trajectory import TrajectoryReplayBuffer
@@ -237,7 +237,7 @@ class ZarrBufferMixin:
 
     def _check_open(self) -> None:
         if getattr(self, "closed", True):
-            raise ValueError(f"I/O operation on a closed {type(self).__name__}")
+            raise ClosedError(f"I/O operation on a closed {type(self).__name__}")
 
     def _before_commit(self) -> None:
         """Hook: write RAM state that belongs in the stores."""

@@ -24,7 +24,7 @@ from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from ..errors import SpaceMismatchError
+from ..errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from . import _root
 from ._base import concat, take
 from ._layout import ObsLayout
@@ -127,7 +127,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
     ) -> None:
         unknown = sorted(set(kwargs) - set(_OPTIONS))
         if unknown:
-            raise TypeError(f"DummyVecRolloutBuffer got unexpected keyword(s) {unknown}; it takes {list(_OPTIONS)} "
+            raise BadArgumentError(f"DummyVecRolloutBuffer got unexpected keyword(s) {unknown}; it takes {list(_OPTIONS)} "
                             "(options of the sub-buffers go in buffer_kwargs=)")
         self._buffers: list[Any] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -185,12 +185,12 @@ class DummyVecRolloutBuffer(RolloutBuffer):
 
     def _check_buffers(self, buffers: list[Any]) -> list[Any]:
         if len(buffers) != self.n_envs:
-            raise ValueError(f"buffers has {len(buffers)} sub-buffers; expected one per env (n_envs={self.n_envs})")
+            raise BadOptionError(f"buffers has {len(buffers)} sub-buffers; expected one per env (n_envs={self.n_envs})")
         for i, sub in enumerate(buffers):
             for name in ("n_envs", "buffer_size", "gamma", "gae_lambda"):
                 want = 1 if name == "n_envs" else getattr(self, name)
                 if getattr(sub, name, None) != want:
-                    raise ValueError(f"buffers[{i}].{name} is {getattr(sub, name, None)!r}; expected {want!r}")
+                    raise BadOptionError(f"buffers[{i}].{name} is {getattr(sub, name, None)!r}; expected {want!r}")
             for name in ("observation_space", "action_space"):
                 if getattr(sub, name) != getattr(self, name):
                     raise SpaceMismatchError(f"buffers[{i}].{name} is {getattr(sub, name)}; expected {getattr(self, name)}")

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
 from ..episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
-from ..errors import IndexOutOfRangeError, NoEpisodesError
+from ..errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
 from ..sequences import PADS, pad_sources, window_rows
 from ._source import BufferSource, FieldSelection
 from ._transfer import in_worker, pack
@@ -87,7 +87,7 @@ class _Base(Dataset):
     def __init__(self, source: Any, fields: Sequence[str] | str | None, output: str,
                  storage_options: dict[str, Any] | None) -> None:
         if output not in _OUTPUTS:
-            raise ValueError(f"output must be one of {_OUTPUTS}; got {output!r}")
+            raise BadOptionError(f"output must be one of {_OUTPUTS}; got {output!r}")
         self.output = output
         self._src = BufferSource(source, storage_options)
         buf = self._src.buffer
@@ -164,7 +164,7 @@ class TransitionDataset(_Base):
                  episode_ids: bool = False, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(source, fields, output, storage_options)
         if episode_ids and not self._src.is_trajectory:
-            raise ValueError("episode_ids=True needs a TrajectoryReplayBuffer store")
+            raise BadOptionError("episode_ids=True needs a TrajectoryReplayBuffer store")
         self.episode_ids = episode_ids
         self._n = len(self._src.buffer)
 
@@ -225,12 +225,12 @@ class SequenceDataset(_Base):
                  within_episode: bool = False, stride: int = 1, output: str = "torch", mask_key: str = "mask",
                  storage_options: dict[str, Any] | None = None) -> None:
         if seq_len < 1 or stride < 1:
-            raise ValueError(f"seq_len and stride must be >= 1; got {seq_len}, {stride}")
+            raise BadOptionError(f"seq_len and stride must be >= 1; got {seq_len}, {stride}")
         if pad not in PADS:
-            raise ValueError(f"pad must be one of {PADS}; got {pad!r}")
+            raise BadOptionError(f"pad must be one of {PADS}; got {pad!r}")
         super().__init__(source, fields, output, storage_options)
         if mask_key in self.fields:
-            raise ValueError(f"mask_key {mask_key!r} collides with a field name")
+            raise BadOptionError(f"mask_key {mask_key!r} collides with a field name")
         self.seq_len, self.pad, self.within_episode, self.stride, self.mask_key = seq_len, pad, within_episode, stride, mask_key
         buf = self._src.buffer
         # Done-like fields of a ReplayBuffer store (None: no episode boundaries, or a trajectory store).

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from ..errors import BadOptionError, EmptyBufferError
+
 __all__ = ["RandomBatchSampler"]
 
 
@@ -37,13 +39,13 @@ class RandomBatchSampler(Sampler[list[int]]):
                  replacement: bool = True, seed: int | None = None, rank: int = 0, num_replicas: int = 1) -> None:
         self.n = data_source if isinstance(data_source, (int, np.integer)) else len(data_source)
         if self.n < 1:
-            raise ValueError("cannot sample batches from an empty dataset")
+            raise EmptyBufferError("cannot sample batches from an empty dataset")
         if batch_size < 1 or (num_batches is not None and num_batches < 0):
-            raise ValueError(f"batch_size must be >= 1 and num_batches >= 0; got {batch_size}, {num_batches}")
+            raise BadOptionError(f"batch_size must be >= 1 and num_batches >= 0; got {batch_size}, {num_batches}")
         if not replacement and batch_size > self.n:
-            raise ValueError(f"batch_size {batch_size} > {self.n} items without replacement")
+            raise BadOptionError(f"batch_size {batch_size} > {self.n} items without replacement")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+            raise BadOptionError(f"rank {rank} not in [0, {num_replicas})")
         self.batch_size, self.num_batches, self.replacement = int(batch_size), num_batches, replacement
         self.seed = int(np.random.SeedSequence().entropy % (2**63)) if seed is None else int(seed)  # type: ignore[operator]
         self.rank, self.num_replicas = rank, num_replicas
