@@ -297,7 +297,10 @@ def doc_env(home: Path, endpoint: str | None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: the server's threads must be gone before later test modules fork
+# (tests/test_hostile.py forks the test process; a child that inherits a lock a server thread held
+# at the fork hangs).
+@pytest.fixture(scope="module")
 def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocS3]:
     pytest.importorskip("moto.server", reason="needs moto[server] (the test extra)")
     pytest.importorskip("s3fs", reason="needs s3fs (the test extra)")
