@@ -2,22 +2,20 @@
 
 trajstore's core needs numpy, zarr and gymnasium only. torch tensors are accepted wherever arrays
 are (values, indices, ids) without importing torch: :func:`is_tensor` recognizes them by their
-type's module, so a process that never imported torch never pays for it. :func:`require` imports
-an optional module or raises :class:`~trajstore.errors.MissingDependencyError` naming the pip
-extra that installs it.
+type's module, so a process that never imported torch never pays for it. :func:`missing` is the
+:class:`~trajstore.errors.MissingDependencyError` to raise when a plain ``import`` of an optional
+module fails, naming the pip extra that installs it.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "is_tensor", "to_numpy", "require"]
+__all__ = ["EXTRAS", "is_tensor", "to_numpy", "missing"]
 
 #: The pip extra (``pip install 'trajstore[<extra>]'``) that installs each optional module.
 EXTRAS: dict[str, str] = {
@@ -40,21 +38,14 @@ def to_numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if is_tensor(x) else np.asarray(x)
 
 
-def require(module: str, what: str) -> ModuleType:
-    """Import the optional ``module`` for ``what`` (e.g. ``"trajstore.torch"``, ``"progress bars"``).
-
-    Raises
-    ------
-    MissingDependencyError
-        ``module`` is not installed; the message names the pip extra that installs it (and the
-        torch pin, which matters: the extras pin one CPU build).
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        top = module.split(".", 1)[0]
-        extra = EXTRAS.get(top)
-        hint = f"pip install 'trajstore[{extra}]'" if extra else f"pip install {top}"
-        if top == "torch":
-            hint += " (it pins torch==2.13.0)"  # a CPU build: a plain install may pull another
-        raise MissingDependencyError(f"{what} needs {top.replace('_', '-')}: {hint}") from None
+def missing(module: str, what: str) -> MissingDependencyError:
+    """The error for ``what`` (e.g. ``"trajstore.torch"``, ``"progress bars"``) when the optional
+    ``module`` is not installed: it names the pip extra that installs it (and the torch pin, which
+    matters: the extras pin one CPU build).  Callers import with a plain ``import`` statement (never
+    by a name held in a variable) and raise this from the ``ImportError``."""
+    top = module.split(".", 1)[0]
+    extra = EXTRAS.get(top)
+    hint = f"pip install 'trajstore[{extra}]'" if extra else f"pip install {top}"
+    if top == "torch":
+        hint += " (it pins torch==2.13.0)"
+    return MissingDependencyError(f"{what} needs {top.replace('_', '-')}: {hint}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._optional import require
+from ._optional import missing
 from .errors import BadOptionError
 
 __all__ = ["Backend"]
@@ -31,7 +31,10 @@ class Backend:
         self.device = device
         self._torch: Any = None
         if name == "torch":
-            torch = require("torch", "backend='torch'")
+            try:
+                import torch
+            except ImportError:
+                raise missing("torch", "backend='torch'") from None
             self._torch = torch
             self.device = torch.device(device) if device is not None else torch.device("cpu")
 

@@ -22,14 +22,13 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import zarr
 
-from ._optional import require
+from ._optional import missing
 from .errors import (
     BadOptionError,
     ClosedError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
-    MissingDependencyError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreExistsError,
@@ -614,10 +613,10 @@ def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -
     if enabled is False or (enabled is None and not sys.stderr.isatty()):
         return _NoBar()
     try:
-        tqdm = require("tqdm.auto", "progress bars").tqdm
-    except MissingDependencyError:
+        from tqdm.auto import tqdm
+    except ImportError:
         if enabled:
-            raise
+            raise missing("tqdm", "progress bars") from None
         return _NoBar()
     return tqdm(total=total, desc=desc, unit=unit)
 

@@ -14,9 +14,12 @@ See docs/sb3.md.
 
 from __future__ import annotations
 
-from .._optional import require
+from .._optional import missing
 
-require("stable_baselines3", "trajstore.sb3")
+try:
+    import stable_baselines3  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    raise missing("stable_baselines3", "trajstore.sb3") from None
 
 from ._root import ResumedBufferWarning  # noqa: E402
 from .dummy_vec import DummyVecRolloutBuffer  # noqa: E402
