@@ -16,6 +16,7 @@ Every row's content encodes its id (``x[0]``), so a row read back is checked who
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -714,6 +715,79 @@ def test_a_forked_child_cannot_write_or_commit(tmp_path):
     rb.close()
     with ReplayBuffer.load_from(path, read_only=True) as ro:
         assert len(ro) == 8 and (ro[:] == 0).all()
+
+
+def _in_forked_child(fn: Callable[[], int], deadline: int = 20) -> int:
+    """Run ``fn`` in a forked child under an alarm; its exit code (-1: it hung)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(deadline)
+            code = fn()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return -1
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True])
+def test_a_forked_childs_garbage_collection_never_commits(tmp_path, multiprocessing):
+    """A writer inherited through fork and collected in the child commits nothing, even when the
+    collection runs inside zarr's event-loop setup (a commit there took zarr's loop lock again and
+    hung the child: the full suite's hostile-store children hung this way on buffers that earlier
+    tests left open)."""
+    import gc
+
+    import zarr.core.sync as zsync
+
+    path = tmp_path / "s"
+    held = [ReplayBuffer.create(Box(-1, 1, (3,), np.float32), cache_path=path, multiprocessing=multiprocessing)]
+    held[0].extend(np.zeros((2, 3), np.float32))
+    held[0].flush()
+    held[0].extend(np.ones((3, 3), np.float32))  # a single writer has not committed these yet
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        before = len(ro)
+        generation = ro._store.committed.generation
+
+    def child() -> int:
+        get_lock = getattr(zsync, "_get_lock", None)
+        with (get_lock() if get_lock is not None else contextlib.nullcontext()):
+            held.clear()
+            gc.collect()
+        return 0
+
+    assert _in_forked_child(child) == 0, "the child hung or failed collecting its inherited writer"
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        assert (len(ro), ro._store.committed.generation) == (before, generation), "the child committed"
+    held[0].close()
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        assert len(ro) == 5 and (ro[2:] == 1).all()
+
+
+def test_a_forked_child_of_a_lockless_writer_is_no_writer():
+    """Stores without a lock file (in memory, remote URLs) have one writer too: the process that
+    opened them.  Its forked child gets LockedError, as the child of a local writer does."""
+    from trajstore.errors import LockedError
+
+    rb = ReplayBuffer.create(Box(-1, 1, (3,), np.float32), cache_path=None, capacity=8)
+    rb.extend(np.zeros((2, 3), np.float32))
+
+    def child() -> int:
+        try:
+            rb.append(np.ones(3, np.float32))
+            rb.flush()
+        except LockedError:
+            return 0
+        return 2
+
+    assert _in_forked_child(child) == 0
+    rb.append(np.ones(3, np.float32))  # the parent still writes
+    assert len(rb) == 3
+    rb.close()
 
 
 def test_multiprocessing_writers_keep_their_shared_lock_across_fork(tmp_path):

@@ -19,6 +19,7 @@ Each case is its own test id; the whole file runs in well under a minute on 2 co
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import io
 import json
@@ -611,6 +612,8 @@ def run_isolated(fn: Callable[[], Any], out_file: Path, deadline: float = DEADLI
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(int(deadline))
+            # where a hung child is stuck, in the test's captured stderr
+            faulthandler.dump_traceback_later(max(deadline - 1.5, 0.5), exit=False)
             result = fn()
             out_file.write_text(json.dumps(result, default=str))
         except BaseException as e:  # noqa: BLE001 - reported to the parent

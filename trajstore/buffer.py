@@ -307,9 +307,12 @@ class StoredBuffer(BatchBase):
             if not self._store.forked:  # a forked child's copy: the parent commits, not us
                 self.flush()
         finally:
-            self._store.close()
-            self._closed = True
-            _OPEN.discard(self)
+            self._release()
+
+    def _release(self) -> None:
+        self._store.close()
+        self._closed = True
+        _OPEN.discard(self)
 
     def __enter__(self) -> "StoredBuffer":
         return self
@@ -321,7 +324,13 @@ class StoredBuffer(BatchBase):
         if sys.is_finalizing():
             return  # the atexit hook already committed; zarr's loop may be gone
         try:
-            self.close()
+            if os.getpid() != self._store.opener_pid:
+                # A copy inherited through fork: garbage collection may run anywhere in the child,
+                # even inside zarr's event-loop setup (whose lock a commit would take again and
+                # deadlock on), and the rows belong to the parent.  Release, never commit.
+                self._release()
+            else:
+                self.close()
         except Exception:
             pass
 

@@ -112,6 +112,7 @@ class Store:
         self.closed = False  # after close() every write raises ClosedError (nothing may touch the store)
         self.multiprocessing = multiprocessing
         self.lock = lock
+        self.opener_pid = os.getpid()  # a forked child is not this store's writer (see ``forked``)
         self.options = options
         self.fsync = bool(options.get("fsync", False))
         self.commit_interval = float(options.get("commit_interval", 1.0))
@@ -298,8 +299,13 @@ class Store:
 
     @property
     def forked(self) -> bool:
-        """This process is a fork of a single writer's: it holds no lock and must not write."""
-        return self.lock is not None and self.lock.forked_child
+        """This process is a fork of a single writer's: it holds no lock and must not write.
+
+        Also true for stores without a lock file (remote, in memory): their single writer is the
+        process that opened them.  A multiprocessing writer's forked child may write."""
+        if self.lock is not None and self.lock.forked_child:
+            return True
+        return not self.multiprocessing and os.getpid() != self.opener_pid
 
     def _write_head(self, head: Head) -> None:
         head.generation = self.committed.generation + 1
