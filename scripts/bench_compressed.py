@@ -39,10 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import MotoS3
 
-from trajstore import (
-    ReplayBuffer,
-    chunked,
-)
+from trajstore import ReplayBuffer
+from trajstore.storage.fields import chunked
 
 ROW = (64, 64, 3)
 SPACE = Box(0, 255, ROW, np.uint8)

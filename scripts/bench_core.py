@@ -190,7 +190,7 @@ def bench_sample(tmp: Path, n: int, obs_shape: tuple[int, ...], obs_dtype: Any, 
 
 def bench_layouts(tmp: Path, n: int, repeats: int) -> list[dict[str, Any]]:
     """The storage-option defaults: sample(256) and disk use of (17,) f32 rows per compressor."""
-    from trajstore.summary import store_info
+    from trajstore.maintenance.summary import store_info
 
     rng = np.random.default_rng(3)
     # A random walk: continuous states compress little (about 1.25x), like real observations.

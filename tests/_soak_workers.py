@@ -50,7 +50,7 @@ _KEY = 0x5DEECE66D  # check = seq XOR key: a zeroed or stale check field never d
 
 
 def guard(capacity: int) -> int:
-    """Rows per ring commit block (trajstore.table.Table.guard): a reader of a full ring sees
+    """Rows per ring commit block (trajstore.core.table.Table.guard): a reader of a full ring sees
     ``len >= capacity - 2 * guard``."""
     return max(1, min(capacity // 32, 4096))
 

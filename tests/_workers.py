@@ -551,7 +551,7 @@ def rewrite_and_die(store: str, version: int, renames_before_kill: int) -> None:
     """set_at every row to ``version``, and SIGKILL ourselves during the roll-forward,
     after ``renames_before_kill`` staged chunks were moved into place (fault injection:
     the commit record then still names the staged chunks as ``pending``)."""
-    from trajstore.storage import Location
+    from trajstore.storage.location import Location
 
     rb = ReplayBuffer.load_from(store)
     keys, _v, _ok = decode_kv(rb[:])

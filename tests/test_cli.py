@@ -237,7 +237,7 @@ def test_stats_match_numpy_on_local_and_memory_stores(tmp_path: Path, capsys) ->
 
 
 def test_stats_read_in_bounded_blocks(tmp_path: Path, capsys, monkeypatch) -> None:
-    import trajstore.summary as summary
+    import trajstore.maintenance.summary as summary
 
     make_rb(tmp_path / "r")
     monkeypatch.setattr(summary, "BLOCK_BYTES", 4096)  # force many blocks
@@ -387,7 +387,7 @@ def test_removed_root_metadata(tmp_path: Path, capsys) -> None:
 
 
 def test_damage_on_a_memory_store(capsys) -> None:
-    from trajstore.storage import resolve_location
+    from trajstore.storage.location import resolve_location
 
     url = memory_url()
     make_traj(url, compressor="lz4")

@@ -192,12 +192,12 @@ def test_a_file_named_zip_that_is_no_zip_names_the_path(tmp_path: Path, capsys) 
 
 
 def test_a_failed_zip_copy_leaves_nothing_at_the_target(tmp_path: Path, monkeypatch) -> None:
-    import trajstore.storage
+    import trajstore.storage.location
 
     with ReplayBuffer.create(VEC, cache_path=tmp_path / "s", chunk_rows=256) as rb:
         rb.extend({"obs": np.ones((5000, 4), np.float32), "reward": np.ones(5000, np.float32),
                    "terminated": np.zeros((5000, 1), np.int8)})
-        real, calls = trajstore.storage.Location.put, {"n": 0}
+        real, calls = trajstore.storage.location.Location.put, {"n": 0}
 
         def put(self, key, data, **kw):
             if "/c/" in key:
@@ -206,11 +206,11 @@ def test_a_failed_zip_copy_leaves_nothing_at_the_target(tmp_path: Path, monkeypa
                     raise OSError(28, "No space left on device")
             return real(self, key, data, **kw)
 
-        monkeypatch.setattr(trajstore.storage.Location, "put", put)
+        monkeypatch.setattr(trajstore.storage.location.Location, "put", put)
         with pytest.raises(OSError):
             rb.dumps(tmp_path / "s.zip")
         assert calls["n"] == 2
-        monkeypatch.setattr(trajstore.storage.Location, "put", real)
+        monkeypatch.setattr(trajstore.storage.location.Location, "put", real)
     import gc
 
     gc.collect()

@@ -28,12 +28,10 @@ import _workers as W
 import test_crash as _crash
 import test_hostile as _hostile
 
-from trajstore import (
-    ReplayBuffer,
-    chunked,
-    fieldspec,
-)
-from trajstore.chunked import ChunkedField
+from trajstore import ReplayBuffer
+from trajstore.storage.fields import chunked
+from trajstore.storage.fields import spec as fieldspec
+from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import DamagedStoreError
 
 ROOT = Path(__file__).resolve().parent.parent

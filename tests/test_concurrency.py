@@ -49,7 +49,7 @@ def test_head_watch_sees_every_replacement(tmp_path):
     """A reader notices each new commit record even when it has the old one's size and
     modification time (commits within one clock tick): the watch holds the record it read
     open, so the next record cannot have its inode number."""
-    from trajstore.head import HeadWatch
+    from trajstore.storage.head import HeadWatch
 
     rb = ReplayBuffer.create(W.SPACE, cache_path=tmp_path / "s")
     ro = ReplayBuffer.load_from(tmp_path / "s", read_only=True)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from gymnasium.spaces import Box
 
-from trajstore import ReplayBuffer, confined
+from trajstore import ReplayBuffer
+from trajstore.storage import confined
 from trajstore.errors import DamagedStoreError
 
 SPACE = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: 256 rows per 1 MiB chunk

@@ -23,7 +23,7 @@ if HERE not in sys.path:
 import _workers as W  # noqa: E402
 
 from trajstore import ReplayBuffer  # noqa: E402
-from trajstore import _vmap  # noqa: E402
+from trajstore.storage.fields import _vmap  # noqa: E402
 
 STAGING = ".trajstore-staging"
 

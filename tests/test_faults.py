@@ -35,7 +35,7 @@ import pytest
 import zarr.storage._local as zarr_local
 from gymnasium.spaces import Box, Dict
 
-import trajstore.storage
+import trajstore.storage.location
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
 from trajstore.errors import ReadOnlyError, StoreExistsError, StoreFullError
 
@@ -83,7 +83,7 @@ class _Faults:
         self.err = errno.ENOSPC
         self.hit: str | None = None
         for mod, name in ((os, "pwrite"), (os, "write"), (os, "posix_fallocate"), (os, "replace"),
-                          (zarr_local, "_put"), (trajstore.storage.Location, "put")):
+                          (zarr_local, "_put"), (trajstore.storage.location.Location, "put")):
             monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), name))
 
     def _wrap(self, fn: Callable, name: str) -> Callable:
@@ -632,7 +632,7 @@ def test_a_failed_dumps_leaves_the_previous_zip(tmp_path, monkeypatch):
         digest = _sha(z)
         rb.extend(np.ones((10, 16), np.uint8))
         calls = {"n": 0}
-        real = trajstore.storage.Location.put
+        real = trajstore.storage.location.Location.put
 
         def put(self: Any, key: str, data: bytes, **kw: Any) -> None:
             calls["n"] += 1
@@ -640,10 +640,10 @@ def test_a_failed_dumps_leaves_the_previous_zip(tmp_path, monkeypatch):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(self, key, data, **kw)
 
-        monkeypatch.setattr(trajstore.storage.Location, "put", put)
+        monkeypatch.setattr(trajstore.storage.location.Location, "put", put)
         with pytest.raises(OSError):
             rb.dumps(z)
-        monkeypatch.setattr(trajstore.storage.Location, "put", real)
+        monkeypatch.setattr(trajstore.storage.location.Location, "put", real)
         import gc
 
         gc.collect()
@@ -829,7 +829,7 @@ def test_appends_after_a_failed_block_retry_it_and_drop_nothing(tmp_path, monkey
     """A full disk while a block of staged single-row appends is handed to the table: the append that
     filled the block raises, the next one tries the block again (the same error while the disk stays
     full, never an IndexError), and once space returns every appended row is stored, in order."""
-    import trajstore.table as table_mod
+    import trajstore.core.table as table_mod
 
     space = Box(0, 255, (84, 84, 4), np.uint8)
     rb = ReplayBuffer.create(space, cache_path=tmp_path / "s", commit_interval=3600)

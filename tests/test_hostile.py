@@ -535,8 +535,8 @@ def _exercise(kind: str, path: str) -> dict[str, Any]:
     """Everything a user does with a store, each step's outcome: ``ok``, ``T:<trajstore error>`` or
     ``X:<any other exception>`` (the latter is a bug)."""
     from trajstore.cli import main
-    from trajstore.summary import store_info
-    from trajstore.verify import verify_store
+    from trajstore.maintenance.summary import store_info
+    from trajstore.maintenance.verify import verify_store
 
     cls = ReplayBuffer if kind == "rb" else TrajectoryReplayBuffer
     out: dict[str, Any] = {}

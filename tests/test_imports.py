@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-LAZY = ["trajstore.verify", "trajstore.repair", "trajstore.summary", "trajstore.dask", "trajstore.cli",
+LAZY = ["trajstore.maintenance.verify", "trajstore.maintenance.repair", "trajstore.maintenance.summary", "trajstore.dask", "trajstore.cli",
         "trajstore.torch", "trajstore.sb3", "trajstore.recording", "dask", "torch", "stable_baselines3", "tqdm",
         "matplotlib", "fsspec.implementations.http", "s3fs"]
 
@@ -28,7 +28,7 @@ def test_lazy_names_resolve_on_first_use() -> None:
                             "assert callable(verify_store) and callable(repair_store)\n"
                             "assert {'verify_store', 'repair_store'} <= set(dir(trajstore))\n"
                             "from trajstore import *")
-    assert {"trajstore.verify", "trajstore.repair"} <= loaded
+    assert {"trajstore.maintenance.verify", "trajstore.maintenance.repair"} <= loaded
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

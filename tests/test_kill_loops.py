@@ -43,7 +43,7 @@ KILLS: dict[str, int] = {}  # test id -> kills done (the module's total is asser
 
 
 def _guard(capacity: int) -> int:
-    """Rows a ring evicts ahead of its writer (trajstore.table.Table.guard)."""
+    """Rows a ring evicts ahead of its writer (trajstore.core.table.Table.guard)."""
     return max(1, min(capacity // 32, 4096))
 
 

@@ -5,7 +5,7 @@
   use the portable ``ChunkedField``.  The core suites run again with it set, the bytes on disk are
   the same, and stores written by one engine read the same through the other.
 - ``import trajstore`` works without ``fcntl`` (Windows), and the writer lock's Windows path
-  (``msvcrt.locking`` byte-range locks, :class:`trajstore.head.MsvcrtBackend`) keeps the lock's
+  (``msvcrt.locking`` byte-range locks, :class:`trajstore.storage.head.MsvcrtBackend`) keeps the lock's
   semantics: single writer, multiprocessing writers share, readers never blocked, a killed
   holder releases it.  Windows' own ``msvcrt`` is not available here: the backend is driven by a
   model of per-handle byte-range locks (in process) and by a ``fcntl.lockf``-backed stand-in
@@ -32,11 +32,13 @@ import pytest
 from gymnasium.spaces import Box, Dict, Discrete
 
 import trajstore
-from trajstore import ReplayBuffer, TrajectoryReplayBuffer, _vmap, fields
-from trajstore.chunked import ChunkedField
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import layout as fields
+from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import LockedError
-from trajstore.head import MsvcrtBackend
-from trajstore.mapped import MappedField
+from trajstore.storage.head import MsvcrtBackend
+from trajstore.storage.fields.mapped import MappedField
 
 ROOT = Path(__file__).resolve().parent.parent
 SPACE = Dict({"obs": Box(-np.inf, np.inf, (5,), np.float32), "img": Box(0, 255, (8, 8, 3), np.uint8),
@@ -436,7 +438,7 @@ def test_trajstore_imports_no_posix_only_module_at_the_top():
 
 
 def test_portable_pread_pwrite(tmp_path, monkeypatch):
-    from trajstore import confined
+    from trajstore.storage import confined
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:

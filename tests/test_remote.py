@@ -214,7 +214,7 @@ def test_zip_copy_reads(tmp_path):
 def test_s3_compressed_image_rows_fetched_concurrently(s3_options, monkeypatch):
     """A random batch fetches the chunks it needs all at once (issue 12, point 5): every chunk at
     most once, several requests in flight; rows decode alone (one blosc block per image row)."""
-    from trajstore import chunked
+    from trajstore.storage.fields import chunked
 
     monkeypatch.setattr(chunked, "ROW_READS_ABOVE_BYTES", 0)  # this small field takes the row path too
     space = gym.spaces.Box(0, 255, (32, 32, 3), np.uint8)

@@ -32,7 +32,7 @@ from test_kill_loops import _acked, _check_append, _kill_round, make_append_stor
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, repair_store, verify_store  # noqa: E402
 from trajstore.cli import main  # noqa: E402
-from trajstore.head import HEAD_KEY, PREV_KEY  # noqa: E402
+from trajstore.storage.head import HEAD_KEY, PREV_KEY  # noqa: E402
 
 RNG_BYTES = np.random.default_rng(0).integers(0, 256, 300, dtype=np.uint8).tobytes()
 
@@ -271,8 +271,8 @@ def test_cli_verify_and_repair_and_ls_with_the_previous_record(tmp_path, capsys)
 def test_a_failed_copy_never_outlives_its_commit(tmp_path, monkeypatch):
     """When the copy cannot be written after a commit (full disk...), the commit stands and the
     outdated copy is removed rather than left naming rows a later commit may reuse."""
-    import trajstore.head as head_mod
-    import trajstore.storage as storage
+    import trajstore.storage.head as head_mod
+    import trajstore.storage.location as storage
 
     path = tmp_path / "s"
     rb = ReplayBuffer.create(W.SPACE, cache_path=path, capacity=128, chunk_rows=64)
@@ -365,8 +365,8 @@ def test_a_writer_reusing_ring_slots_before_its_first_commit_keeps_the_copy_usab
     assert json.loads((path / HEAD_KEY).read_bytes())["generation"] == json.loads(
         (path / PREV_KEY).read_bytes())["generation"]
     # A shorter record written over a longer copy: padded with JSON whitespace, one write.
-    from trajstore.head import _write_prev_in_place
-    from trajstore.storage import resolve_location
+    from trajstore.storage.head import _write_prev_in_place
+    from trajstore.storage.location import resolve_location
     loc = resolve_location(str(path), read_only=False, must_exist=True)
     assert _write_prev_in_place(loc, (path / HEAD_KEY).read_bytes()[:5] + b"}")  # any bytes: layout only
     assert (path / PREV_KEY).read_bytes().rstrip() == (path / HEAD_KEY).read_bytes()[:5] + b"}"

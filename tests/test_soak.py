@@ -6,7 +6,7 @@ rb[i], rb[:], get_slice(slice(0, 48))[:] and sample(256) and checks each row it 
 ``_soak_workers.py``): never a torn row (fields of one row disagree), never an uncommitted
 row, never a row evicted before the read began; ``len()`` of the full ring never below
 ``capacity - 2 * guard`` (ring writes are committed in blocks of ``guard`` rows, see
-``trajstore.table.Table.guard`` and ``Store.ensure_evicted``); ``sample`` never raises.
+``trajstore.core.table.Table.guard`` and ``Store.ensure_evicted``); ``sample`` never raises.
 Each reader reports ``{"errors": [...], stats}`` in a JSON file; the stats are printed.
 """
 

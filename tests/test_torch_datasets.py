@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-from trajstore.fields import ChunkedField
+from trajstore.storage.fields.layout import ChunkedField
 from trajstore.torch import RandomBatchSampler, SampleBatch, SequenceDataset, TransitionDataset, collate_batch
 
 STEP = gym.spaces.Dict({

@@ -28,7 +28,8 @@ if HERE not in sys.path:
 import _traj_workers as TW  # noqa: E402
 import _workers as W  # noqa: E402
 
-from trajstore import TrajectoryReplayBuffer, episodes  # noqa: E402
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
+from trajstore.core import episodes  # noqa: E402
 from trajstore.errors import LockedError  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import torch
 from gymnasium.spaces import Box, Dict
 
 from trajstore import TrajectoryReplayBuffer
-from trajstore import episodes
+from trajstore.core import episodes
 
 SCALAR = Dict({"obs": Box(-np.inf, np.inf, (), np.float32)})
 STEP = Dict({"obs": Box(-np.inf, np.inf, (3,), np.float32), "img": Box(0, 255, (2, 2), np.uint8)})

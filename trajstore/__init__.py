@@ -7,10 +7,10 @@ are lazy.  See README.md and docs/.
 
 from typing import Any
 
-from . import errors
-from .replay_buffer import ReplayBuffer, ZarrStorage
-from .trajectory import TrajectoryData, TrajectoryReplayBuffer
-from .views import BatchBase, ColumnView, SliceView
+from trajstore import errors
+from trajstore.buffers.replay import ReplayBuffer, ZarrStorage
+from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
+from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
 # Maintenance (verify, repair) is imported on first use: most programs never call it, and
 # ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
@@ -19,9 +19,9 @@ _LAZY = ("verify_store", "repair_store")
 
 def __getattr__(name: str) -> Any:
     if name == "verify_store":
-        from .verify import verify_store as value
+        from trajstore.maintenance.verify import verify_store as value
     elif name == "repair_store":
-        from .repair import repair_store as value
+        from trajstore.maintenance.repair import repair_store as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MissingDependencyError
+from trajstore.errors import MissingDependencyError
 
 __all__ = ["EXTRAS", "is_tensor", "to_numpy", "missing"]
 

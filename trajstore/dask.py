@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .buffer import StoredBuffer
-from .errors import BadArgumentError, ConcurrentWriteError
-from .replay_buffer import ReplayBuffer
-from .spaces import ValuePlan
-from .trajectory import TrajectoryReplayBuffer
-from .views import BatchBase, ColumnView
+from trajstore.buffers.base import StoredBuffer
+from trajstore.errors import BadArgumentError, ConcurrentWriteError
+from trajstore.buffers.replay import ReplayBuffer
+from trajstore.spaces import ValuePlan
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.buffers.views import BatchBase, ColumnView
 
 __all__ = ["to_dask"]
 

@@ -7,7 +7,7 @@ import os
 import gymnasium
 import numpy as np
 
-from .replay_buffer import ReplayBuffer
+from trajstore.buffers.replay import ReplayBuffer
 
 __all__ = ["record_demo", "transition_space"]
 

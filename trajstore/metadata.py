@@ -15,10 +15,10 @@ import os
 from importlib import metadata as _im
 from typing import Any
 
-from .buffer import StoredBuffer
-from .errors import BadArgumentError, BadValueError, DamagedStoreError, ReadOnlyError
-from .schema import load_json
-from .storage import Location, resolve_location
+from trajstore.buffers.base import StoredBuffer
+from trajstore.errors import BadArgumentError, BadValueError, DamagedStoreError, ReadOnlyError
+from trajstore.storage.schema import load_json
+from trajstore.storage.location import Location, resolve_location
 
 __all__ = ["DATASET_KEY", "set_dataset_info", "get_dataset_info", "env_description", "library_versions"]
 

@@ -19,8 +19,8 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Box, Dict
 
-from .errors import BadOptionError, UnknownFieldError, UnsupportedSpaceError
-from .trajectory import TrajectoryReplayBuffer
+from trajstore.errors import BadOptionError, UnknownFieldError, UnsupportedSpaceError
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE"]
 
@@ -88,7 +88,7 @@ class _Recorder:
         self.buffer = TrajectoryReplayBuffer.create(space, episode_data_instance_space=EPISODE_SPACE,
                                                     cache_path=self._cache_path, **self._create_kwargs)
         if self._dataset_info is not None and self.buffer.cache_path is not None:
-            from .metadata import set_dataset_info
+            from trajstore.metadata import set_dataset_info
 
             set_dataset_info(self.buffer, **self._dataset_info)
 

@@ -16,9 +16,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import show as _show
-from . import maintain as _maintain
-from ._common import CLIError
+from trajstore.cli import show as _show
+from trajstore.cli import maintain as _maintain
+from trajstore.cli._common import CLIError
 
 __all__ = ["main", "build_parser"]
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ..metadata import DATASET_KEY
-from ..summary import iter_blocks, open_store
-from ..repair import RepairReport, repair_store
-from ..verify import VerifyReport, verify_store
-from ._common import CLIError, add_store_args, fmt_bytes, json_arg, positive_int, print_json, progress
+from trajstore.metadata import DATASET_KEY
+from trajstore.maintenance.summary import iter_blocks, open_store
+from trajstore.maintenance.repair import RepairReport, repair_store
+from trajstore.maintenance.verify import VerifyReport, verify_store
+from trajstore.cli._common import CLIError, add_store_args, fmt_bytes, json_arg, positive_int, print_json, progress
 
 __all__ = ["register", "copy_store"]
 
@@ -89,7 +89,7 @@ def _is_url(p: str) -> bool:
 
 def _exists(path: str, options: dict[str, Any] | None) -> bool:
     if _is_url(path):
-        from ..storage import resolve_location
+        from trajstore.storage.location import resolve_location
 
         loc = resolve_location(path, read_only=True, storage_options=options, must_exist=False)
         try:
@@ -143,7 +143,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
                overwrite: bool = False) -> dict[str, Any]:
     """Copy the store ``src`` to ``dst`` (any locations, a ``.zip`` included), then verify the copy.
 
-    A ``.zip`` destination is written small (:func:`trajstore._zipstore.write_zip`): only chunks
+    A ``.zip`` destination is written small (:func:`trajstore.storage.zipstore.write_zip`): only chunks
     holding committed rows, and with ``compressor="auto"`` (the default) raw fields compressed
     with lz4 row blocks (``"keep"``: every field's own codec; ``"none"``: raw chunks).  Other
     destinations: with ``compressor`` ``"auto"``/``"keep"`` and no ``chunk_rows`` a byte copy of
@@ -161,10 +161,10 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
         info``: finished episodes and the one in progress, or None), ``arrays``, ``bytes`` (stored
         bytes of the copy) and ``verified``.
     """
-    from .. import ReplayBuffer, TrajectoryReplayBuffer
-    from .._zipstore import write_zip
-    from ..spaces import ValuePlan, space_from_json
-    from ..summary import STEPS, episode_counts
+    from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+    from trajstore.storage.zipstore import write_zip
+    from trajstore.spaces import ValuePlan, space_from_json
+    from trajstore.maintenance.summary import STEPS, episode_counts
 
     if _same(src, dst):
         raise CLIError("SRC and DST are the same store", code=2)

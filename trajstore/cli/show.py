@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..summary import episode_table, field_stats, head_rows, open_store, store_info
-from ._common import (CLIError, add_store_args, fmt_bytes, fmt_num, non_negative_int, positive_int, print_json,
+from trajstore.maintenance.summary import episode_table, field_stats, head_rows, open_store, store_info
+from trajstore.cli._common import (CLIError, add_store_args, fmt_bytes, fmt_num, non_negative_int, positive_int, print_json,
                       print_table, progress)
 
 __all__ = ["register", "print_info", "episode_text", "ratio_text"]
@@ -17,7 +17,7 @@ __all__ = ["register", "print_info", "episode_text", "ratio_text"]
 
 # -- info ----------------------------------------------------------------------------------------
 def episode_text(eps: dict[str, Any], capacity: int | None = None) -> str:
-    """``eps`` (:func:`trajstore.summary.episode_counts`) as a user counts episodes: finished ones,
+    """``eps`` (:func:`trajstore.maintenance.summary.episode_counts`) as a user counts episodes: finished ones,
     the one in progress, and (trajectory rings) the ones evicted."""
     text = f"{eps['finished']} finished" + (" (+1 in progress)" if eps.get("in_progress") else "")
     if eps["source"] == "episode ids":
@@ -81,7 +81,7 @@ def _array_ratio(a: dict[str, Any]) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from ..summary import array_list
+    from trajstore.maintenance.summary import array_list
 
     store = open_store(args.path, args.storage_options)
     try:
@@ -167,7 +167,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if args.field is None:
             total = sum(t.count for t in store.tables.values())
         else:
-            from ..summary import select_fields
+            from trajstore.maintenance.summary import select_fields
 
             total = sum({t.name: t.count for t, _j in select_fields(store, args.field)}.values())
         bar = progress(total, "stats", unit="row")
@@ -233,9 +233,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 # -- demo ------------------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import record_demo
+    from trajstore.demo import record_demo
 
-    from ..errors import StoreExistsError
+    from trajstore.errors import StoreExistsError
 
     try:
         path = record_demo(args.dir, env_id=args.env, episodes=args.episodes, seed=args.seed, overwrite=args.overwrite)

@@ -14,17 +14,17 @@ See docs/sb3.md.
 
 from __future__ import annotations
 
-from .._optional import missing
+from trajstore._optional import missing
 
 try:
     import stable_baselines3  # noqa: F401
 except ImportError:  # pragma: no cover - depends on the environment
     raise missing("stable_baselines3", "trajstore.sb3") from None
 
-from ._root import ResumedBufferWarning  # noqa: E402
-from .dummy_vec import DummyVecRolloutBuffer  # noqa: E402
-from .replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
-from .rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
+from trajstore.sb3._root import ResumedBufferWarning  # noqa: E402
+from trajstore.sb3.dummy_vec import DummyVecRolloutBuffer  # noqa: E402
+from trajstore.sb3.replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
+from trajstore.sb3.rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
            "DummyVecRolloutBuffer", "ResumedBufferWarning"]

@@ -12,13 +12,13 @@ from typing import Any, Sequence
 import gymnasium
 import numpy as np
 
-from ..errors import ClosedError, DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
-from ..replay_buffer import ReplayBuffer as StoreBuffer
-from ..spaces import space_from_json
-from ..trajectory import TrajectoryReplayBuffer
-from ..views import ColumnView
-from . import _root
-from ._layout import ObsLayout, PerKey
+from trajstore.errors import ClosedError, DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
+from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
+from trajstore.spaces import space_from_json
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.buffers.views import ColumnView
+from trajstore.sb3 import _root
+from trajstore.sb3._layout import ObsLayout, PerKey
 
 __all__ = ["ZarrBufferMixin", "PositionView"]
 

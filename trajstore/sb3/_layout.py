@@ -20,7 +20,7 @@ import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_obs_shape
 
-from ..errors import BadValueError, UnsupportedSpaceError
+from trajstore.errors import BadValueError, UnsupportedSpaceError
 
 __all__ = ["ObsLayout", "storage_box", "scalar_box"]
 

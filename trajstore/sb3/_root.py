@@ -24,9 +24,9 @@ from typing import Any
 import fsspec
 import gymnasium
 
-from ..errors import FormatVersionError, NotATrajstoreError, SpaceMismatchError, StoreExistsError
-from ..spaces import space_from_json, space_to_json
-from ..storage import fsspec_options
+from trajstore.errors import FormatVersionError, NotATrajstoreError, SpaceMismatchError, StoreExistsError
+from trajstore.spaces import space_from_json, space_to_json
+from trajstore.storage.location import fsspec_options
 
 __all__ = ["StoreRoot", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
 

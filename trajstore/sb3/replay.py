@@ -26,10 +26,10 @@ from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, Repla
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from ..errors import UnsupportedSpaceError
-from ._base import PositionView, ZarrBufferMixin
-from ._layout import ObsLayout, scalar_box, storage_box
-from ._root import announce_resume, space_config
+from trajstore.errors import UnsupportedSpaceError
+from trajstore.sb3._base import PositionView, ZarrBufferMixin
+from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
+from trajstore.sb3._root import announce_resume, space_config
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
 

@@ -26,12 +26,12 @@ from stable_baselines3.common.buffers import BaseBuffer, DictRolloutBuffer, Roll
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from .._optional import to_numpy
-from ..errors import UnsupportedSpaceError
-from ..trajectory import TrajectoryReplayBuffer
-from ._base import PositionView, ZarrBufferMixin, concat, take
-from ._layout import ObsLayout, scalar_box, storage_box
-from ._root import announce_resume, space_config
+from trajstore._optional import to_numpy
+from trajstore.errors import UnsupportedSpaceError
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.sb3._base import PositionView, ZarrBufferMixin, concat, take
+from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
+from trajstore.sb3._root import announce_resume, space_config
 
 __all__ = ["ZarrRolloutBuffer", "ZarrDictRolloutBuffer", "RolloutArrays"]
 

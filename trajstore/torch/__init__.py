@@ -15,14 +15,14 @@ Each batch is read whole (``__getitems__``) and, in a worker, crosses to the mai
 buffer (``_transfer``); torch's default collate and :func:`collate_batch` both pass it through.
 """
 
-from .._optional import missing
+from trajstore._optional import missing
 
 try:
     import torch  # noqa: F401
 except ImportError:
     raise missing("torch", "trajstore.torch") from None
 
-from .datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
-from .samplers import RandomBatchSampler  # noqa: E402
+from trajstore.torch.datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
+from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
 
 __all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]

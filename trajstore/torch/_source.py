@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..buffer import StoredBuffer
-from ..errors import UnknownFieldError
-from ..replay_buffer import ReplayBuffer
-from ..spaces import ValuePlan, subspace
-from ..trajectory import TrajectoryReplayBuffer
+from trajstore.buffers.base import StoredBuffer
+from trajstore.errors import UnknownFieldError
+from trajstore.buffers.replay import ReplayBuffer
+from trajstore.spaces import ValuePlan, subspace
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["BufferSource", "FieldSelection"]
 
@@ -25,7 +25,7 @@ _KINDS = {"ReplayBuffer": ReplayBuffer, "TrajectoryReplayBuffer": TrajectoryRepl
 
 
 def _store_kind(path: str, storage_options: dict[str, Any] | None) -> str:
-    from ..summary import open_store
+    from trajstore.maintenance.summary import open_store
 
     store = open_store(path, storage_options)
     try:

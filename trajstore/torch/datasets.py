@@ -15,11 +15,11 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
-from ..episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
-from ..errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
-from ..sequences import PADS, pad_sources, window_rows
-from ._source import BufferSource, FieldSelection
-from ._transfer import in_worker, pack
+from trajstore.core.episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
+from trajstore.errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
+from trajstore.sampling.sequences import PADS, pad_sources, window_rows
+from trajstore.torch._source import BufferSource, FieldSelection
+from trajstore.torch._transfer import in_worker, pack
 
 __all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
 

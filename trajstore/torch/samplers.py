@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ..errors import BadOptionError, EmptyBufferError
+from trajstore.errors import BadOptionError, EmptyBufferError
 
 __all__ = ["RandomBatchSampler"]
 

@@ -1,0 +1,360 @@
+"""``StoredBuffer``: what every store-backed buffer shares (ReplayBuffer, TrajectoryReplayBuffer):
+opening state, committing (flush / dumps / close), uniform sampling that stays consistent
+while a writer fills a ring, and pickling as a small handle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import weakref
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+
+from trajstore.buffers.backend import Backend
+from trajstore.errors import BadOptionError, ClosedError, ConcurrentWriteError, EmptyBufferError
+from trajstore.core.store import Store
+from trajstore.core.stager import RowStager
+from trajstore.core.table import Table
+from trajstore.buffers.views import BatchBase
+
+_T = TypeVar("_T")
+
+__all__ = ["StoredBuffer", "as_generator"]
+
+# Writers left open at interpreter exit are committed by an atexit hook.  It is registered
+# after zarr's own (zarr is imported first), so it runs before zarr stops its event loop;
+# a commit from __del__ during finalization could wait forever on that loop.
+_OPEN: "weakref.WeakSet[StoredBuffer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for buf in list(_OPEN):
+        try:
+            buf.close()
+        except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
+            pass
+
+
+def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
+    """``rng`` as a Generator: ``None`` gives ``default``, an int seeds a new one."""
+    if rng is None:
+        return default
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+class StoredBuffer(BatchBase):
+    """Base of buffers whose rows live in a :class:`~trajstore.core.store.Store`.
+
+    Subclasses set ``self._table`` (the table whose rows are the buffer's rows), register
+    their row stagers in ``self._stagers`` and implement :meth:`_read_rows`.
+    """
+
+    _table: Table
+    _stagers: list[RowStager]
+
+    def __init__(self, store: Store, backend: Backend, open_args: dict[str, Any]) -> None:
+        self._store = store
+        self._backend = backend
+        self._open_args = open_args
+        self._rng = np.random.default_rng()
+        self._closed = False
+        self._stagers = []
+        _OPEN.add(self)
+
+    @classmethod
+    def _open_store(cls, kind: str, path: Any, build: Callable[[Store, Backend, dict[str, Any]], "StoredBuffer"], *,
+                    backend: str, device: Any, read_only: bool, multiprocessing: bool,
+                    storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "StoredBuffer":
+        """Shared body of ``load_from``: open the store, then ``build(store, backend, open_args)``;
+        the store is closed again if building the buffer fails (e.g. a space mismatch)."""
+        bk = Backend(backend, device)
+        store = Store.open(path, kind, read_only=read_only, multiprocessing=multiprocessing,
+                           storage_options=storage_options, options=options)
+        try:
+            return build(store, bk, dict(backend=backend, device=device, storage_options=storage_options,
+                                         options=options))
+        except BaseException:
+            store.close()
+            raise
+
+    # -- subclass hook ------------------------------------------------------------------------
+    def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        """Like :meth:`_read` but without synchronizing first."""
+        raise NotImplementedError  # abstract
+
+    # -- state ---------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        for st in self._stagers:
+            st.drain()
+
+    _pinned = False  # True while a consistent read runs: it must see one commit record throughout
+    _read_head = None  # the commit record whose rows the last consistent read returned (tests look)
+
+    def _sync(self) -> None:
+        """Before reading: a writer hands staged appends to its tables; readers (and
+        multi-process writers) adopt the latest commit, unless a read in progress pinned it."""
+        if self._closed:
+            raise ClosedError("I/O operation on a closed buffer")
+        for st in self._stagers:
+            if st.pending:
+                st.drain()
+        if (not self._store.writable or self._store.multiprocessing) and not self._pinned:
+            self._store.refresh()
+
+    def __len__(self) -> int:
+        self._sync()
+        return self._table.count
+
+    @property
+    def count(self) -> int:
+        """Rows present (``len(self)``)."""
+        return len(self)
+
+    @property
+    def offset(self) -> int:
+        """Physical row of logical row 0 (ring buffers; 0 when unbounded)."""
+        self._sync()
+        return self._table.offset
+
+    @property
+    def capacity(self) -> int | None:
+        return self._table.capacity
+
+    @property
+    def full(self) -> bool:
+        return self.capacity is not None and len(self) == self.capacity
+
+    @property
+    def read_only(self) -> bool:
+        return not self._store.writable
+
+    @property
+    def cache_path(self) -> str | None:
+        return self._store.loc.url
+
+    @property
+    def multiprocessing(self) -> bool:
+        return self._store.multiprocessing
+
+    @property
+    def check_bounds(self) -> bool:
+        """Whether this handle's writes refuse Box values outside the bounds (``create`` /
+        ``load_from`` keyword; a setting of the handle, not saved in the store)."""
+        return bool(self._open_args.get("check_bounds", False))
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        # No refresh here: ``idx`` was just resolved against len(self), i.e. the current commit.
+        if self._closed:
+            raise ClosedError("I/O operation on a closed buffer")
+        self._drain()
+        return self._read_rows(idx, leaf_ids)
+
+    @property
+    def _recheck(self) -> bool:
+        """Whether other processes may commit while we read (readers, multiprocessing writers),
+        so a read must be checked against the latest commit record afterwards."""
+        return not self._store.writable or self._store.multiprocessing
+
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        """Reads by a reader (or multiprocessing writer) are retried until the rows of the commit
+        record they resolved their indices against are still intact under the latest record
+        afterwards (:meth:`Store.rows_intact`), so the result is exactly that record's rows.
+        While ``read`` runs, the buffer's view of the store is pinned (``len`` inside it does not
+        adopt a newer record), so indices and rows come from one record.  Every read of this
+        buffer and of its views (``get_slice``, ``get_column``) goes through here."""
+        if not self._recheck:
+            return read()
+        self._sync()
+        for _ in range(1000):
+            before = self._store.committed
+            out = self._pinned_read(read)
+            if not self._store.refresh() or self._store.rows_intact(before):
+                self._read_head = before
+                return out
+        raise ConcurrentWriteError(f"{self.cache_path}: the writer rewrote or evicted the rows being read "
+                                   "1000 times in a row; read fewer rows at a time")
+
+    def _pinned_read(self, read: Callable[[], _T]) -> _T:
+        outer, self._pinned = self._pinned, True  # re-entrant: a read inside a read stays pinned
+        try:
+            return read()
+        finally:
+            self._pinned = outer
+
+    def _sample_consistent(self, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
+                           size: int) -> _T:
+        """``read(draw(size))``, made consistent seqlock-style for readers of a live store: after the
+        read the commit record is checked again, and rows (anchors) evicted meanwhile are redrawn
+        with ``draw`` (everything after a rewrite) until a read saw only intact rows.  ``draw(k)``
+        returns k logical rows of the current record; ``read`` reads the rows it is given."""
+        t = self._table
+        self._sync()
+        if t.count == 0:
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.cache_path})")
+        idx = draw(size)
+        if not self._recheck:
+            return read(idx)
+        for _ in range(100):
+            before, start = self._store.committed, t.state.start
+            out = self._pinned_read(lambda: read(idx))
+            if not self._store.refresh() or self._store.rows_intact(before):
+                self._read_head = before
+                return out
+            if t.count == 0:
+                raise EmptyBufferError(f"{self.cache_path}: the buffer was emptied while it was sampled")
+            if self._store.committed.epoch != before.epoch:
+                idx = draw(size)
+                continue
+            absolute = idx + start
+            stale = absolute < t.state.start
+            if not stale.any():  # the start moved, but not past any row read: they are intact
+                self._read_head = before
+                return out
+            idx = absolute - t.state.start
+            idx[stale] = draw(int(stale.sum()))
+        raise ConcurrentWriteError(f"{self.cache_path}: the writer evicts rows faster than this reader can "
+                                   "sample them")
+
+    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
+        """``batch_size`` rows drawn uniformly with replacement.
+
+        ``rng`` is a ``numpy.random.Generator`` (or a seed); by default the buffer's own.  A
+        reader of a ring that a writer is filling re-checks the commit record after reading and
+        redraws rows evicted meanwhile, so it never returns a half-overwritten row.
+
+        Raises
+        ------
+        EmptyBufferError
+            The buffer holds no rows (or a writer emptied it meanwhile).
+        """
+        gen = as_generator(rng, self._rng)
+        leaves = self._all_leaves
+        arrays = self._sample_consistent(lambda k: gen.integers(0, self._table.count, size=k),
+                                         lambda idx: self._read_rows(idx, leaves), batch_size)
+        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
+
+    # -- committing ----------------------------------------------------------------------------------
+    def flush(self, fsync: bool | None = None) -> None:
+        """Commit everything written so far.
+
+        ``fsync=True`` makes it durable against power loss too; ``None`` follows the store's
+        ``fsync`` option (default False: safe against process crashes only)."""
+        if self.read_only:
+            return
+        self._store._check_writable()
+        if self._store.multiprocessing:
+            # Under the op lock, on top of the other writers' latest commit: committing this
+            # handle's stale view would drop their rows.
+            with self._store.write_op():
+                self._drain()
+                if fsync:
+                    self._store.commit(fsync=True, state=self._state())
+            return
+        self._drain()
+        self._store.commit(fsync=fsync, state=self._state())
+
+    def _state(self) -> dict[str, Any] | None:
+        """Buffer-specific state saved in the commit record (None: keep what is there)."""
+        return None
+
+    def dumps(self, path: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
+              progress: bool | None = None, compressor: Any = "auto") -> None:
+        """Make everything written so far durable and consistent.
+
+        To the buffer's own ``cache_path`` (or ``path=None``) this is one commit: chunks being
+        filled are written and the commit record replaced (milliseconds at any size).  To another
+        path it copies the store there (progress bar on a terminal) and leaves this one open.
+
+        A ``.zip`` is a file meant for sharing, so it is written small: only chunks holding
+        committed rows, raw fields compressed (``compressor``: ``"auto"`` (default) compresses raw
+        fields with lz4 row blocks and keeps compressed ones; ``"keep"`` keeps every field's codec;
+        ``"none"`` stores raw chunks; ``"lz4"``/``"zstd"`` or a codec for every field).  Folders and
+        URLs get a byte copy, whose layout is the store's own (``compressor`` must stay ``"auto"``
+        or ``"keep"``; ``trajstore copy --compressor`` re-encodes them).
+        """
+        self.flush()
+        if path is None or self._same_path(path):
+            return
+        p = os.fspath(path)
+        if "://" not in p and "::" not in p and p.endswith(".zip") and not os.path.isdir(p):
+            from trajstore.storage.zipstore import write_zip
+
+            write_zip(self._store, p, compressor=compressor, progress=progress)
+            return
+        if not (isinstance(compressor, str) and compressor in ("auto", "keep")):
+            raise BadOptionError(f"dumps({p!r}, compressor={compressor!r}): a folder or URL copy keeps the store's "
+                             "layout; re-encode with `trajstore copy SRC DST --compressor ...`, or dumps to a .zip")
+        self._store.copy_to(path, storage_options=storage_options, progress=progress)
+
+    def _same_path(self, path: Any) -> bool:
+        own = self._store.loc.url
+        if own is None:
+            return False
+        if "://" in own or "://" in os.fspath(path):
+            return os.fspath(path).rstrip("/") == own.rstrip("/")
+        return os.path.abspath(os.fspath(path)) == os.path.abspath(own)
+
+    def close(self) -> None:
+        """Commit (writers) and release files, maps and the writer lock."""
+        if self._closed:
+            return
+        try:
+            if not self._store.forked:  # a forked child's copy: the parent commits, not us
+                self.flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._store.close()
+        self._closed = True
+        _OPEN.discard(self)
+
+    def __enter__(self) -> "StoredBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the atexit hook already committed; zarr's loop may be gone
+        try:
+            if os.getpid() != self._store.opener_pid:
+                # A copy inherited through fork: garbage collection may run anywhere in the child,
+                # even inside zarr's event-loop setup (whose lock a commit would take again and
+                # deadlock on), and the rows belong to the parent.  Release, never commit.
+                self._release()
+            else:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else "writer"
+        return (f"{type(self).__name__}({self.cache_path!r}, {mode}, len={self._table.count}, "
+                f"capacity={self.capacity}, space={self.single_space})")
+
+    # -- pickling -----------------------------------------------------------------------------------
+    def __reduce__(self) -> Any:
+        name = type(self).__name__
+        if self.cache_path is None:
+            raise TypeError(f"an in-memory {name} (cache_path=None) cannot be pickled")
+        if not (self.read_only or self.multiprocessing):
+            raise TypeError(f"a single-writer {name} cannot be pickled: open it with multiprocessing=True, "
+                            "or pickle a read-only one (load_from(..., read_only=True))")
+        a = self._open_args
+        kwargs = dict(backend=a["backend"], device=a["device"], read_only=self.read_only,
+                      multiprocessing=self.multiprocessing, storage_options=a["storage_options"],
+                      **{k: v for k, v in a["options"].items() if k in ("fsync", "commit_interval")})
+        if self.check_bounds:  # a policy of the handle: the copy in another process keeps it
+            kwargs["check_bounds"] = True
+        return (_reopen, (type(self), self.cache_path, kwargs))
+
+
+def _reopen(cls: type, path: str, kwargs: dict[str, Any]) -> StoredBuffer:
+    return cls.load_from(path, **kwargs)  # type: ignore[attr-defined, no-any-return]

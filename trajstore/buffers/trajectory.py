@@ -1,0 +1,618 @@
+"""``TrajectoryReplayBuffer``: steps, the episode id of every step, and per-episode data.
+
+Layout (one store, two tables, one commit record):
+
+- table ``step_data``: ``step_data/<leaf path>`` (one array per step-space leaf) and
+  ``step_episode_ids`` (int64), so the id ring is always aligned with the step ring;
+- table ``episode_data`` (optional): ``episode_data/<leaf path>`` (a leaf episode space is
+  ``episode_data/value``) and ``episode_data/_episode_id`` (int64), one row per episode
+  that has data, in insertion order.
+
+The commit record's ``state`` holds ``current_episode_id`` and ``next_episode_id``.  Episode
+rows are evicted once the last step of their episode has left the step ring.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence, TypedDict
+
+import gymnasium
+import numpy as np
+
+from trajstore._optional import is_tensor, to_numpy
+from trajstore.buffers.backend import Backend
+from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.core.episodes import EpisodeIndex, RunIndex
+from trajstore.errors import BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError, UnsupportedSpaceError
+from trajstore.buffers.replay import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
+from trajstore.storage.schema import MAX_INT
+from trajstore.core.ring import IndexLike, normalize_index
+from trajstore.storage.fields.layout import make_field_spec
+from trajstore.sampling import sequences as _seq
+from trajstore.spaces import ValuePlan, space_to_json
+from trajstore.core.store import Store, TableSpec
+from trajstore.core.stager import RowStager
+from trajstore.buffers.views import BatchBase
+
+__all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
+
+STEPS, EPISODES = "step_data", "episode_data"
+STEP_IDS = "step_episode_ids"
+EP_ID_FIELD = "_episode_id"
+_ID = ((), np.dtype(np.int64))
+_WRAPPER_KEYS = frozenset({"step_data", "episode_ids", "episode_data"})
+
+
+class TrajectoryData(TypedDict):
+    """What a trajectory buffer read returns."""
+
+    step_data: Any
+    episode_data: Any | None
+
+
+def _field_paths(prefix: str, plan: ValuePlan, root_leaf_name: str | None) -> list[str]:
+    return [f"{prefix}/{leaf.name}" if leaf.name else (f"{prefix}/{root_leaf_name}" if root_leaf_name else prefix)
+            for leaf in plan.leaves]
+
+
+def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None,
+           extra: list[tuple[str, tuple[int, ...], np.dtype]]) -> list:
+    shapes = [(p, leaf.shape, leaf.dtype) for p, leaf in zip(paths, plan.leaves)] + extra
+    return [make_field_spec(p, s, d, capacity=capacity, compressor=compressor, chunk_rows=chunk_rows)
+            for p, s, d in shapes]
+
+
+#: Episode ids are int64 and the commit record holds ``next_episode_id`` (one past the largest),
+#: which must stay below the bound of every integer in a commit record (schema.MAX_INT).
+MAX_EPISODE_ID = MAX_INT - 1
+
+
+def _check_episode_ids(ids: Any) -> np.ndarray:
+    """``ids`` as int64, checked to be episode ids: integers in ``[0, MAX_EPISODE_ID)``."""
+    raw = np.asarray(ids)
+    if raw.dtype.kind not in "iu" or raw.dtype.itemsize > 8:
+        raise BadValueError(f"episode ids must be integers; got {raw.dtype}")
+    if raw.size:
+        lo, hi = int(raw.min()), int(raw.max())
+        if lo < 0 or hi >= MAX_EPISODE_ID:
+            raise BadValueError(f"episode ids must be in [0, {MAX_EPISODE_ID}); got {lo if lo < 0 else hi}")
+    return raw.astype(np.int64)
+
+
+class TrajectoryReplayBuffer(StoredBuffer):
+    """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
+
+    Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
+    ``get_at_with_metadata`` adds ``{"episode_ids": ...}``.  ``single_space`` is
+    ``Dict(step_data=..., episode_data=...)`` so flattened rows follow gymnasium's layout.
+
+    Step and episode data are checked against their spaces before anything is written, as in
+    :class:`~trajstore.buffers.replay.ReplayBuffer` (dtype ranges, Discrete/MultiDiscrete/
+    MultiBinary values; Box bounds only with ``check_bounds=True``).
+    """
+
+    def __init__(self, store: Store, step_space: gymnasium.Space, episode_space: gymnasium.Space | None,
+                 backend: Backend, *, open_args: dict[str, Any]) -> None:
+        super().__init__(store, backend, open_args)
+        self.step_space, self.episode_space = step_space, episode_space
+        parts = {"step_data": step_space} | ({"episode_data": episode_space} if episode_space is not None else {})
+        self.single_space = gymnasium.spaces.Dict(parts)
+        cb = bool(open_args.get("check_bounds", False))
+        self._plan = ValuePlan(self.single_space, check_bounds=cb)
+        self._step_plan = ValuePlan(step_space, check_bounds=cb)
+        self._ep_plan = ValuePlan(episode_space, check_bounds=cb) if episode_space is not None else None
+        self._table = store.tables[STEPS]
+        self._ep_table = store.tables.get(EPISODES)
+        n_step = len(self._step_plan.leaves)
+        self._id_field = n_step  # the ids array is the step table's last field
+        self._ep_id_field = len(self._ep_plan.leaves) if self._ep_plan else -1
+        # Leaf j of single_space -> ("s", step field) or ("e", episode field).
+        self._src = [("s", self._step_plan_index(leaf.path[1:])) if leaf.path[0] == "step_data"
+                     else ("e", self._ep_plan_index(leaf.path[1:])) for leaf in self._plan.leaves]
+        self._stager = RowStager(self._table, [(lf.shape, lf.dtype) for lf in self._step_plan.leaves] + [_ID])
+        self._stagers = [self._stager]
+        state = store.committed.state
+        self.current_episode_id = int(state.get("current_episode_id", 0))
+        self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
+        self._episodes = EpisodeIndex(store, self._table, self._id_field, self._ep_table, self._ep_id_field,
+                                      lambda: self.current_episode_id)
+        self._runs = RunIndex(self._table, self._id_field, lambda: store.committed.epoch)
+        store.state_provider = self._state
+        store.refresh_listeners.append(self._adopt)
+        store.op_listeners.append(self._check_fork)
+        self._pid = os.getpid()
+        self._table.listeners.append(self._episodes.after_step_block)
+        self._table.extend_listeners.append(self._episodes.after_step_extend)
+        if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
+            # A crashed writer's episode may be half written and another process may write
+            # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
+            with store.write_op():
+                self._new_episode()
+                if not store.multiprocessing:
+                    store.commit(state=self._state())
+
+    def _step_plan_index(self, path: tuple) -> int:
+        return next(i for i, lf in enumerate(self._step_plan.leaves) if lf.path == path)
+
+    def _ep_plan_index(self, path: tuple) -> int:
+        assert self._ep_plan is not None
+        return next(i for i, lf in enumerate(self._ep_plan.leaves) if lf.path == path)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        step_data_instance_space: gymnasium.Space,
+        step_data_storage_cls: Any = None,
+        *,
+        step_data_capacity: int | None = None,
+        step_episode_id_storage_cls: Any = None,
+        step_episode_id_capacity: int | None = None,
+        step_episode_id_storage_kwargs: dict[str, Any] | None = None,
+        episode_data_instance_space: gymnasium.Space | None = None,
+        episode_data_storage_cls: Any = None,
+        episode_data_capacity: int | None = None,
+        episode_data_storage_kwargs: dict[str, Any] | None = None,
+        cache_path: str | os.PathLike[str] | None = None,
+        multiprocessing: bool = False,
+        backend: str = "numpy",
+        device: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        check_bounds: bool = False,
+        **kwargs: Any,
+    ) -> "TrajectoryReplayBuffer":
+        """Create an empty trajectory buffer.
+
+        ``step_data_capacity`` bounds the step ring (``None``: unbounded); the episode-id ring is
+        always the same ring (``step_episode_id_capacity``, if given, must equal it).
+        ``episode_data_capacity`` bounds the episode rows.  ``**kwargs`` are storage options for
+        the step data (``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``); the
+        ``*_storage_kwargs`` dicts override ``chunk_rows``/``compressor`` for ids and episode data.
+        ``check_bounds=True`` makes writes of step and episode data refuse Box values outside
+        ``low``/``high`` and NaN, as :meth:`ReplayBuffer.create <trajstore.ReplayBuffer.create>`
+        explains: a setting of this handle, not saved in the store (give it to ``load_from``
+        again; pickled handles keep it).
+        """
+        for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
+            _storage_cls_check(c)
+        if step_episode_id_capacity is not None and step_episode_id_capacity != step_data_capacity:
+            raise BadOptionError(f"step_episode_id_capacity={step_episode_id_capacity} must equal step_data_capacity="
+                             f"{step_data_capacity}: the id ring is aligned with the step ring")
+        opts = ZarrStorage.check_options(dict(kwargs), ZarrStorage.CREATE_OPTIONS)
+        id_opts = ZarrStorage.check_options(dict(step_episode_id_storage_kwargs or {}), ("chunk_rows", "compressor"))
+        ep_opts = ZarrStorage.check_options(dict(episode_data_storage_kwargs or {}), ("chunk_rows", "compressor"))
+        for cap, name in ((step_data_capacity, "step_data_capacity"), (episode_data_capacity, "episode_data_capacity")):
+            if cap is not None and (not isinstance(cap, (int, np.integer)) or cap < 1):
+                raise BadOptionError(f"{name} must be a positive int or None; got {cap!r}")
+        bk = Backend(backend, device)
+        step_plan = ValuePlan(step_data_instance_space)
+        ep_plan = ValuePlan(episode_data_instance_space) if episode_data_instance_space is not None else None
+        if ep_plan is not None and any(lf.path[:1] == (EP_ID_FIELD,) for lf in ep_plan.leaves):
+            raise UnsupportedSpaceError(f"episode space key {EP_ID_FIELD!r} is reserved for the episode ids")
+        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        chunk_rows = opts.pop("chunk_rows", None)
+        step_fields = _specs(_field_paths(STEPS, step_plan, None), step_plan, step_data_capacity, compressor,
+                             chunk_rows, [])
+        id_field = _specs([], step_plan, step_data_capacity, id_opts.get("compressor", compressor),
+                          id_opts.get("chunk_rows", chunk_rows), [(STEP_IDS, (), np.dtype(np.int64))])
+        tables = [TableSpec(STEPS, step_data_capacity, step_fields + id_field)]
+        spaces = {STEPS: space_to_json(step_data_instance_space)}
+        if ep_plan is not None:
+            ep_comp = ep_opts.get("compressor", compressor)
+            ep_fields = _specs(_field_paths(EPISODES, ep_plan, "value"), ep_plan, episode_data_capacity, ep_comp,
+                               ep_opts.get("chunk_rows"), [(f"{EPISODES}/{EP_ID_FIELD}", (), np.dtype(np.int64))])
+            tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields))
+            spaces[EPISODES] = space_to_json(episode_data_instance_space)
+        store = Store.create(cache_path, "TrajectoryReplayBuffer", tables, {"spaces": spaces},
+                             storage_options=storage_options, overwrite=overwrite, multiprocessing=multiprocessing,
+                             options=opts)
+        store.committed.state = {"current_episode_id": 0, "next_episode_id": 1}
+        return cls(store, step_data_instance_space, episode_data_instance_space, bk, open_args=dict(
+            backend=backend, device=device, storage_options=storage_options, options=opts,
+            check_bounds=bool(check_bounds)))
+
+    @classmethod
+    def load_from(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        backend: str = "numpy",
+        device: Any = None,
+        read_only: bool = False,
+        multiprocessing: bool = False,
+        step_storage_kwargs: dict[str, Any] | None = None,
+        step_episode_id_storage_kwargs: dict[str, Any] | None = None,
+        episode_storage_kwargs: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        check_bounds: bool = False,
+        **storage_kwargs: Any,
+    ) -> "TrajectoryReplayBuffer":
+        """Open an existing trajectory buffer (metadata and commit record only).
+
+        The ``*_storage_kwargs`` dicts are accepted for UniEnv compatibility; chunking and codecs
+        are fixed at create, so only ``fsync`` and ``commit_interval`` (in ``**storage_kwargs``) apply.
+        ``storage_options`` as in :meth:`ReplayBuffer.load_from` (fsspec's options, and the
+        ``trajstore_chunk_cache`` folder for remote stores read many times).
+        ``check_bounds=True``: this handle's writes refuse Box values outside the bounds (see
+        :meth:`create`; not stored, so give it on every open).
+        """
+        opts = ZarrStorage.check_options(dict(storage_kwargs), ZarrStorage.OPEN_OPTIONS)
+        for extra in (step_storage_kwargs, step_episode_id_storage_kwargs, episode_storage_kwargs):
+            ZarrStorage.check_options(dict(extra or {}), ZarrStorage.OPEN_OPTIONS + ("chunk_rows", "compressor"))
+
+        def build(store: Store, bk: Backend, open_args: dict[str, Any]) -> "TrajectoryReplayBuffer":
+            return cls(store, store.space(STEPS), store.space(EPISODES), bk,
+                       open_args=open_args | {"check_bounds": bool(check_bounds)})
+
+        return cls._open_store("TrajectoryReplayBuffer", path, build, backend=backend,  # type: ignore[return-value]
+                               device=device, read_only=read_only, multiprocessing=multiprocessing,
+                               storage_options=storage_options, options=opts)
+
+    # -- episode ids -------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"current_episode_id": self.current_episode_id, "next_episode_id": self._next_id}
+
+    def _new_episode(self) -> None:
+        self.current_episode_id = self._next_id
+        self._next_id += 1
+
+    def _adopt(self) -> None:
+        """After a newer commit record was read (readers, multi-process writers)."""
+        state = self._store.committed.state
+        self._next_id = max(self._next_id, int(state.get("next_episode_id", 0)))
+        if self.read_only:
+            self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
+        self._episodes.forget()
+
+    def _check_fork(self) -> None:
+        """Multiprocessing: a forked copy of this handle must not continue the parent's episode."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._new_episode()
+
+    def mark_episode_end(self) -> None:
+        """End the current episode: later steps get a new ``current_episode_id``."""
+        with self._store.write_op():
+            self._drain()
+            self._new_episode()
+
+    @property
+    def episode_capacity(self) -> int | None:
+        return None if self._ep_table is None else self._ep_table.capacity
+
+    def episode_id_to_episode_data_index(self, episode_id: Any) -> Any:
+        """Logical episode-data row(s) of episode id(s); int in, int out; array (numpy or torch) in,
+        int64 array of the same kind out.
+
+        Raises
+        ------
+        UnknownEpisodeError
+            An id that has no episode data (never set, or evicted); a ``KeyError``.
+        """
+        self._sync()
+        is_torch = is_tensor(episode_id)
+        q = to_numpy(episode_id)
+        rows = self._episodes.lookup(q.astype(np.int64).ravel())
+        if (rows < 0).any():
+            raise UnknownEpisodeError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
+        rows = rows.reshape(q.shape)
+        if q.ndim == 0 and not is_torch:
+            return int(rows)
+        if is_torch:
+            import torch
+
+            return torch.as_tensor(rows, device=episode_id.device)
+        return rows
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _step_ids(self, idx: int | np.ndarray) -> Any:
+        if isinstance(idx, int):
+            return self._table.read_row(idx, [self._id_field])[0]
+        return self._table.gather(idx, [self._id_field])[0]
+
+    def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        step_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "s"]
+        ep_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "e"]
+        single = isinstance(idx, int)
+        steps = (self._table.read_row(idx, step_f) if single else self._table.gather(idx, step_f)) if step_f else []
+        eps: list[np.ndarray] = []
+        if ep_f:
+            eps = self._episode_rows(np.atleast_1d(self._step_ids(idx)), ep_f)
+            if single:
+                eps = [e[0] for e in eps]
+        it_s, it_e = iter(steps), iter(eps)
+        return [next(it_s) if self._src[j][0] == "s" else next(it_e) for j in leaf_ids]
+
+    def _episode_rows(self, ids: np.ndarray, fields: list[int]) -> list[np.ndarray]:
+        """Episode data of ``ids`` (zeros where an episode has none)."""
+        assert self._ep_table is not None and self._ep_plan is not None
+        rows = self._episodes.lookup(ids)
+        have = rows >= 0
+        got = self._ep_table.gather(rows[have], fields) if have.any() else None
+        out = []
+        for k, f in enumerate(fields):
+            leaf = self._ep_plan.leaves[f]
+            arr = np.zeros((len(ids), *leaf.shape), leaf.dtype)
+            if got is not None:
+                arr[have] = got[k]
+            out.append(arr)
+        return out
+
+    def _wrap(self, data: dict[str, Any]) -> TrajectoryData:
+        return TrajectoryData(step_data=data["step_data"], episode_data=data.get("episode_data"))
+
+    def get_at(self, idx: IndexLike) -> TrajectoryData:
+        return self._wrap(super().get_at(idx))
+
+    def get_at_with_metadata(self, idx: IndexLike) -> tuple[TrajectoryData, dict[str, Any]]:
+        """``(get_at(idx), {"episode_ids": ids})`` with ids of shape () or (B,), int64."""
+
+        def read() -> tuple[list[np.ndarray], Any]:
+            self._sync()
+            i = idx if isinstance(idx, slice) else normalize_index(idx, self._table.count)
+            rows = np.arange(*i.indices(self._table.count)) if isinstance(i, slice) else i
+            return self._read(rows, self._all_leaves), self._step_ids(rows)
+
+        arrays, ids = self._consistent(read)  # the rows and their ids from one commit record
+        out = self._backend.out
+        return self._wrap(self._plan.from_arrays([out(a) for a in arrays])), {"episode_ids": out(np.asarray(ids))}
+
+    def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
+        return self._wrap(super().sample(batch_size, rng=rng))
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _split(self, value: Any, batched: bool) -> tuple[list[np.ndarray], int, np.ndarray | None, Any]:
+        """Validate an extend/append value: bare step data or {"step_data", "episode_ids"?, "episode_data"?}."""
+        if isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS:
+            step, ids, ep = value["step_data"], value.get("episode_ids"), value.get("episode_data")
+        else:
+            step, ids, ep = value, None, None
+        arrays, n = self._step_plan.to_arrays(step, batched=batched)
+        if ids is not None:
+            raw = to_numpy(ids)
+            if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
+                raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
+                                    f"got {raw.dtype} {raw.shape}")
+            ids = _check_episode_ids(raw).reshape(n)  # range checked before the cast to int64
+        ep_arrays = None
+        if ep is not None:
+            if self._ep_plan is None:
+                raise SpaceMismatchError("this buffer has no episode_data space; create it with "
+                                         "episode_data_instance_space=... to store episode data")
+            ep_arrays, m = self._ep_plan.to_arrays(ep, batched=batched)
+            if m != n:
+                raise BadValueError(f"episode_data has {m} rows; expected one per step ({n})")
+        return arrays, n, ids, ep_arrays
+
+    def append(self, value: Any) -> None:
+        """Add one step (bare step data, or ``{"step_data", "episode_ids"?, "episode_data"?}``)."""
+        if (not self._store.multiprocessing and self._store.writable and not self._store.closed
+                and not (isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS)):
+            st = self._stager
+            st.room()
+            self._step_plan.write_row(value, st.bufs, st.n)
+            st.bufs[-1][st.n] = self.current_episode_id
+            st.added()
+            return
+        self._extend(*self._split(value, batched=False))
+
+    def extend(self, value: Any) -> None:
+        """Add steps with a leading batch axis; every step gets ``current_episode_id`` unless the
+        value carries ``"episode_ids"`` (B,).  ``"episode_data"`` (B rows) sets the data of the
+        episodes of those steps (the last row of each episode wins)."""
+        self._extend(*self._split(value, batched=True))
+
+    def extend_flattened(self, value: Any) -> None:
+        """Add steps given in gymnasium's flattened layout of ``single_space`` (B, flatdim)."""
+        flat = to_numpy(value)
+        arrays = self._plan.unflatten(flat)
+        nested = self._plan.from_arrays(arrays)
+        self.extend({k: v for k, v in nested.items()})
+
+    def append_flattened(self, value: Any) -> None:
+        flat = to_numpy(value)
+        if flat.ndim != 1:
+            raise BadValueError(f"append_flattened expects shape ({self._plan.flat_dim},); got {flat.shape}")
+        self.extend_flattened(flat[None])
+
+    def _extend(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None, ep_arrays: list[np.ndarray] | None) -> None:
+        with self._store.write_op():
+            self._drain()
+            if ids is None:
+                ids = np.full(n, self.current_episode_id, np.int64)
+            else:
+                self._claim_ids(ids)
+            self._table.extend(arrays + [ids], n)
+            if ep_arrays is not None and n:
+                self._set_episode_rows(ids, ep_arrays)
+
+    def _claim_ids(self, ids: np.ndarray) -> None:
+        """Explicit ids never advance current_episode_id, but fresh ids must never collide with them."""
+        if ids.size:
+            self._next_id = max(self._next_id, int(ids.max()) + 1)
+
+    def _set_episode_rows(self, ids: np.ndarray, ep_arrays: list[np.ndarray]) -> None:
+        """Episode data given per step row: the last row of each episode wins."""
+        uniq, last = np.unique(ids[::-1], return_index=True)
+        for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
+            self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
+
+    def set_episode_data_at(self, episode_id: int, value: Any) -> None:
+        """Set the data of episode ``episode_id`` (overwritten in place if it already has some)."""
+        if self._ep_plan is None:
+            raise SpaceMismatchError("this buffer has no episode_data space")
+        arrays, _ = self._ep_plan.to_arrays(value, batched=False)
+        eid = int(_check_episode_ids(np.array([episode_id]))[0])
+        with self._store.write_op():
+            self._drain()
+            self._next_id = max(self._next_id, eid + 1)  # fresh ids must never collide with it
+            self._episodes.set_row(eid, arrays)
+
+    def set_current_episode_data(self, value: Any) -> None:
+        """Set the data of the episode being recorded (``current_episode_id``)."""
+        self.set_episode_data_at(self.current_episode_id, value)
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Overwrite step rows ``idx`` (bare step data or ``{"step_data", "episode_ids"?,
+        "episode_data"?}``, as ``extend`` takes; the last row of each episode sets its data);
+        crash-atomic."""
+        self._sync()
+        i = normalize_index(idx, self._table.count)
+        single = isinstance(i, int)
+        if isinstance(value, dict) and "step_data" in value and "episode_data" in value:
+            value = {k: v for k, v in value.items() if k != "episode_data"} if value["episode_data"] is None else value
+        arrays, n, ids, ep = self._split(value, batched=not single)
+        rows = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        if not single and n != len(rows):
+            raise BadValueError(f"set_at got {n} rows for {len(rows)} indices")
+        fields = list(range(len(arrays))) + ([self._id_field] if ids is not None else [])
+        data = arrays + ([ids] if ids is not None else [])
+        with self._store.write_op():
+            if ids is not None:
+                self._claim_ids(ids)
+            self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._episodes.forget)
+            if ep is not None:
+                self._set_episode_rows(np.atleast_1d(self._step_ids(rows)), ep)
+
+    def remove_at(self, idx: IndexLike) -> None:
+        """Delete steps ``idx`` (later steps move up); episodes left without steps lose their
+        episode data.  One crash-atomic rewrite covers both."""
+        self._sync()
+        rows = np.unique(np.atleast_1d(np.asarray(normalize_index(idx, self._table.count), dtype=np.int64)))
+        if rows.size == 0:
+            return
+        t, et = self._table, self._ep_table
+        ids = t.read_contiguous(0, t.count, [self._id_field])[0]
+        keep = np.ones(len(ids), bool)
+        keep[rows] = False
+        gone = np.setdiff1d(np.unique(ids[rows]), np.unique(ids[keep]))
+        ep_rows = self._episodes.lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
+        ep_rows = np.unique(ep_rows[ep_rows >= 0])
+
+        def changes():
+            yield from t.rewrite_plan_remove(rows)
+            if et is not None and ep_rows.size:
+                yield from et.rewrite_plan_remove(ep_rows)
+
+        def shrink() -> None:
+            t.state.end -= int(rows.size)
+            if et is not None:
+                et.state.end -= int(ep_rows.size)
+            self._episodes.forget()
+
+        with self._store.write_op():
+            self._store.rewrite(changes(), shrink)
+
+    def clear(self) -> None:
+        """Remove every step and episode; ids are never reused (a fresh episode starts)."""
+        with self._store.write_op():
+            self._stager.discard()
+            for tab in (self._table, self._ep_table):
+                if tab is not None:
+                    tab.state.start = tab.state.end = 0
+            self._episodes.forget()
+            self._new_episode()
+            head = self._store._current_head()
+            head.epoch += 1
+            head.state = self._state()
+            self._store._write_head(head)
+
+    def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
+        """Append every step of ``other``.
+
+        From a trajectory buffer, episode boundaries and episode data are kept; its episodes get
+        fresh ids here.  From any other batch whose space equals ``step_space`` (a ReplayBuffer,
+        a view), the steps join the current episode.
+
+        ``chunk_size`` steps are copied at a time; ``None`` (default) sizes steps by bytes, about
+        8 MiB of step data each.  ``tqdm``: ``True``/``False`` force the progress bar on/off;
+        ``None`` (default) shows it on a terminal for copies of at least 64 MiB, when tqdm is
+        installed.  Steps and episode data are checked against this buffer's spaces a step at a
+        time, like ``extend``: a refused row stops the copy, with the steps before it appended.
+        """
+        src_traj = isinstance(other, TrajectoryReplayBuffer)
+        src_space = other.step_space if src_traj else other.single_space  # type: ignore[attr-defined]
+        if src_space != self.step_space:
+            raise SpaceMismatchError(f"extend_from: step spaces differ: {src_space} vs {self.step_space}")
+        copy_episodes = src_traj and self._ep_plan is not None and other.episode_space == self.episode_space  # type: ignore[attr-defined]
+        n = len(other)
+        n_step = len(self._step_plan.leaves)
+        fresh: dict[int, int] = {}
+        step, bar = _copy_steps(n, self._table.row_bytes, chunk_size, tqdm)
+        try:
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                if src_traj:
+                    # Equal step spaces: other's step fields come in this buffer's leaf order, its ids last.
+                    *step_arrays, src_ids = other._table.read_contiguous(  # type: ignore[attr-defined]
+                        lo, hi, list(range(n_step)) + [other._id_field])  # type: ignore[attr-defined]
+                    self._step_plan.check(step_arrays, first_row=lo)
+                    uniq, inverse = np.unique(src_ids, return_inverse=True)
+                    for eid in uniq.tolist():
+                        if eid not in fresh:
+                            fresh[eid] = self._next_id
+                            self._next_id += 1
+                    ids = np.array([fresh[e] for e in uniq.tolist()], np.int64)[inverse.reshape(-1)]
+                    self._extend(step_arrays, hi - lo, ids, None)
+                else:
+                    arrays = other._read_slice(slice(lo, hi), other._all_leaves)
+                    self._step_plan.check(arrays, first_row=lo)
+                    self._extend(arrays, hi - lo, None, None)
+                bar.update(hi - lo)
+        finally:
+            bar.close()
+        if not fresh:
+            return
+        with self._store.write_op():
+            if copy_episodes:
+                src = np.array(list(fresh), np.int64)
+                rows = other._episodes.lookup(src)  # type: ignore[attr-defined]
+                # Only episodes that still have steps here (a small ring may have dropped some).
+                last, start = self._episodes.last_rows(), self._table.state.start
+                alive = np.array([last.get(fresh[e], -1) >= start for e in src.tolist()], bool)
+                have = (rows >= 0) & alive
+                if have.any():
+                    data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
+                    self._ep_plan.check(data)  # type: ignore[union-attr]
+                    for k, eid in enumerate(src[have].tolist()):
+                        self._episodes.set_row(fresh[eid], [a[k : k + 1] for a in data])
+            self._new_episode()
+
+    # -- episodes and sequences -------------------------------------------------------------------
+    def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray, *, pad: str = "edge"
+                      ) -> tuple[TrajectoryData, Any]:
+        """Windows of frames around anchor rows.
+
+        Frame ``t`` of anchor ``b`` is row ``idx[b] + offsets[t]``; it is valid when that row exists
+        and belongs to the anchor's episode.  Invalid frames are filled by ``pad``: ``"edge"``
+        repeats the nearest valid frame (before the anchor the earliest valid one, after it the
+        latest), ``"zero"`` fills zeros.
+
+        Returns
+        -------
+        data : TrajectoryData
+            ``step_data`` leaves of shape (B, T, ...); ``episode_data`` of each anchor's episode, (B, ...).
+        valid_mask : (B, T) bool
+        """
+        data, mask = _seq.get_sequences(self, idx, offsets, pad)
+        return self._wrap(data), mask
+
+    def sample_sequences(self, batch_size: int, seq_len: int, *, rng: np.random.Generator | int | None = None,
+                         pad: str = "edge", within_episode: bool = False) -> tuple[TrajectoryData, Any]:
+        """``batch_size`` windows of ``seq_len`` consecutive rows from uniformly drawn first rows
+        (``within_episode=True``: only windows wholly inside one episode).  Returns
+        ``(data with step_data (B, T, ...), valid_mask (B, T))`` as :meth:`get_sequences`."""
+        data, mask = _seq.sample_sequences(self, batch_size, seq_len, as_generator(rng, self._rng), pad, within_episode)
+        return self._wrap(data), mask
+
+    def episodes(self) -> dict[str, np.ndarray]:
+        """One entry per episode with steps present: ``episode_id``, ``start`` (logical row of its
+        first step), ``length`` (steps) and ``live`` (still being recorded), ordered by ``start``."""
+        return _seq.episode_table(self)
+
+    def get_episode(self, episode_id: int) -> TrajectoryData:
+        """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
+        return self.get_at(_seq.episode_rows(self, int(episode_id)))
+

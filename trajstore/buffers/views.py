@@ -1,0 +1,244 @@
+"""``BatchBase``, the indexing/reading surface every buffer and view shares, and the lazy
+views ``get_slice`` and ``get_column`` return.
+
+Reads go through one method, :meth:`BatchBase._read`, which takes indices already
+resolved against the current length and a list of leaf numbers; views translate both
+and pass them to their parent, so a chain of views costs one read of the base buffer
+when indexed, and nothing before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import gymnasium
+import numpy as np
+
+from trajstore._optional import to_numpy
+from trajstore.buffers.backend import Backend
+from trajstore.errors import ReadOnlyError
+from trajstore.core.ring import IndexLike, normalize_index
+from trajstore.spaces import ValuePlan, subspace
+
+__all__ = ["BatchBase", "SliceView", "ColumnView"]
+
+_T = TypeVar("_T")
+
+
+class BatchBase:
+    """A sequence of rows of ``single_space`` values, indexed like numpy along axis 0.
+
+    An int index gives one unbatched value; a slice, an int array, a bool mask of length
+    ``len(self)`` or ``...`` give a batch with leading dimension B.  Values are nested dicts
+    (tuples for Tuple spaces) of numpy arrays or torch tensors, always fresh copies.
+    """
+
+    single_space: gymnasium.Space
+    _plan: ValuePlan
+    _backend: Backend
+
+    # -- to implement ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        raise NotImplementedError  # abstract: every concrete batch defines its length
+
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        """Arrays of leaves ``leaf_ids`` at resolved rows ``idx`` (int: unbatched)."""
+        raise NotImplementedError  # abstract
+
+    def _read_slice(self, s: slice, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        return self._read(normalize_index(s, len(self)), leaf_ids)  # type: ignore[arg-type]
+
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        """Run ``read`` (which resolves indices against the current length, then reads) so that
+        its result is the rows of one commit record.  Buffers that other processes commit into
+        override this to retry; views hand it to the buffer they look at."""
+        return read()
+
+    # -- common properties ------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def device(self) -> Any:
+        return self._backend.device
+
+    @property
+    def _all_leaves(self) -> list[int]:
+        return list(range(len(self._plan.leaves)))
+
+    # -- reads ------------------------------------------------------------------------------
+    def _raw(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
+        return self._consistent(lambda: self._raw_once(idx))
+
+    def _raw_once(self, idx: IndexLike) -> tuple[list[np.ndarray], bool]:
+        if isinstance(idx, slice):
+            return self._read_slice(idx, self._all_leaves), True
+        i = normalize_index(idx, len(self))
+        return self._read(i, self._all_leaves), not isinstance(i, int)
+
+    def get_at(self, idx: IndexLike) -> Any:
+        """Value(s) at ``idx``: one unbatched value for an int, a batch otherwise."""
+        arrays, _ = self._raw(idx)
+        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
+
+    def __getitem__(self, idx: IndexLike) -> Any:
+        return self.get_at(idx)
+
+    def get_flattened_at(self, idx: IndexLike) -> Any:
+        """Rows in gymnasium's flattened layout: (flatdim,) for an int, (B, flatdim) otherwise.
+
+        Equals ``gymnasium.spaces.flatten(single_space, get_at(i))`` row by row.
+        """
+        arrays, batched = self._raw(idx)
+        if not batched:
+            arrays = [a[None] for a in arrays]
+        flat = self._plan.flatten(arrays)
+        return self._backend.out(flat if batched else flat[0])
+
+    def to_numpy(self) -> Any:
+        """Every row, as numpy (whatever the backend)."""
+        return self._plan.from_arrays(self._consistent(lambda: self._read(np.arange(len(self)), self._all_leaves)))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if len(self._plan.leaves) != 1 or self._plan.leaves[0].path:
+            raise TypeError(
+                f"np.asarray needs a single-array view; this one has leaves "
+                f"{[leaf.name for leaf in self._plan.leaves]}: use get_column([...]) or to_numpy()"
+            )
+        arr = self._consistent(lambda: self._read(np.arange(len(self)), [0]))[0]
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self)):
+            yield self.get_at(i)
+
+    # -- lazy views -------------------------------------------------------------------------
+    def get_slice(self, idx: IndexLike) -> "SliceView":
+        """A lazy view of rows ``idx``, resolved against this batch's length at read time."""
+        return SliceView(self, idx)
+
+    def to_dask(self) -> Any:
+        """The committed rows of this column view as a dask array (nested dict of them for a Dict
+        column), chunked like the store; see :func:`trajstore.dask.to_dask`."""
+        from trajstore.dask import to_dask
+
+        return to_dask(self)
+
+    def get_column(self, nested_keys: Sequence[str | int] | str) -> "ColumnView":
+        """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]`` or ``"obs/pos"``)."""
+        if isinstance(nested_keys, str):
+            nested_keys = nested_keys.split("/")
+        elif isinstance(nested_keys, int):
+            nested_keys = [nested_keys]
+        return ColumnView(self, list(nested_keys))
+
+    # -- writes (buffers override; views refuse or forward) ----------------------------------
+    def _refuse(self, what: str) -> None:
+        raise ReadOnlyError(f"{type(self).__name__} does not support {what}")
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        self._refuse("set_at")
+
+    def __setitem__(self, idx: IndexLike, value: Any) -> None:
+        self.set_at(idx, value)
+
+    def set_flattened_at(self, idx: IndexLike, value: Any) -> None:
+        """Set rows from gymnasium-flattened values (``(flatdim,)`` for an int index)."""
+        flat = to_numpy(value)
+        single = not isinstance(normalize_index(idx, len(self)), np.ndarray) if not isinstance(idx, slice) else False
+        arrays = self._plan.unflatten(flat[None] if single else flat)
+        self.set_at(idx, self._plan.from_arrays([a[0] for a in arrays] if single else arrays))
+
+    def remove_at(self, idx: IndexLike) -> None:
+        self._refuse("remove_at")
+
+    def __delitem__(self, idx: IndexLike) -> None:
+        self.remove_at(idx)
+
+    def extend(self, value: Any) -> None:
+        self._refuse("extend")
+
+    def append(self, value: Any) -> None:
+        self._refuse("append")
+
+    def extend_flattened(self, value: Any) -> None:
+        self._refuse("extend_flattened")
+
+    def append_flattened(self, value: Any) -> None:
+        self._refuse("append_flattened")
+
+
+class _View(BatchBase):
+    """A view of ``parent``: its reads are the parent's reads, retried as the parent's are."""
+
+    parent: BatchBase
+
+    def _consistent(self, read: Callable[[], _T]) -> _T:
+        return self.parent._consistent(read)
+
+
+class SliceView(_View):
+    """Rows ``idx`` of ``parent``: a slice re-resolves against the parent's current length
+    on every read; an int array or mask is fixed at creation.  Writes through it go to
+    the parent's rows (``set_at``); it cannot grow."""
+
+    def __init__(self, parent: BatchBase, idx: IndexLike) -> None:
+        self.parent = parent
+        self.single_space = parent.single_space
+        self._plan = parent._plan
+        self._backend = parent._backend
+        if not isinstance(idx, slice) and idx is not Ellipsis:
+            resolved = normalize_index(idx, len(parent))
+            idx = np.array([resolved]) if isinstance(resolved, int) else resolved
+        self._idx = idx
+
+    def _rows(self) -> np.ndarray:
+        if isinstance(self._idx, np.ndarray):
+            return self._idx
+        return normalize_index(self._idx, len(self.parent))  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        if isinstance(self._idx, slice):
+            return len(range(*self._idx.indices(len(self.parent))))
+        return len(self._rows())
+
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        rows = self._rows()
+        return self.parent._read(int(rows[idx]) if isinstance(idx, int) else rows[idx], leaf_ids)
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        rows = self._rows()
+        i = normalize_index(idx, len(rows))
+        self.parent.set_at(int(rows[i]) if isinstance(i, int) else rows[i], value)
+
+    def __repr__(self) -> str:
+        return f"SliceView({self._idx!r}, len={len(self)}) of {self.parent!r}"
+
+
+class ColumnView(_View):
+    """The sub-space at ``keys`` of every row of ``parent``; read-only."""
+
+    def __init__(self, parent: BatchBase, keys: list[str | int]) -> None:
+        self.parent = parent
+        self.keys = keys
+        self.single_space = subspace(parent.single_space, keys)
+        self._plan = ValuePlan(self.single_space)
+        self._backend = parent._backend
+        prefix = tuple(keys)
+        self._leaf_map = [j for j, leaf in enumerate(parent._plan.leaves) if leaf.path[: len(prefix)] == prefix]
+
+    def __len__(self) -> int:
+        return len(self.parent)
+
+    def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        return self.parent._read(idx, [self._leaf_map[j] for j in leaf_ids])
+
+    def _read_slice(self, s: slice, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        return self.parent._read_slice(s, [self._leaf_map[j] for j in leaf_ids])
+
+    def set_at(self, idx: IndexLike, value: Any) -> None:
+        raise ReadOnlyError(f"column view {self.keys!r} is read-only; write through the buffer instead")
+
+    def __repr__(self) -> str:
+        return f"ColumnView({self.keys!r}, len={len(self)}) of {self.parent!r}"

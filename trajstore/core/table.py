@@ -1,0 +1,265 @@
+"""A table: several fields (zarr arrays) whose rows form one ring (or one growing list).
+
+The table applies DESIGN.md's ring rules and the commit protocol for the rows it
+writes; the :class:`trajstore.core.store.Store` it belongs to owns the commit record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from trajstore.storage.fields.layout import ChunkedField, MappedField, gather_windows_by_rows
+from trajstore.storage.head import TableState
+from trajstore.core.ring import contiguous_runs, physical
+
+if TYPE_CHECKING:
+    from trajstore.core.store import Store
+
+__all__ = ["Table"]
+
+Field = MappedField | ChunkedField
+
+
+class Table:
+    """Rows shared by ``fields``; ``capacity=None`` grows by doubling.
+
+    Parameters
+    ----------
+    store : Store
+        Owner of the commit record.
+    name : str
+        Key of this table in the commit record.
+    capacity : int or None
+        Ring size, or ``None`` for an unbounded table.
+    fields : list of MappedField or ChunkedField
+        One per stored array, in the order callers pass data.
+    """
+
+    def __init__(self, store: "Store", name: str, capacity: int | None, fields: list[Field], state: TableState):
+        self.store = store
+        self.name = name
+        self.capacity = capacity
+        self.fields = fields
+        self.state = state  # in-memory (the writer's latest; a reader's last refresh)
+        self._mapped_upto: tuple[int, int, int] | None = None  # state for which reads are prepared
+        # A ring evicts this many rows beyond what a write strictly needs, so a full ring
+        # commits an eviction record once per `guard` rows rather than on every append; writes
+        # go in blocks of at most `guard` rows, so a reader (or a crash) sees a full ring at
+        # most about 2 * guard rows short (1/16 of the capacity, or 8,192 rows).
+        self.guard = 1 if capacity is None else max(1, min(capacity // 32, 4096))
+        # Called as listener(first_absolute_row, arrays) after every block of rows written, and
+        # as listener() once at the end of every extend call (episode bookkeeping, eviction).
+        self.listeners: list = []
+        self.extend_listeners: list = []
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def count(self) -> int:
+        return self.state.end - self.state.start
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.capacity is None else self.state.start % self.capacity
+
+    @property
+    def row_bytes(self) -> int:
+        """Uncompressed bytes of one row over all fields (``FieldSpec.row_bytes`` summed): what
+        sizes work done in row blocks, e.g. the steps of ``extend_from``."""
+        return sum(f.spec.row_bytes for f in self.fields)
+
+    # -- writing -------------------------------------------------------------------------
+    def extend(self, arrays: Sequence[np.ndarray], n: int) -> None:
+        """Append ``n`` rows; ``arrays[j]`` has shape (n, *row_shape of field j).
+
+        The in-memory state only ever names rows already written, so a commit at any point
+        (the eviction records of a ring, a rewrite by a listener) names written rows only.
+        """
+        if n == 0:
+            return
+        self.store._check_writable()  # e.g. a process forked from the writer: never write its files
+        st = self.state
+        cap = self.capacity
+        if cap is None:
+            if st.end + n > st.allocated:
+                self._grow(st.end + n)
+            self._match_allocation()
+            self._write_block(arrays, n)
+        else:
+            eager = n >= 2 * cap
+            if eager:
+                # Only the last `capacity` rows of the batch survive and every old row goes: the
+                # skipped rows are never written (so they are never counted), the ring is committed
+                # empty, then refilled and committed block by block.  A smaller batch is written
+                # whole, so the ring stays full (old rows evicted as they are overwritten).
+                skip = n - cap
+                self.store.ensure_evicted(self, st.end + skip, 0)
+                arrays = [a[skip:] for a in arrays]
+                n = cap
+                st.end += skip
+                st.start = max(st.start, st.end)
+            for pos in range(0, n, self.guard):
+                m = min(self.guard, n - pos)
+                self.store.ensure_evicted(self, st.end + m - cap, self.guard)
+                self._write_block([a[pos : pos + m] for a in arrays], m)
+                if eager:
+                    self.store.commit(state=self.store.buffer_state())
+        for listener in self.extend_listeners:
+            listener()
+        self.store.after_write()
+
+    def _write_block(self, arrays: Sequence[np.ndarray], n: int) -> None:
+        """Write ``n`` rows after the last one (slots already free), count them, tell listeners."""
+        st, cap = self.state, self.capacity
+        lo, hi = st.end, st.end + n
+        if cap is not None and hi - cap > st.start:
+            # The slots about to be written stop holding their old rows now: should a write fail
+            # part-way, no later commit may count those rows (their fields could disagree).
+            st.start = hi - cap
+        for phys_lo, off, m in contiguous_runs(lo, hi, cap):
+            for f, a in zip(self.fields, arrays):
+                f.write(phys_lo, a[off : off + m])
+        st.end = hi
+        for listener in self.listeners:
+            listener(lo, arrays)
+
+    def flush(self, fsync: bool, evicting_to: int | None = None) -> int:
+        """Write buffered rows out (compressed fields keep dirty chunks in RAM); returns the end
+        (absolute) of the rows now in the store's files.
+
+        For a ring's eviction record (``evicting_to``: the start it will name), a compressed field
+        keeps the chunk it is filling, so a ring that commits every ``guard`` rows writes each
+        chunk once per lap instead of once per record; the record then ends at that chunk's first
+        row, unless that would leave the ring less than half full.
+        """
+        end = self.state.end
+        holds: list[int | None] = [None] * len(self.fields)
+        if evicting_to is not None and self.capacity is not None:
+            p = end % self.capacity
+            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if isinstance(f, ChunkedField) and p % f.C]
+            short = max((r for _j, _k, r in held), default=0)
+            committed = self.store.committed.tables[self.name].end  # never named less than before
+            if held and end - short >= committed and end - short - evicting_to >= self.capacity // 2:
+                for j, k, _r in held:
+                    holds[j] = k
+                end -= short
+        for f, hold in zip(self.fields, holds):
+            f.flush(fsync, hold)
+        return end
+
+    def _grow(self, needed: int) -> None:
+        new = max(self.state.allocated * 2, needed, 1)
+        new = -(-new // max(f.C for f in self.fields)) * max(f.C for f in self.fields)
+        for f in self.fields:
+            f.grow(new)
+        self.store.metadata_changed()
+        self.state.allocated = new  # only once readers' metadata says so (else grown again next time)
+
+    def invalidate_reads(self) -> None:
+        """Chunk files were replaced: map them again before the next read."""
+        self._mapped_upto = None
+
+    def _match_allocation(self) -> None:
+        """Grow this process's view of the arrays after another process grew the table."""
+        for f in self.fields:
+            if f.allocated < self.state.allocated:
+                f.grow(self.state.allocated)
+
+    # -- reading -------------------------------------------------------------------------
+    def prepare_reads(self) -> None:
+        """Map chunk files of all committed rows (once per state change, not per read)."""
+        st = self.state
+        key = (st.start, st.end, st.allocated)
+        if self._mapped_upto == key:
+            return
+        self._match_allocation()
+        for f in self.fields:
+            for phys_lo, _off, m in contiguous_runs(st.start, st.end, self.capacity):
+                f.ensure_mapped(phys_lo, phys_lo + m, create=False)
+        self._mapped_upto = key
+
+    def physical(self, logical: np.ndarray | int) -> np.ndarray | int:
+        return physical(logical, self.state.start, self.capacity)
+
+    def gather(self, logical: np.ndarray, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of logical rows ``logical`` (B,) of the fields ``which``."""
+        self.prepare_reads()
+        phys = self.physical(logical)
+        return [self.fields[j].gather(phys) for j in which]
+
+    def gather_windows(self, first: np.ndarray, length: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of ``length`` consecutive logical rows from each of ``first`` (B,), every window
+        inside ``[0, count)``: one (B, length, ...) array per field of ``which``."""
+        self.prepare_reads()
+        phys = np.asarray(self.physical(first))
+        if self.capacity is None or not (wrap := phys > self.capacity - length).any():
+            return [self.fields[j].gather_windows(phys, length) for j in which]
+        straight = np.where(wrap, 0, phys)  # windows crossing the wrap point are read row by row below
+        out = []
+        for j in which:
+            f = self.fields[j]
+            a = f.gather_windows(straight, length)
+            a[wrap] = gather_windows_by_rows(f, phys[wrap], length, self.capacity)
+            out.append(a)
+        return out
+
+    def read_row(self, i: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copy of logical row ``i`` (one unbatched row per field)."""
+        self.prepare_reads()
+        p = self.physical(i)
+        return [self.fields[j].read_range(p, p + 1)[0, ...] for j in which]  # [0, ...]: 0-d arrays, not scalars
+
+    def read_contiguous(self, lo: int, hi: int, which: Sequence[int]) -> list[np.ndarray]:
+        """Copies of logical rows ``[lo, hi)`` without building an index array."""
+        self.prepare_reads()
+        runs = contiguous_runs(self.state.start + lo, self.state.start + hi, self.capacity)
+        out = []
+        for j in which:
+            f = self.fields[j]
+            if not runs:
+                out.append(np.zeros((0, *f.spec.row_shape), f.spec.dtype))
+                continue
+            parts = [f.read_range(p, p + m) for p, _o, m in runs]
+            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
+
+    # -- rewriting committed rows (staged, crash-atomic) ---------------------------------
+    def rewrite_plan_set(self, logical: np.ndarray, arrays: Sequence[np.ndarray], which: Sequence[int]):
+        """Yield ``(field, chunk, new_chunk_data)`` for setting rows ``logical`` of fields ``which``."""
+        self.prepare_reads()
+        phys = np.asarray(self.physical(logical))
+        for j, a in zip(which, arrays):
+            f = self.fields[j]
+            ks = phys // f.C
+            for k in np.unique(ks).tolist():
+                sel = ks == k
+                chunk = f.read_chunk(k)
+                chunk[phys[sel] - k * f.C] = a[sel]
+                yield f, k, chunk
+
+    def rewrite_plan_remove(self, logical: np.ndarray):
+        """Yield ``(field, chunk, new_chunk_data)`` that delete rows ``logical`` and move later rows up.
+
+        Sources are read from the current (not yet replaced) chunks, one destination chunk
+        at a time, so memory stays bounded by a chunk per field.
+        """
+        self.prepare_reads()
+        remove = np.unique(logical)
+        if remove.size == 0:
+            return
+        keep = np.ones(self.count, dtype=bool)
+        keep[remove] = False
+        first = int(remove[0])
+        src = np.flatnonzero(keep[first:]) + first  # logical sources of new rows first.. in order
+        new_count = self.count - remove.size
+        dst = np.arange(first, new_count)
+        dst_phys = np.asarray(self.physical(dst))
+        src_phys = np.asarray(self.physical(src))
+        for f in self.fields:
+            ks = dst_phys // f.C
+            for k in np.unique(ks).tolist():
+                sel = ks == k
+                chunk = f.read_chunk(k)
+                chunk[dst_phys[sel] - k * f.C] = f.gather(src_phys[sel])
+                yield f, k, chunk

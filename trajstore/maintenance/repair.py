@@ -1,0 +1,297 @@
+"""Repairing stores on disk (``trajstore repair``), from what :mod:`trajstore.verify` finds.
+
+:func:`repair_store` never changes the commit protocol: it only ever writes a commit record
+that names a subset of the rows the previous one named (rows whose chunks are all intact), or
+one found complete on disk (the previous commit record ``trajstore.head.prev.json`` that local
+writers keep, or a record left in ``.trajstore-tmp`` by a commit that was interrupted before its
+rename), or, for a store with no data at all, an empty record.  When none of these is provably
+right it changes nothing and says why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import zarr
+
+from trajstore.errors import DamagedStoreError, LockedError, ReadOnlyError
+from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, TableState, WriterLock, write_head
+from trajstore.storage.schema import check_pending, load_json
+from trajstore.storage.confined import MAX_HEAD_BYTES
+from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
+from trajstore.maintenance.verify import (VerifyReport, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans, probe_head,
+                     usable_prev)
+
+__all__ = ["RepairReport", "repair_store"]
+
+
+@dataclass
+class RepairReport:
+    url: str
+    dry_run: bool
+    recovered: bool
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    before: VerifyReport | None = None
+    after: VerifyReport | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.url, "dry_run": self.dry_run, "recovered": self.recovered, "changes": self.changes,
+                "problems": self.problems, "before": self.before.to_json() if self.before else None,
+                "after": self.after.to_json() if self.after else None}
+
+
+def _intact_window(count: int, bad: list[tuple[int, int]], ring: bool) -> tuple[int, int]:
+    """Logical rows ``[a, b)`` to keep: an unbounded table keeps the prefix before its first damaged
+    row (its rows must start at 0); a ring keeps its longest undamaged run (the later one on ties)."""
+    marks = np.zeros(count, bool)
+    for lo, hi in bad:
+        marks[max(lo, 0):min(hi, count)] = True
+    if not marks.any():
+        return 0, count
+    if not ring:
+        return 0, int(np.argmax(marks))
+    best, a = (0, 0), None
+    for i in range(count + 1):
+        good = i < count and not marks[i]
+        if good and a is None:
+            a = i
+        elif not good and a is not None:
+            if i - a >= best[1] - best[0]:
+                best = (a, i)
+            a = None
+    return best
+
+
+def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
+    """Complete commit records left in the temp folder by a commit interrupted before its rename."""
+    out = []
+    for key in loc.list_prefix(TMP_DIR):
+        try:  # regular files of a commit record's size only (a link, FIFO or device is skipped)
+            raw = loc.get(key, limit=MAX_HEAD_BYTES)
+            if raw is None or not raw.lstrip().startswith(b"{"):
+                continue
+            obj = load_json(raw, str(loc.url), key, strict_numbers=True)
+        except DamagedStoreError:
+            continue
+        head, _why = _parse_head(obj, list(sc.tables))
+        if head is not None:
+            try:
+                check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
+            except DamagedStoreError:
+                continue
+        if head is not None and set(head.tables) == set(sc.tables) and not head.pending:
+            out.append(head)
+    return sorted(out, key=lambda h: h.generation, reverse=True)
+
+
+def _probe(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
+    """verify's row checks as if ``head`` were the commit record."""
+    return probe_head(loc, sc, head)
+
+
+def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
+    """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
+    return not [f for f in _probe(loc, sc, head).faults if f.kind != "stale-shape"]
+
+
+def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dry_run: bool = False,
+                 deep: bool = False, progress: Callable[[int, str], Any] | None = None) -> RepairReport:
+    """Bring the store at ``path`` back to a consistent state, or say why that is impossible.
+
+    What it does (and lists in ``changes``):
+
+    - a commit record naming rows whose chunks are missing, truncated (or, with ``deep``, do
+      not decode), or that lie past the arrays: rolled back to the longest intact run of the rows
+      it named (an unbounded table keeps the prefix before the first damaged row); every row kept
+      was committed and is intact;
+    - a missing or unreadable commit record: replaced by a complete record left in
+      ``.trajstore-tmp`` by an interrupted commit (the newest one whose rows are all intact), or,
+      when no array holds any chunk, by an empty record; otherwise recovery is impossible
+      (which rows were committed cannot be known) and nothing is changed;
+    - removes temp files, unreferenced staging folders, zarr ``*.partial`` files and chunks that
+      hold no committed row.
+
+    A missing root ``zarr.json`` (the schema and spaces) cannot be rebuilt: reported, nothing
+    changed.  ``dry_run=True`` reports the same changes without writing a byte.  Local stores are
+    locked while repaired (a store a writer has open is refused); remote stores have no lock, so
+    make sure no writer is running.
+    """
+    p = os.fspath(path)
+    if not dry_run and "://" not in p and p.endswith(".zip"):
+        raise ReadOnlyError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
+                         "(trajstore copy), repair that, and copy it back")
+    loc = _locate(path, storage_options, read_only=dry_run)
+    lock = None
+    try:
+        if not dry_run and loc.is_local:
+            # shared=True: take the lock exclusively when free, without marking the lock file, so
+            # what the next writer learns about an unclean end (fresh episode ids) is kept.
+            try:
+                lock = WriterLock(loc, shared=True)
+            except LockedError:
+                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
+            if not lock.sole:
+                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing")
+        before, sc = _scan(loc, deep, progress, storage_options)
+        rep = RepairReport(str(loc.url), dry_run, True, before=before)
+        new_head: Head | None = None
+        rolled_back = False
+        if sc.root_missing or sc.attrs is None or any(f.kind in ("root-unreadable", "schema", "array-missing",
+                                                                   "array-unreadable") for f in before.faults):
+            rep.recovered = False
+            rep.problems.append("the root or array metadata (schema, spaces, array layout) is missing or unreadable "
+                                "and no other copy of it is stored: restore the store from a backup or copy; nothing "
+                                "was changed")
+            return rep
+        # A record naming rows past the data (or impossible rows) cannot be trusted at all: where
+        # its committed rows really ended is unknown (raw chunks are full size, padded chunks hold
+        # zeros), so it is treated like an unreadable one.
+        untrusted = sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in before.faults)
+        if untrusted:
+            # The previous commit record (kept by local writers) and complete records left in the
+            # temp folder: the newest whose rows are all present and whole (the previous one first
+            # on a tie: it was committed).
+            prev, prev_why = usable_prev(loc, sc)
+            cands = [(c.generation, 0, c) for c in _tmp_head_candidates(loc, sc) if _head_consistent(loc, sc, c)]
+            if prev is not None:
+                cands.append((prev.generation, 1, prev))
+            no_data = not any(sc.chunks.get(a) for a in sc.arrays)
+            if cands and not no_data:
+                _gen, is_prev, cand = max(cands, key=lambda c: (c[0], c[1]))
+                new_head = cand.copy()
+                # Past any record a reader may have seen (the damaged one may have been the next
+                # generation), and a new epoch: rows it named past these may be written anew.
+                new_head.generation += 2 if is_prev else 1
+                new_head.epoch += 1
+                rows = {n: [st.start, st.end] for n, st in cand.tables.items()}
+                if is_prev:
+                    why = (f"replaced the damaged commit record by the previous one, {PREV_KEY} (generation "
+                           f"{cand.generation}; rows {', '.join(f'{n} {st.count}' for n, st in cand.tables.items())}): "
+                           "it is a copy of the last commit record, or of the one before it when a writer was killed "
+                           "while committing, so at most the rows of the last commit are lost")
+                else:
+                    why = (f"replaced the damaged commit record by a complete one (generation {cand.generation}) left "
+                           f"in {TMP_DIR} by an interrupted commit")
+                rep.changes.append({"action": "write", "key": HEAD_KEY, "rows_after": rows, "why": why})
+            else:
+                if no_data:  # an empty record loses nothing (whatever an earlier record says)
+                    new_head = Head(1, 0, {name: TableState(0, 0, sc.arrays[t["fields"][0]].shape[0])
+                                           for name, t in sc.tables.items()}, {}, None)
+                    if sc.attrs.get("kind") == "TrajectoryReplayBuffer":
+                        new_head.state = {"current_episode_id": 0, "next_episode_id": 1}
+                    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "wrote an empty commit record: no "
+                                        "array holds any data, so no committed row can be lost"})
+                else:
+                    what = "is missing or unreadable" if sc.head_fault else "names rows past the stored data"
+                    rep.recovered = False
+                    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk "
+                                        f"({PREV_KEY}: {prev_why}): which rows were committed cannot be known "
+                                        "safely, so nothing was changed; restore the store from a backup or copy")
+                    return rep
+        elif any(sc.bad_rows.get(t) for t in sc.tables):
+            assert sc.head is not None
+            new_head = sc.head.copy()
+            new_head.generation += 1
+            new_head.epoch += 1
+            rolled_back = True
+            for name, t in sc.tables.items():
+                st = sc.head.tables[name]
+                bad = sc.bad_rows.get(name) or []
+                if not bad:
+                    continue
+                a, b = _intact_window(max(st.count, 0), bad, t["capacity"] is not None)
+                allocated = st.allocated
+                if t["capacity"] is None and not any(p in sc.stale for p in t["fields"]):
+                    shape = min(sc.arrays[p].shape[0] for p in t["fields"])
+                    allocated = max(min(st.allocated, shape), b)
+                new = TableState(st.start + a, st.start + b, allocated)
+                new_head.tables[name] = new
+                dropped = [(0, a)] if a else []
+                dropped += [(b, st.count)] if b < st.count else []
+                rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": name,
+                                    "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
+                                    "why": f"table {name!r}: dropped damaged or missing rows {_fmt_rows(dropped)} "
+                                           f"(logical rows before repair); kept {b - a} intact committed rows"})
+        episode_faults = [f for f in before.faults if f.kind == "episodes"]
+        if episode_faults and new_head is None:
+            rep.recovered = False
+            rep.problems.append("the episode table is inconsistent with the commit record; repair cannot fix that "
+                                "safely: " + "; ".join(f.message for f in episode_faults))
+        # What to delete, judged against the record that will be in place.
+        if new_head is not None:
+            removable = list(_probe(loc, sc, new_head).removable)
+            if rolled_back:
+                # Intact chunks of the dropped rows stay (readable with zarr, for salvage; a later repair
+                # removes them); damaged chunk files go now (a writer could not map a truncated one).
+                damaged = {f.key: f.kind for f in before.faults
+                           if f.kind in ("truncated-chunk", "undecodable-chunk", "bad-chunk")}
+                was = {k for k, _w in before.removable}
+                kept = [k for k, _w in removable if k not in was and k not in damaged]
+                removable = [(k, w) if k not in damaged else (k, f"damaged chunk ({damaged[k]}) of dropped rows")
+                             for k, w in removable if k in was or k in damaged]
+                if kept:
+                    rep.changes.append({"action": "keep", "key": ", ".join(kept[:3]) + (" ..." if len(kept) > 3 else ""),
+                                        "why": f"{len(kept)} intact chunk(s) of the dropped rows stay on disk, readable "
+                                               "with zarr; run repair again to remove them"})
+            keys = loc.list_prefix("")
+            orphan = VerifyReport(str(loc.url), False)
+            _scan_orphans(loc, keys, new_head, orphan)
+            removable += orphan.removable
+        else:
+            removable = list(before.removable)
+        removable = [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]
+        for path, rows in sorted(sc.stale.items()):
+            rep.changes.append({"action": "resize", "key": f"{path}/zarr.json", "why": f"recorded shape "
+                                f"{sc.arrays[path].shape[0]} -> {rows} rows (the chunks are there; zarr readers now "
+                                "see every committed row)"})
+        if not dry_run:
+            if sc.stale:
+                _resize(loc, sc)
+            if new_head is not None:
+                write_head(loc, new_head)  # the record first: no committed row ever points at a deleted chunk
+            for key, _why in removable:
+                loc.delete(key)
+            if loc.local_root is not None:
+                for folder in (TMP_DIR, STAGING_DIR):
+                    _prune_empty(loc.local_root / folder)
+        for key, why in removable:
+            rep.changes.append({"action": "delete", "key": key, "why": why})
+        if not dry_run:
+            rep.after, _ = _scan(loc, deep, progress, storage_options)
+            if rep.after.faults:
+                rep.recovered = False
+                rep.problems.append("faults remain after repair: " + "; ".join(f.message for f in rep.after.faults))
+        return rep
+    finally:
+        if lock is not None:
+            lock.release()
+        loc.close()
+
+
+def _resize(loc: Location, sc: _Scan) -> None:
+    """Grow stale array shapes (metadata only: growing never touches chunks), then consolidate."""
+    import warnings
+
+    for path, rows in sc.stale.items():
+        z = zarr.open_array(loc.zstore, path=path, mode="r+")
+        if z.shape[0] < rows:
+            z.resize((rows, *z.shape[1:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(loc.zstore)
+
+
+def _prune_empty(folder: Any) -> None:
+    """Remove empty folders left under ``folder`` (and it, if empty)."""
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return  # os.walk would follow a link at the top: never prune outside the store
+    for dirpath, _dirs, _files in sorted(os.walk(folder), key=lambda x: -len(x[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+

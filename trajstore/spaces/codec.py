@@ -1,0 +1,168 @@
+"""Gymnasium spaces to and from the JSON stored in a store's metadata (bounds, dtypes, nesting)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tuple
+
+from trajstore.errors import UnsupportedSpaceError
+from trajstore.spaces.leaves import (
+    _SPECIAL_FLOATS,
+    _SUPPORTED,
+    _at,
+    _check_key,
+    _children,
+    _name,
+    _Path,
+)
+
+
+def _num_to_json(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_num_to_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x  # a Python float's repr round-trips exactly (float16/32 widen exactly); ints/bools are exact
+
+
+def _num_from_json(x: Any, path: _Path) -> Any:
+    if isinstance(x, list):
+        return [_num_from_json(v, path) for v in x]
+    if isinstance(x, str) and x in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[x]
+    if isinstance(x, (int, float)):  # bool is an int: fine for bool Boxes
+        return x
+    raise UnsupportedSpaceError(f"malformed space JSON at '{_name(path)}': bad number {x!r}")
+
+
+def _bound_to_json(a: np.ndarray, bounded: np.ndarray, inf: float) -> Any:
+    """A scalar when all elements are bit-identical (keeps -0.0 apart from 0.0), else nested lists."""
+    if a.dtype.kind == "i" and not bounded.all():
+        # Int Boxes store +-inf bounds as the dtype's min/max plus a bounded_* flag that changes
+        # sampling; writing "inf" back keeps that flag through the round trip.
+        return _num_to_json(inf if not bounded.any() else np.where(bounded, a.astype(object), inf).tolist())
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if flat.size and (flat.view(np.uint8).reshape(flat.size, -1) == flat[:1].view(np.uint8)).all():
+        return _num_to_json(flat[0].item())
+    return _num_to_json(a.tolist())
+
+
+def _dtype_to_json(dtype: np.dtype) -> str:
+    return dtype.name if dtype.isnative else dtype.str  # '>f4' keeps a foreign byte order
+
+
+def space_to_json(space: gymnasium.Space) -> dict[str, Any]:
+    """Encode a supported space as a JSON-safe dict (``json.dumps(..., allow_nan=False)`` works).
+
+    Box bounds are a scalar when uniform, else nested lists, with non-finite floats as the
+    strings ``"inf"``/``"-inf"``; dtypes are numpy names (``"float32"``).  Dict entries are
+    ``[key, space]`` pairs so the key order survives any JSON reader.  Raises
+    ``UnsupportedSpaceError`` (naming the path) for an unsupported subspace.
+    """
+
+    def enc(sp: gymnasium.Space, path: _Path) -> dict[str, Any]:
+        items = _children(sp, path)
+        if type(sp) is Dict:
+            return {"type": "Dict", "spaces": [[k, enc(s, path + (k,))] for k, s in items]}
+        if type(sp) is Tuple:
+            return {"type": "Tuple", "spaces": [enc(s, path + (i,)) for i, s in items]}
+        if type(sp) is Box:
+            return {"type": "Box", "dtype": _dtype_to_json(sp.dtype), "shape": list(sp.shape),
+                    "low": _bound_to_json(sp.low, sp.bounded_below, -math.inf),
+                    "high": _bound_to_json(sp.high, sp.bounded_above, math.inf)}
+        if type(sp) is Discrete:
+            return {"type": "Discrete", "dtype": _dtype_to_json(sp.dtype), "n": int(sp.n), "start": int(sp.start)}
+        if type(sp) is MultiDiscrete:
+            return {"type": "MultiDiscrete", "dtype": _dtype_to_json(sp.dtype), "shape": list(sp.shape),
+                    "nvec": sp.nvec.tolist(), "start": sp.start.tolist()}
+        n = sp.n  # MultiBinary: gymnasium says MultiBinary(5) != MultiBinary((5,)), so keep which
+        return {"type": "MultiBinary", "n": int(n) if isinstance(n, int) else [int(d) for d in n]}
+
+    return enc(space, ())
+
+
+def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space:
+    """Decode :func:`space_to_json` output; bounds, nvec, start, n and dtype come back bit-exact.
+
+    Only plain data is interpreted: nothing is evaluated, imported or unpickled.  Raises
+    ``UnsupportedSpaceError`` (naming the path) for an unknown ``"type"`` or malformed JSON.
+    """
+
+    def bad(path: _Path, why: str) -> UnsupportedSpaceError:
+        return UnsupportedSpaceError(f"malformed space JSON at '{_name(path)}': {why}")
+
+    def dtype_of(o: Mapping[str, Any], path: _Path, kinds: str) -> np.dtype:
+        try:
+            dt = np.dtype(str(o["dtype"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(path, f"bad dtype ({e})") from None
+        if dt.kind not in kinds or dt.fields is not None or dt.shape != ():
+            raise bad(path, f"dtype {dt} is not allowed here")
+        return dt
+
+    def shape_of(o: Mapping[str, Any], path: _Path) -> tuple[int, ...]:
+        if not all(type(d) is int and d >= 0 for d in o["shape"]):
+            raise bad(path, f"bad shape {o['shape']!r}")
+        return tuple(o["shape"])
+
+    def array(x: Any, dt: np.dtype, shape: tuple[int, ...], path: _Path) -> tuple[np.ndarray, np.ndarray]:
+        """Exact array of ``dt`` and its mask of infinite entries (object arrays: no float rounding)."""
+        x = _num_from_json(x, path)
+        obj = np.array(x, dtype=object) if isinstance(x, list) else np.full(shape, x, dtype=object)
+        if obj.size != math.prod(shape):
+            raise bad(path, f"array of shape {obj.shape}; expected {shape}")
+        obj = obj.reshape(shape)  # also restores e.g. (0, 3) from []
+        inf = np.asarray((obj == math.inf) | (obj == -math.inf), dtype=bool)
+        if inf.any() and dt.kind != "f":
+            if dt.kind != "i":
+                raise bad(path, f"infinite value for dtype {dt}")
+            neg = inf & np.asarray(obj < 0, dtype=bool)  # as gymnasium: +-inf → int dtype's max/min
+            obj[neg], obj[inf & ~neg] = np.iinfo(dt).min, np.iinfo(dt).max
+        return obj.astype(dt), inf
+
+    def dec(o: Any, path: _Path) -> gymnasium.Space:
+        if not isinstance(o, Mapping) or not isinstance(o.get("type"), str):
+            raise bad(path, "expected an object with a string 'type'")
+        kind = o["type"]
+        try:
+            if kind == "Dict":
+                pairs = list(o["spaces"].items() if isinstance(o["spaces"], Mapping) else o["spaces"])
+                if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+                    raise bad(path, "Dict 'spaces' must be a list of [key, space] pairs")
+                for k, _ in pairs:
+                    _check_key(k, path)
+                return Dict([(k, dec(v, path + (k,))) for k, v in pairs])  # a list keeps order (a dict is sorted)
+            if kind == "Tuple":
+                return Tuple([dec(v, path + (i,)) for i, v in enumerate(o["spaces"])])
+            if kind == "Box":
+                dt, shape = dtype_of(o, path, "biuf"), shape_of(o, path)
+                (low, low_inf), (high, high_inf) = array(o["low"], dt, shape, path), array(o["high"], dt, shape, path)
+                box = Box(low, high, shape, dt)
+                if dt.kind == "i":  # restore the "unbounded" flags gymnasium derived from the original infinities
+                    box.bounded_below, box.bounded_above = ~low_inf, ~high_inf
+                return box
+            if kind == "Discrete":
+                if not (type(o["n"]) is int and type(o["start"]) is int):
+                    raise bad(path, "'n' and 'start' must be integers")
+                return Discrete(o["n"], start=o["start"], dtype=dtype_of(o, path, "iu"))
+            if kind == "MultiDiscrete":
+                dt, shape = dtype_of(o, path, "iu"), shape_of(o, path)
+                nvec, start = array(o["nvec"], dt, shape, path)[0], array(o["start"], dt, shape, path)[0]
+                return MultiDiscrete(nvec, dtype=dt, start=start)
+            if kind == "MultiBinary":
+                n = o["n"]
+                return MultiBinary(n if type(n) is int else tuple(int(d) for d in n))
+        except UnsupportedSpaceError:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise bad(path, f"{type(e).__name__}: {e}") from None
+        raise UnsupportedSpaceError(f"{_at('space', path)} has unknown type {kind!r}; {_SUPPORTED}")
+
+    return dec(obj, ())
+
+

@@ -1,0 +1,295 @@
+"""One contiguous numpy array over many chunk files (Linux).
+
+:data:`AVAILABLE` says whether this process can build one (Linux with a loadable libc, and the
+environment variable ``TRAJSTORE_NO_MMAP`` unset or ``0``); it is computed at import and never
+raises.  Where it is False (macOS, Windows, a libc ctypes cannot load, ``TRAJSTORE_NO_MMAP=1``),
+or where the first mapping on a store fails (:func:`mapping_works`), raw fields are read and
+written through zarr chunk by chunk instead (:class:`trajstore.storage.fields.chunked.ChunkedField`): the same
+bytes on disk, slower random reads.
+
+An uncompressed zarr chunk file is a raw C-order block of ``chunk_rows`` rows.  We
+reserve one virtual address range for the whole field and map each chunk file at its
+place with ``MAP_FIXED``; unmapped stretches are anonymous zero pages (what zarr reads
+for a missing chunk).  A random gather is then a single numpy fancy index over the
+page cache, which is what a plain ``np.memmap`` of one big file costs.  Chunk byte
+sizes must be multiples of the page size so the pieces tile without gaps.
+
+A store through a shared mapping into a file page the filesystem cannot allocate (a hole
+on a full disk) kills the process with ``SIGBUS``; ``write`` would have returned ``ENOSPC``.
+So the writer maps only files whose blocks are allocated: :func:`reserve` allocates them
+(``posix_fallocate``) before a file is mapped writable, and a full disk is an ``OSError``
+there, at a point where nothing has been written yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap as _mmap
+import os
+import stat
+import sys
+from typing import Any
+
+import numpy as np
+
+PAGE = _mmap.PAGESIZE
+
+#: Environment variable that turns the memory-mapped engine off (``1``): raw fields then go
+#: through :class:`trajstore.storage.fields.chunked.ChunkedField`, as on systems without ``MAP_FIXED``.
+NO_MMAP_ENV = "TRAJSTORE_NO_MMAP"
+
+# Linux values (the flag bits differ on other systems, which take the portable path).
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc: Any = None
+_fallocate: Any = None
+
+
+def _load_libc() -> str | None:
+    """Bind libc's mmap, munmap, msync and fallocate; the reason when that is not possible."""
+    global _libc, _fallocate
+    if not sys.platform.startswith("linux"):
+        return f"{sys.platform} is not Linux"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.msync.restype = ctypes.c_int
+        libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError) as e:  # no loadable libc (static builds, some sandboxes)
+        return f"libc cannot be loaded ({e})"
+    _libc = libc
+    fa = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fa is not None:
+        fa.restype = ctypes.c_int
+        fa.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _fallocate = fa
+    return None
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(NO_MMAP_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+#: Why the mapped engine is off in this process (None: it is on).
+UNAVAILABLE_REASON: str | None = _load_libc()
+if UNAVAILABLE_REASON is None and _disabled_by_env():
+    UNAVAILABLE_REASON = f"{NO_MMAP_ENV} is set"
+#: The memory-mapped engine can be used in this process (see the module docstring).
+AVAILABLE: bool = UNAVAILABLE_REASON is None
+#: Former name of :data:`AVAILABLE`.
+SUPPORTED = AVAILABLE
+
+# Errors of a first mmap that mean "this system or filesystem cannot map files this way" (not a
+# full disk or a damaged file): the caller falls back on the portable engine.
+_MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno.ENOSYS,
+                    getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
+
+
+def disable(reason: str) -> None:
+    """Turn the mapped engine off for the rest of this process (a mapping failed: see
+    :func:`mapping_works`); fields opened afterwards use the portable engine."""
+    global AVAILABLE, SUPPORTED, UNAVAILABLE_REASON
+    AVAILABLE = SUPPORTED = False
+    UNAVAILABLE_REASON = reason
+
+
+def mapping_works(fd: int) -> bool:
+    """Whether a file of this filesystem maps the way :class:`VirtualArray` maps chunk files: one
+    page of the open file ``fd`` (read-only, any non-empty regular file) ``MAP_SHARED | MAP_FIXED``
+    into a reserved range, then both unmapped.  Nothing is read or written.
+
+    Returns False when ``mmap`` answers with an error that says the filesystem cannot do it (the
+    caller uses the portable engine for that store), and turns the engine off for the whole
+    process (:func:`disable`) when not even address space can be reserved; other errors (no
+    memory...) are raised.
+    """
+    if not AVAILABLE:
+        return False
+    base = _libc.mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
+    if base is None or base == _MAP_FAILED:
+        err = ctypes.get_errno()
+        if err in _MAP_UNSUPPORTED:
+            disable(f"reserving address space failed ({os.strerror(err)})")
+            return False
+        raise OSError(err, f"reserve address range: {os.strerror(err)}")
+    try:
+        addr = _libc.mmap(base, PAGE, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            if err in _MAP_UNSUPPORTED:
+                return False
+            raise OSError(err, f"map a file: {os.strerror(err)}")
+        return True
+    finally:
+        _libc.munmap(base, PAGE)
+
+
+# Answers of posix_fallocate / fallocate for "this filesystem cannot preallocate" (glibc's
+# posix_fallocate emulates it by writing a byte per block where the kernel lacks fallocate;
+# musl and some FUSE/network filesystems answer with one of these instead).
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+def _fallocate_in_place(fd: int, nbytes: int) -> None:
+    """The ``fallocate(2)`` system call itself, mode 0: allocates holes, never writes content
+    (unlike glibc's posix_fallocate fallback, which writes a zero byte into every block that
+    reads as zero: a race with another process writing that block)."""
+    if _fallocate is None:
+        raise OSError(errno.ENOSYS, "fallocate is not available")
+    if _fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
+    """Make the filesystem allocate bytes ``[0, nbytes)`` of the file ``fd`` (growing it to
+    ``nbytes`` if shorter), so later stores through a mapping of them cannot fail.
+
+    Raises ``OSError`` (``ENOSPC`` on a full disk) without having changed any byte of content.
+    Where the filesystem cannot preallocate: a ``fresh`` file (all zeros, not yet visible to
+    anyone) is filled with written zeros instead, which allocates it just as well; an existing
+    file is left as it is, because writing zeros into it could overwrite rows another process
+    wrote meanwhile (a known, documented gap: such filesystems keep the SIGBUS risk for chunk
+    files created sparse by earlier trajstore versions, and only for those).
+    """
+    try:
+        if fresh:
+            if not hasattr(os, "posix_fallocate"):  # macOS, Windows: zeros are written below
+                raise OSError(errno.ENOSYS, "posix_fallocate is not available")
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            _fallocate_in_place(fd, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in _UNSUPPORTED:
+            raise
+    if not fresh:
+        return
+    zeros = memoryview(bytes(min(nbytes, 1 << 20)))
+    pos = 0
+    while pos < nbytes:
+        pos += os.pwrite(fd, zeros[: min(len(zeros), nbytes - pos)], pos)
+
+
+def allocated_bytes(st: os.stat_result) -> int:
+    """Bytes of a file the filesystem has blocks for (less than its size when it has holes)."""
+    return st.st_blocks * 512
+
+
+def _check(addr: int | None, what: str) -> int:
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return addr
+
+
+class VirtualArray:
+    """A reserved address range seen as a numpy array of ``n_chunks * chunk_rows`` rows.
+
+    Parameters
+    ----------
+    n_chunks : int
+        Number of chunk slots to reserve.
+    chunk_rows : int
+        Rows per chunk; ``chunk_rows * row_bytes`` must be a multiple of :data:`PAGE`.
+    row_shape : tuple of int
+        Shape of one row.
+    dtype : numpy.dtype
+        Element type (stored little-endian, as zarr's ``bytes`` codec writes it).
+    writable : bool
+        Map chunk files read-write (the writer) or read-only (readers).
+    """
+
+    def __init__(self, n_chunks: int, chunk_rows: int, row_shape: tuple[int, ...], dtype: np.dtype, writable: bool):
+        self.chunk_rows = chunk_rows
+        self.row_shape = tuple(row_shape)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.writable = writable
+        self.chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        if self.chunk_bytes % PAGE:
+            raise ValueError(f"chunk of {self.chunk_bytes} bytes is not a multiple of the page size {PAGE}")
+        self.n_chunks = max(int(n_chunks), 1)
+        self.nbytes = self.n_chunks * self.chunk_bytes
+        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE
+        self.base = _check(_libc.mmap(None, self.nbytes, _PROT_READ, flags, -1, 0), "reserve address range")
+        self.mapped = np.zeros(self.n_chunks, dtype=bool)
+        buf = (ctypes.c_char * self.nbytes).from_address(self.base)
+        arr = np.frombuffer(buf, dtype=self.dtype).reshape((self.n_chunks * chunk_rows, *self.row_shape))
+        # Writes must only ever reach rows of mapped, writable chunk files: anything else is
+        # a read-only zero page and would crash the process, so only the writer's array is writable.
+        arr.flags.writeable = False
+        self.array = arr
+
+    def map_chunk(self, k: int, fd: int, name: str) -> None:
+        """Map the open chunk file ``fd`` (named ``name`` in errors) as chunk ``k``, replacing
+        whatever was mapped there.  The caller opened it without following links and keeps
+        ownership of ``fd`` (a mapping outlives its descriptor).
+
+        Raises
+        ------
+        EOFError
+            The file is not a regular file, or shorter than a chunk (mapping past its end would
+            ``SIGBUS`` on access).
+        OSError
+            Space for a sparse file could not be reserved, or ``mmap`` failed.
+        """
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise EOFError(f"chunk file {name!r} is not a regular file; not mapped")
+        if st.st_size < self.chunk_bytes:
+            raise EOFError(f"chunk file {name!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
+        if self.writable and allocated_bytes(st) < self.chunk_bytes:
+            # A file with holes (created sparse by an older trajstore): a store into a hole on
+            # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
+            # version creates are allocated whole, so this costs one fstat per mapped chunk.
+            try:
+                reserve(fd, self.chunk_bytes, fresh=False)
+            except OSError as e:
+                raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", name) from None
+        prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
+        addr = self.base + k * self.chunk_bytes
+        _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {name}")
+        self.mapped[k] = True
+
+    def unmap_chunk(self, k: int) -> None:
+        """Put zero pages back at chunk ``k``."""
+        addr = self.base + k * self.chunk_bytes
+        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
+        _check(_libc.mmap(addr, self.chunk_bytes, _PROT_READ, flags, -1, 0), "unmap chunk")
+        self.mapped[k] = False
+
+    def writable_rows(self, start: int, stop: int) -> np.ndarray:
+        """A writable view of rows ``[start, stop)``; every chunk they touch must be mapped."""
+        view = np.frombuffer(
+            (ctypes.c_char * ((stop - start) * self.chunk_bytes // self.chunk_rows)).from_address(
+                self.base + start * self.chunk_bytes // self.chunk_rows
+            ),
+            dtype=self.dtype,
+        )
+        return view.reshape((stop - start, *self.row_shape))
+
+    def sync(self, k: int) -> None:
+        """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error
+        (``EIO``...) is raised, not ignored, so ``flush(fsync=True)`` never commits rows that
+        did not reach the disk."""
+        if _libc.msync(self.base + k * self.chunk_bytes, self.chunk_bytes, 4) != 0:  # MS_SYNC
+            err = ctypes.get_errno()
+            raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
+
+    def close(self) -> None:
+        if self.base:
+            _libc.munmap(self.base, self.nbytes)
+            self.base = 0
+            self.array = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

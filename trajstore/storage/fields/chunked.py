@@ -1,0 +1,450 @@
+"""``ChunkedField``: a field read and written through zarr-python a whole chunk at a time.
+
+Compressed layouts, and every non-local store.  The writer keeps the chunks it is filling in RAM
+and writes them out complete on ``flush``; decoded chunks are cached (bounded) and dropped
+whenever another process may have changed them.
+
+Random rows of blosc-compressed chunks are not decoded a chunk at a time: a blosc frame is a
+header, a table of block offsets and independently compressed blocks (a shard with its index in
+front; :func:`trajstore.storage.fields.spec.row_block_codec` makes one block per row), so a row is read by
+decoding only the blocks that hold it (``blosc_getitem``).  The encoded chunk is memory-mapped
+(local folders) or fetched, all chunks of a batch concurrently (other stores), and its header and
+offset table are checked before c-blosc sees them: a hostile frame raises DamagedStoreError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import numpy as np
+import zarr
+
+from trajstore.storage.fields._blosc import GETITEM as _GETITEM
+from trajstore.storage.fields._blosc import Frame as _Frame
+from trajstore.storage.fields._blosc import check_frame as _check_frame
+from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
+from trajstore.storage.confined import full_disk as _full_disk
+from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.storage.fields.spec import (
+    CACHE_BYTES,
+    FieldSpec,
+    chunk_key,
+    gather_windows_by_rows,
+    open_zarr_array,
+)
+from trajstore.storage.location import Location, fsync_dir
+
+__all__ = ["ChunkedField"]
+
+#: A batch decodes a chunk whole (not row by row) once it wants more than this share of its rows.
+WHOLE_CHUNK_SHARE = 0.25
+#: Fields of at most this many allocated bytes read random rows from whole decoded chunks (they fit
+#: the decoded cache, whose hits beat decoding a block per row); bigger ones decode rows alone.
+ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
+#: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
+MAX_ENCODED = 4096
+ENCODED_BYTES = CACHE_BYTES
+
+
+class ChunkedField:
+    """A field read and written through zarr-python, whole chunks at a time."""
+
+    def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array, writable: bool):
+        self.loc, self.spec, self.writable = loc, spec, writable
+        self.C = spec.chunk_rows
+        self.z = zarray
+        self.allocated = int(zarray.shape[0])
+        self._ndim = len(spec.row_shape) + 1
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._dirty: set[int] = set()
+        self._written: set[str] = set()  # keys written since the last fsync (local stores)
+        self._override: dict[int, str] = {}  # chunk -> staging prefix it is read from (pending rewrite)
+        self._frames: OrderedDict[int, _Frame | None] = OrderedDict()  # chunk -> encoded frame (None: decode whole)
+        self._frame_bytes = 0
+        self._rb = spec.row_bytes
+        self._partial = self._row_reads_possible()
+        self.stats = {"gets": 0, "in_flight_max": 0}  # encoded chunk fetches (non-local stores)
+
+    def _row_reads_possible(self) -> bool:
+        """Rows can be decoded alone: the array's codecs (its zarr.json, not the spec) are
+        ``bytes`` (little-endian) then ``blosc`` and nothing else."""
+        if _GETITEM is None or self.spec.row_bytes == 0:
+            return False
+        try:
+            codecs = self.z.metadata.codecs
+        except AttributeError:
+            return False
+        if len(codecs) != 2 or not isinstance(codecs[0], zarr.codecs.BytesCodec):
+            return False
+        endian = getattr(codecs[0].endian, "value", codecs[0].endian)  # None for one-byte dtypes
+        return endian in (None, "little") and isinstance(codecs[1], zarr.codecs.BloscCodec)
+
+    def grow(self, allocated: int) -> None:
+        if self.z.shape[0] < allocated:  # another process may have resized it already
+            try:
+                self.z = open_zarr_array(self.loc, self.spec, allocated, self.writable)
+            except OSError as e:
+                raise _full_disk(e, self._where("zarr.json"), f"resize {self.spec.array_path} to {allocated} rows")
+        self.allocated = allocated
+
+    def _where(self, key: str) -> str:
+        """A path (local) or URL naming ``key`` of this field, for error messages."""
+        full = f"{self.spec.array_path}/{key}"
+        return str(self.loc.path(full)) if self.loc.is_local else f"{self.loc.url}/{full}"
+
+    def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
+        """Nothing to map: chunks are fetched on demand."""
+
+    def _empty_chunk(self) -> np.ndarray:
+        return np.zeros((self.C, *self.spec.row_shape), dtype=self.spec.dtype)
+
+    def _fetch(self, ks: list[int]) -> dict[int, np.ndarray]:
+        """Decode whole chunks ``ks`` (one concurrent zarr read for all of them)."""
+        out: dict[int, np.ndarray] = {}
+        plain = []
+        for k in ks:
+            staged = self._read_staged(k) if k in self._override else None
+            if staged is None:
+                plain.append(k)
+            else:
+                out[k] = staged
+        if plain and self._partial:
+            # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
+            frames = self._get_frames(plain, keep=False)
+            for k in plain:
+                f = frames[k]
+                if f is not None:
+                    chunk = self._empty_chunk()
+                    self._decode_rows(f, k, 0, self.C, chunk.ctypes.data)
+                    out[k] = chunk
+            plain = [k for k in plain if k not in out]
+        if plain:
+            shape0 = self.z.shape[0]
+            rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
+            with self._decoding(plain):
+                data = self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1]
+            pos = 0
+            for k in plain:
+                n = min((k + 1) * self.C, shape0) - k * self.C
+                chunk = self._empty_chunk()
+                chunk[:n] = data[pos : pos + n]
+                out[k] = chunk
+                pos += n
+        return out
+
+    @contextlib.contextmanager
+    def _decoding(self, ks: list[int]) -> Iterator[None]:
+        """Chunk files are input: whatever a garbage chunk makes a codec raise (RuntimeError from
+        lz4, ValueError from a short buffer...) becomes a DamagedStoreError naming the chunks."""
+        try:
+            yield
+        except (TrajstoreError, FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
+            raise
+        except Exception as e:
+            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk(s) {ks[:8]} do not decode "
+                                    f"({type(e).__name__}: {e})") from None
+
+    def _read_staged(self, k: int) -> np.ndarray | None:
+        """Chunk ``k`` from its staging area, or None once it has been moved into place.
+
+        The staged key is checked before and after the read: a rename is one-way, so if it
+        still exists afterwards the read saw the staged bytes.
+        """
+        prefix = self._override[k]
+        key = f"{prefix}/{chunk_key(self.spec.array_path, k, self._ndim)}"
+        if not self.loc.exists(key):
+            return None
+        try:
+            with self._decoding([k]):
+                z = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+                chunk = self._empty_chunk()
+                hi = min((k + 1) * self.C, z.shape[0])
+                chunk[: hi - k * self.C] = z[k * self.C : hi]
+        except (FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
+            return None
+        return chunk if self.loc.exists(key) else None
+
+    def _chunks(self, ks: list[int]) -> dict[int, np.ndarray]:
+        missing = [k for k in ks if k not in self._cache]
+        if missing:
+            self._cache.update(self._fetch(missing))
+        for k in ks:
+            self._cache.move_to_end(k)
+        got = {k: self._cache[k] for k in ks}
+        self._evict()
+        return got
+
+    def _evict(self) -> None:
+        nbytes = self.C * self.spec.row_bytes
+        while len(self._cache) * nbytes > CACHE_BYTES and len(self._cache) > len(self._dirty) + 1:
+            for k in self._cache:
+                if k not in self._dirty:
+                    del self._cache[k]
+                    break
+
+    def write(self, phys_lo: int, data: np.ndarray) -> None:
+        n, pos = len(data), 0
+        while pos < n:
+            r = phys_lo + pos
+            k, off = divmod(r, self.C)
+            take = min(self.C - off, n - pos)
+            if k not in self._cache:
+                # A chunk overwritten whole needs no read; otherwise keep its other rows.
+                self._cache[k] = self._empty_chunk() if take == self.C else self._fetch([k])[k]
+            self._cache[k][off : off + take] = data[pos : pos + take]
+            self._dirty.add(k)
+            if k in self._frames:
+                self._forget_frames([k])
+            pos += take
+
+    def gather(self, phys: np.ndarray) -> np.ndarray:
+        ks = phys // self.C
+        if not self._partial or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
+            # A field that fits the decoded cache is served from whole cached chunks.
+            return self._gather_whole(phys, ks)
+        most = max(1, int(self.C * WHOLE_CHUNK_SHARE))
+        if len(phys) <= most:
+            uniq = list(dict.fromkeys(ks.tolist()))  # no chunk can want more than ``most`` rows
+        else:
+            u, counts = np.unique(ks, return_counts=True)
+            uniq = [k for k, c in zip(u.tolist(), counts.tolist()) if c <= most]
+        # Rows of chunks held decoded (dirty, staged or cached) come from there; so do chunks a
+        # batch wants many rows of (a scan decodes whole chunks, as before).
+        rowwise = [k for k in uniq if k not in self._cache and k not in self._override]
+        if not rowwise:
+            return self._gather_whole(phys, ks)
+        frames = self._get_frames(rowwise)
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        rb, C = self._rb, self.C
+        if len(phys) <= 8:  # a few rows (a dataset's single item): no numpy bookkeeping
+            base, whole = out.ctypes.data, []
+            for i, r in enumerate(phys.tolist()):
+                k = r // C
+                f = frames.get(k)
+                if f is None:
+                    whole.append(i)
+                elif _GETITEM(f.addr, (r - k * C) * rb // f.typesize, rb // f.typesize, base + i * rb) != rb:  # type: ignore[misc]
+                    raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} does not decode "
+                                            "(blosc_getitem failed)")
+            if whole:
+                sel = np.asarray(whole)
+                out[sel] = self._gather_whole(phys[sel], ks[sel])
+            return out
+        # Vectorised job list: for each row, its frame's address and typesize (0: read whole).
+        fk = np.fromiter(frames.keys(), np.int64, len(frames))
+        order = np.argsort(fk)
+        fk = fk[order]
+        addr = np.fromiter((0 if f is None else f.addr for f in frames.values()), np.int64, len(frames))[order]
+        tsz = np.fromiter((1 if f is None else f.typesize for f in frames.values()), np.int64, len(frames))[order]
+        pos = np.minimum(np.searchsorted(fk, ks), len(fk) - 1)
+        by_row = (fk[pos] == ks) & (addr[pos] != 0)
+        rows = np.flatnonzero(by_row)
+        if len(rows):
+            p, t = pos[rows], tsz[pos[rows]]
+            bad = _decode_jobs(addr[p].tolist(), ((phys[rows] - ks[rows] * C) * rb // t).tolist(), (rb // t).tolist(),
+                               (out.ctypes.data + rows * rb).tolist(), rb)
+            if bad is not None:
+                raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {int(ks[rows[bad]])} does "
+                                        "not decode (blosc_getitem failed)")
+        if len(rows) < len(phys):
+            sel = np.flatnonzero(~by_row)
+            out[sel] = self._gather_whole(phys[sel], ks[sel])
+        return out
+
+    def _gather_whole(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """Rows ``phys`` (chunks ``ks``) through whole decoded chunks."""
+        uniq = np.unique(ks).tolist()
+        chunks = self._chunks(uniq)
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        if len(uniq) == 1:
+            out[:] = chunks[uniq[0]][phys - uniq[0] * self.C]
+            return out
+        for k in uniq:
+            sel = ks == k
+            out[sel] = chunks[k][phys[sel] - k * self.C]
+        return out
+
+    # -- encoded frames (row reads) ------------------------------------------------------------
+    def _decode_rows(self, frame: _Frame, k: int, off: int, n: int, dest: int) -> None:
+        """Decode rows ``off .. off+n`` of chunk ``k`` from ``frame`` into the address ``dest``."""
+        rb, ts = self._rb, frame.typesize
+        got = _GETITEM(frame.addr, off * rb // ts, n * rb // ts, dest)  # type: ignore[misc]
+        if got != n * rb:
+            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} does not decode "
+                                    f"(blosc_getitem returned {got})")
+
+    def _get_frames(self, ks: list[int], keep: bool = True) -> dict[int, _Frame | None]:
+        """The encoded frames of chunks ``ks`` (cached unless not ``keep``; fetched concurrently from
+        a remote store); None for a chunk that is read whole instead (missing file, not a blosc 1
+        frame)."""
+        out: dict[int, _Frame | None] = {}
+        missing = []
+        for k in ks:
+            if k in self._frames:
+                self._frames.move_to_end(k)
+                out[k] = self._frames[k]
+            else:
+                missing.append(k)
+        if not missing:
+            return out
+        nbytes = self.C * self.spec.row_bytes
+        keys = [chunk_key(self.spec.array_path, k, self._ndim) for k in missing]
+        if self.loc.is_local:
+            got = [self._map(key, nbytes) for key in keys]
+        else:
+            blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
+            got = [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
+        for k, (buf, owner) in zip(missing, got):
+            frame = None
+            if buf is not None:
+                try:
+                    ts = _check_frame(buf, nbytes)
+                except ValueError as e:
+                    raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} is not a valid "
+                                            f"blosc frame ({e})") from None
+                if ts is not None and self._rb % ts == 0:
+                    frame = _Frame(buf, ts, owner)
+            out[k] = frame
+            if keep:
+                self._frames[k] = frame
+                self._frame_bytes += self._frame_cost(frame)
+        while self._frames and (len(self._frames) > MAX_ENCODED or self._frame_bytes > ENCODED_BYTES):
+            k, f = self._frames.popitem(last=False)
+            self._frame_bytes -= self._frame_cost(f)
+            out.setdefault(k, f)  # still used by this batch (the reference keeps it alive)
+        return out
+
+    def _frame_cost(self, frame: _Frame | None) -> int:
+        """Bytes of RAM a cached frame holds: a fetched one its size; a memory-mapped one (local
+        stores) none beyond the page cache, so local frames are bounded by MAX_ENCODED maps alone."""
+        return 0 if frame is None or self.loc.is_local else len(frame.buf)
+
+    def _map(self, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
+        """The chunk file ``key`` memory-mapped read-only (None: missing, empty, or implausibly large,
+        left to the whole-chunk path).  Chunk files are replaced by rename, never truncated, so
+        the map stays valid; it shows the old bytes until :meth:`remap`/:meth:`drop_cache`."""
+        try:
+            fd = self.loc.open_inside(key, os.O_RDONLY)
+        except FileNotFoundError:
+            return None, None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
+                return None, None
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
+        finally:
+            os.close(fd)
+        return np.frombuffer(mm, np.uint8), mm
+
+    def _forget_frames(self, ks: list[int] | None = None) -> None:
+        for k in (list(self._frames) if ks is None else ks):
+            self._frame_bytes -= self._frame_cost(self._frames.pop(k, None))
+
+    def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
+        return gather_windows_by_rows(self, phys, length)
+
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        if not self._partial or hi - lo <= 0 or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
+            return self.gather(np.arange(lo, hi))
+        # A scan of a big field: each chunk decoded straight into the result from its encoded
+        # frame (mapped or fetched, 256 chunks at a time), without filling the decoded cache.
+        out = np.empty((hi - lo, *self.spec.row_shape), dtype=self.spec.dtype)
+        C, base = self.C, out.ctypes.data
+        ks = list(range(lo // C, (hi - 1) // C + 1))
+        for g in range(0, len(ks), 256):
+            group = ks[g : g + 256]
+            frames = self._get_frames([k for k in group if k not in self._cache and k not in self._override])
+            for k in group:
+                a, b = max(lo, k * C), min(hi, (k + 1) * C)
+                f = frames.get(k)
+                if f is None:
+                    out[a - lo : b - lo] = self._chunks([k])[k][a - k * C : b - k * C]
+                else:
+                    self._decode_rows(f, k, a - k * C, b - a, base + (a - lo) * self._rb)
+        return out
+
+    def read_chunk(self, k: int) -> np.ndarray:
+        return self._chunks([k])[k].copy()
+
+    def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        try:
+            staged = self._staging_array(prefix)
+            hi = min((k + 1) * self.C, staged.shape[0])
+            staged[k * self.C : hi] = data[: hi - k * self.C]
+        except OSError as e:
+            raise _full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
+        return key
+
+    def _staging_array(self, prefix: str) -> zarr.Array:
+        """A zarr array with this field's metadata under ``prefix`` (so staged chunks decode alike)."""
+        meta_key = f"{prefix}/{self.spec.array_path}/zarr.json"
+        if not self.loc.exists(meta_key):
+            self.loc.put(meta_key, self.loc.get(f"{self.spec.array_path}/zarr.json") or b"")
+        staged = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
+        # Roll-forward moves every staged key into place, so even an all-zero chunk must be written.
+        return staged.with_config({"write_empty_chunks": True})
+
+    def remap(self, ks: list[int], prefix: str = "") -> None:
+        """Forget cached copies of ``ks``; with ``prefix``, read them from the staging area."""
+        self._forget_frames(ks)
+        for k in ks:
+            if k not in self._dirty or prefix:
+                # A dirty chunk is newer than any file: the writer wrote rows into it after a
+                # roll forward failed part-way (it was read from staging); it is written at the flush.
+                self._cache.pop(k, None)
+                self._dirty.discard(k)
+            if prefix:
+                self._override[k] = prefix
+            else:
+                self._override.pop(k, None)
+
+    def drop_cache(self) -> None:
+        """Forget clean cached chunks (another process may have rewritten them)."""
+        self._forget_frames()
+        if self.loc.chunk_cache is not None:
+            self.loc.chunk_cache.invalidate()  # entries are per commit record: fetch it again
+        for k in list(self._cache):
+            if k not in self._dirty:
+                del self._cache[k]
+
+    def flush(self, fsync: bool, hold: int | None = None) -> None:
+        """Write every dirty chunk out whole (zarr never has to read-modify-write), except chunk
+        ``hold`` (the one a ring eviction record leaves out: it is still being filled)."""
+        shape0 = self.z.shape[0]
+        for k in sorted(self._dirty):
+            if k == hold:
+                continue  # the chunk a ring is filling: written once it is complete
+            hi = min((k + 1) * self.C, shape0)
+            try:
+                # zarr writes the chunk to a temp file and renames it (removing the temp on error):
+                # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
+                self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+            except OSError as e:
+                raise _full_disk(e, self._where(chunk_key("", k, self._ndim).lstrip("/")),
+                                 f"write chunk {k} of {self.spec.array_path}")
+            self._dirty.discard(k)
+            self._forget_frames([k])
+            if self.loc.is_local:
+                self._written.add(chunk_key(self.spec.array_path, k, self._ndim))
+        if fsync and self._written:
+            for key in self._written:
+                fd = self.loc.open_inside(key, os.O_RDONLY)  # never through a link
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    raise _full_disk(e, self.loc.path(key), f"fsync {key}")
+                finally:
+                    os.close(fd)
+            for d in {self.loc.path(key).parent for key in self._written}:
+                fsync_dir(d)
+            self._written.clear()
+        self._evict()
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._forget_frames()

@@ -1,0 +1,199 @@
+"""What a stored field is (:class:`FieldSpec`) and the layout policy: chunk sizes, codecs, chunk keys.
+
+Shared by both storage engines (:mod:`trajstore.mapped` and :mod:`trajstore.chunked`);
+:func:`trajstore.storage.fields.layout.open_field` picks the engine of a field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zarr
+
+from trajstore.storage.fields import _vmap
+from trajstore.errors import BadOptionError
+from trajstore.storage.location import Location
+
+if TYPE_CHECKING:
+    from trajstore.storage.fields.chunked import ChunkedField
+    from trajstore.storage.fields.mapped import MappedField
+
+__all__ = [
+    "CACHE_BYTES",
+    "COMPRESSED_CHUNK_BYTES",
+    "PWRITE_BYTES",
+    "RAW_CHUNK_BYTES",
+    "RAW_CHUNK_MAX_BYTES",
+    "RAW_CHUNK_MIN_ROWS",
+    "SMALL_ROWS_BLOCK_BYTES",
+    "FieldSpec",
+    "chunk_key",
+    "gather_windows_by_rows",
+    "make_field_spec",
+    "open_zarr_array",
+    "parse_compressor",
+    "row_block_codec",
+]
+
+#: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few thousand
+#: files, small enough that the writer's partial tail chunk is cheap to create.
+RAW_CHUNK_BYTES = 1 << 20
+#: ... and hold at least this many rows, up to RAW_CHUNK_MAX_BYTES: every raw chunk file is one
+#: memory mapping, and Linux allows a process 65,530 (vm.max_map_count).  With 1 MiB chunks a
+#: million (84,84,4) frames were 27,000 mappings per field (obs and next_obs: over 54,000), and
+#: the first read of a store mapped thousands of files; 256-row chunks make that 3,900 per field.
+RAW_CHUNK_MIN_ROWS = 256
+RAW_CHUNK_MAX_BYTES = 16 << 20
+#: Compressed chunks are decoded whole on a random read, so they are kept smaller.
+COMPRESSED_CHUNK_BYTES = 1 << 20
+#: Writes of at least this many bytes use pwrite instead of stores into the mapping.
+PWRITE_BYTES = 64 << 10
+#: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
+CACHE_BYTES = 256 << 20
+
+
+def chunk_key(array_path: str, k: int, ndim: int) -> str:
+    """zarr v3 default chunk key of chunk ``k`` along axis 0 (other axes are one chunk)."""
+    return f"{array_path}/c/{k}" + "/0" * (ndim - 1)
+
+
+def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
+    """Map the user's ``compressor`` option to zarr ``compressors=`` and a short label.
+
+    Accepts ``None``/``"none"`` (raw), ``"lz4"``, ``"zstd"``, a zarr bytes-to-bytes codec,
+    or a numcodecs codec (wrapped with ``zarr.codecs.numcodecs``).
+    """
+    if compressor is None or compressor == "none":
+        return None, "none"
+    if isinstance(compressor, str):
+        names = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
+        if compressor not in names:
+            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+        cname, level = names[compressor]
+        codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
+        return codec, compressor
+    if isinstance(compressor, zarr.abc.codec.BytesBytesCodec):
+        return compressor, type(compressor).__name__
+    if hasattr(compressor, "get_config") and hasattr(compressor, "codec_id"):
+        import zarr.codecs.numcodecs as zn
+
+        cfg = {k: v for k, v in compressor.get_config().items() if k != "id"}
+        wrapper = getattr(zn, type(compressor).__name__, None)
+        if wrapper is None:
+            raise BadOptionError(f"numcodecs codec {compressor!r} has no zarr v3 wrapper in zarr.codecs.numcodecs")
+        return wrapper(**cfg), compressor.codec_id
+    raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+
+
+#: Rows of at least this many bytes are compressed one row per blosc block (see row_block_codec).
+ROW_BLOCK_MIN_BYTES = 4 << 10
+#: ... and at most this many (a larger row is a chunk of its own anyway).
+ROW_BLOCK_MAX_BYTES = 1 << 20
+#: Blosc block size of compressed fields with rows under ROW_BLOCK_MIN_BYTES (a random row decodes one block).
+SMALL_ROWS_BLOCK_BYTES = 16 << 10
+
+
+def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
+    """A blosc codec whose blocks hold exactly one row (rows under ROW_BLOCK_MIN_BYTES: blocks of
+    SMALL_ROWS_BLOCK_BYTES), or None where the policy does not apply.
+
+    A blosc frame (what zarr's ``blosc`` codec writes for a chunk) is a 16-byte header, a table of
+    block offsets, then blocks compressed independently: it is a small shard with its index at
+    the front.  With one row per block a random row is read by decoding one block
+    (:class:`trajstore.storage.fields.chunked.ChunkedField`, through ``blosc_getitem``), not the whole chunk,
+    and every zarr reader still decodes the chunk as usual.
+
+    c-blosc splits lz4 blocks by byte position when ``typesize <= 16`` and then enforces 64 KiB
+    blocks, so one-byte dtypes are declared with a ``typesize`` in 17..255 that divides the row
+    (``noshuffle``: a byte shuffle of uint8 data is a no-op, compression is unchanged).  Wider
+    dtypes keep their byte shuffle (it matters for their ratio); zstd honours their block size,
+    lz4 keeps 64 KiB blocks.
+    """
+    if compressor not in ("lz4", "zstd") or row_bytes > ROW_BLOCK_MAX_BYTES:
+        return None
+    cname, level = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}[compressor]
+    if row_bytes < ROW_BLOCK_MIN_BYTES:
+        # Small rows share blocks of SMALL_ROWS_BLOCK_BYTES: c-blosc's own choice for lz4 is 64-256
+        # KiB, decoded whole for every random row (1e6-row (17,) float32 store: sample(256) 28 ->
+        # 5.8 ms, same bytes on disk; scans faster too).
+        return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
+                                      blocksize=SMALL_ROWS_BLOCK_BYTES)
+    if dtype.itemsize == 1:
+        ts = next((t for t in (*range(32, 256), *range(17, 32)) if row_bytes % t == 0), None)
+        if ts is None:
+            return None
+        return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="noshuffle", typesize=ts, blocksize=row_bytes)
+    return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
+                                  blocksize=row_bytes)
+
+
+class FieldSpec:
+    """Static description of one stored field (written once into the store's attributes)."""
+
+    def __init__(self, array_path: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, layout: str,
+                 compressor: Any = None):
+        self.array_path = array_path
+        self.compressor = compressor  # only used at create; afterwards zarr's metadata holds the codec
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.dtype = np.dtype(dtype)
+        self.chunk_rows = int(chunk_rows)
+        self.layout = layout  # "raw" or "compressed"
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.array_path, "chunk_rows": self.chunk_rows, "layout": self.layout}
+
+
+def _raw_row_align(row_bytes: int) -> int:
+    """Smallest row count whose bytes fill whole pages, so chunks tile an address range."""
+    return _vmap.PAGE // math.gcd(row_bytes, _vmap.PAGE)
+
+
+def make_field_spec(
+    array_path: str,
+    row_shape: tuple[int, ...],
+    dtype: np.dtype,
+    *,
+    capacity: int | None,
+    compressor: Any,
+    chunk_rows: int | None,
+) -> FieldSpec:
+    """Choose the chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES)."""
+    row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    if compressor is not None and compressor != "none":
+        rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
+        if capacity is not None:
+            rows = min(rows, capacity)
+        if isinstance(compressor, str):
+            compressor = row_block_codec(compressor, np.dtype(dtype), row_bytes) or compressor
+        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
+    align = _raw_row_align(row_bytes)
+    rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, min(RAW_CHUNK_MIN_ROWS, RAW_CHUNK_MAX_BYTES // row_bytes), 1)
+    if capacity is not None:
+        rows = min(rows, capacity)
+    rows = -(-rows // align) * align  # round up to whole pages
+    return FieldSpec(array_path, row_shape, dtype, rows, "raw")
+
+
+def gather_windows_by_rows(field: MappedField | ChunkedField, phys: np.ndarray, length: int,
+                           capacity: int | None = None) -> np.ndarray:
+    """``field.gather_windows`` as one row gather: rows ``phys[b] + t`` (modulo ``capacity``, so
+    windows may cross a ring's wrap point), shape (B, length, ...)."""
+    rows = phys[:, None] + np.arange(length)
+    if capacity is not None:
+        rows %= capacity
+    return field.gather(rows.ravel()).reshape(len(phys), length, *field.spec.row_shape)
+
+
+def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array:
+    """The field's zarr array, re-read from the store; a writer resizes it to ``allocated`` rows
+    if another handle has not already (zarr.json only; no chunk is touched)."""
+    z = zarr.open_array(loc.zstore, path=spec.array_path, mode="r+" if writable else "r")
+    if writable and z.shape[0] < allocated:
+        z.resize((allocated, *spec.row_shape))
+    return z.with_config({"write_empty_chunks": True})
