@@ -18,11 +18,11 @@ from typing import Any
 from trajstore.buffers.base import StoredBuffer
 from trajstore.errors import BadArgumentError, BadValueError, DamagedStoreError, ReadOnlyError
 from trajstore.storage.schema import load_json
+from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.location import Location, resolve_location
 
 __all__ = ["DATASET_KEY", "set_dataset_info", "get_dataset_info", "env_description", "library_versions"]
 
-DATASET_KEY = "trajstore.dataset.json"
 _LIBRARIES = ("trajstore", "numpy", "zarr", "gymnasium", "torch", "stable-baselines3")
 
 

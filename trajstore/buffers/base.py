@@ -282,7 +282,7 @@ class StoredBuffer(BatchBase):
             return
         p = os.fspath(path)
         if "://" not in p and "::" not in p and p.endswith(".zip") and not os.path.isdir(p):
-            from trajstore.storage.zipstore import write_zip
+            from trajstore.core.zipcopy import write_zip
 
             write_zip(self._store, p, compressor=compressor, progress=progress)
             return

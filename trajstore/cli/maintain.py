@@ -143,7 +143,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
                overwrite: bool = False) -> dict[str, Any]:
     """Copy the store ``src`` to ``dst`` (any locations, a ``.zip`` included), then verify the copy.
 
-    A ``.zip`` destination is written small (:func:`trajstore.storage.zipstore.write_zip`): only chunks
+    A ``.zip`` destination is written small (:func:`trajstore.core.zipcopy.write_zip`): only chunks
     holding committed rows, and with ``compressor="auto"`` (the default) raw fields compressed
     with lz4 row blocks (``"keep"``: every field's own codec; ``"none"``: raw chunks).  Other
     destinations: with ``compressor`` ``"auto"``/``"keep"`` and no ``chunk_rows`` a byte copy of
@@ -162,7 +162,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
         bytes of the copy) and ``verified``.
     """
     from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-    from trajstore.storage.zipstore import write_zip
+    from trajstore.core.zipcopy import write_zip
     from trajstore.spaces import ValuePlan, space_from_json
     from trajstore.maintenance.summary import STEPS, episode_counts
 

@@ -36,7 +36,8 @@ from trajstore.errors import (
     TrajstoreError,
 )
 from trajstore.storage.confined import OPEN_FLAGS
-from trajstore.storage.fields.layout import ChunkedField, FieldSpec, MappedField, open_field, parse_compressor
+from trajstore.storage.fields.base import Field
+from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
 from trajstore.storage.head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState, WriterLock,
                    read_head, write_head)
 from trajstore.storage.schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
@@ -382,7 +383,7 @@ class Store:
         """Array shapes grew: refresh consolidated metadata before any row beyond the old shape is committed."""
         _consolidate(self.loc)
 
-    def rewrite(self, changes: Iterable[tuple[MappedField | ChunkedField, int, np.ndarray]],
+    def rewrite(self, changes: Iterable[tuple[Field, int, np.ndarray]],
                 apply_state: Callable[[], None]) -> None:
         """Replace whole chunks of committed rows crash-atomically.
 
@@ -394,7 +395,7 @@ class Store:
         self.commit(state=self.buffer_state())
         prefix = f"{STAGING_DIR}/{self.committed.generation + 1}"
         staged: dict[str, list[int]] = {}
-        fields: dict[str, MappedField | ChunkedField] = {}
+        fields: dict[str, Field] = {}
         for f, k, data in changes:
             f.stage_chunk(prefix, k, data)
             staged.setdefault(f.spec.array_path, []).append(k)
@@ -458,7 +459,7 @@ class Store:
         self._write_head(done)
         self.loc.delete_prefix(prefix)
 
-    def _fields_by_path(self) -> dict[str, MappedField | ChunkedField]:
+    def _fields_by_path(self) -> dict[str, Field]:
         return {f.spec.array_path: f for t in self.tables.values() for f in t.fields}
 
     def _apply_pending(self, pending: dict[str, Any] | None, staged: bool) -> None:
@@ -489,8 +490,7 @@ class Store:
         if head.epoch != old.epoch:
             for t in self.tables.values():
                 for f in t.fields:
-                    if isinstance(f, MappedField):
-                        f.remap([int(k) for k in np.flatnonzero(f._va.mapped)])
+                    f.reload()
         for t in self.tables.values():
             s = head.tables[t.name]
             t.state = TableState(s.start, s.end, s.allocated)

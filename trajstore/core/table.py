@@ -6,20 +6,41 @@ writes; the :class:`trajstore.core.store.Store` it belongs to owns the commit re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from trajstore.storage.fields.layout import ChunkedField, MappedField, gather_windows_by_rows
-from trajstore.storage.head import TableState
 from trajstore.core.ring import contiguous_runs, physical
+from trajstore.storage.fields.base import Field, gather_windows_by_rows
+from trajstore.storage.head import Head, TableState
 
-if TYPE_CHECKING:
-    from trajstore.core.store import Store
+__all__ = ["Table", "TableOwner"]
 
-__all__ = ["Table"]
 
-Field = MappedField | ChunkedField
+class TableOwner(Protocol):
+    """What a table needs of the store it belongs to (:class:`trajstore.core.store.Store`): the
+    commit record, and the hooks of the commit protocol that its writes call."""
+
+    committed: Head
+
+    def _check_writable(self) -> None:
+        """Raise unless this process may write the store now."""
+
+    def ensure_evicted(self, table: "Table", min_start: int, guard: int) -> None:
+        """Commit a record that no longer counts rows before ``min_start`` before they are overwritten."""
+
+    def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None) -> None:
+        """Write a new commit record."""
+
+    def buffer_state(self) -> dict[str, Any] | None:
+        """The buffer state saved with the next commit record."""
+
+    def after_write(self) -> None:
+        """Rows were written (an interval commit may be due)."""
+
+    def metadata_changed(self) -> None:
+        """A field grew: consolidated metadata must be rewritten."""
+
 
 
 class Table:
@@ -27,17 +48,17 @@ class Table:
 
     Parameters
     ----------
-    store : Store
-        Owner of the commit record.
+    store : TableOwner
+        Owner of the commit record (the :class:`~trajstore.core.store.Store`).
     name : str
         Key of this table in the commit record.
     capacity : int or None
         Ring size, or ``None`` for an unbounded table.
-    fields : list of MappedField or ChunkedField
+    fields : list of Field
         One per stored array, in the order callers pass data.
     """
 
-    def __init__(self, store: "Store", name: str, capacity: int | None, fields: list[Field], state: TableState):
+    def __init__(self, store: TableOwner, name: str, capacity: int | None, fields: list[Field], state: TableState):
         self.store = store
         self.name = name
         self.capacity = capacity
@@ -137,7 +158,7 @@ class Table:
         holds: list[int | None] = [None] * len(self.fields)
         if evicting_to is not None and self.capacity is not None:
             p = end % self.capacity
-            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if isinstance(f, ChunkedField) and p % f.C]
+            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if f.keeps_partial_chunk and p % f.C]
             short = max((r for _j, _k, r in held), default=0)
             committed = self.store.committed.tables[self.name].end  # never named less than before
             if held and end - short >= committed and end - short - evicting_to >= self.capacity // 2:

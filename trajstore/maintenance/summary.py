@@ -16,6 +16,7 @@ import gymnasium
 import numpy as np
 
 from trajstore.core.episodes import all_done, done_fields, episode_numbers, scalar_field
+from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.schema import load_json
 from trajstore.core.store import Store
 from trajstore.core.table import Table
@@ -453,7 +454,6 @@ def field_stats(store: Store, field: str | None = None, *, progress: Callable[[i
 
 def _dataset_info(store: Store) -> dict[str, Any] | None:
     """The store's dataset description (trajstore.metadata), if one was set."""
-    from trajstore.metadata import DATASET_KEY
 
     raw = store.loc.get(DATASET_KEY)
     return None if raw is None else load_json(raw, str(store.loc.url), DATASET_KEY)

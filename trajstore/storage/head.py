@@ -32,18 +32,13 @@ from typing import Any, Callable, Protocol
 
 from trajstore.storage.confined import MAX_HEAD_BYTES, OPEN_FLAGS, full_disk, pread, pwrite
 from trajstore.errors import DamagedStoreError, FormatVersionError, LockedError
+from trajstore.storage.keys import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY
 from trajstore.storage.schema import check_int, load_json
 from trajstore.storage.location import Location
 
 __all__ = ["HEAD_KEY", "PREV_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head",
            "write_head", "read_prev", "sync_prev", "WriterLock", "LockBackend", "FlockBackend", "MsvcrtBackend", "lock_backend"]
 
-HEAD_KEY = "trajstore.head.json"
-#: A copy of the last commit record (local stores; see the module docstring).
-PREV_KEY = "trajstore.head.prev.json"
-LOCK_KEY = "trajstore.lock"
-MPLOCK_KEY = "trajstore.mplock"
-FORMAT_VERSION = 1
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from trajstore.errors import DamagedStoreError, FormatVersionError, NotATrajstoreError
+from trajstore.storage.keys import FORMAT_VERSION, HEAD_KEY
 
 __all__ = [
     "MAX_INT", "MAX_ROW_ELEMENTS", "MAX_CHUNK_BYTES", "MAX_CHUNKS", "MAX_ARRAY_BYTES", "MAX_FIELDS", "MAX_DEPTH",
@@ -226,7 +227,6 @@ def check_allocation(f: FieldSchema, rows: int, where: str, what: str = "allocat
 
 
 def _check_version(attrs: dict[str, Any], where: str) -> None:
-    from trajstore.storage.head import FORMAT_VERSION
 
     if "format_version" not in attrs:
         raise DamagedStoreError(f"{where}: the trajstore attributes have no format_version")
@@ -486,7 +486,6 @@ def check_head_tables(head: Any, tables: Mapping[str, TableSchema], where: str) 
     """The commit record ``head`` (a parsed :class:`trajstore.storage.head.Head`) covers every table, each
     with a plausible allocation (a ring: exactly its capacity; unbounded: rows start at 0) and a
     pending rewrite that names only fields and chunks of this store (:func:`check_pending`)."""
-    from trajstore.storage.head import HEAD_KEY
 
     for name, t in tables.items():
         st = head.tables.get(name)
@@ -506,7 +505,6 @@ def check_head_tables(head: Any, tables: Mapping[str, TableSchema], where: str) 
 def check_pending(pending: Any, tables: Mapping[str, TableSchema], allocated: Mapping[str, int], where: str) -> None:
     """A pending rewrite names ``.trajstore-staging/<int>`` and, per field path of this store, a
     list of distinct chunk numbers below the field's allocation (``allocated`` rows per table)."""
-    from trajstore.storage.head import HEAD_KEY
 
     if pending is None:
         return
@@ -613,7 +611,6 @@ def check_rows_fit(loc: Any, tables: Mapping[str, TableSchema], head: Any, rows:
     resizes the arrays before it commits a larger allocation).  A consolidated shape that is short
     is re-read from the array's own ``zarr.json`` (a reader may have read the root before a
     writer grew the arrays)."""
-    from trajstore.storage.head import HEAD_KEY
 
     for name, t in tables.items():
         alloc = head.tables[name].allocated

@@ -29,11 +29,11 @@ from trajstore.storage.fields._blosc import check_frame as _check_frame
 from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
 from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,
     FieldSpec,
     chunk_key,
-    gather_windows_by_rows,
     open_zarr_array,
 )
 from trajstore.storage.location import Location, fsync_dir
@@ -51,7 +51,10 @@ ENCODED_BYTES = CACHE_BYTES
 
 
 class ChunkedField:
-    """A field read and written through zarr-python, whole chunks at a time."""
+    """A field read and written through zarr-python, whole chunks at a time (a
+    :class:`~trajstore.storage.fields.base.Field`)."""
+
+    keeps_partial_chunk = True  # the chunk being filled stays in memory until flush writes it whole
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array, writable: bool):
         self.loc, self.spec, self.writable = loc, spec, writable
@@ -402,6 +405,9 @@ class ChunkedField:
                 self._override[k] = prefix
             else:
                 self._override.pop(k, None)
+
+    def reload(self) -> None:
+        """Nothing to reopen: chunks are fetched by key (:meth:`drop_cache` forgets cached ones)."""
 
     def drop_cache(self) -> None:
         """Forget clean cached chunks (another process may have rewritten them)."""

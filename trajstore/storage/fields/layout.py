@@ -32,12 +32,13 @@ import os
 import zarr
 
 from trajstore.storage.fields import _vmap
+from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import DamagedStoreError
+from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.spec import (
     FieldSpec,
     chunk_key,
-    gather_windows_by_rows,
     make_field_spec,
     parse_compressor,
 )
@@ -88,7 +89,7 @@ def mapping_ok(loc: Location) -> bool:
     return ok and _vmap.AVAILABLE
 
 
-def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> MappedField | ChunkedField:
+def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> Field:
     """The right reader/writer for ``spec`` on ``loc``: the mapped engine for raw fields of a local
     store whose chunk bytes tile pages (where :func:`mapping_ok`), else ``ChunkedField``."""
     if spec.layout == "raw" and loc.is_local and spec.row_bytes and (spec.chunk_rows * spec.row_bytes) % _vmap.PAGE == 0 \

@@ -27,7 +27,10 @@ __all__ = ["MappedField"]
 
 
 class MappedField:
-    """A raw field on a local folder, memory-mapped chunk by chunk into one virtual array."""
+    """A raw field on a local folder, memory-mapped chunk by chunk into one virtual array
+    (a :class:`~trajstore.storage.fields.base.Field`)."""
+
+    keeps_partial_chunk = False  # rows are in the mapped file as soon as they are written
 
     def __init__(self, loc: Location, spec: FieldSpec, allocated: int, writable: bool):
         self.loc, self.spec, self.writable = loc, spec, writable
@@ -235,6 +238,10 @@ class MappedField:
         except OSError as e:
             raise _full_disk(e, self.loc.path(f"{prefix}/{key}"), f"stage chunk {k} of {self.spec.array_path}")
         return key
+
+    def reload(self) -> None:
+        """Map every mapped chunk file again (a rewrite replaced them by rename)."""
+        self.remap([int(k) for k in np.flatnonzero(self._va.mapped)])
 
     def drop_cache(self) -> None:
         """Nothing to drop: mapped pages are the files themselves."""

@@ -7,7 +7,7 @@ Shared by both storage engines (:mod:`trajstore.mapped` and :mod:`trajstore.chun
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zarr
@@ -15,10 +15,6 @@ import zarr
 from trajstore.storage.fields import _vmap
 from trajstore.errors import BadOptionError
 from trajstore.storage.location import Location
-
-if TYPE_CHECKING:
-    from trajstore.storage.fields.chunked import ChunkedField
-    from trajstore.storage.fields.mapped import MappedField
 
 __all__ = [
     "CACHE_BYTES",
@@ -30,7 +26,6 @@ __all__ = [
     "SMALL_ROWS_BLOCK_BYTES",
     "FieldSpec",
     "chunk_key",
-    "gather_windows_by_rows",
     "make_field_spec",
     "open_zarr_array",
     "parse_compressor",
@@ -178,16 +173,6 @@ def make_field_spec(
         rows = min(rows, capacity)
     rows = -(-rows // align) * align  # round up to whole pages
     return FieldSpec(array_path, row_shape, dtype, rows, "raw")
-
-
-def gather_windows_by_rows(field: MappedField | ChunkedField, phys: np.ndarray, length: int,
-                           capacity: int | None = None) -> np.ndarray:
-    """``field.gather_windows`` as one row gather: rows ``phys[b] + t`` (modulo ``capacity``, so
-    windows may cross a ring's wrap point), shape (B, length, ...)."""
-    rows = phys[:, None] + np.arange(length)
-    if capacity is not None:
-        rows %= capacity
-    return field.gather(rows.ravel()).reshape(len(phys), length, *field.spec.row_shape)
 
 
 def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array:

@@ -1,0 +1,152 @@
+"""The package's layers (issue 18): every import points down, and no module imports itself back.
+
+Each module belongs to a layer by its folder.  A module may import from its own layer and the
+layers below; an import of a higher layer, or a cycle between modules (through any chain of
+imports, top-level or inside functions), fails here.  Imports under ``if TYPE_CHECKING:`` are for
+annotations only and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
+
+#: Bottom to top.  Top-level modules and the integration packages (sb3, torch, cli) are the public
+#: entry points; everything else lives in the layer its folder names.
+LAYERS = [
+    ("base", ("trajstore.errors", "trajstore._optional")),
+    ("spaces", ("trajstore.spaces",)),
+    ("storage", ("trajstore.storage",)),
+    ("core", ("trajstore.core",)),
+    ("sampling", ("trajstore.sampling",)),
+    ("buffers", ("trajstore.buffers",)),
+    ("maintenance", ("trajstore.maintenance",)),
+    ("public", ("trajstore",)),
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    return mods
+
+
+def _layer(module: str) -> int:
+    best, rank = -1, len(LAYERS) - 1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    return rank
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported trajstore module, line) for every runtime import in the module."""
+    is_pkg = path.name == "__init__.py"
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "trajstore":
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    found.append((sub if sub in mods else target, node.lineno))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "trajstore")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return [(m, line) for m, line in found if m != name]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[tuple[str, int]]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def test_every_module_has_a_known_layer_and_every_folder_a_job(graph) -> None:
+    for pkg in {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}:
+        doc = ast.get_docstring(ast.parse((PACKAGE.parent / pkg.replace(".", "/") / "__init__.py").read_text()))
+        assert doc, f"{pkg}/__init__.py has no docstring stating the package's job"
+
+
+def test_imports_point_down(graph) -> None:
+    upward = []
+    for module, imports in sorted(graph.items()):
+        for target, line in imports:
+            if _layer(target) > _layer(module):
+                upward.append(f"{module}:{line} imports {target} "
+                              f"({LAYERS[_layer(module)][0]} -> {LAYERS[_layer(target)][0]})")
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles(graph) -> None:
+    edges = {m: sorted({t for t, _ in imps if t in graph}) for m, imps in graph.items()}
+    # Tarjan's strongly connected components: any component of two or more modules is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_upward_and_circular_imports(tmp_path) -> None:
+    """The walk itself: lazy imports count, TYPE_CHECKING ones do not."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trajstore.buffers import base\n"
+                   "def f():\n    from trajstore.maintenance import verify\n")
+    mods = {"trajstore.maintenance.verify": src, "trajstore.buffers.base": src}
+    assert _imports("trajstore.storage.x", src, mods) == [("trajstore.maintenance.verify", 5)]
+    assert _layer("trajstore.storage.fields.mapped") < _layer("trajstore.core.table") < _layer("trajstore.dask")

@@ -1,0 +1,228 @@
+"""The seam between buffers and what reads them: :class:`RowSource`, and the one retry loop.
+
+Samplers (uniform rows, sequence windows), dask arrays and the torch datasets read rows through
+a :class:`RowSource` (an :class:`EpisodeSource` when they need episode boundaries), never
+through a buffer's private attributes.  ``ReplayBuffer.row_source()`` and
+``TrajectoryReplayBuffer.row_source()`` return one; anything else that can name its rows, read
+them and tell whether a commit changed them (a sharded dataset, a store opened in place) plugs
+into the same samplers by implementing it.
+
+Rows are *logical*: ``0 .. count - 1`` in the commit record the source currently sees, oldest
+first; ``start`` is the absolute row number of logical row 0 (rings count absolute rows from
+the first row ever written).  A *leaf* is one array of the source's space, numbered as the
+buffer's ``ValuePlan`` numbers them.
+
+Readers of a live store (another process commits while they read) must not return rows a
+writer replaced meanwhile.  :func:`read_consistent` and :func:`sample_consistent` are the
+single retry loop, seqlock style: read under a pinned commit record, check the record again
+afterwards, and retry (or redraw only the samples whose rows were evicted) until the rows read
+were intact throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+
+from trajstore.errors import ConcurrentWriteError, EmptyBufferError
+from trajstore.storage.fields.base import Field
+from trajstore.storage.head import Head
+
+__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent"]
+
+_T = TypeVar("_T")
+
+#: Attempts before a reader gives up on a store a writer keeps changing under it.
+READ_ATTEMPTS = 1000
+SAMPLE_ATTEMPTS = 100
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    """Rows of one table, read consistently.
+
+    Attributes
+    ----------
+    name : str
+        What messages call the source (its path, or ``"in-memory buffer"``).
+    count : int
+        Rows in the commit record the source sees now (no refresh).
+    start : int
+        Absolute row number of logical row 0.
+    capacity : int or None
+        Ring capacity (None: unbounded).
+    live : bool
+        Whether another process may commit while this one reads (a reader, or a
+        multiprocessing writer): reads must then be checked with the retry loop.
+    record : Head
+        The commit record the source sees now.
+    last_read : Head or None
+        The record whose rows the last consistent read returned (set by the retry loop).
+    reopen : tuple (callable, args) or None
+        Picklable recipe that opens the same rows read-only in another process
+        (``fn(*args)`` returns a RowSource); None for in-memory sources.
+    """
+
+    name: str
+    last_read: Head | None
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def capacity(self) -> int | None: ...
+
+    @property
+    def live(self) -> bool: ...
+
+    @property
+    def record(self) -> Head: ...
+
+    @property
+    def reopen(self) -> tuple[Callable[..., RowSource], tuple[Any, ...]] | None: ...
+
+    def sync(self) -> None:
+        """Before reading: adopt the latest commit (readers) or hand staged rows to the tables
+        (writers), unless a consistent read in progress pinned the record."""
+
+    def pinned(self) -> AbstractContextManager[None]:
+        """While inside, :meth:`sync` keeps the current record (re-entrant)."""
+
+    def refresh(self) -> bool:
+        """Adopt the newest commit record; True when it changed."""
+
+    def rows_intact(self, before: Head) -> bool:
+        """Whether every row ``before`` counted is still stored unchanged under :attr:`record`."""
+
+    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        """Leaves ``leaves`` of logical ``rows`` (B,) int64: one (B, *leaf.shape) array each."""
+
+    def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
+        """Blocks of ``length`` consecutive rows from logical rows ``first`` (B,): one
+        (B, length, *leaf.shape) array per per-row leaf in ``leaves``."""
+
+    def leaf_field(self, leaf: int) -> Field | None:
+        """The stored field holding per-row leaf ``leaf``; None when the leaf is not stored per
+        row of this table (episode data of a trajectory buffer)."""
+
+
+@runtime_checkable
+class EpisodeSource(RowSource, Protocol):
+    """A :class:`RowSource` whose rows are steps of episodes (each row has an episode id).
+
+    Attributes
+    ----------
+    step_leaves : list of int
+        Leaves stored per step (read per row).
+    episode_leaves : list of int
+        Leaves stored per episode (read once per anchor's episode).
+    current_episode_id : int
+        The episode being recorded.
+    """
+
+    step_leaves: list[int]
+    episode_leaves: list[int]
+
+    @property
+    def current_episode_id(self) -> int: ...
+
+    def step_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Episode ids of logical ``rows`` (any shape in, same shape out), int64."""
+
+    def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
+        """(B, length) int64 episode ids of the blocks of rows starting at logical ``first``."""
+
+    def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
+        """(B,) bool: absolute rows ``first[b] .. first[b] + span`` all have one episode id
+        (answered from the run index, without reading ids)."""
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(first, lengths, ids)``: logical first row, length and episode id of every run of
+        equal ids, in row order."""
+
+    def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        """Episode leaves ``leaves`` of the episodes of logical ``anchors`` (zeros where an
+        episode has no episode data yet)."""
+
+
+def _until_intact(src: RowSource, read: Callable[[], _T], mend: Callable[[Head], bool] | None,
+                  attempts: int, gave_up: str) -> _T:
+    """``read()`` under a pinned record until the rows of the record it started under are intact
+    afterwards.  After a failed check, ``mend(before)`` returns True to accept the read as it is
+    (the rows it actually read are intact) or False to run ``read`` again (``mend`` may have
+    changed what it reads); without ``mend`` the whole read runs again."""
+    for _ in range(attempts):
+        before = src.record
+        with src.pinned():
+            out = read()
+        if not src.refresh() or src.rows_intact(before) or (mend is not None and mend(before)):
+            src.last_read = before
+            return out
+    raise ConcurrentWriteError(f"{src.name}: {gave_up}")
+
+
+def read_consistent(src: RowSource, read: Callable[[], _T]) -> _T:
+    """``read()`` as of one commit record: indices resolved inside ``read`` against ``src.count``
+    and the rows read come from the same record.  Sources nobody else commits to read once.
+
+    Raises
+    ------
+    ConcurrentWriteError
+        A writer rewrote or evicted the rows being read 1000 times in a row.
+    """
+    if not src.live:
+        return read()
+    src.sync()
+    return _until_intact(src, read, None, READ_ATTEMPTS,
+                         "the writer rewrote or evicted the rows being read 1000 times in a row; read fewer rows at a time")
+
+
+def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
+                      size: int) -> _T:
+    """``read(draw(size))``, consistent for readers of a live store.
+
+    ``draw(k)`` returns k logical rows (anchors) of the current record; ``read`` reads the rows
+    it is given.  After a read the record is checked again: anchors evicted meanwhile are redrawn
+    (all of them after a rewrite, whose epoch differs) and the read repeated until it saw only
+    intact rows.  Redrawing only the evicted anchors keeps the others' draw order, so a sample
+    stays iid.
+
+    Raises
+    ------
+    EmptyBufferError
+        The source holds no rows (or a writer emptied it meanwhile).
+    ConcurrentWriteError
+        A writer evicts rows faster than this reader can sample them.
+    """
+    src.sync()
+    if src.count == 0:
+        raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
+    idx = [draw(size), src.start]
+    if not src.live:
+        return read(idx[0])
+
+    def attempt() -> _T:
+        idx[1] = src.start
+        return read(idx[0])
+
+    def mend(before: Head) -> bool:
+        if src.count == 0:
+            raise EmptyBufferError(f"{src.name}: the buffer was emptied while it was sampled")
+        if src.record.epoch != before.epoch:
+            idx[0] = draw(size)
+            return False
+        absolute = idx[0] + idx[1]
+        stale = absolute < src.start
+        if not stale.any():  # the start moved, but not past any row read: they are intact
+            return True
+        idx[0] = absolute - src.start
+        idx[0][stale] = draw(int(stale.sum()))
+        return False
+
+    return _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")

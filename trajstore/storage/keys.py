@@ -1,0 +1,19 @@
+"""The names of trajstore's own files in a store, and the format version the commit record carries.
+
+Everything else in a store is zarr's (``zarr.json`` files and chunk keys); see docs/format.md.
+"""
+
+__all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY"]
+
+#: The commit record: which rows of every table are committed (see :mod:`trajstore.storage.head`).
+HEAD_KEY = "trajstore.head.json"
+#: A copy of the last commit record that a local writer keeps (recovery of a damaged head).
+PREV_KEY = "trajstore.head.prev.json"
+#: The writer lock file of a local store ("open pid=..." while a single writer holds it, else "closed").
+LOCK_KEY = "trajstore.lock"
+#: The op lock that multiprocessing writers take around each write.
+MPLOCK_KEY = "trajstore.mplock"
+#: The dataset description (:mod:`trajstore.metadata`).
+DATASET_KEY = "trajstore.dataset.json"
+#: Version of the commit record's format; a newer one is refused with FormatVersionError.
+FORMAT_VERSION = 1
