@@ -320,7 +320,7 @@ def _result(path: str, **kw: Any) -> None:
 def _used(rb: ReplayBuffer) -> tuple[int, int]:
     """White box: rows ``[start, end)`` of the commit record whose rows the last read returned
     (a read may return an older record's rows when they are still intact under the newest)."""
-    t = rb._read_head.tables["step_data"]
+    t = rb.row_source().last_read.tables["step_data"]
     return int(t.start), int(t.end)
 
 

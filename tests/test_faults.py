@@ -768,6 +768,28 @@ def test_a_forked_childs_garbage_collection_never_commits(tmp_path, multiprocess
         assert len(ro) == 5 and (ro[2:] == 1).all()
 
 
+def test_a_writer_collected_in_zarrs_event_loop_still_commits(tmp_path):
+    """Buffers sit in reference cycles, so the cyclic collector frees a dropped writer in
+    whichever thread it runs, zarr's IO thread included, where a commit would wait on that very
+    loop (it failed: "coroutine was never awaited", rows lost).  Such a writer is kept and
+    commits when the next buffer opens (or at exit)."""
+    import gc
+
+    from zarr.core.sync import sync
+
+    path = tmp_path / "s"
+    held = [ReplayBuffer.create(Box(-1, 1, (3,), np.float32), cache_path=path)]
+    held[0].extend(np.ones((5, 3), np.float32))  # not committed
+
+    async def collect_in_loop() -> None:
+        held.clear()
+        gc.collect()
+
+    sync(collect_in_loop())
+    with ReplayBuffer.load_from(path, read_only=True) as ro:  # opening commits the deferred writer first
+        assert len(ro) == 5 and (ro[:] == 1).all()
+
+
 def test_a_forked_child_of_a_lockless_writer_is_no_writer():
     """Stores without a lock file (in memory, remote URLs) have one writer too: the process that
     opened them.  Its forked child gets LockedError, as the child of a local writer does."""

@@ -5,38 +5,64 @@ while a writer fills a ring, and pickling as a small handle.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
 from trajstore.buffers.backend import Backend
-from trajstore.errors import BadOptionError, ClosedError, ConcurrentWriteError, EmptyBufferError
+from trajstore.errors import BadOptionError, ClosedError
 from trajstore.core.store import Store
 from trajstore.core.stager import RowStager
 from trajstore.core.table import Table
 from trajstore.buffers.views import BatchBase
+from trajstore.sampling.source import read_consistent, sample_consistent
+from trajstore.storage.fields.base import Field
+from trajstore.storage.head import Head
 
 _T = TypeVar("_T")
 
-__all__ = ["StoredBuffer", "as_generator"]
+__all__ = ["BufferRows", "StoredBuffer", "as_generator"]
 
 # Writers left open at interpreter exit are committed by an atexit hook.  It is registered
 # after zarr's own (zarr is imported first), so it runs before zarr stops its event loop;
 # a commit from __del__ during finalization could wait forever on that loop.
 _OPEN: "weakref.WeakSet[StoredBuffer]" = weakref.WeakSet()
+# Writers collected where they cannot commit (inside zarr's event-loop thread, which a commit
+# waits on): kept alive here and committed by the next buffer opened, or at exit.
+_DEFERRED: list["StoredBuffer"] = []
+
+
+def _close_deferred() -> None:
+    while _DEFERRED:
+        try:
+            _DEFERRED.pop().close()
+        except Exception:  # one broken buffer must not stop the others' commits
+            pass
 
 
 @atexit.register
 def _close_all() -> None:
+    _close_deferred()
     for buf in list(_OPEN):
         try:
             buf.close()
         except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
             pass
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
@@ -63,6 +89,7 @@ class StoredBuffer(BatchBase):
         self._rng = np.random.default_rng()
         self._closed = False
         self._stagers = []
+        _close_deferred()
         _OPEN.add(self)
 
     @classmethod
@@ -92,7 +119,6 @@ class StoredBuffer(BatchBase):
             st.drain()
 
     _pinned = False  # True while a consistent read runs: it must see one commit record throughout
-    _read_head = None  # the commit record whose rows the last consistent read returned (tests look)
 
     def _sync(self) -> None:
         """Before reading: a writer hands staged appends to its tables; readers (and
@@ -137,6 +163,11 @@ class StoredBuffer(BatchBase):
         return self._store.loc.url
 
     @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """The fsspec options the store was opened with (None for local folders and defaults)."""
+        return self._open_args.get("storage_options")
+
+    @property
     def multiprocessing(self) -> bool:
         return self._store.multiprocessing
 
@@ -154,71 +185,21 @@ class StoredBuffer(BatchBase):
         self._drain()
         return self._read_rows(idx, leaf_ids)
 
-    @property
-    def _recheck(self) -> bool:
-        """Whether other processes may commit while we read (readers, multiprocessing writers),
-        so a read must be checked against the latest commit record afterwards."""
-        return not self._store.writable or self._store.multiprocessing
+    def row_source(self) -> "BufferRows":
+        """This buffer's rows as a :class:`~trajstore.sampling.source.RowSource`: what samplers,
+        sequence windows, dask arrays and the torch datasets read it through."""
+        src = self.__dict__.get("_row_source")
+        if src is None:
+            src = self._row_source = self._make_row_source()
+        return src
+
+    def _make_row_source(self) -> "BufferRows":
+        return BufferRows(self)
 
     def _consistent(self, read: Callable[[], _T]) -> _T:
-        """Reads by a reader (or multiprocessing writer) are retried until the rows of the commit
-        record they resolved their indices against are still intact under the latest record
-        afterwards (:meth:`Store.rows_intact`), so the result is exactly that record's rows.
-        While ``read`` runs, the buffer's view of the store is pinned (``len`` inside it does not
-        adopt a newer record), so indices and rows come from one record.  Every read of this
-        buffer and of its views (``get_slice``, ``get_column``) goes through here."""
-        if not self._recheck:
-            return read()
-        self._sync()
-        for _ in range(1000):
-            before = self._store.committed
-            out = self._pinned_read(read)
-            if not self._store.refresh() or self._store.rows_intact(before):
-                self._read_head = before
-                return out
-        raise ConcurrentWriteError(f"{self.cache_path}: the writer rewrote or evicted the rows being read "
-                                   "1000 times in a row; read fewer rows at a time")
-
-    def _pinned_read(self, read: Callable[[], _T]) -> _T:
-        outer, self._pinned = self._pinned, True  # re-entrant: a read inside a read stays pinned
-        try:
-            return read()
-        finally:
-            self._pinned = outer
-
-    def _sample_consistent(self, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
-                           size: int) -> _T:
-        """``read(draw(size))``, made consistent seqlock-style for readers of a live store: after the
-        read the commit record is checked again, and rows (anchors) evicted meanwhile are redrawn
-        with ``draw`` (everything after a rewrite) until a read saw only intact rows.  ``draw(k)``
-        returns k logical rows of the current record; ``read`` reads the rows it is given."""
-        t = self._table
-        self._sync()
-        if t.count == 0:
-            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.cache_path})")
-        idx = draw(size)
-        if not self._recheck:
-            return read(idx)
-        for _ in range(100):
-            before, start = self._store.committed, t.state.start
-            out = self._pinned_read(lambda: read(idx))
-            if not self._store.refresh() or self._store.rows_intact(before):
-                self._read_head = before
-                return out
-            if t.count == 0:
-                raise EmptyBufferError(f"{self.cache_path}: the buffer was emptied while it was sampled")
-            if self._store.committed.epoch != before.epoch:
-                idx = draw(size)
-                continue
-            absolute = idx + start
-            stale = absolute < t.state.start
-            if not stale.any():  # the start moved, but not past any row read: they are intact
-                self._read_head = before
-                return out
-            idx = absolute - t.state.start
-            idx[stale] = draw(int(stale.sum()))
-        raise ConcurrentWriteError(f"{self.cache_path}: the writer evicts rows faster than this reader can "
-                                   "sample them")
+        """``read()`` as of one commit record (see :func:`~trajstore.sampling.source.read_consistent`).
+        Every read of this buffer and of its views (``get_slice``, ``get_column``) goes through here."""
+        return read_consistent(self.row_source(), read)
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly with replacement.
@@ -234,8 +215,8 @@ class StoredBuffer(BatchBase):
         """
         gen = as_generator(rng, self._rng)
         leaves = self._all_leaves
-        arrays = self._sample_consistent(lambda k: gen.integers(0, self._table.count, size=k),
-                                         lambda idx: self._read_rows(idx, leaves), batch_size)
+        arrays = sample_consistent(self.row_source(), lambda k: gen.integers(0, self._table.count, size=k),
+                                   lambda idx: self._read_rows(idx, leaves), batch_size)
         return self._plan.from_arrays([self._backend.out(a) for a in arrays])
 
     # -- committing ----------------------------------------------------------------------------------
@@ -329,6 +310,11 @@ class StoredBuffer(BatchBase):
                 # even inside zarr's event-loop setup (whose lock a commit would take again and
                 # deadlock on), and the rows belong to the parent.  Release, never commit.
                 self._release()
+            elif not self._closed and _in_event_loop():
+                # Collected in zarr's IO thread (buffers sit in reference cycles, so the cyclic
+                # collector frees them in whichever thread it runs): a commit here would wait on
+                # this very loop.  Keep the buffer alive; it commits at the next open or at exit.
+                _DEFERRED.append(self)
             else:
                 self.close()
         except Exception:
@@ -354,6 +340,89 @@ class StoredBuffer(BatchBase):
         if self.check_bounds:  # a policy of the handle: the copy in another process keeps it
             kwargs["check_bounds"] = True
         return (_reopen, (type(self), self.cache_path, kwargs))
+
+
+class BufferRows:
+    """A :class:`StoredBuffer` as a :class:`~trajstore.sampling.source.RowSource`: its table's
+    rows, every leaf of its space (``buffer.row_source()``).
+
+    Beyond the protocol, ``table`` is the buffer's :class:`~trajstore.core.table.Table`, for the
+    done-flag helpers of :mod:`trajstore.core.episodes` (a ReplayBuffer's episodes).
+    """
+
+    def __init__(self, buf: StoredBuffer) -> None:
+        self.buffer = buf
+        self.table = buf._table
+        self.name = buf.cache_path or "in-memory buffer"
+        self.last_read: Head | None = None
+
+    @property
+    def count(self) -> int:
+        return self.buffer._table.count
+
+    @property
+    def start(self) -> int:
+        return self.buffer._table.state.start
+
+    @property
+    def capacity(self) -> int | None:
+        return self.buffer._table.capacity
+
+    @property
+    def live(self) -> bool:
+        store = self.buffer._store
+        return not store.writable or store.multiprocessing
+
+    @property
+    def record(self) -> Head:
+        return self.buffer._store.committed
+
+    @property
+    def committed(self) -> tuple[int, int]:
+        st = self.buffer._store.committed.tables[self.buffer._table.name]
+        return st.start, st.end
+
+    @property
+    def reopen(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+        buf = self.buffer
+        if buf.cache_path is None:
+            return None
+        return (_reopen_rows, (type(buf), buf.cache_path, buf.storage_options))
+
+    def sync(self) -> None:
+        self.buffer._sync()
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        buf = self.buffer
+        outer, buf._pinned = buf._pinned, True  # re-entrant: a read inside a read stays pinned
+        try:
+            yield
+        finally:
+            buf._pinned = outer
+
+    def refresh(self) -> bool:
+        return self.buffer._store.refresh()
+
+    def rows_intact(self, before: Head) -> bool:
+        return self.buffer._store.rows_intact(before)
+
+    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self.buffer._read_rows(rows, leaves)
+
+    def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self.buffer._table.gather_windows(first, length, [self._field_index(j) for j in leaves])
+
+    def leaf_field(self, leaf: int) -> Field | None:
+        return self.buffer._table.fields[leaf]
+
+    def _field_index(self, leaf: int) -> int:
+        return leaf
+
+
+def _reopen_rows(cls: type, path: str, storage_options: dict[str, Any] | None) -> BufferRows:
+    """The rows of the store at ``path``, opened read-only in this process (dask workers)."""
+    return cls.load_from(path, read_only=True, storage_options=storage_options).row_source()  # type: ignore[attr-defined, no-any-return]
 
 
 def _reopen(cls: type, path: str, kwargs: dict[str, Any]) -> StoredBuffer:

@@ -22,12 +22,14 @@ import numpy as np
 
 from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.buffers.base import BufferRows, StoredBuffer, as_generator
 from trajstore.core.episodes import EpisodeIndex, RunIndex
-from trajstore.errors import BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError, UnsupportedSpaceError
+from trajstore.errors import (BadArgumentError, BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError,
+                              UnsupportedSpaceError)
 from trajstore.buffers.replay import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
 from trajstore.storage.schema import MAX_INT
 from trajstore.core.ring import IndexLike, normalize_index
+from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.layout import make_field_spec
 from trajstore.sampling import sequences as _seq
 from trajstore.spaces import ValuePlan, space_to_json
@@ -596,23 +598,73 @@ class TrajectoryReplayBuffer(StoredBuffer):
             ``step_data`` leaves of shape (B, T, ...); ``episode_data`` of each anchor's episode, (B, ...).
         valid_mask : (B, T) bool
         """
-        data, mask = _seq.get_sequences(self, idx, offsets, pad)
-        return self._wrap(data), mask
+        return self._windows(_seq.get_sequences(self.row_source(), idx, offsets, pad))
 
     def sample_sequences(self, batch_size: int, seq_len: int, *, rng: np.random.Generator | int | None = None,
                          pad: str = "edge", within_episode: bool = False) -> tuple[TrajectoryData, Any]:
         """``batch_size`` windows of ``seq_len`` consecutive rows from uniformly drawn first rows
         (``within_episode=True``: only windows wholly inside one episode).  Returns
         ``(data with step_data (B, T, ...), valid_mask (B, T))`` as :meth:`get_sequences`."""
-        data, mask = _seq.sample_sequences(self, batch_size, seq_len, as_generator(rng, self._rng), pad, within_episode)
-        return self._wrap(data), mask
+        return self._windows(_seq.sample_sequences(self.row_source(), batch_size, seq_len, as_generator(rng, self._rng),
+                                                   pad, within_episode))
 
     def episodes(self) -> dict[str, np.ndarray]:
         """One entry per episode with steps present: ``episode_id``, ``start`` (logical row of its
         first step), ``length`` (steps) and ``live`` (still being recorded), ordered by ``start``."""
-        return _seq.episode_table(self)
+        return _seq.episode_table(self.row_source())
 
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
-        return self.get_at(_seq.episode_rows(self, int(episode_id)))
+        return self.get_at(_seq.episode_rows(self.row_source(), int(episode_id)))
 
+    def _windows(self, w: _seq.Windows) -> tuple[TrajectoryData, Any]:
+        """Sequence windows (numpy, per leaf) as this buffer's structure and backend."""
+        out = self._backend.out
+        step_data = self._step_plan.from_arrays([out(a) for a in w.steps])
+        episode_data = self._ep_plan.from_arrays([out(a) for a in w.episodes]) if self._ep_plan is not None else None
+        return self._wrap({"step_data": step_data, "episode_data": episode_data}), out(w.valid)
+
+    def _make_row_source(self) -> "TrajectoryRows":
+        return TrajectoryRows(self)
+
+
+class TrajectoryRows(BufferRows):
+    """A :class:`TrajectoryReplayBuffer` as an :class:`~trajstore.sampling.source.EpisodeSource`:
+    its step rows; leaves numbered as the buffer's space (``step_data`` then ``episode_data``)."""
+
+    buffer: TrajectoryReplayBuffer
+
+    def __init__(self, buf: TrajectoryReplayBuffer) -> None:
+        super().__init__(buf)
+        self.step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
+        self.episode_leaves = [j for j, s in enumerate(buf._src) if s[0] == "e"]
+
+    @property
+    def current_episode_id(self) -> int:
+        return self.buffer.current_episode_id
+
+    def _field_index(self, leaf: int) -> int:
+        kind, f = self.buffer._src[leaf]
+        if kind != "s":
+            raise BadArgumentError(f"leaf {leaf} is episode data, stored once per episode, not per step row")
+        return f
+
+    def leaf_field(self, leaf: int) -> Field | None:
+        kind, f = self.buffer._src[leaf]
+        return self.buffer._table.fields[f] if kind == "s" else None
+
+    def step_ids(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(self.buffer._step_ids(rows), dtype=np.int64)
+
+    def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
+        buf = self.buffer
+        return buf._table.gather_windows(first, length, [buf._id_field])[0]
+
+    def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
+        return self.buffer._runs.one_run(first + self.start, span)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.buffer._runs.runs()
+
+    def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self.buffer._read_rows(anchors, leaves)

@@ -16,7 +16,7 @@ import numpy as np
 
 from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.errors import ReadOnlyError
+from trajstore.errors import BadArgumentError, ReadOnlyError
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.spaces import ValuePlan, subspace
 
@@ -121,9 +121,18 @@ class BatchBase:
     def to_dask(self) -> Any:
         """The committed rows of this column view as a dask array (nested dict of them for a Dict
         column), chunked like the store; see :func:`trajstore.dask.to_dask`."""
-        from trajstore.dask import to_dask
+        from trajstore.sampling.dask_arrays import dask_arrays
 
-        return to_dask(self)
+        node, leaves = self, list(range(len(self._plan.leaves)))
+        while isinstance(node, ColumnView):
+            leaves = [node._leaf_map[j] for j in leaves]
+            node = node.parent
+        row_source = getattr(node, "row_source", None)
+        if row_source is None:
+            raise BadArgumentError(f"to_dask needs a buffer or a column view of one (possibly nested); got "
+                                   f"{type(node).__name__} in the chain (take the rows you need from the dask "
+                                   "array instead: arr[lo:hi])")
+        return ValuePlan(self.single_space).from_arrays(dask_arrays(row_source(), leaves))
 
     def get_column(self, nested_keys: Sequence[str | int] | str) -> "ColumnView":
         """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]`` or ``"obs/pos"``)."""

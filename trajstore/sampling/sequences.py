@@ -1,22 +1,21 @@
-"""Sequences within episodes: which rows a window of frames reads, which frames are valid,
-and how invalid frames are padded.  Pure numpy on row numbers, so the cost of a batch is
+"""Sequences within episodes over an :class:`~trajstore.sampling.source.EpisodeSource`: which
+rows a window of frames reads, which frames are valid, and how invalid frames are padded.  Pure numpy on row numbers, so the cost of a batch is
 O(B x T) whatever the store's size.  Windows of consecutive frames containing the anchor
 (every sampled sequence, frame stacks) are read as blocks of rows, one copy per window.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from trajstore.errors import BadOptionError, UnknownEpisodeError
 from trajstore.core.ring import normalize_index
+from trajstore.errors import BadOptionError, UnknownEpisodeError
+from trajstore.sampling.source import EpisodeSource, read_consistent, sample_consistent
 
-if TYPE_CHECKING:
-    from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-
-__all__ = ["window_rows", "block_frames", "pad_sources", "get_sequences", "sample_sequences", "episode_table", "episode_rows", "PADS"]
+__all__ = ["PADS", "Windows", "block_frames", "episode_rows", "episode_table", "get_sequences", "pad_sources",
+           "sample_sequences", "window_rows"]
 
 PADS = ("edge", "zero")
 
@@ -109,19 +108,27 @@ def pad_sources(rows: np.ndarray, valid: np.ndarray, offsets: np.ndarray, anchor
     return np.where(valid, rows, fill)
 
 
-def get_sequences(buf: "TrajectoryReplayBuffer", idx: Any, offsets: Any, pad: str = "edge") -> tuple[Any, Any]:
-    """Frames ``idx[b] + offsets[t]`` of a trajectory buffer; see
-    :meth:`TrajectoryReplayBuffer.get_sequences`."""
+class Windows(NamedTuple):
+    """Windows of frames as numpy, before a buffer gives them its structure and backend."""
+
+    steps: list[np.ndarray]  # one (B, T, *leaf.shape) array per step leaf (src.step_leaves order)
+    episodes: list[np.ndarray]  # one (B, *leaf.shape) array per episode leaf, of each anchor's episode
+    valid: np.ndarray  # (B, T) bool
+
+
+def get_sequences(src: EpisodeSource, idx: Any, offsets: Any, pad: str = "edge") -> Windows:
+    """Frames ``idx[b] + offsets[t]`` (logical rows); see
+    :meth:`TrajectoryReplayBuffer.get_sequences <trajstore.TrajectoryReplayBuffer.get_sequences>`."""
     if pad not in PADS:
         raise BadOptionError(f"pad must be one of {PADS}; got {pad!r}")
-    buf._sync()
+    src.sync()
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
 
-    def read() -> tuple[Any, Any]:
-        anchors = np.atleast_1d(np.asarray(normalize_index(idx, buf._table.count), dtype=np.int64))
-        return _read_windows(buf, anchors, offs, pad)
+    def read() -> Windows:
+        anchors = np.atleast_1d(np.asarray(normalize_index(idx, src.count), dtype=np.int64))
+        return _read_windows(src, anchors, offs, pad)
 
-    return buf._consistent(read)  # a reader retries until no commit happened while it read
+    return read_consistent(src, read)  # a reader retries until no commit happened while it read
 
 
 def _is_block(offs: np.ndarray, count: int) -> bool:
@@ -139,77 +146,65 @@ class _Frames(NamedTuple):
     valid: np.ndarray  # (B, T) bool
 
 
-def _block_ok(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """First logical row of each anchor's block (clipped into the buffer), and whether the block
+def _block_ok(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First logical row of each anchor's block (clipped into the source), and whether the block
     holds exactly its frames (unclipped) within one run of equal episode ids: wholly valid."""
-    t = buf._table
     T = len(offs)
     lo = anchors + offs[0]
-    first = np.clip(lo, 0, t.count - T)
-    return first, (first == lo) & buf._runs.one_run(first + t.state.start, T - 1)
+    first = np.clip(lo, 0, src.count - T)
+    return first, (first == lo) & src.one_run(first, T - 1)
 
 
-def _frames(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, block: bool) -> _Frames:
+def _frames(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, block: bool) -> _Frames:
     """Frames of logical ``anchors``.
 
     ``block`` (see :func:`_is_block`): each window is a block of consecutive rows; blocks inside
-    the buffer and inside one run of equal ids (the run index answers without reading ids) are
+    the source and inside one run of equal ids (the run index answers without reading ids) are
     wholly valid, and only the others read their ids.  Otherwise frames are resolved row by row.
     """
-    t = buf._table
     B, T = len(anchors), len(offs)
     if not block:
-        start = t.state.start
-        rows, valid = window_rows(anchors + start, offs, start, t.state.end, lambda a: buf._step_ids(a - start))
-        return _Frames(None, np.arange(B), rows - start, valid)
-    first, ok = _block_ok(buf, anchors, offs)
+        rows, valid = window_rows(anchors, offs, 0, src.count, src.step_ids)
+        return _Frames(None, np.arange(B), rows, valid)
+    first, ok = _block_ok(src, anchors, offs)
     check = np.flatnonzero(~ok)
     valid = np.ones((B, T), bool)
     pos = np.zeros((0, T), np.int64)
     if check.size:
-        ids = t.gather_windows(first[check], T, [buf._id_field])[0]
-        pos, valid[check] = block_frames(anchors[check], first[check], offs, t.count, ids)
+        ids = src.window_ids(first[check], T)
+        pos, valid[check] = block_frames(anchors[check], first[check], offs, src.count, ids)
     return _Frames(first, check, pos, valid)
 
 
-def _read_windows(buf: "TrajectoryReplayBuffer", anchors: np.ndarray, offs: np.ndarray, pad: str,
-                  all_valid: bool = False) -> tuple[Any, Any]:
-    """Read windows for logical ``anchors``: step data (B, T, ...), episode data of each anchor's
-    episode (B, ...), valid mask (B, T).  ``all_valid``: the caller knows every window is a block
-    wholly inside one episode (``within_episode`` sampling checked it)."""
+def _read_windows(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, pad: str,
+                  all_valid: bool = False) -> Windows:
+    """Read windows for logical ``anchors``.  ``all_valid``: the caller knows every window is a
+    block wholly inside one episode (``within_episode`` sampling checked it)."""
     if all_valid:
         B, T = len(anchors), len(offs)
         f = _Frames(anchors + offs[0], np.zeros(0, np.int64), np.zeros((0, T), np.int64), np.ones((B, T), bool))
     else:
-        f = _frames(buf, anchors, offs, _is_block(offs, buf._table.count))
+        f = _frames(src, anchors, offs, _is_block(offs, src.count))
     B, T = f.valid.shape
-    step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
     if f.first is None:
-        src = pad_sources(f.rows, f.valid, offs, anchors) if pad == "edge" else f.rows
-        steps = [a.reshape(B, T, *a.shape[1:]) for a in buf._read_rows(src.ravel(), step_leaves)]
+        rows = pad_sources(f.rows, f.valid, offs, anchors) if pad == "edge" else f.rows
+        steps = [a.reshape(B, T, *a.shape[1:]) for a in src.read_rows(rows.ravel(), src.step_leaves)]
     else:
-        steps = buf._table.gather_windows(f.first, T, [buf._src[j][1] for j in step_leaves])
+        steps = src.gather_windows(f.first, T, src.step_leaves)
         c = f.check
         if c.size:  # clipped or padded blocks: re-index their frames within the block
-            src = pad_sources(f.rows, f.valid[c], offs, anchors[c] - f.first[c]) if pad == "edge" else f.rows
+            pos = pad_sources(f.rows, f.valid[c], offs, anchors[c] - f.first[c]) if pad == "edge" else f.rows
             for a in steps:
-                a[c] = a[c[:, None], src]
+                a[c] = a[c[:, None], pos]
     if pad == "zero" and f.check.size:
         for a in steps:
             a[~f.valid] = 0
-    ep = None
-    if buf._ep_plan is not None:
-        ep_leaves = [j for j, s in enumerate(buf._src) if s[0] == "e"]
-        ep = buf._read_rows(anchors, ep_leaves)
-    out = buf._backend.out
-    step_data = buf._step_plan.from_arrays([out(a) for a in steps])
-    episode_data = buf._ep_plan.from_arrays([out(a) for a in ep]) if ep is not None else None
-    return {"step_data": step_data, "episode_data": episode_data}, out(f.valid)
+    episodes = src.read_episode_rows(anchors, src.episode_leaves) if src.episode_leaves else []
+    return Windows(steps, episodes, f.valid)
 
 
-def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: int, rng: np.random.Generator,
-                     pad: str, within_episode: bool) -> tuple[Any, Any]:
+def sample_sequences(src: EpisodeSource, batch_size: int, seq_len: int, rng: np.random.Generator,
+                     pad: str, within_episode: bool) -> Windows:
     """Windows of ``seq_len`` consecutive rows starting at uniformly drawn rows.
 
     ``within_episode=True`` draws only windows lying wholly inside one episode, by rejection:
@@ -223,18 +218,18 @@ def sample_sequences(buf: "TrajectoryReplayBuffer", batch_size: int, seq_len: in
     offs = np.arange(seq_len, dtype=np.int64)
     # A reader re-checks the commit record after reading: windows whose first row was evicted
     # meanwhile (it may have been overwritten) are drawn again, everything after a rewrite.
-    return buf._sample_consistent(
-        lambda k: _draw_anchors(buf, k, offs, rng, within_episode),
-        lambda anchors: _read_windows(buf, anchors, offs, pad,
-                                      all_valid=within_episode and _is_block(offs, buf._table.count)),
+    return sample_consistent(
+        src,
+        lambda k: _draw_anchors(src, k, offs, rng, within_episode),
+        lambda anchors: _read_windows(src, anchors, offs, pad, all_valid=within_episode and _is_block(offs, src.count)),
         batch_size)
 
 
-def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarray, rng: np.random.Generator,
+def _draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np.random.Generator,
                   within_episode: bool) -> np.ndarray:
     """First rows of ``batch_size`` windows drawn uniformly (``within_episode``: uniformly among
     the windows wholly inside one episode), (B,) int64 logical rows."""
-    n = buf._table.count
+    n = src.count
     if not within_episode:
         return rng.integers(0, n, size=batch_size)
     # Rejection sampling, keeping accepted candidates in draw order (so anchors stay iid uniform
@@ -247,7 +242,7 @@ def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarr
         if not accepted and tried >= 1000 * batch_size:
             break  # none in a thousand batches' worth of windows: give up
         cand = rng.integers(0, n, size=draw)
-        ok = _block_ok(buf, cand, offs)[1] if block else _frames(buf, cand, offs, False).valid.all(axis=1)
+        ok = _block_ok(src, cand, offs)[1] if block else _frames(src, cand, offs, False).valid.all(axis=1)
         good = cand[ok][:need]
         kept.append(good)
         need -= len(good)
@@ -257,28 +252,28 @@ def _draw_anchors(buf: "TrajectoryReplayBuffer", batch_size: int, offs: np.ndarr
         draw = min(int(need * tried / max(accepted, 1) * 1.25) + 8, 64 * batch_size + 64)
     if need:
         raise BadOptionError(f"no window of {len(offs)} steps lies inside one episode (or almost none do): "
-                         "use a shorter seq_len or within_episode=False")
+                             "use a shorter seq_len or within_episode=False")
     return np.concatenate(kept)
 
 
-def episode_table(buf: "TrajectoryReplayBuffer") -> dict[str, np.ndarray]:
+def episode_table(src: EpisodeSource) -> dict[str, np.ndarray]:
     """``{"episode_id", "start", "length", "live"}`` arrays, one entry per episode with steps
     present, ordered by first step.  ``start`` is the logical row of its first step, ``length``
     its number of steps, ``live`` whether it is the episode being recorded.  Built from the run
     index: O(runs), not O(rows)."""
-    buf._sync()
-    first, lengths, ids = buf._runs.runs()
+    src.sync()
+    first, lengths, ids = src.runs()
     eids, at, inv = np.unique(ids, return_index=True, return_inverse=True)
     order = np.argsort(first[at], kind="stable")
     eids, starts = eids[order], first[at][order]
     counts = np.bincount(inv, weights=lengths, minlength=len(at)).astype(np.int64)[order]
-    return {"episode_id": eids, "start": starts, "length": counts, "live": eids == buf.current_episode_id}
+    return {"episode_id": eids, "start": starts, "length": counts, "live": eids == src.current_episode_id}
 
 
-def episode_rows(buf: "TrajectoryReplayBuffer", episode_id: int) -> np.ndarray:
-    """Logical rows of the steps of ``episode_id`` (KeyError when it has none)."""
-    buf._sync()
-    first, lengths, ids = buf._runs.runs()
+def episode_rows(src: EpisodeSource, episode_id: int) -> np.ndarray:
+    """Logical rows of the steps of ``episode_id`` (UnknownEpisodeError when it has none)."""
+    src.sync()
+    first, lengths, ids = src.runs()
     mine = np.flatnonzero(ids == episode_id)
     if mine.size == 0:
         raise UnknownEpisodeError(f"episode {episode_id} has no steps in the buffer")

@@ -59,6 +59,8 @@ class RowSource(Protocol):
         multiprocessing writer): reads must then be checked with the retry loop.
     record : Head
         The commit record the source sees now.
+    committed : tuple (int, int)
+        Absolute rows ``[start, end)`` that record names (a writer may hold more, uncommitted).
     last_read : Head or None
         The record whose rows the last consistent read returned (set by the retry loop).
     reopen : tuple (callable, args) or None
@@ -83,6 +85,9 @@ class RowSource(Protocol):
 
     @property
     def record(self) -> Head: ...
+
+    @property
+    def committed(self) -> tuple[int, int]: ...
 
     @property
     def reopen(self) -> tuple[Callable[..., RowSource], tuple[Any, ...]] | None: ...
@@ -139,7 +144,7 @@ class EpisodeSource(RowSource, Protocol):
         """(B, length) int64 episode ids of the blocks of rows starting at logical ``first``."""
 
     def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
-        """(B,) bool: absolute rows ``first[b] .. first[b] + span`` all have one episode id
+        """(B,) bool: logical rows ``first[b] .. first[b] + span`` all have one episode id
         (answered from the run index, without reading ids)."""
 
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ import numpy as np
 from trajstore.buffers.base import StoredBuffer
 from trajstore.errors import UnknownFieldError
 from trajstore.buffers.replay import ReplayBuffer
-from trajstore.spaces import ValuePlan, subspace
+from trajstore.spaces import ValuePlan, leaves, subspace
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["BufferSource", "FieldSelection"]
@@ -54,7 +54,7 @@ class BufferSource:
                 buf.flush()
             self.path = buf.cache_path
             self.kind = type(buf).__name__
-            self.storage_options = storage_options if storage_options is not None else buf._open_args.get("storage_options")
+            self.storage_options = storage_options if storage_options is not None else buf.storage_options
             self._buf: StoredBuffer | None = buf
             self._owned = False
         else:
@@ -123,7 +123,7 @@ class FieldSelection:
             fields = [fields]
         self.names: list[str] = []
         self.plans: list[ValuePlan] = []
-        self.leaf_ids: list[list[int]] = []  # per field: leaves of buf._plan
+        self.leaf_ids: list[list[int]] = []  # per field: leaves of the buffer's space
         self.episode: list[bool] = []
         for name in fields:
             keys: list[Any] = [k for k in name.split("/") if k]
@@ -136,7 +136,7 @@ class FieldSelection:
             keys = _tuple_keys(buf, traj, name, keys)
             space = subspace(buf.single_space, keys)
             prefix = tuple(keys)
-            ids = [j for j, leaf in enumerate(buf._plan.leaves) if leaf.path[: len(prefix)] == prefix]
+            ids = [j for j, leaf in enumerate(leaves(buf.single_space)) if leaf.path[: len(prefix)] == prefix]
             self.names.append(name or "data")
             self.plans.append(ValuePlan(space))
             self.leaf_ids.append(ids)
@@ -164,7 +164,7 @@ def _field_list(buf: StoredBuffer, traj: bool) -> str:
     """The field names a dataset accepts for ``buf``: every leaf as a ``/``-path (any prefix of
     one is a field too), for the error that names an unknown field."""
     names = []
-    for leaf in buf._plan.leaves:  # type: ignore[attr-defined]
+    for leaf in leaves(buf.single_space):
         path = list(leaf.path)
         if traj and path[:1] == ["step_data"]:
             path = path[1:]

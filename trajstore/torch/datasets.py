@@ -18,6 +18,7 @@ from torch.utils.data._utils.collate import default_collate, default_collate_fn_
 from trajstore.core.episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
 from trajstore.errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
+from trajstore.sampling.source import read_consistent
 from trajstore.torch._source import BufferSource, FieldSelection
 from trajstore.torch._transfer import in_worker, pack
 
@@ -172,19 +173,19 @@ class TransitionDataset(_Base):
         return self._n
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
-        buf = self._src.buffer
+        rows = self._src.buffer.row_source()
         # A reader of a live store retries until no writer evicted or rewrote the rows meanwhile.
-        return buf._consistent(lambda: self._read_once(buf, np.asarray(indices, dtype=np.int64), out))
+        return read_consistent(rows, lambda: self._read_once(rows, np.asarray(indices, dtype=np.int64), out))
 
-    def _read_once(self, buf: Any, idx: np.ndarray, out: Any) -> dict[str, Any]:
-        buf._sync()
-        if idx.size and idx.max() >= buf._table.count:
-            raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({buf._table.count} rows)")
+    def _read_once(self, rows: Any, idx: np.ndarray, out: Any) -> dict[str, Any]:
+        rows.sync()
+        if idx.size and idx.max() >= rows.count:
+            raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({rows.count} rows)")
         s, e = self._sel.step_leaves, self._sel.episode_leaves
-        arrays = buf._read_rows(idx, s + e) if s or e else []
+        arrays = rows.read_rows(idx, s + e) if s or e else []
         batch = self._sel.assemble(arrays[: len(s)], arrays[len(s):], out)
         if self.episode_ids:
-            batch["episode_id"] = out(np.asarray(buf._step_ids(idx), dtype=np.int64))
+            batch["episode_id"] = out(rows.step_ids(idx))
         return batch
 
 
@@ -233,8 +234,9 @@ class SequenceDataset(_Base):
             raise BadOptionError(f"mask_key {mask_key!r} collides with a field name")
         self.seq_len, self.pad, self.within_episode, self.stride, self.mask_key = seq_len, pad, within_episode, stride, mask_key
         buf = self._src.buffer
+        rows = buf.row_source()
         # Done-like fields of a ReplayBuffer store (None: no episode boundaries, or a trajectory store).
-        self._done = None if self._src.is_trajectory else done_fields(buf._table)
+        self._done = None if self._src.is_trajectory else done_fields(rows.table)
         if within_episode and not self._src.is_trajectory and self._done is None:
             raise NoEpisodesError(
                 f"{self._src.path or 'in-memory buffer'}: within_episode=True needs episode boundaries, but this ReplayBuffer store "
@@ -243,7 +245,7 @@ class SequenceDataset(_Base):
                 "TrajectoryReplayBuffer (episode ids), or pass within_episode=False (windows then run across "
                 "episode ends, as one long episode)")
         # Row count and ids from one commit record (a writer may be appending or evicting).
-        n, ids = buf._consistent(lambda: (buf._table.count, self._all_ids(buf) if within_episode else None))
+        n, ids = read_consistent(rows, lambda: (rows.count, self._all_ids(rows) if within_episode else None))
         anchors = np.arange(0, n, stride, dtype=np.int64)
         if within_episode:
             # run_end[i]: first row after the run of equal ids that contains row i.
@@ -254,14 +256,14 @@ class SequenceDataset(_Base):
         self._anchors = anchors
         self._offsets = np.arange(seq_len, dtype=np.int64)
 
-    def _all_ids(self, buf: Any) -> np.ndarray:
-        """An episode id of every committed row: stored ids, or episode numbers from done flags."""
-        t = buf._table
+    def _all_ids(self, rows: Any) -> np.ndarray:
+        """An episode id of every row: stored ids (from the run index), or episode numbers from done flags."""
         if self._src.is_trajectory:
-            return t.read_contiguous(0, t.count, [buf._id_field])[0]
+            _first, lengths, ids = rows.runs()  # runs of equal ids cover every row, in order
+            return np.repeat(ids, lengths)
         if self._done is None:
-            return np.zeros(t.count, np.int64)
-        return episode_numbers(all_done(t, self._done))
+            return np.zeros(rows.count, np.int64)
+        return episode_numbers(all_done(rows.table, self._done))
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -272,38 +274,35 @@ class SequenceDataset(_Base):
         return self._anchors
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
-        buf = self._src.buffer
+        rows = self._src.buffer.row_source()
         # One commit record for the mask and the data: a reader of a live store retries until
         # no writer evicted or rewrote the rows meanwhile (as TrajectoryReplayBuffer.get_sequences).
-        return buf._consistent(lambda: self._read_once(buf, np.asarray(indices, dtype=np.int64), out))
+        return read_consistent(rows, lambda: self._read_once(rows, np.asarray(indices, dtype=np.int64), out))
 
-    def _read_once(self, buf: Any, indices: np.ndarray, out: Any) -> dict[str, Any]:
+    def _read_once(self, rows: Any, indices: np.ndarray, out: Any) -> dict[str, Any]:
         anchors = self._anchors[indices]
-        buf._sync()
-        t = buf._table
-        start, end = t.state.start, t.state.end
-        if anchors.size and anchors.max() >= t.count:
-            raise IndexOutOfRangeError(f"row {int(anchors.max())} is no longer in the store ({t.count} rows)")
+        rows.sync()
+        n = rows.count
+        if anchors.size and anchors.max() >= n:
+            raise IndexOutOfRangeError(f"row {int(anchors.max())} is no longer in the store ({n} rows)")
         if self._src.is_trajectory:
-            rows, valid = window_rows(anchors + start, self._offsets, start, end,
-                                      lambda absolute: buf._step_ids(absolute - start))
+            frames, valid = window_rows(anchors, self._offsets, 0, n, rows.step_ids)
         else:
-            rows, valid = window_rows(anchors + start, self._offsets, start, end,
-                                      lambda absolute: np.zeros(np.shape(absolute), np.int64))
+            frames, valid = window_rows(anchors, self._offsets, 0, n, lambda r: np.zeros(np.shape(r), np.int64))
             if self._done is not None:
                 # Frames (consecutive rows from the anchor, frame 0) after a flagged frame belong
                 # to a later episode; clipped frames past the last row are invalid already.
-                valid &= episode_numbers(done_at(t, self._done, rows - start), axis=1) == 0
-        src = pad_sources(rows, valid, self._offsets, anchors + start) if self.pad == "edge" else rows
-        B, T = rows.shape
+                valid &= episode_numbers(done_at(rows.table, self._done, frames), axis=1) == 0
+        src = pad_sources(frames, valid, self._offsets, anchors) if self.pad == "edge" else frames
+        B, T = frames.shape
         steps = []
         if self._sel.step_leaves:
-            for a in buf._read_rows((src - start).ravel(), self._sel.step_leaves):
+            for a in rows.read_rows(src.ravel(), self._sel.step_leaves):
                 a = a.reshape(B, T, *a.shape[1:])
                 if self.pad == "zero":
                     a[~valid] = 0
                 steps.append(a)
-        eps = buf._read_rows(anchors, self._sel.episode_leaves) if self._sel.episode_leaves else []
+        eps = rows.read_rows(anchors, self._sel.episode_leaves) if self._sel.episode_leaves else []
         batch = self._sel.assemble(steps, eps, out)
         batch[self.mask_key] = out(valid)
         return batch
