@@ -5,7 +5,7 @@
   use the portable ``ChunkedField``.  The core suites run again with it set, the bytes on disk are
   the same, and stores written by one engine read the same through the other.
 - ``import trajstore`` works without ``fcntl`` (Windows), and the writer lock's Windows path
-  (``msvcrt.locking`` byte-range locks, :class:`trajstore.storage.head.MsvcrtBackend`) keeps the lock's
+  (``msvcrt.locking`` byte-range locks, :class:`trajstore.storage.locks.MsvcrtBackend`) keeps the lock's
   semantics: single writer, multiprocessing writers share, readers never blocked, a killed
   holder releases it.  Windows' own ``msvcrt`` is not available here: the backend is driven by a
   model of per-handle byte-range locks (in process) and by a ``fcntl.lockf``-backed stand-in
@@ -37,7 +37,7 @@ from trajstore.storage.fields import _vmap
 from trajstore.storage.fields import layout as fields
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import LockedError
-from trajstore.storage.head import MsvcrtBackend
+from trajstore.storage.locks import MsvcrtBackend
 from trajstore.storage.fields.mapped import MappedField
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def _chunk_digests(path: Path) -> dict[str, str]:
 def test_the_capability_check_is_computed_at_import_and_never_raises():
     assert _vmap.AVAILABLE is (sys.platform.startswith("linux") and not os.environ.get("TRAJSTORE_NO_MMAP"))
     out = _run("""
-        import trajstore._vmap as v
+        import trajstore.storage.fields._vmap as v
         print(v.AVAILABLE, v.UNAVAILABLE_REASON)
     """, env=_env(TRAJSTORE_NO_MMAP="1"))
     assert out.strip() == "False TRAJSTORE_NO_MMAP is set"
@@ -104,7 +104,7 @@ def test_the_capability_check_is_computed_at_import_and_never_raises():
         ctypes.CDLL = cdll
         import tempfile, numpy as np, gymnasium as gym
         import trajstore
-        from trajstore import _vmap
+        from trajstore.storage.fields import _vmap
         print(_vmap.AVAILABLE, _vmap.UNAVAILABLE_REASON)
         d = tempfile.mkdtemp()
         with trajstore.ReplayBuffer.create(gym.spaces.Box(-1, 1, (1024,), np.float32), cache_path=d + "/s") as rb:
@@ -337,8 +337,9 @@ def test_import_without_fcntl_and_the_windows_lock_across_processes(tmp_path):
     hold.write_text(_child(f"""
         import sys, time, numpy as np
         import trajstore
-        from trajstore import ReplayBuffer, head
-        assert type(head._locks()).__name__ == "MsvcrtBackend"
+        from trajstore import ReplayBuffer
+        from trajstore.storage import locks
+        assert type(locks._locks()).__name__ == "MsvcrtBackend"
         assert "fcntl" not in {{m for m in sys.modules if sys.modules[m] is not None}}
         from test_portability import SPACE, _rows
         mp = sys.argv[1] == "mp"
@@ -431,7 +432,7 @@ def test_trajstore_imports_no_posix_only_module_at_the_top():
                      "O_NONBLOCK", "O_DIRECTORY", "O_PATH", "memfd_create", "MFD_CLOEXEC", "sync"):
             if hasattr(os, name):
                 delattr(os, name)
-        import trajstore, trajstore.fields, trajstore.verify, trajstore.repair, trajstore.cli
+        import trajstore, trajstore.storage.fields.layout, trajstore.maintenance.verify, trajstore.maintenance.repair, trajstore.cli
         print("ok")
     """)
     assert out.strip() == "ok"

@@ -38,8 +38,9 @@ from trajstore.errors import (
 from trajstore.storage.confined import OPEN_FLAGS
 from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
-from trajstore.storage.head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState, WriterLock,
-                   read_head, write_head)
+from trajstore.storage.head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState,
+                                    read_head, write_head)
+from trajstore.storage.locks import WriterLock
 from trajstore.storage.schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from trajstore.spaces import space_from_json

@@ -18,7 +18,8 @@ import numpy as np
 import zarr
 
 from trajstore.errors import DamagedStoreError, LockedError, ReadOnlyError
-from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, TableState, WriterLock, write_head
+from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, TableState, write_head
+from trajstore.storage.locks import WriterLock
 from trajstore.storage.schema import check_pending, load_json
 from trajstore.storage.confined import MAX_HEAD_BYTES
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
