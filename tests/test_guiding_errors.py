@@ -238,7 +238,34 @@ _ARGUMENT_ERRORS = {
     "unknown-episode": (lambda: TrajectoryReplayBuffer.create(
         gym.spaces.Discrete(3), episode_data_instance_space=gym.spaces.Discrete(2)).episode_id_to_episode_data_index(7),
         errors.UnknownEpisodeError, KeyError, "no episode data for episode id(s) [7]"),
+    # what the CLI's summaries (trajstore episodes/head/stats) raise
+    "summary-no-episodes": (lambda: _summary("episode_table"), errors.NoEpisodesError, ValueError,
+                            "no terminated/truncated (or done) fields"),
+    "summary-unknown-field": (lambda: _summary("select_fields", "nope"), errors.UnknownFieldError, KeyError,
+                              "no array matches field 'nope'"),
+    "summary-unknown-episode": (lambda: _summary("episode_rows", 7, kind="trajectory"), errors.UnknownEpisodeError,
+                                KeyError, "episode 7 has no steps in the store"),
+    "summary-reward-field": (lambda: _summary("episode_table", "obs", kind="trajectory"), errors.UnknownFieldError,
+                             KeyError, "--reward-field 'obs' must name one scalar step field"),
 }
+
+
+def _summary(fn: str, *args: object, kind: str = "replay") -> object:
+    """``trajstore.maintenance.summary.<fn>(store, *args)`` on a small store of ``kind``."""
+    import tempfile
+
+    from trajstore.maintenance import summary
+
+    path = tempfile.mkdtemp() + "/s"
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(-1, 1, (3,), np.float32)})
+    cls = ReplayBuffer if kind == "replay" else TrajectoryReplayBuffer
+    with cls.create(space, cache_path=path) as b:
+        b.extend({"obs": np.zeros((4, 3), np.float32)})
+    store = summary.open_store(path)
+    try:
+        return getattr(summary, fn)(store, *args)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("case", list(_ARGUMENT_ERRORS))

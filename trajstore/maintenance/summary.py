@@ -16,6 +16,7 @@ import gymnasium
 import numpy as np
 
 from trajstore.core.episodes import all_done, done_fields, episode_numbers, scalar_field
+from trajstore.errors import NoEpisodesError, UnknownEpisodeError, UnknownFieldError
 from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.schema import load_json
 from trajstore.core.store import Store
@@ -211,7 +212,7 @@ def select_fields(store: Store, field: str | None, *, default_table: str = STEPS
         if out:
             return out
     paths = [f.spec.array_path for t in store.tables.values() for f in t.fields]
-    raise KeyError(f"no array matches field {field!r}; arrays: {', '.join(paths)}")
+    raise UnknownFieldError(f"no array matches field {field!r}; arrays: {', '.join(paths)}")
 
 
 def _block_rows(t: Table, which: list[int]) -> int:
@@ -279,7 +280,7 @@ def episode_table(store: Store, reward_field: str | None = None) -> dict[str, An
         source = "episode ids"
     else:
         if flags is None:
-            raise ValueError("this ReplayBuffer has no terminated/truncated (or done) fields, so it has no episode "
+            raise NoEpisodesError("this ReplayBuffer has no terminated/truncated (or done) fields, so it has no episode "
                              "boundaries; episodes are listed for TrajectoryReplayBuffer stores and for replay "
                              "buffers that record those flags")
         done = all_done(t, flags)
@@ -309,7 +310,7 @@ def episode_table(store: Store, reward_field: str | None = None) -> dict[str, An
     if reward_field is not None:
         sel = [(tt, j) for tt, j in select_fields(store, reward_field) if tt is t]
         if len(sel) != 1 or int(np.prod(t.fields[sel[0][1]].spec.row_shape, dtype=np.int64)) != 1:
-            raise KeyError(f"--reward-field {reward_field!r} must name one scalar step field")
+            raise UnknownFieldError(f"--reward-field {reward_field!r} must name one scalar step field")
         rj: int | None = sel[0][1]
     else:
         rj = scalar_field(t, _REWARD_NAMES)
@@ -329,7 +330,7 @@ def episode_rows(store: Store, episode_id: int) -> np.ndarray:
     eps = episode_table(store)
     k = np.flatnonzero(eps["episode_id"] == episode_id)
     if k.size == 0:
-        raise KeyError(f"episode {episode_id} has no steps in the store")
+        raise UnknownEpisodeError(f"episode {episode_id} has no steps in the store")
     if store.attrs.get("kind") == "TrajectoryReplayBuffer":
         t = store.tables[STEPS]
         return np.flatnonzero(_read_column(t, _field_index(t, STEP_IDS)) == episode_id)
@@ -368,12 +369,12 @@ def head_rows(store: Store, n: int = 5, field: str | None = None, episode: int |
     fields = select_fields(store, field)
     tables = {t.name for t, _ in fields}
     if len(tables) != 1:
-        raise KeyError(f"--field {field!r} matches arrays of several tables ({', '.join(sorted(tables))}); pick one")
+        raise UnknownFieldError(f"--field {field!r} matches arrays of several tables ({', '.join(sorted(tables))}); pick one")
     t = fields[0][0]
     which = [j for _t, j in fields]
     if episode is not None:
         if t.name != STEPS:
-            raise KeyError("--episode selects step rows; --field must name step data")
+            raise UnknownFieldError("--episode selects step rows; --field must name step data")
         rows = episode_rows(store, episode)[: max(n, 0)]
     else:
         rows = np.arange(min(max(n, 0), t.count))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.buffers.base import StoredBuffer
-from trajstore.errors import UnknownFieldError
+from trajstore.errors import BadArgumentError, NotATrajstoreError, UnknownFieldError
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.spaces import ValuePlan, leaves, subspace
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
@@ -64,7 +64,8 @@ class BufferSource:
             self._buf = None
             self._owned = True
         if self.kind not in _KINDS:
-            raise TypeError(f"{self.path!r}: unsupported store kind {self.kind!r}")
+            raise NotATrajstoreError(f"{self.path!r}: unsupported store kind {self.kind!r}; the datasets read "
+                                     f"{' and '.join(_KINDS)} stores")
 
     @property
     def buffer(self) -> StoredBuffer:
@@ -75,7 +76,7 @@ class BufferSource:
             self._owned = True
         if self._buf is None:
             if self.path is None:
-                raise RuntimeError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
+                raise BadArgumentError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
                                    "use num_workers=0 or a store path")
             self._buf = _KINDS[self.kind].load_from(self.path, read_only=True, storage_options=self.storage_options)
             self._pid = os.getpid()
