@@ -304,7 +304,7 @@ def test_extend_from_checks_rows_against_destination_bounds() -> None:
 
 
 def test_extend_from_default_steps_by_bytes(monkeypatch) -> None:
-    from trajstore.buffers import replay_buffer as rbmod
+    from trajstore.buffers import replay as rbmod
 
     src = ReplayBuffer.create(Box(-1, 1, (17,)))
     src.extend(np.random.default_rng(0).uniform(-1, 1, (1000, 17)).astype(np.float32))
@@ -345,7 +345,7 @@ def test_trajectory_extend_from_default_steps() -> None:
 
 
 def test_progress_auto_only_for_large_copies(monkeypatch) -> None:
-    from trajstore.buffers import replay_buffer as rbmod
+    from trajstore.buffers import replay as rbmod
 
     seen = []
     monkeypatch.setattr(rbmod, "_progress", lambda n, desc, enabled, unit: seen.append(enabled))
