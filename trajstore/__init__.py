@@ -18,6 +18,7 @@ _LAZY = ("verify_store", "repair_store")
 
 
 def __getattr__(name: str) -> Any:
+    value: Any
     if name == "verify_store":
         from trajstore.maintenance.verify import verify_store as value
     elif name == "repair_store":

@@ -34,7 +34,7 @@ EPISODE_SPACE = Dict({
 def _info_space(value: Any) -> Box:
     a = np.asarray(value)
     if a.dtype == np.bool_:
-        return Box(0, 1, a.shape, np.bool_)
+        return Box(0, 1, a.shape, np.bool_)  # type: ignore[arg-type]  # gymnasium annotates no bool dtype; Box takes it
     if a.dtype.kind in "iu":
         info = np.iinfo(a.dtype)
         return Box(info.min, info.max, a.shape, a.dtype)
@@ -63,6 +63,9 @@ def step_space(observation_space: gymnasium.Space, action_space: gymnasium.Space
 class _Recorder:
     """Buffer creation shared by both wrappers (created lazily at the first step when info
     spaces must be inferred from the first info dict)."""
+
+    _single_obs_space: gymnasium.Space  # set by each wrapper's __init__
+    _single_act_space: gymnasium.Space
 
     def _setup(self, buffer: TrajectoryReplayBuffer | None, cache_path: Any, record_next_obs: bool,
                info_keys: Sequence[str] | Mapping[str, gymnasium.Space] | None, create_kwargs: dict[str, Any],
@@ -253,7 +256,8 @@ class RecordVectorEpisodes(gymnasium.vector.VectorWrapper, _Recorder):
     # -- VectorEnv API ----------------------------------------------------------------------------
     def reset(self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
               ) -> tuple[Any, dict[str, Any]]:
-        obs, info = self.env.reset(seed=seed, options=options)
+        # VectorEnv.reset is annotated seed: int | None; vector envs also take one seed per env
+        obs, info = self.env.reset(seed=seed, options=options)  # type: ignore[arg-type]
         n = self.num_envs
         mask = np.ones(n, bool)
         if options is not None and "reset_mask" in options:

@@ -420,10 +420,11 @@ class BufferRows:
         return leaf
 
 
-def _reopen_rows(cls: type, path: str, storage_options: dict[str, Any] | None) -> BufferRows:
+def _reopen_rows(cls: Any, path: str, storage_options: dict[str, Any] | None) -> BufferRows:
     """The rows of the store at ``path``, opened read-only in this process (dask workers)."""
-    return cls.load_from(path, read_only=True, storage_options=storage_options).row_source()  # type: ignore[attr-defined, no-any-return]
+    # cls: a StoredBuffer subclass (ReplayBuffer, TrajectoryReplayBuffer): its load_from
+    return cls.load_from(path, read_only=True, storage_options=storage_options).row_source()
 
 
-def _reopen(cls: type, path: str, kwargs: dict[str, Any]) -> StoredBuffer:
-    return cls.load_from(path, **kwargs)  # type: ignore[attr-defined, no-any-return]
+def _reopen(cls: Any, path: str, kwargs: dict[str, Any]) -> StoredBuffer:
+    return cls.load_from(path, **kwargs)  # cls: as in _reopen_rows

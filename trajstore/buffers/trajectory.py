@@ -15,7 +15,7 @@ rows are evicted once the last step of their episode has left the step ring.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence, TypedDict
+from typing import Any, Iterator, Sequence, TypedDict, cast
 
 import gymnasium
 import numpy as np
@@ -206,6 +206,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
             ep_fields = _specs(_field_paths(EPISODES, ep_plan, "value"), ep_plan, episode_data_capacity, ep_comp,
                                ep_opts.get("chunk_rows"), [(f"{EPISODES}/{EP_ID_FIELD}", (), np.dtype(np.int64))])
             tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields))
+            assert episode_data_instance_space is not None  # (ep_plan is made from it)
             spaces[EPISODES] = space_to_json(episode_data_instance_space)
         store = Store.create(cache_path, "TrajectoryReplayBuffer", tables, {"spaces": spaces},
                              storage_options=storage_options, overwrite=overwrite, multiprocessing=multiprocessing,
@@ -318,7 +319,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
         step_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "s"]
         ep_f = [self._src[j][1] for j in leaf_ids if self._src[j][0] == "e"]
         single = isinstance(idx, int)
-        steps = (self._table.read_row(idx, step_f) if single else self._table.gather(idx, step_f)) if step_f else []
+        steps = ((self._table.read_row(idx, step_f) if isinstance(idx, int) else self._table.gather(idx, step_f))
+                 if step_f else [])
         eps: list[np.ndarray] = []
         if ep_f:
             eps = self._episode_rows(np.atleast_1d(self._step_ids(idx)), ep_f)
@@ -493,7 +495,7 @@ class TrajectoryReplayBuffer(StoredBuffer):
         ep_rows = self._episodes.lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
         ep_rows = np.unique(ep_rows[ep_rows >= 0])
 
-        def changes():
+        def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
             yield from t.rewrite_plan_remove(rows)
             if et is not None and ep_rows.size:
                 yield from et.rewrite_plan_remove(ep_rows)
@@ -623,6 +625,10 @@ class TrajectoryReplayBuffer(StoredBuffer):
         step_data = self._step_plan.from_arrays([out(a) for a in w.steps])
         episode_data = self._ep_plan.from_arrays([out(a) for a in w.episodes]) if self._ep_plan is not None else None
         return self._wrap({"step_data": step_data, "episode_data": episode_data}), out(w.valid)
+
+    def row_source(self) -> "TrajectoryRows":
+        """This buffer's step rows as an :class:`~trajstore.sampling.source.EpisodeSource`."""
+        return cast("TrajectoryRows", super().row_source())  # made by _make_row_source below
 
     def _make_row_source(self) -> "TrajectoryRows":
         return TrajectoryRows(self)

@@ -46,7 +46,7 @@ class BatchBase:
         raise NotImplementedError  # abstract
 
     def _read_slice(self, s: slice, leaf_ids: Sequence[int]) -> list[np.ndarray]:
-        return self._read(normalize_index(s, len(self)), leaf_ids)  # type: ignore[arg-type]
+        return self._read(normalize_index(s, len(self)), leaf_ids)
 
     def _consistent(self, read: Callable[[], _T]) -> _T:
         """Run ``read`` (which resolves indices against the current length, then reads) so that

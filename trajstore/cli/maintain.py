@@ -219,7 +219,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
             "table_rows": table_rows, "episodes": episodes, "arrays": n_arrays, "bytes": stored, "verified": True}
 
 
-def _relayout(source: Any, kind: str, dst: str, compressor: str | None, chunk_rows: int | None,
+def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, chunk_rows: int | None,
               dst_options: dict[str, Any] | None, ValuePlan: Any, space_from_json: Any, STEPS: str,
               ReplayBuffer: Any, TrajectoryReplayBuffer: Any, rows_total: int) -> None:
     """A new store at ``dst`` (a folder or URL; zips go through ``write_zip``) with the requested layout."""

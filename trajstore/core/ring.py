@@ -9,7 +9,7 @@ A table's rows are identified by absolute numbers ``start <= a < end`` that only
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -71,6 +71,10 @@ def normalize_index(idx: IndexLike, length: int) -> int | np.ndarray:
     return out
 
 
+@overload
+def physical(logical: int, start: int, capacity: int | None) -> int: ...
+@overload
+def physical(logical: np.ndarray, start: int, capacity: int | None) -> np.ndarray: ...
 def physical(logical: np.ndarray | int, start: int, capacity: int | None) -> np.ndarray | int:
     """Physical rows of logical rows ``logical`` of a table whose first row is ``start``."""
     if capacity is None:

@@ -6,7 +6,7 @@ writes; the :class:`trajstore.core.store.Store` it belongs to owns the commit re
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, overload
 
 import numpy as np
 
@@ -37,6 +37,9 @@ class TableOwner(Protocol):
 
     def after_write(self) -> None:
         """Rows were written (an interval commit may be due)."""
+
+    def commit_due(self) -> bool:
+        """``commit_interval`` seconds have passed since the last commit (staged rows are due)."""
 
     def metadata_changed(self) -> None:
         """A field grew: consolidated metadata must be rewritten."""
@@ -72,8 +75,8 @@ class Table:
         self.guard = 1 if capacity is None else max(1, min(capacity // 32, 4096))
         # Called as listener(first_absolute_row, arrays) after every block of rows written, and
         # as listener() once at the end of every extend call (episode bookkeeping, eviction).
-        self.listeners: list = []
-        self.extend_listeners: list = []
+        self.listeners: list[Callable[..., Any]] = []
+        self.extend_listeners: list[Callable[..., Any]] = []
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -200,6 +203,10 @@ class Table:
                 f.ensure_mapped(phys_lo, phys_lo + m, create=False)
         self._mapped_upto = key
 
+    @overload
+    def physical(self, logical: int) -> int: ...
+    @overload
+    def physical(self, logical: np.ndarray) -> np.ndarray: ...
     def physical(self, logical: np.ndarray | int) -> np.ndarray | int:
         return physical(logical, self.state.start, self.capacity)
 
@@ -246,7 +253,8 @@ class Table:
         return out
 
     # -- rewriting committed rows (staged, crash-atomic) ---------------------------------
-    def rewrite_plan_set(self, logical: np.ndarray, arrays: Sequence[np.ndarray], which: Sequence[int]):
+    def rewrite_plan_set(self, logical: np.ndarray, arrays: Sequence[np.ndarray],
+                         which: Sequence[int]) -> Iterator[tuple[Field, int, np.ndarray]]:
         """Yield ``(field, chunk, new_chunk_data)`` for setting rows ``logical`` of fields ``which``."""
         self.prepare_reads()
         phys = np.asarray(self.physical(logical))
@@ -259,7 +267,7 @@ class Table:
                 chunk[phys[sel] - k * f.C] = a[sel]
                 yield f, k, chunk
 
-    def rewrite_plan_remove(self, logical: np.ndarray):
+    def rewrite_plan_remove(self, logical: np.ndarray) -> Iterator[tuple[Field, int, np.ndarray]]:
         """Yield ``(field, chunk, new_chunk_data)`` that delete rows ``logical`` and move later rows up.
 
         Sources are read from the current (not yet replaced) chunks, one destination chunk

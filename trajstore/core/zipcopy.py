@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc)
 from zarr.storage import MemoryStore
 
 from trajstore.core.ring import contiguous_runs
@@ -154,9 +155,9 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
             if (key in (LOCK_KEY, MPLOCK_KEY) or key.startswith(("trajstore.head", TMP_DIR, STAGING_DIR, *arrays))
                     or key == "zarr.json" or key.endswith("/zarr.json")):
                 continue
-            data = store.loc.get(key)
-            if data is not None:
-                loc.put(key, data)
+            blob = store.loc.get(key)
+            if blob is not None:
+                loc.put(key, blob)
         bar = _progress(sum(t.count for t in store.tables.values() for _ in t.fields), f"write {target}", progress,
                         unit="row")
         try:

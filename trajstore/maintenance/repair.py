@@ -245,9 +245,9 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
         else:
             removable = list(before.removable)
         removable = [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]
-        for path, rows in sorted(sc.stale.items()):
+        for path, n_rows in sorted(sc.stale.items()):
             rep.changes.append({"action": "resize", "key": f"{path}/zarr.json", "why": f"recorded shape "
-                                f"{sc.arrays[path].shape[0]} -> {rows} rows (the chunks are there; zarr readers now "
+                                f"{sc.arrays[path].shape[0]} -> {n_rows} rows (the chunks are there; zarr readers now "
                                 "see every committed row)"})
         if not dry_run:
             if sc.stale:

@@ -86,7 +86,7 @@ def array_list(store: Store) -> list[dict[str, Any]]:
     out = []
     for name, table in store.tables.items():
         for f in table.fields:
-            z = store.group[f.spec.array_path]
+            z: Any = store.group[f.spec.array_path]  # a zarr array (a field's)
             stored, nchunks = sizes.get(f.spec.array_path, (0, 0))
             logical = table.count * f.spec.row_bytes
             codec = _codec_label(z)

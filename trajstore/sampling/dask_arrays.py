@@ -98,6 +98,7 @@ def dask_arrays(src: RowSource, leaves: Sequence[int]) -> list[Any]:
         name = "trajstore-" + tokenize(src.name, spec.array_path, start, end, record.generation, record.epoch,
                                        id(src) if recipe is None else 0)
         meta = np.empty((0,) * (len(spec.row_shape) + 1), spec.dtype)
-        arrays.append(da.map_blocks(_read_block, dtype=spec.dtype, chunks=chunks, name=name, meta=meta,
-                                    src=task_src, leaf=leaf, first=start))
+        # dask's map_blocks is not annotated
+        arrays.append(da.map_blocks(_read_block, dtype=spec.dtype, chunks=chunks, name=name,  # type: ignore[no-untyped-call]
+                                    meta=meta, src=task_src, leaf=leaf, first=start))
     return arrays

@@ -208,7 +208,7 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
     src.sync()
     if src.count == 0:
         raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
-    idx = [draw(size), src.start]
+    idx: list[Any] = [draw(size), src.start]  # [anchors (np.ndarray), the start they were drawn at (int)]
     if not src.live:
         return read(idx[0])
 

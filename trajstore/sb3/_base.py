@@ -7,7 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import gymnasium
 import numpy as np
@@ -48,7 +48,7 @@ class PositionView:
         self._owner, self._prefix, self._key = owner, prefix, key
         lay = owner._layout
         self.dtype = lay.dtype[key]
-        self.shape = (owner.buffer_size, lay.n_envs, *lay.shape[key])  # type: ignore[attr-defined]
+        self.shape = (owner.buffer_size, lay.n_envs, *lay.shape[key])
         self.ndim = len(self.shape)
 
     def __len__(self) -> int:
@@ -66,7 +66,7 @@ class PositionView:
         if isinstance(first, slice):
             return self._grid(every[first])[(slice(None), *rest)]
         if isinstance(first, (int, np.integer)):
-            return self._grid(every[[first]])[(0, *rest)]
+            return self._grid(every[[first]])[(0, *rest)]  # type: ignore[index]  # numpy's stubs: int | np.integer list
         pos = every[np.asarray(first)]  # int array or bool mask: numpy's own bounds checks
         uniq, inv = np.unique(pos, return_inverse=True)
         return self._grid(uniq)[(inv.reshape(pos.shape), *rest)]
@@ -99,6 +99,12 @@ class ZarrBufferMixin:
     buffer_size: int
     n_envs: int
     device: Any
+    if TYPE_CHECKING:  # set by SB3's BaseBuffer, which every concrete class derives from after this mixin
+        observation_space: gymnasium.Space
+        action_space: gymnasium.Space
+        action_dim: int
+        pos: int
+        full: bool
 
     # -- opening ----------------------------------------------------------------------------------
     def _init_root(self, cache_path: Any, storage_options: dict[str, Any] | None, overwrite: bool,
@@ -323,8 +329,9 @@ class ZarrBufferMixin:
         if cfg is None:
             raise StoreNotFoundError(f"no trajstore stable-baselines3 buffer at {os.fspath(cache_path)!r}")
         spaces_ = {name: space_from_json(cfg[name]) for name in ("observation_space", "action_space")}
-        return cls(**spaces_, **cls._sizes_from_config(cfg), device=device, cache_path=cache_path,
-                   storage_options=storage_options, **kwargs)
+        ctor: Any = cls  # a concrete class: SB3's constructor plus the storage arguments
+        return ctor(**spaces_, **cls._sizes_from_config(cfg), device=device, cache_path=cache_path,
+                    storage_options=storage_options, **kwargs)
 
     def __reduce__(self) -> Any:
         """Pickle as a small handle: the buffer is committed and reopens from ``cache_path``.

@@ -13,7 +13,7 @@ buffers (``obs``) and the history stream of a rollout buffer (one env, key ``obs
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import gymnasium
 import numpy as np
@@ -68,14 +68,14 @@ class ObsLayout:
         self.space = observation_space
         self.n_envs = int(n_envs)
         self.is_dict = isinstance(observation_space, spaces.Dict)
-        subs = list(observation_space.spaces.items()) if self.is_dict else [(None, observation_space)]
+        subs = list(cast(spaces.Dict, observation_space).spaces.items()) if self.is_dict else [(None, observation_space)]
         try:
-            shapes = get_obs_shape(observation_space)
+            shapes: Any = get_obs_shape(observation_space)  # {key: shape} for a Dict space, else a shape
         except NotImplementedError as e:
             raise UnsupportedSpaceError(f"stable-baselines3 cannot store observations of {observation_space}: {e}") from None
         self.keys: list[str | None] = [k for k, _ in subs]
         self.shape: dict[str | None, tuple[int, ...]] = {
-            k: tuple(int(d) for d in (shapes[k] if self.is_dict else shapes)) for k in self.keys  # type: ignore[index]
+            k: tuple(int(d) for d in (shapes[k] if self.is_dict else shapes)) for k in self.keys
         }
         self.dtype: dict[str | None, np.dtype] = {k: np.dtype(s.dtype) for k, s in subs}
         self.discrete = {k: isinstance(s, spaces.Discrete) for k, s in subs}
@@ -162,7 +162,7 @@ class ObsLayout:
 
     def wrap(self, per_key: PerKey) -> np.ndarray | dict[str, np.ndarray]:
         """The SB3 form: the array itself for a non-Dict space, else ``{key: array}``."""
-        return dict(per_key) if self.is_dict else per_key[None]  # type: ignore[arg-type, return-value]
+        return dict(per_key) if self.is_dict else per_key[None]  # type: ignore[arg-type]
 
     def unwrap(self, value: Any) -> PerKey:
         """Inverse of :meth:`wrap`."""

@@ -214,7 +214,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
     def buffers(self) -> list[Any]:
         return list(self._buffers)
 
-    @property  # type: ignore[override]
+    @property
     def full(self) -> bool:
         """True when every sub-buffer is full (False when there are none)."""
         return bool(self._buffers) and all(sub.full for sub in self._buffers)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium
 import numpy as np
@@ -45,6 +45,15 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     dones: np.ndarray
     timeouts: np.ndarray
 
+    if TYPE_CHECKING:  # SB3's ReplayBuffer / BaseBuffer: the concrete classes derive from them after this mixin
+        @staticmethod
+        def _maybe_cast_dtype(dtype: np.typing.DTypeLike | None) -> np.typing.DTypeLike | None: ...
+        @staticmethod
+        def _normalize_obs(obs: np.ndarray | dict[str, np.ndarray],
+                           env: VecNormalize | None = None) -> np.ndarray | dict[str, np.ndarray]: ...
+        @staticmethod
+        def _normalize_reward(reward: np.ndarray, env: VecNormalize | None = None) -> np.ndarray: ...
+
     def __init__(
         self,
         buffer_size: int,
@@ -61,7 +70,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         resume: bool | None = None,
         **storage_kwargs: Any,
     ) -> None:
-        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        BaseBuffer.__init__(cast(BaseBuffer, self), buffer_size, observation_space, action_space, device, n_envs=n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
         self._check_space(observation_space, optimize_memory_usage)
         if optimize_memory_usage and handle_timeout_termination:
@@ -277,12 +286,12 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
     # -- stored observations ---------------------------------------------------------------------
     @property
-    def observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+    def observations(self) -> PositionView | dict[str, PositionView]:
         """Read-only (buffer_size, n_envs, *obs_shape) view of the stored observations."""
         return self._views("obs")
 
     @property
-    def next_observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+    def next_observations(self) -> PositionView | dict[str, PositionView]:
         """Read-only view of the next observations (absent with optimize_memory_usage, as in SB3)."""
         if self.optimize_memory_usage:
             raise AttributeError("with optimize_memory_usage, next observations live in `observations` (as in SB3)")
@@ -350,7 +359,8 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             self._pending[k][:] = v
 
 
-class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):
+# (observations / next_observations: read-only views here, arrays in SB3's class)
+class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
     """SB3's ``ReplayBuffer`` with observations and next observations in a trajstore store.
 
     Same constructor as SB3's, plus keyword-only storage arguments.  Capacity per env is
@@ -392,7 +402,7 @@ class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):
     KIND = "ZarrReplayBuffer"
 
 
-class ZarrDictReplayBuffer(_ZarrReplayMixin, DictReplayBuffer):
+class ZarrDictReplayBuffer(_ZarrReplayMixin, DictReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``DictReplayBuffer`` with every observation key in a trajstore store.
 
     Same arguments as :class:`ZarrReplayBuffer`; the observation space must be a Dict and

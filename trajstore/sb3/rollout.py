@@ -17,7 +17,7 @@ bit-identical to SB3's under one seed.
 from __future__ import annotations
 
 import os
-from typing import Any, Generator
+from typing import TYPE_CHECKING, Any, Generator, cast
 
 import gymnasium
 import numpy as np
@@ -62,6 +62,10 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
     log_probs: np.ndarray
     advantages: np.ndarray
 
+    if TYPE_CHECKING:  # SB3's BaseBuffer: the concrete classes derive from it after this mixin
+        @staticmethod
+        def swap_and_flatten(arr: np.ndarray) -> np.ndarray: ...
+
     def __init__(
         self,
         buffer_size: int,
@@ -81,7 +85,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         load_obs_on_get: bool = True,
         **storage_kwargs: Any,
     ) -> None:
-        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        BaseBuffer.__init__(cast(BaseBuffer, self), buffer_size, observation_space, action_space, device, n_envs=n_envs)
         self._check_space(observation_space)
         self.gae_lambda = gae_lambda
         self.gamma = gamma
@@ -169,7 +173,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         if self._written:
             self._rb.clear()
             self._written = False
-        BaseBuffer.reset(self)
+        BaseBuffer.reset(cast(BaseBuffer, self))
 
     def add(self, obs: Any, action: np.ndarray, reward: np.ndarray, episode_start: np.ndarray, value: Any,
             log_prob: Any) -> None:
@@ -264,7 +268,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
 
     # -- stored observations ---------------------------------------------------------------------
     @property
-    def observations(self) -> PositionView | dict[str, PositionView]:  # type: ignore[override]
+    def observations(self) -> PositionView | dict[str, PositionView]:
         """Read-only (buffer_size, n_envs, *obs_shape) view of this rollout's observations."""
         return self._views("obs")
 
@@ -298,7 +302,8 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
             self._flat_obs = concat([self._read_env("obs", e, 0, self.pos) for e in range(self.n_envs)])
 
 
-class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):
+# (observations: a read-only view here, an array in SB3's class)
+class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):  # type: ignore[misc]
     """SB3's ``RolloutBuffer`` with the rollout's observations in a trajstore store.
 
     Same constructor as SB3's (``buffer_size`` is ``n_steps``), plus keyword-only arguments.
@@ -339,7 +344,7 @@ class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):
     KIND = "ZarrRolloutBuffer"
 
 
-class ZarrDictRolloutBuffer(_ZarrRolloutMixin, DictRolloutBuffer):
+class ZarrDictRolloutBuffer(_ZarrRolloutMixin, DictRolloutBuffer):  # type: ignore[misc]  # (as ZarrRolloutBuffer)
     """SB3's ``DictRolloutBuffer`` with every observation key in a trajstore store.
 
     Same arguments as :class:`ZarrRolloutBuffer`; the observation space must be a Dict.

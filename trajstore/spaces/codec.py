@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 import numpy as np
@@ -56,7 +56,7 @@ def _dtype_to_json(dtype: np.dtype) -> str:
     return dtype.name if dtype.isnative else dtype.str  # '>f4' keeps a foreign byte order
 
 
-def space_to_json(space: gymnasium.Space) -> dict[str, Any]:
+def space_to_json(space: gymnasium.Space[Any]) -> dict[str, Any]:
     """Encode a supported space as a JSON-safe dict (``json.dumps(..., allow_nan=False)`` works).
 
     Box bounds are a scalar when uniform, else nested lists, with non-finite floats as the
@@ -65,11 +65,13 @@ def space_to_json(space: gymnasium.Space) -> dict[str, Any]:
     ``UnsupportedSpaceError`` (naming the path) for an unsupported subspace.
     """
 
-    def enc(sp: gymnasium.Space, path: _Path) -> dict[str, Any]:
+    def enc(sp: gymnasium.Space[Any], path: _Path) -> dict[str, Any]:
         items = _children(sp, path)
         if type(sp) is Dict:
+            assert items is not None
             return {"type": "Dict", "spaces": [[k, enc(s, path + (k,))] for k, s in items]}
         if type(sp) is Tuple:
+            assert items is not None
             return {"type": "Tuple", "spaces": [enc(s, path + (i,)) for i, s in items]}
         if type(sp) is Box:
             return {"type": "Box", "dtype": _dtype_to_json(sp.dtype), "shape": list(sp.shape),
@@ -80,13 +82,13 @@ def space_to_json(space: gymnasium.Space) -> dict[str, Any]:
         if type(sp) is MultiDiscrete:
             return {"type": "MultiDiscrete", "dtype": _dtype_to_json(sp.dtype), "shape": list(sp.shape),
                     "nvec": sp.nvec.tolist(), "start": sp.start.tolist()}
-        n = sp.n  # MultiBinary: gymnasium says MultiBinary(5) != MultiBinary((5,)), so keep which
+        n = cast(MultiBinary, sp).n  # MultiBinary: gymnasium says MultiBinary(5) != MultiBinary((5,)), so keep which
         return {"type": "MultiBinary", "n": int(n) if isinstance(n, int) else [int(d) for d in n]}
 
     return enc(space, ())
 
 
-def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space:
+def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
     """Decode :func:`space_to_json` output; bounds, nvec, start, n and dtype come back bit-exact.
 
     Only plain data is interpreted: nothing is evaluated, imported or unpickled.  Raises
@@ -125,7 +127,7 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space:
             obj[neg], obj[inf & ~neg] = np.iinfo(dt).min, np.iinfo(dt).max
         return obj.astype(dt), inf
 
-    def dec(o: Any, path: _Path) -> gymnasium.Space:
+    def dec(o: Any, path: _Path) -> gymnasium.Space[Any]:
         if not isinstance(o, Mapping) or not isinstance(o.get("type"), str):
             raise bad(path, "expected an object with a string 'type'")
         kind = o["type"]

@@ -37,7 +37,7 @@ class Leaf:
 
     path: _Path
     name: str
-    space: gymnasium.Space
+    space: gymnasium.Space[Any]
     shape: tuple[int, ...]
     dtype: np.dtype
     flat_dim: int
@@ -61,16 +61,16 @@ def _check_key(key: Any, path: _Path) -> None:
                                     "str keys without '/' that do not start with '__' or '.'")
 
 
-def _children(space: gymnasium.Space, path: _Path) -> list[tuple[str | int, gymnasium.Space]] | None:
+def _children(space: gymnasium.Space[Any], path: _Path) -> list[tuple[str | int, gymnasium.Space[Any]]] | None:
     """Validated (key, subspace) pairs of a Dict/Tuple; ``None`` for a supported leaf."""
     kind = type(space)  # exact types: a subclass could not round-trip through JSON
     if kind in _LEAF_TYPES:
         return None
-    if kind is Dict:
-        items: list[tuple[str | int, gymnasium.Space]] = list(space.spaces.items())
+    if type(space) is Dict:  # (== kind, written so a type checker narrows space)
+        items: list[tuple[str | int, gymnasium.Space[Any]]] = list(space.spaces.items())
         for key, _ in items:
             _check_key(key, path)
-    elif kind is Tuple:
+    elif type(space) is Tuple:
         items = list(enumerate(space.spaces))
     else:
         raise UnsupportedSpaceError(f"{_at('space', path)} is {kind.__name__}; {_SUPPORTED}")
@@ -79,7 +79,7 @@ def _children(space: gymnasium.Space, path: _Path) -> list[tuple[str | int, gymn
     return items
 
 
-def leaves(space: gymnasium.Space) -> list[Leaf]:
+def leaves(space: gymnasium.Space[Any]) -> list[Leaf]:
     """Leaves of ``space``, depth-first in ``gymnasium.spaces.flatten`` order.
 
     Raises ``UnsupportedSpaceError`` naming the path of an unsupported subspace or of a Dict key
@@ -87,9 +87,10 @@ def leaves(space: gymnasium.Space) -> list[Leaf]:
     """
     out: list[Leaf] = []
 
-    def walk(sp: gymnasium.Space, path: _Path) -> None:
+    def walk(sp: gymnasium.Space[Any], path: _Path) -> None:
         items = _children(sp, path)
         if items is None:
+            assert sp.shape is not None  # every supported leaf has one
             shape = tuple(int(d) for d in sp.shape)
             out.append(Leaf(path, _name(path), sp, shape, np.dtype(sp.dtype), int(gymnasium.spaces.flatdim(sp))))
         else:
@@ -100,12 +101,12 @@ def leaves(space: gymnasium.Space) -> list[Leaf]:
     return out
 
 
-def flatdim(space: gymnasium.Space) -> int:
+def flatdim(space: gymnasium.Space[Any]) -> int:
     """Width of ``gymnasium.spaces.flatten(space, x)``, after checking the space is supported."""
     return sum(leaf.flat_dim for leaf in leaves(space))
 
 
-def subspace(space: gymnasium.Space, keys: Sequence[str | int] | str) -> gymnasium.Space:
+def subspace(space: gymnasium.Space[Any], keys: Sequence[str | int] | str) -> gymnasium.Space[Any]:
     """Follow Dict keys / Tuple indices from ``space``; raise ``SpaceMismatchError`` naming a bad key.
 
     ``keys`` may also be a leaf name such as ``"obs/2"`` (split on ``"/"``; ``""`` is the root),

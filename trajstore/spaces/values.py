@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 import numpy as np
-from gymnasium.spaces import Dict, Discrete, MultiBinary, MultiDiscrete, Tuple
+from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tuple
 
 from trajstore._optional import is_tensor
 from trajstore.errors import BadValueError, SpaceMismatchError
@@ -84,7 +84,7 @@ def _cast(arr: np.ndarray, dst: np.dtype, path: _Path, batched: bool = False) ->
     raise BadValueError(f"{_at('value', path)} has dtype {src}; expected {dst} or a dtype that casts to it safely")
 
 
-def _braces(space: gymnasium.Space) -> str:
+def _braces(space: gymnasium.Space[Any]) -> str:
     """A one-line ``str(space)`` for messages, safe inside a ``str.format`` template."""
     if type(space) is MultiDiscrete:  # numpy's repr of a 2-D nvec spans lines
         start = f", start={space.start.tolist()}" if space.start.any() else ""
@@ -116,13 +116,14 @@ class _Allowed:
         self.expected = expected
 
     @classmethod
-    def of(cls, space: gymnasium.Space, check_bounds: bool) -> _Allowed | None:
+    def of(cls, space: gymnasium.Space[Any], check_bounds: bool) -> _Allowed | None:
         """The check for a leaf space, or None when no value of its dtype can be outside it.
 
         ``expected`` is a template of the message: ``{lo}``, ``{hi}`` are the bad element's bounds,
         ``{at}`` says they are that element's own when they differ between elements.
         """
         dt = np.dtype(space.dtype)
+        assert space.shape is not None  # a leaf
         shape = tuple(space.shape)
         if type(space) is Discrete:
             lo, hi = int(space.start), int(space.start) + int(space.n) - 1
@@ -135,7 +136,8 @@ class _Allowed:
             return cls(np.zeros(shape, dt), np.ones(shape, dt), dt, f"0 or 1 ({_braces(space)})")
         if not check_bounds or dt.kind == "b":
             return None
-        lo_a, hi_a = np.asarray(space.low, dt), np.asarray(space.high, dt)
+        box = cast(Box, space)  # the one leaf type left
+        lo_a, hi_a = np.asarray(box.low, dt), np.asarray(box.high, dt)
         if dt.kind in "iu" and (lo_a == np.iinfo(dt).min).all() and (hi_a == np.iinfo(dt).max).all():
             return None  # the bounds span the dtype; the cast already checked that range
         return cls(lo_a, hi_a, dt, "a value in [{lo}, {hi}]{at} (the Box's bounds: check_bounds=True, "
@@ -196,7 +198,7 @@ class ValuePlan:
         Whether writes also check Box values against ``low``/``high`` (see :meth:`to_arrays`).
     """
 
-    def __init__(self, space: gymnasium.Space, *, check_bounds: bool = False) -> None:
+    def __init__(self, space: gymnasium.Space[Any], *, check_bounds: bool = False) -> None:
         self.space = space
         self.check_bounds = bool(check_bounds)
         self.leaves: list[Leaf] = leaves(space)
@@ -217,7 +219,7 @@ class ValuePlan:
         # without becoming an array first (the usual ``append({"obs": ..., "action": 3})``).
         self._int_leaf = [type(leaf.space) is Discrete for leaf in self.leaves]
 
-    def _compile(self, sp: gymnasium.Space, path: _Path) -> tuple[Any, ...]:
+    def _compile(self, sp: gymnasium.Space[Any], path: _Path) -> tuple[Any, ...]:
         # Nodes: ("leaf",) | ("dict", path, keys, keyset, children) | ("tuple", path, children)
         if type(sp) is Dict:
             keys = tuple(sp.spaces)
@@ -226,16 +228,16 @@ class ValuePlan:
             return ("tuple", path, [self._compile(s, path + (i,)) for i, s in enumerate(sp.spaces)])
         return ("leaf",)
 
-    def _flat_dtype(self, sp: gymnasium.Space) -> np.dtype:
+    def _flat_dtype(self, sp: gymnasium.Space[Any]) -> np.dtype:
         subs = sp.spaces.values() if type(sp) is Dict else sp.spaces if type(sp) is Tuple else None
         return np.dtype(sp.dtype) if subs is None else np.result_type(*(self._flat_dtype(s) for s in subs))
 
     @staticmethod
-    def _onehot_tables(sp: gymnasium.Space) -> tuple[np.ndarray, ...] | None:
+    def _onehot_tables(sp: gymnasium.Space[Any]) -> tuple[np.ndarray, ...] | None:
         """(nvec, start, first column of each category, column index within its category) or None."""
         if type(sp) is not Discrete and type(sp) is not MultiDiscrete:
             return None
-        nvec = np.asarray(sp.nvec if type(sp) is MultiDiscrete else [sp.n], dtype=np.int64).reshape(-1)
+        nvec = np.asarray(sp.nvec if type(sp) is MultiDiscrete else [cast(Discrete, sp).n], dtype=np.int64).reshape(-1)
         offsets = np.concatenate(([0], np.cumsum(nvec)[:-1])).astype(np.int64)
         local = np.arange(int(nvec.sum())) - np.repeat(offsets, nvec)
         return nvec, np.asarray(sp.start, dtype=np.int64).reshape(-1), offsets, local

@@ -456,6 +456,7 @@ def full_disk(e: OSError, path: Any, what: str) -> OSError:
     filesystem is full; otherwise ``e`` itself (EIO and friends keep their type)."""
     if isinstance(e, StoreFullError) or e.errno not in _FULL:
         return e
+    assert e.errno is not None  # it is in _FULL
     err = StoreFullError(e.errno, f"{what}: {os.strerror(e.errno)}; free space and write again (rows committed "
                                   "before stay intact)", os.fspath(path) if path is not None else None)
     err.__cause__ = e

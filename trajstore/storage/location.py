@@ -16,7 +16,7 @@ import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import zarr
 from zarr.core.buffer import default_buffer_prototype
@@ -519,6 +519,6 @@ def _check_not_a_file(root: Path) -> None:
                                  "or to create one a path that is not a file")
 
 
-def open_zarr_group(loc: Location, *, mode: str) -> zarr.Group:
+def open_zarr_group(loc: Location, *, mode: Literal["r", "r+", "a", "w", "w-"]) -> zarr.Group:
     """Open the root group, preferring consolidated metadata (one request on remote stores)."""
     return zarr.open_group(loc.zstore, mode=mode, use_consolidated=None if mode == "r" else False)

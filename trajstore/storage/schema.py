@@ -450,7 +450,7 @@ def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
     if not isinstance(dt, str) or _DTYPE_NAMES.get(dt) != f.dtype:
         raise DamagedStoreError(f"{where}: {key} data type is {_name_value(dt)}; the schema says {f.dtype.name}")
     codecs = _list(meta.get("codecs"), f"{key} codecs", where, 16)
-    names = [c.get("name") if isinstance(c, dict) else None for c in codecs]
+    names: list[Any] = [c.get("name") if isinstance(c, dict) else None for c in codecs]
     first = codecs[0] if codecs else None
     endian = (first.get("configuration") or {}).get("endian", "little") if isinstance(first, dict) and isinstance(
         first.get("configuration", {}), dict) else None

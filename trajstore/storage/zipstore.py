@@ -62,12 +62,13 @@ class ZipWriter(ZipStore):
 
     def __init__(self, target: str | os.PathLike[str], *, compression: int = zipfile.ZIP_STORED) -> None:
         self.target = Path(target)
-        super().__init__(self.target.with_name(f".{self.target.name}.{uuid.uuid4().hex}.partial"), mode="x",
-                         compression=compression)
+        # zarr annotates mode as "r"/"w"/"a"; it hands it to zipfile.ZipFile, which also takes "x"
+        super().__init__(self.target.with_name(f".{self.target.name}.{uuid.uuid4().hex}.partial"),
+                         mode="x", compression=compression)  # type: ignore[arg-type]
         self._lock = threading.RLock()
         self._started = False  # the temp zip exists (created by the first write)
         self._written: set[str] = set()
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., Any] | None = None
         self._old: ZipStore | None = None  # the zip at the target, shown until erased
         self._foreign = False  # something that is no readable zip is at the target
         if os.path.lexists(self.target):

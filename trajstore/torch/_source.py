@@ -21,7 +21,8 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["BufferSource", "FieldSelection"]
 
-_KINDS = {"ReplayBuffer": ReplayBuffer, "TrajectoryReplayBuffer": TrajectoryReplayBuffer}
+_KINDS: dict[str, type[ReplayBuffer] | type[TrajectoryReplayBuffer]] = {
+    "ReplayBuffer": ReplayBuffer, "TrajectoryReplayBuffer": TrajectoryReplayBuffer}
 
 
 def _store_kind(path: str, storage_options: dict[str, Any] | None) -> str:
@@ -187,7 +188,7 @@ def _tuple_keys(buf: StoredBuffer, traj: bool, name: str, keys: list[Any]) -> li
     """
     import gymnasium
 
-    space, out = buf.single_space, []  # type: ignore[attr-defined]
+    space, out = buf.single_space, []
     for k in keys:
         if isinstance(space, gymnasium.spaces.Tuple) and str(k).isdigit() and int(k) < len(space.spaces):
             k = int(k)

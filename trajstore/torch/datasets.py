@@ -8,7 +8,7 @@ are pickled: each worker process opens the store read-only on first use.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class SampleBatch(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, k: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, k: Any) -> Any:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(self._n))]
         if not -self._n <= k < self._n:
@@ -94,6 +94,9 @@ class _Base(Dataset):
         buf = self._src.buffer
         self._sel = FieldSelection(buf, fields)
         self.fields = list(self._sel.names)
+
+    if TYPE_CHECKING:  # each dataset defines its length
+        def __len__(self) -> int: ...
 
     @property
     def buffer(self) -> Any:
@@ -248,6 +251,7 @@ class SequenceDataset(_Base):
         n, ids = read_consistent(rows, lambda: (rows.count, self._all_ids(rows) if within_episode else None))
         anchors = np.arange(0, n, stride, dtype=np.int64)
         if within_episode:
+            assert ids is not None  # read with within_episode
             # run_end[i]: first row after the run of equal ids that contains row i.
             change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
             ends = np.append(change, n)

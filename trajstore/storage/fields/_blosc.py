@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
 __all__ = ["GETITEM", "Frame", "check_frame", "decode_jobs"]
 
 
-def _load_getitem():  # pragma: no cover - depends on the numcodecs build
+def _load_getitem() -> Callable[[int, int, int, int], int] | None:  # pragma: no cover - depends on the numcodecs build
     """c-blosc's ``blosc_getitem`` from the numcodecs extension (it exports it), or None."""
     try:
         import numcodecs.blosc as nb
@@ -62,7 +63,8 @@ def check_frame(buf: np.ndarray, nbytes: int) -> int | None:
     n = len(buf)
     if n < 16:
         return None
-    version, _vlz, flags, typesize, nb, blocksize, cbytes = _HEADER.unpack_from(buf, 0)
+    # numpy's stubs give ndarray __buffer__ only from Python 3.12 on
+    version, _vlz, flags, typesize, nb, blocksize, cbytes = _HEADER.unpack_from(buf, 0)  # type: ignore[arg-type]
     if version != 2:
         return None
     if nb != nbytes or cbytes != n or typesize < 1:

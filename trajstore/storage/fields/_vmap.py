@@ -220,7 +220,9 @@ class VirtualArray:
         self.base = _check(_libc.mmap(None, self.nbytes, _PROT_READ, flags, -1, 0), "reserve address range")
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
         buf = (ctypes.c_char * self.nbytes).from_address(self.base)
-        arr = np.frombuffer(buf, dtype=self.dtype).reshape((self.n_chunks * chunk_rows, *self.row_shape))
+        # numpy's stubs accept a ctypes array as a buffer only from Python 3.12 on
+        arr: np.ndarray = np.frombuffer(buf, dtype=self.dtype)  # type: ignore[call-overload]
+        arr = arr.reshape((self.n_chunks * chunk_rows, *self.row_shape))
         # Writes must only ever reach rows of mapped, writable chunk files: anything else is
         # a read-only zero page and would crash the process, so only the writer's array is writable.
         arr.flags.writeable = False
@@ -266,7 +268,7 @@ class VirtualArray:
 
     def writable_rows(self, start: int, stop: int) -> np.ndarray:
         """A writable view of rows ``[start, stop)``; every chunk they touch must be mapped."""
-        view = np.frombuffer(
+        view: np.ndarray = np.frombuffer(  # type: ignore[call-overload]  # ctypes buffer: see __init__
             (ctypes.c_char * ((stop - start) * self.chunk_bytes // self.chunk_rows)).from_address(
                 self.base + start * self.chunk_bytes // self.chunk_rows
             ),

@@ -19,6 +19,7 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 import zarr
@@ -56,7 +57,7 @@ class ChunkedField:
 
     keeps_partial_chunk = True  # the chunk being filled stays in memory until flush writes it whole
 
-    def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array, writable: bool):
+    def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
         self.loc, self.spec, self.writable = loc, spec, writable
         self.C = spec.chunk_rows
         self.z = zarray
@@ -78,7 +79,7 @@ class ChunkedField:
         if _GETITEM is None or self.spec.row_bytes == 0:
             return False
         try:
-            codecs = self.z.metadata.codecs
+            codecs = self.z.metadata.codecs  # type: ignore[union-attr]  # zarr v2 metadata has none: below
         except AttributeError:
             return False
         if len(codecs) != 2 or not isinstance(codecs[0], zarr.codecs.BytesCodec):
@@ -129,7 +130,7 @@ class ChunkedField:
             shape0 = self.z.shape[0]
             rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
             with self._decoding(plain):
-                data = self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1]
+                data = cast(np.ndarray, self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1])
             pos = 0
             for k in plain:
                 n = min((k + 1) * self.C, shape0) - k * self.C
@@ -383,7 +384,7 @@ class ChunkedField:
             raise _full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
         return key
 
-    def _staging_array(self, prefix: str) -> zarr.Array:
+    def _staging_array(self, prefix: str) -> zarr.Array[Any]:
         """A zarr array with this field's metadata under ``prefix`` (so staged chunks decode alike)."""
         meta_key = f"{prefix}/{self.spec.array_path}/zarr.json"
         if not self.loc.exists(meta_key):

@@ -96,4 +96,4 @@ def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int
             and mapping_ok(loc):
         return MappedField(loc, spec, allocated, writable)
     zarray = group[spec.array_path].with_config({"write_empty_chunks": True})  # type: ignore[union-attr]
-    return ChunkedField(loc, spec, zarray, writable)  # type: ignore[arg-type]
+    return ChunkedField(loc, spec, zarray, writable)

@@ -140,6 +140,7 @@ class MappedField:
                                         "reached its limit of memory mappings (vm.max_map_count; see "
                                         "trajstore.errors.MappingLimitError)", name) from None
             if e.errno in _vmap._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
+                assert e.errno is not None  # it is in the set
                 # The store's first mapping worked (trajstore.storage.fields.layout.mapping_ok), this one did not:
                 # a file on another filesystem, or a system that changed its mind.
                 raise OSError(e.errno, f"cannot memory-map chunk {k} of {self.spec.array_path} "
@@ -191,7 +192,8 @@ class MappedField:
                     os.close(self._fds.pop(next(iter(self._fds))))
                 fd = self._fds[k] = os.open(self._path(k), os.O_WRONLY | os.O_NOFOLLOW)  # never through a link
             try:
-                os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)
+                # numpy's stubs give ndarray __buffer__ only from Python 3.12 on
+                os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)  # type: ignore[arg-type]
             except OSError as e:  # the chunk's space is reserved, so only a file made elsewhere gets here
                 raise _full_disk(e, self._path(k), f"write rows into chunk {k}")
             pos += take

@@ -7,10 +7,11 @@ Shared by both storage engines (:mod:`trajstore.mapped` and :mod:`trajstore.chun
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
+import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc)
 
 from trajstore.storage.fields import _vmap
 from trajstore.errors import BadOptionError
@@ -63,7 +64,7 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
     if compressor is None or compressor == "none":
         return None, "none"
     if isinstance(compressor, str):
-        names = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
+        names: dict[str, tuple[Literal["lz4", "zstd"], int]] = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
         if compressor not in names:
             raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
         cname, level = names[compressor]
@@ -108,7 +109,8 @@ def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
     """
     if compressor not in ("lz4", "zstd") or row_bytes > ROW_BLOCK_MAX_BYTES:
         return None
-    cname, level = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}[compressor]
+    blosc: dict[Any, tuple[Literal["lz4", "zstd"], int]] = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
+    cname, level = blosc[compressor]
     if row_bytes < ROW_BLOCK_MIN_BYTES:
         # Small rows share blocks of SMALL_ROWS_BLOCK_BYTES: c-blosc's own choice for lz4 is 64-256
         # KiB, decoded whole for every random row (1e6-row (17,) float32 store: sample(256) 28 ->
@@ -175,7 +177,7 @@ def make_field_spec(
     return FieldSpec(array_path, row_shape, dtype, rows, "raw")
 
 
-def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array:
+def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array[Any]:
     """The field's zarr array, re-read from the store; a writer resizes it to ``allocated`` rows
     if another handle has not already (zarr.json only; no chunk is touched)."""
     z = zarr.open_array(loc.zstore, path=spec.array_path, mode="r+" if writable else "r")
