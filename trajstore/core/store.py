@@ -1,13 +1,8 @@
-"""A store on disk: the root zarr group, its schema attributes, the commit record and
-the tables inside it.  This module owns the commit protocol (DESIGN.md 3):
+"""A store's lifecycle: create, open, copy and close the root zarr group, its schema attributes,
+the commit record and the tables inside it.
 
-1. data first: rows go into chunk files (written whole, or into pre-sized mapped files
-   beyond the committed rows);
-2. before a ring overwrites rows the last commit still counts, it commits a record that
-   no longer counts them (:meth:`Store.ensure_evicted`);
-3. rewrites of committed rows (set_at, remove_at) are staged in ``.trajstore-staging``,
-   named by a commit record, then moved into place (:meth:`Store.rewrite`);
-4. the commit record goes last (:meth:`Store.commit`).
+The commit protocol a store follows while it is open is :mod:`trajstore.core.commit`
+(:class:`~trajstore.core.commit.StoreCommits`, the base class of :class:`Store`).
 """
 
 from __future__ import annotations
@@ -16,8 +11,7 @@ import datetime
 import os
 import shutil
 import time
-import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 import zarr
@@ -25,25 +19,23 @@ import zarr
 from trajstore._optional import missing
 from trajstore.errors import (
     BadOptionError,
-    ClosedError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
     NotATrajstoreError,
-    ReadOnlyError,
     StoreExistsError,
     StoreNotFoundError,
     TrajstoreError,
 )
 from trajstore.storage.confined import OPEN_FLAGS
-from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
 from trajstore.storage.head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState,
                                     read_head, write_head)
 from trajstore.storage.locks import WriterLock
-from trajstore.storage.schema import TableSchema, array_rows, check_head_tables, check_pending, check_rows_fit, check_schema, read_root
+from trajstore.storage.schema import TableSchema, array_rows, check_head_tables, check_rows_fit, check_schema, read_root
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
 from trajstore.spaces import space_from_json
+from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
 from trajstore.core.table import Table
 
 __all__ = ["Store", "TableSpec"]
@@ -60,40 +52,6 @@ def _version() -> str:
         return "0+unknown"
 
 
-class _WriteOp:
-    """Reusable context manager for :meth:`Store.write_op` (cheaper than a generator per append)."""
-
-    __slots__ = ("store",)
-
-    def __init__(self, store: "Store") -> None:
-        self.store = store
-
-    def __enter__(self) -> None:
-        s = self.store
-        if s.multiprocessing:
-            assert s.lock is not None
-            s.lock.acquire_op()
-            try:
-                s.refresh()
-                if s.committed.pending:  # left by a writer that died mid-rewrite
-                    s._roll_forward(s.committed)
-                for listener in s.op_listeners:
-                    listener()
-            except BaseException:
-                s.lock.release_op()
-                raise
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        s = self.store
-        if s.multiprocessing:
-            assert s.lock is not None
-            try:
-                if exc_type is None:
-                    s.commit(state=s.buffer_state())
-            finally:
-                s.lock.release_op()
-
-
 class TableSpec:
     """What :meth:`Store.create` needs to lay out one table."""
 
@@ -101,7 +59,7 @@ class TableSpec:
         self.name, self.capacity, self.fields = name, capacity, fields
 
 
-class Store:
+class Store(StoreCommits):
     """An open store.  Use :meth:`create` or :meth:`open`; buffers wrap one of these."""
 
     def __init__(self, loc: Location, group: zarr.Group, attrs: dict[str, Any], head: Head, *, writable: bool,
@@ -205,7 +163,7 @@ class Store:
                 )
             head.tables[t.name] = TableState(0, 0, alloc)
         group.attrs[ATTRS_KEY] = attrs
-        _consolidate(loc)
+        consolidate_metadata(loc)
         write_head(loc, head, fsync=bool(options.get("fsync")))
         group = open_zarr_group(loc, mode="r+")
         store = cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
@@ -270,18 +228,7 @@ class Store:
             raise
         return store
 
-    # -- commit protocol -----------------------------------------------------------------
-    def _check_writable(self) -> None:
-        if self.closed:
-            raise ClosedError("I/O operation on a closed buffer: its store was closed (and its writer lock "
-                              "released); reopen it with load_from to write")
-        if not self.writable:
-            raise ReadOnlyError(f"{self.loc.url}: the buffer is open read-only")
-        if self.forked:
-            raise LockedError(f"{self.loc.url}: this process was forked from the store's writer, which "
-                              "keeps writing it; open the store again here (read_only=True to read), or "
-                              "use multiprocessing=True in every writer")
-
+    # -- metadata ------------------------------------------------------------------------
     def space(self, table: str) -> Any:
         """The gymnasium space stored for ``table`` (``None`` when the store has none).
 
@@ -298,228 +245,6 @@ class Store:
         except Exception as e:  # the space JSON is input: anything it makes gymnasium raise
             raise DamagedStoreError(f"{self.loc.url}: the stored space of {table!r} cannot be decoded "
                                     f"({type(e).__name__}: {e})") from None
-
-    @property
-    def forked(self) -> bool:
-        """This process is a fork of a single writer's: it holds no lock and must not write.
-
-        Also true for stores without a lock file (remote, in memory): their single writer is the
-        process that opened them.  A multiprocessing writer's forked child may write."""
-        if self.lock is not None and self.lock.forked_child:
-            return True
-        return not self.multiprocessing and os.getpid() != self.opener_pid
-
-    def _write_head(self, head: Head) -> None:
-        head.generation = self.committed.generation + 1
-        write_head(self.loc, head, fsync=self.fsync)
-        self.committed = head
-        self._watch.wrote()
-
-    def _current_head(self) -> Head:
-        head = self.committed.copy()
-        for name, t in self.tables.items():
-            head.tables[name] = TableState(t.state.start, t.state.end, t.state.allocated)
-        head.pending = None
-        return head
-
-    def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None,
-               evict: dict[str, int] | None = None) -> None:
-        """Write all buffered data, then the commit record naming it.
-
-        ``evict`` maps table names to an absolute row below which the record must not count
-        rows (the writer is about to overwrite their slots): see :meth:`ensure_evicted`.
-        """
-        self._check_writable()
-        if self.committed.pending:  # a rewrite whose chunks could not all be moved into place
-            self._roll_forward(self.committed)
-        fsync = self.fsync if fsync is None else fsync
-        evict = evict or {}
-        ends = {name: t.flush(fsync, evict.get(name)) for name, t in self.tables.items()}
-        head = self._current_head()
-        for name, end in ends.items():
-            head.tables[name].end = end  # an eviction record may leave a compressed ring's last chunk out
-        for name, min_start in evict.items():
-            st = head.tables[name]
-            st.start = max(st.start, min(min_start, st.end))
-        if state is not None:
-            head.state = state
-        old = self.fsync
-        self.fsync = fsync
-        try:
-            self._write_head(head)
-        finally:
-            self.fsync = old
-        self._last_commit = time.monotonic()
-
-    def ensure_evicted(self, table: Table, min_start: int, guard: int) -> None:
-        """Before rows whose absolute number is below ``min_start`` are overwritten, commit a
-        record that no longer counts them (nor ``guard`` rows more, so that a ring being filled
-        commits once per ``guard`` rows rather than on every append).
-
-        The record is a full commit: it also names every row written since the last commit, so
-        a writer that fills the ring faster than ``commit_interval`` never leaves a record whose
-        start has run past its end (readers would see the ring empty, and a crash would lose it).
-        """
-        c = self.committed.tables[table.name]
-        if c.start >= min_start or c.end <= c.start:  # nothing committed is in the way
-            return
-        self.commit(state=self.buffer_state(), evict={table.name: min_start + guard})
-
-    def commit_due(self) -> bool:
-        """``commit_interval`` seconds have passed since the last commit."""
-        return time.monotonic() - self._last_commit >= self.commit_interval
-
-    def after_write(self) -> None:
-        """Commit every ``commit_interval`` seconds of writing, so a crash loses little."""
-        if not self.multiprocessing and self.commit_due():
-            self.commit(state=self.buffer_state())
-
-    state_provider: Callable[[], dict[str, Any]] | None = None
-
-    def buffer_state(self) -> dict[str, Any] | None:
-        """The owning buffer's state for the next commit record (None: keep the last one's)."""
-        return self.state_provider() if self.state_provider else None
-
-    def metadata_changed(self) -> None:
-        """Array shapes grew: refresh consolidated metadata before any row beyond the old shape is committed."""
-        _consolidate(self.loc)
-
-    def rewrite(self, changes: Iterable[tuple[Field, int, np.ndarray]],
-                apply_state: Callable[[], None]) -> None:
-        """Replace whole chunks of committed rows crash-atomically.
-
-        ``changes`` are staged first; ``apply_state`` then updates the in-memory table
-        states, and one commit record names both the new state and the staged chunks (from
-        that instant the store is "after"); the chunks are then moved into place.
-        """
-        self._check_writable()
-        self.commit(state=self.buffer_state())
-        prefix = f"{STAGING_DIR}/{self.committed.generation + 1}"
-        staged: dict[str, list[int]] = {}
-        fields: dict[str, Field] = {}
-        for f, k, data in changes:
-            f.stage_chunk(prefix, k, data)
-            staged.setdefault(f.spec.array_path, []).append(k)
-            fields[f.spec.array_path] = f
-        before = {name: TableState(t.state.start, t.state.end, t.state.allocated) for name, t in self.tables.items()}
-        apply_state()
-        head = self._current_head()
-        if self.state_provider:
-            head.state = self.state_provider()
-        head.epoch += 1
-        head.pending = {"prefix": prefix, "chunks": staged}
-        if self.fsync and self.loc.is_local:
-            os.sync()
-        try:
-            self._write_head(head)
-        except BaseException:
-            if self._on_disk_generation() != head.generation:
-                # The record naming the change is not there: the store is still "before", and so
-                # is this writer again (the staged chunks are orphans, removed by a later open).
-                for name, st in before.items():
-                    self.tables[name].state = st
-                for listener in self.refresh_listeners:
-                    listener()
-                raise
-            self.committed = head  # written after all (a later step, e.g. an fsync, failed)
-        try:
-            self._roll_forward(head)
-        except BaseException:
-            # The store is "after": until a later commit finishes moving the staged chunks into
-            # place (commit() retries first), this writer reads them where they are staged.
-            self._apply_pending(head.pending, staged=True)
-            raise
-
-    def _on_disk_generation(self) -> int | None:
-        """Generation of the commit record on disk (None when it cannot be read)."""
-        try:
-            return read_head(self.loc).generation
-        except Exception:
-            return None
-
-    def _roll_forward(self, head: Head) -> None:
-        """Move staged chunks into place and commit a record without ``pending``.
-
-        ``pending`` is checked first (:func:`trajstore.storage.schema.check_pending`): the prefix is
-        ``.trajstore-staging/<int>`` and every chunk a field's, so nothing outside the store is
-        renamed or deleted; a staged file that is a link is refused (``Location.rename``).
-        """
-        check_pending(head.pending, self.schema, {n: t.allocated for n, t in head.tables.items()}, str(self.loc.url))
-        pending = head.pending or {}
-        prefix = pending["prefix"]
-        by_path = self._fields_by_path()
-        for path, ks in pending["chunks"].items():
-            f = by_path[path]
-            for k in ks:
-                key = f"{path}/c/{k}" + "/0" * len(f.spec.row_shape)
-                if self.loc.exists(f"{prefix}/{key}"):
-                    self.loc.rename(f"{prefix}/{key}", key)
-            f.remap(ks)
-        done = head.copy()
-        done.pending = None
-        self._write_head(done)
-        self.loc.delete_prefix(prefix)
-
-    def _fields_by_path(self) -> dict[str, Field]:
-        return {f.spec.array_path: f for t in self.tables.values() for f in t.fields}
-
-    def _apply_pending(self, pending: dict[str, Any] | None, staged: bool) -> None:
-        """Read the chunks ``pending`` names from its staging prefix (``staged``) or from their
-        place again; ``pending`` is checked against the schema first."""
-        if not pending:
-            return
-        check_pending(pending, self.schema, {n: t.state.allocated for n, t in self.tables.items()}, str(self.loc.url))
-        by_path = self._fields_by_path()
-        for path, ks in pending["chunks"].items():
-            by_path[path].remap(ks, pending["prefix"] if staged else "")
-
-    # -- readers -------------------------------------------------------------------------
-    def refresh(self) -> bool:
-        """Adopt the newest commit record (readers, and writers in multiprocessing mode).
-
-        Returns True when the record changed.  Local stores first ask :class:`HeadWatch` whether
-        the record file was replaced, so calling this before every read costs a ``stat``.
-        """
-        if not self._watch.changed():
-            return False
-        head = self._watch.read()
-        if head.generation == self.committed.generation:
-            return False
-        old = self.committed
-        if old.pending and old.pending != head.pending:
-            self._apply_pending(old.pending, staged=False)
-        if head.epoch != old.epoch:
-            for t in self.tables.values():
-                for f in t.fields:
-                    f.reload()
-        for t in self.tables.values():
-            s = head.tables[t.name]
-            t.state = TableState(s.start, s.end, s.allocated)
-            for f in t.fields:
-                f.drop_cache()
-        self._apply_pending(head.pending, staged=True)
-        self.committed = head
-        for listener in self.refresh_listeners:
-            listener()
-        return True
-
-    def rows_intact(self, old: Head) -> bool:
-        """Whether every row that commit record ``old`` counted is still stored, unchanged, under
-        the latest record: no rewrite since (same epoch) and no ring slot of those rows reused.  A
-        ring slot is reused only after a record that no longer counts its row, so a ring whose
-        start did not move past ``old``'s still holds all of ``old``'s rows (a start that moved
-        back, after an eviction record, names rows that were never overwritten)."""
-        new = self.committed
-        if new.epoch != old.epoch:
-            return False
-        return all(t.capacity is None or new.tables[name].start <= old.tables[name].start
-                   for name, t in self.tables.items())
-
-    def write_op(self) -> "_WriteOp":
-        """Context of one write operation: in multiprocessing mode it is serialized with the
-        other writers (inter-process lock), sees their commits, and commits at its end."""
-        self._check_writable()
-        return self._op
 
     # -- copy ------------------------------------------------------------------------------
     def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
@@ -596,13 +321,6 @@ def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
     if not isinstance(attrs.get("kind"), str):
         raise DamagedStoreError(f"{loc.url}: kind is {attrs.get('kind')!r:.40}; expected a string such as 'ReplayBuffer'")
     return attrs
-
-
-def _consolidate(loc: Location) -> None:
-    """Write consolidated metadata (zarr warns about our non-zarr keys at the root; they are expected)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(loc.zstore)
 
 
 class _NoBar:

@@ -24,7 +24,8 @@ import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc
 from zarr.storage import MemoryStore
 
 from trajstore.core.ring import contiguous_runs
-from trajstore.core.store import ATTRS_KEY, Store, _consolidate, _progress
+from trajstore.core.commit import consolidate_metadata
+from trajstore.core.store import ATTRS_KEY, Store, _progress
 from trajstore.errors import StoreExistsError
 from trajstore.storage.fields.spec import FieldSpec, _raw_row_align, chunk_key, make_field_spec, parse_compressor
 from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, TableState, write_head
@@ -138,7 +139,7 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
         group.create_array(spec.array_path, shape=(alloc, *spec.row_shape), chunks=(spec.chunk_rows, *spec.row_shape),
                            dtype=spec.dtype, compressors=codec, filters=None,
                            fill_value=np.zeros((), spec.dtype)[()], config={"write_empty_chunks": True})
-    _consolidate(mem)
+    consolidate_metadata(mem)
 
     writer = ZipWriter(target, compression=zip_compression)
     loc = Location(writer, target, None)
