@@ -115,6 +115,38 @@ class Store(StoreCommits):
     def create(cls, cache_path: Any, kind: str, tables: list[TableSpec], schema: dict[str, Any], *,
                storage_options: dict[str, Any] | None, overwrite: bool, multiprocessing: bool,
                options: dict[str, Any]) -> "Store":
+        """Create a new store of ``kind`` with ``tables`` and open it for writing.
+
+        Parameters
+        ----------
+        cache_path : str, os.PathLike or None
+            A local folder, any fsspec URL, or None for an in-memory store (a ``.zip`` is written
+            by ``dumps`` or ``trajstore copy``, never created in place).
+        kind : {"ReplayBuffer", "TrajectoryReplayBuffer"}
+            Recorded in the root attributes; ``open`` checks it.
+        tables : list of TableSpec
+            Capacity and field layouts of each table.
+        schema : dict
+            More root attributes (the spaces as JSON).
+        storage_options : dict or None
+            fsspec options of a URL.
+        overwrite : bool
+            Replace a store already at ``cache_path`` (never one another writer holds open).
+        multiprocessing : bool
+            Let several processes write (each write under the op lock).
+        options : dict
+            Store options (``fsync``, ``commit_interval``...), saved in the root attributes.
+
+        Raises
+        ------
+        StoreExistsError
+            A store (or other data) is at ``cache_path`` and ``overwrite`` is False.
+        LockedError
+            ``overwrite=True`` but another writer holds the store.
+        DamagedStoreError
+            The layout is outside what ``open`` accepts (sizes past the format's limits), checked
+            before any byte is written.
+        """
         attrs = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
@@ -294,6 +326,8 @@ class Store(StoreCommits):
         write_head(target, head, fsync=self.fsync)
 
     def close(self) -> None:
+        """Release maps, descriptors and the writer lock; every later write raises ClosedError.
+        Commits nothing: buffers flush before they close their store."""
         self.closed = True
         self._watch.close()
         for t in self.tables.values():
