@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Iterator
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -21,14 +19,13 @@ from trajstore.errors import BadOptionError, ClosedError
 from trajstore.core.store import Store
 from trajstore.core.stager import RowStager
 from trajstore.core.table import Table
+from trajstore.buffers.rows import BufferRows
 from trajstore.buffers.views import BatchBase
 from trajstore.sampling.source import read_consistent, sample_consistent
-from trajstore.storage.fields.base import Field
-from trajstore.storage.head import Head
 
 _T = TypeVar("_T")
 
-__all__ = ["BufferRows", "StoredBuffer", "as_generator"]
+__all__ = ["StoredBuffer", "as_generator"]
 
 # Writers left open at interpreter exit are committed by an atexit hook.  It is registered
 # after zarr's own (zarr is imported first), so it runs before zarr stops its event loop;
@@ -340,90 +337,6 @@ class StoredBuffer(BatchBase):
         if self.check_bounds:  # a policy of the handle: the copy in another process keeps it
             kwargs["check_bounds"] = True
         return (_reopen, (type(self), self.cache_path, kwargs))
-
-
-class BufferRows:
-    """A :class:`StoredBuffer` as a :class:`~trajstore.sampling.source.RowSource`: its table's
-    rows, every leaf of its space (``buffer.row_source()``).
-
-    Beyond the protocol, ``table`` is the buffer's :class:`~trajstore.core.table.Table`, for the
-    done-flag helpers of :mod:`trajstore.core.episodes` (a ReplayBuffer's episodes).
-    """
-
-    def __init__(self, buf: StoredBuffer) -> None:
-        self.buffer = buf
-        self.table = buf._table
-        self.name = buf.cache_path or "in-memory buffer"
-        self.last_read: Head | None = None
-
-    @property
-    def count(self) -> int:
-        return self.buffer._table.count
-
-    @property
-    def start(self) -> int:
-        return self.buffer._table.state.start
-
-    @property
-    def capacity(self) -> int | None:
-        return self.buffer._table.capacity
-
-    @property
-    def live(self) -> bool:
-        store = self.buffer._store
-        return not store.writable or store.multiprocessing
-
-    @property
-    def record(self) -> Head:
-        return self.buffer._store.committed
-
-    @property
-    def committed(self) -> tuple[int, int]:
-        st = self.buffer._store.committed.tables[self.buffer._table.name]
-        return st.start, st.end
-
-    @property
-    def reopen(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-        buf = self.buffer
-        if buf.cache_path is None:
-            return None
-        return (_reopen_rows, (type(buf), buf.cache_path, buf.storage_options))
-
-    def sync(self) -> None:
-        self.buffer._sync()
-
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
-        buf = self.buffer
-        outer, buf._pinned = buf._pinned, True  # re-entrant: a read inside a read stays pinned
-        try:
-            yield
-        finally:
-            buf._pinned = outer
-
-    def refresh(self) -> bool:
-        return self.buffer._store.refresh()
-
-    def rows_intact(self, before: Head) -> bool:
-        return self.buffer._store.rows_intact(before)
-
-    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._read_rows(rows, leaves)
-
-    def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._table.gather_windows(first, length, [self._field_index(j) for j in leaves])
-
-    def leaf_field(self, leaf: int) -> Field | None:
-        return self.buffer._table.fields[leaf]
-
-    def _field_index(self, leaf: int) -> int:
-        return leaf
-
-
-def _reopen_rows(cls: Any, path: str, storage_options: dict[str, Any] | None) -> BufferRows:
-    """The rows of the store at ``path``, opened read-only in this process (dask workers)."""
-    # cls: a StoredBuffer subclass (ReplayBuffer, TrajectoryReplayBuffer): its load_from
-    return cls.load_from(path, read_only=True, storage_options=storage_options).row_source()
 
 
 def _reopen(cls: Any, path: str, kwargs: dict[str, Any]) -> StoredBuffer:

@@ -22,9 +22,10 @@ import numpy as np
 
 from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.buffers.base import BufferRows, StoredBuffer, as_generator
+from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.buffers.rows import TrajectoryRows
 from trajstore.core.episodes import EpisodeIndex, RunIndex
-from trajstore.errors import (BadArgumentError, BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError,
+from trajstore.errors import (BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError,
                               UnsupportedSpaceError)
 from trajstore.buffers.replay import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
 from trajstore.storage.schema import MAX_INT
@@ -632,45 +633,3 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     def _make_row_source(self) -> "TrajectoryRows":
         return TrajectoryRows(self)
-
-
-class TrajectoryRows(BufferRows):
-    """A :class:`TrajectoryReplayBuffer` as an :class:`~trajstore.sampling.source.EpisodeSource`:
-    its step rows; leaves numbered as the buffer's space (``step_data`` then ``episode_data``)."""
-
-    buffer: TrajectoryReplayBuffer
-
-    def __init__(self, buf: TrajectoryReplayBuffer) -> None:
-        super().__init__(buf)
-        self.step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
-        self.episode_leaves = [j for j, s in enumerate(buf._src) if s[0] == "e"]
-
-    @property
-    def current_episode_id(self) -> int:
-        return self.buffer.current_episode_id
-
-    def _field_index(self, leaf: int) -> int:
-        kind, f = self.buffer._src[leaf]
-        if kind != "s":
-            raise BadArgumentError(f"leaf {leaf} is episode data, stored once per episode, not per step row")
-        return f
-
-    def leaf_field(self, leaf: int) -> Field | None:
-        kind, f = self.buffer._src[leaf]
-        return self.buffer._table.fields[f] if kind == "s" else None
-
-    def step_ids(self, rows: np.ndarray) -> np.ndarray:
-        return np.asarray(self.buffer._step_ids(rows), dtype=np.int64)
-
-    def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
-        buf = self.buffer
-        return buf._table.gather_windows(first, length, [buf._id_field])[0]
-
-    def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
-        return self.buffer._runs.one_run(first + self.start, span)
-
-    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.buffer._runs.runs()
-
-    def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._read_rows(anchors, leaves)
