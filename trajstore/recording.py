@@ -164,12 +164,58 @@ class RecordEpisodes(gymnasium.Wrapper, _Recorder):
         self._return, self._length = 0.0, 0
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Reset the env and start a new episode; an episode in progress ends here, with its data.
+
+        Parameters
+        ----------
+        seed : int, optional
+            Passed to the env, and recorded as the new episode's ``seed`` (-1 when None).
+        options : dict, optional
+            Passed to the env.
+
+        Returns
+        -------
+        obs, info
+            The env's, unchanged; ``obs`` becomes the first step's ``obs``.
+
+        Raises
+        ------
+        ReadOnlyError, ClosedError
+            The buffer cannot be written (an episode in progress must be ended).
+        """
         self._end_episode()  # a reset in the middle of an episode ends it
         obs, info = self.env.reset(seed=seed, options=options)
         self._obs, self._seed = obs, -1 if seed is None else int(seed)
         return obs, info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        """Step the env and append the step as one row; ``terminated or truncated`` ends the
+        episode (its data is written and the buffer moves to a new episode id).
+
+        Parameters
+        ----------
+        action
+            Passed to the env; recorded as the row's ``action``.
+
+        Returns
+        -------
+        obs, reward, terminated, truncated, info
+            The env's, unchanged.
+
+        Raises
+        ------
+        gymnasium.error.ResetNeeded
+            No ``reset`` since the last episode ended (or ever).
+        UnknownFieldError
+            First step, names-only ``info_keys``: an info key is missing, so its space cannot be
+            inferred and the buffer cannot be created.
+        UnsupportedSpaceError
+            First step: an ``info_keys`` value is neither a number nor a bool.
+        BadValueError, SpaceMismatchError
+            The row does not fit the step space (the env's step is already taken).
+        ReadOnlyError, ClosedError
+            The buffer cannot be written.
+        """
         if self._obs is None:
             raise gymnasium.error.ResetNeeded("call reset() before step()")
         obs, reward, terminated, truncated, info = self.env.step(action)
@@ -256,6 +302,27 @@ class RecordVectorEpisodes(gymnasium.vector.VectorWrapper, _Recorder):
     # -- VectorEnv API ----------------------------------------------------------------------------
     def reset(self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
               ) -> tuple[Any, dict[str, Any]]:
+        """Reset the sub-envs (those of ``options["reset_mask"]``, else all) and start a new
+        episode in each; their unfinished episodes are written first, as they stand.
+
+        Parameters
+        ----------
+        seed : int or list of (int or None), optional
+            Passed to the env.  Recorded per sub-env as its episode's ``seed``: ``seed + i`` for
+            an int (as vector envs seed their sub-envs), the list's entry for a list, -1 for None.
+        options : dict, optional
+            Passed to the env; ``"reset_mask"`` (n_envs,) bool selects the sub-envs reset.
+
+        Returns
+        -------
+        obs, info
+            The env's, unchanged.
+
+        Raises
+        ------
+        ReadOnlyError, ClosedError
+            The buffer cannot be written (an unfinished episode must be written).
+        """
         # VectorEnv.reset is annotated seed: int | None; vector envs also take one seed per env
         obs, info = self.env.reset(seed=seed, options=options)  # type: ignore[arg-type]
         n = self.num_envs
@@ -275,6 +342,34 @@ class RecordVectorEpisodes(gymnasium.vector.VectorWrapper, _Recorder):
         return obs, info
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Step every sub-env; keep each recorded step in RAM, and write a sub-env's episode as
+        one block of rows when it ends (see the class docstring for which steps each autoreset
+        mode records).
+
+        Parameters
+        ----------
+        actions
+            Batched actions, passed to the env; entry ``i`` is recorded as sub-env ``i``'s action.
+
+        Returns
+        -------
+        obs, rewards, terminations, truncations, info
+            The env's, unchanged (arrays of shape (n_envs, ...)).
+
+        Raises
+        ------
+        gymnasium.error.ResetNeeded
+            ``reset`` was never called.
+        UnknownFieldError
+            First step, names-only ``info_keys``: an info key is missing, so its space cannot be
+            inferred and the buffer cannot be created.
+        UnsupportedSpaceError
+            First step: an ``info_keys`` value is neither a number nor a bool.
+        BadValueError, SpaceMismatchError
+            An ended episode's rows do not fit the step space (the env's step is already taken).
+        ReadOnlyError, ClosedError
+            An episode ended and the buffer cannot be written.
+        """
         if self._obs is None:
             raise gymnasium.error.ResetNeeded("call reset() before step()")
         obs, rewards, terms, truncs, info = self.env.step(actions)

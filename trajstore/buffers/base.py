@@ -145,18 +145,52 @@ class StoredBuffer(BatchBase):
 
     @property
     def capacity(self) -> int | None:
+        """Ring size in rows (steps, for a trajectory buffer), fixed at ``create``.
+
+        Returns
+        -------
+        int or None
+            ``None`` for an unbounded buffer, which grows as rows are added.
+        """
         return self._table.capacity
 
     @property
     def full(self) -> bool:
+        """Whether a ring holds ``capacity`` rows, so the next row added evicts the oldest.
+
+        Returns
+        -------
+        bool
+            Always False for an unbounded buffer.
+
+        Raises
+        ------
+        ClosedError
+            The buffer was closed.
+        """
         return self.capacity is not None and len(self) == self.capacity
 
     @property
     def read_only(self) -> bool:
+        """Whether this handle was opened read-only (``load_from(..., read_only=True)``).
+
+        Returns
+        -------
+        bool
+            True: writes raise :class:`~trajstore.errors.ReadOnlyError`, :meth:`flush` does
+            nothing and reads follow the writer's commits.
+        """
         return not self._store.writable
 
     @property
     def cache_path(self) -> str | None:
+        """Where the store lives, as given to ``create``/``load_from``.
+
+        Returns
+        -------
+        str or None
+            The local folder, ``.zip`` file or fsspec URL; ``None`` for an in-memory buffer.
+        """
         return self._store.loc.url
 
     @property
@@ -166,6 +200,14 @@ class StoredBuffer(BatchBase):
 
     @property
     def multiprocessing(self) -> bool:
+        """Whether the store was opened for several writer processes (``multiprocessing=True``).
+
+        Returns
+        -------
+        bool
+            True: writes are serialized by an inter-process lock and each write operation
+            commits, and the buffer pickles as a handle that reopens the store.
+        """
         return self._store.multiprocessing
 
     @property

@@ -74,6 +74,22 @@ class ZarrStorage:
 
     @classmethod
     def check_options(cls, kwargs: dict[str, Any], allowed: Sequence[str]) -> dict[str, Any]:
+        """A copy of ``kwargs``, checked to hold only options of ``allowed``.
+
+        Parameters
+        ----------
+        kwargs : dict
+            Storage options as given (``**storage_kwargs``).
+        allowed : sequence of str
+            The options that call takes (``CREATE_OPTIONS`` or ``OPEN_OPTIONS``).
+
+        Raises
+        ------
+        BadArgumentError
+            An option not in ``allowed``.
+        BadOptionError
+            ``chunk_rows`` is given and is not a positive int.
+        """
         bad = sorted(set(kwargs) - set(allowed))
         if bad:
             raise BadArgumentError(f"unexpected storage option(s) {bad}; allowed: {list(allowed)}")

@@ -284,6 +284,8 @@ class TrajectoryReplayBuffer(StoredBuffer):
 
     @property
     def episode_capacity(self) -> int | None:
+        """Rows of episode data kept (``episode_data_capacity`` at ``create``): ``None`` when
+        unbounded or when the buffer has no episode data space."""
         return None if self._ep_table is None else self._ep_table.capacity
 
     def episode_id_to_episode_data_index(self, episode_id: Any) -> Any:
@@ -349,6 +351,29 @@ class TrajectoryReplayBuffer(StoredBuffer):
         return TrajectoryData(step_data=data["step_data"], episode_data=data.get("episode_data"))
 
     def get_at(self, idx: IndexLike) -> TrajectoryData:
+        """Steps at ``idx``, with the episode data of their episodes.
+
+        Parameters
+        ----------
+        idx : int, slice, ``...``, (B,) int array or (len,) bool mask
+            Logical step rows, oldest first; negative ints count from the end.
+
+        Returns
+        -------
+        TrajectoryData
+            ``step_data``: one value of ``step_space`` for an int, else a batch with leading axis
+            B.  ``episode_data``: the data of each step's episode, batched the same way (zeros
+            for an episode without data yet), or None when the buffer has no episode space.
+
+        Raises
+        ------
+        IndexOutOfRangeError, BadIndexError
+            ``idx`` is out of range or not an index.
+        ClosedError
+            The buffer was closed.
+        ConcurrentWriteError
+            A reader: the writer kept rewriting or evicting the rows being read.
+        """
         return self._wrap(super().get_at(idx))
 
     def get_at_with_metadata(self, idx: IndexLike) -> tuple[TrajectoryData, dict[str, Any]]:
@@ -365,6 +390,30 @@ class TrajectoryReplayBuffer(StoredBuffer):
         return self._wrap(self._plan.from_arrays([out(a) for a in arrays])), {"episode_ids": out(np.asarray(ids))}
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
+        """``batch_size`` steps drawn uniformly with replacement, with their episodes' data.
+
+        Parameters
+        ----------
+        batch_size : int
+            Steps drawn (B).
+        rng : numpy.random.Generator or int, optional
+            Generator, or a seed for a new one; by default the buffer's own.
+
+        Returns
+        -------
+        TrajectoryData
+            ``step_data`` leaves of shape (B, ...); ``episode_data`` of each step's episode,
+            (B, ...) (zeros where an episode has no data yet), or None without an episode space.
+
+        Raises
+        ------
+        EmptyBufferError
+            The buffer holds no steps (or a writer emptied it meanwhile).
+        ConcurrentWriteError
+            A reader: the writer evicts steps faster than this reader can sample them.
+        ClosedError
+            The buffer was closed.
+        """
         return self._wrap(super().sample(batch_size, rng=rng))
 
     # -- writes ---------------------------------------------------------------------------------
@@ -417,6 +466,26 @@ class TrajectoryReplayBuffer(StoredBuffer):
         self.extend({k: v for k, v in nested.items()})
 
     def append_flattened(self, value: Any) -> None:
+        """Add one step given in gymnasium's flattened layout of ``single_space``.
+
+        With an episode space, the row holds episode data too (gymnasium orders the keys:
+        ``episode_data`` first, then ``step_data``); it sets the data of the current episode.
+
+        Parameters
+        ----------
+        value : (flatdim,) array
+            The flattened row (numpy or torch); ``flatdim`` is that of ``single_space``.
+
+        Raises
+        ------
+        BadValueError
+            ``value`` is not 1-D, has the wrong width or dtype, or a segment decodes to no value
+            of its leaf.
+        ReadOnlyError
+            The buffer is open read-only.
+        ClosedError
+            The buffer was closed.
+        """
         flat = to_numpy(value)
         if flat.ndim != 1:
             raise BadValueError(f"append_flattened expects shape ({self._plan.flat_dim},); got {flat.shape}")

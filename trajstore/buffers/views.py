@@ -57,10 +57,12 @@ class BatchBase:
     # -- common properties ------------------------------------------------------------------
     @property
     def backend(self) -> str:
+        """What reads return: ``"numpy"`` arrays or ``"torch"`` tensors."""
         return self._backend.name
 
     @property
     def device(self) -> Any:
+        """The ``torch.device`` of returned tensors (CPU unless given); ``None`` for numpy."""
         return self._backend.device
 
     @property
@@ -147,6 +149,31 @@ class BatchBase:
         raise ReadOnlyError(f"{type(self).__name__} does not support {what}")
 
     def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Overwrite rows ``idx`` with ``value``.
+
+        Buffers overwrite their rows crash-atomically; a :class:`SliceView` writes through to its
+        parent's rows; other batches refuse.
+
+        Parameters
+        ----------
+        idx : int, slice, ``...``, (B,) int array or (len,) bool mask
+            Rows to overwrite, resolved against the current length.
+        value : value of ``single_space``
+            One unbatched value for an int index, else a batch with leading axis B equal to the
+            number of rows ``idx`` selects.
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot be written (this base implementation always raises it; buffers
+            raise it when open read-only).
+        ClosedError
+            The buffer was closed.
+        IndexOutOfRangeError, BadIndexError
+            ``idx`` is out of range or not an index.
+        BadValueError, SpaceMismatchError
+            ``value`` does not fit ``single_space``, or B differs from the rows selected.
+        """
         self._refuse("set_at")
 
     def __setitem__(self, idx: IndexLike, value: Any) -> None:
@@ -160,21 +187,92 @@ class BatchBase:
         self.set_at(idx, self._plan.from_arrays([a[0] for a in arrays] if single else arrays))
 
     def remove_at(self, idx: IndexLike) -> None:
+        """Delete rows ``idx``: later rows move up and ``len`` shrinks by the rows removed.
+
+        Parameters
+        ----------
+        idx : int, slice, ``...``, (B,) int array or (len,) bool mask
+            Rows to delete (duplicates count once).
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot be written (always, for views and this base implementation).
+        IndexOutOfRangeError, BadIndexError
+            ``idx`` is out of range or not an index.
+        """
         self._refuse("remove_at")
 
     def __delitem__(self, idx: IndexLike) -> None:
         self.remove_at(idx)
 
     def extend(self, value: Any) -> None:
+        """Add a batch of rows at the end.
+
+        Parameters
+        ----------
+        value : batch of ``single_space``
+            Every leaf with a leading axis B (the rows added), e.g. ``(B, *shape)`` of a Box.
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot grow (always, for views and this base implementation).
+        BadValueError, SpaceMismatchError
+            ``value`` does not fit ``single_space``; nothing of it is written.
+        """
         self._refuse("extend")
 
     def append(self, value: Any) -> None:
+        """Add one row at the end.
+
+        Parameters
+        ----------
+        value : value of ``single_space``
+            One unbatched value.
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot grow (always, for views and this base implementation).
+        BadValueError, SpaceMismatchError
+            ``value`` does not fit ``single_space``.
+        """
         self._refuse("append")
 
     def extend_flattened(self, value: Any) -> None:
+        """Add rows given in gymnasium's flattened layout of ``single_space``.
+
+        Parameters
+        ----------
+        value : (B, flatdim) array
+            One flattened row per row added (numpy or torch).
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot grow (always, for views and this base implementation).
+        BadValueError
+            Wrong shape or width, a non-numeric dtype, or a segment that decodes to no value of
+            its leaf (a one-hot segment without a 1, a value out of range).
+        """
         self._refuse("extend_flattened")
 
     def append_flattened(self, value: Any) -> None:
+        """Add one row given in gymnasium's flattened layout of ``single_space``.
+
+        Parameters
+        ----------
+        value : (flatdim,) array
+            The flattened row (numpy or torch).
+
+        Raises
+        ------
+        ReadOnlyError
+            This batch cannot grow (always, for views and this base implementation).
+        BadValueError
+            ``value`` is not 1-D, or as :meth:`extend_flattened`.
+        """
         self._refuse("append_flattened")
 
 
@@ -217,6 +315,8 @@ class SliceView(_View):
         return self.parent._read(int(rows[idx]) if isinstance(idx, int) else rows[idx], leaf_ids)
 
     def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Overwrite rows ``idx`` of this view, i.e. the parent's rows they map to (see
+        :meth:`BatchBase.set_at`; ``idx`` is resolved against the view's length)."""
         rows = self._rows()
         i = normalize_index(idx, len(rows))
         self.parent.set_at(int(rows[i]) if isinstance(i, int) else rows[i], value)
@@ -247,6 +347,7 @@ class ColumnView(_View):
         return self.parent._read_slice(s, [self._leaf_map[j] for j in leaf_ids])
 
     def set_at(self, idx: IndexLike, value: Any) -> None:
+        """Always raises :class:`~trajstore.errors.ReadOnlyError`: a column is written through its buffer."""
         raise ReadOnlyError(f"column view {self.keys!r} is read-only; write through the buffer instead")
 
     def __repr__(self) -> str:

@@ -37,6 +37,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``trajstore`` argument parser: every subcommand, each with its handler as ``func``."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback on errors")

@@ -33,6 +33,7 @@ def json_arg(text: str) -> dict[str, Any]:
 
 
 def positive_int(text: str) -> int:
+    """argparse type of counts such as ``--limit``: an int >= 1 (else ``ArgumentTypeError``)."""
     try:
         n = int(text)
     except ValueError:
@@ -43,6 +44,7 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
+    """argparse type of options where 0 is allowed: an int >= 0 (else ``ArgumentTypeError``)."""
     try:
         n = int(text)
     except ValueError:
@@ -53,6 +55,8 @@ def non_negative_int(text: str) -> int:
 
 
 def add_store_args(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    """Add the arguments every store command takes: ``PATH``, ``--storage-options`` and (with
+    ``json_flag``) ``--json``."""
     p.add_argument("path", metavar="PATH", help="store: a folder, a .zip file or an fsspec URL (memory://, s3://...)")
     p.add_argument("--storage-options", type=json_arg, default=None, metavar="JSON",
                    help="fsspec options for a URL, as a JSON object (e.g. '{\"anon\": true}')")
@@ -92,10 +96,13 @@ def _sanitize(o: Any) -> Any:
 
 
 def print_json(obj: Any) -> None:
+    """Print ``obj`` as indented strict JSON: numpy scalars and arrays as numbers and lists, NaN
+    as null, infinities as strings."""
     print(json.dumps(_sanitize(obj), indent=2, default=_default, allow_nan=False))
 
 
 def fmt_bytes(n: float | None) -> str:
+    """A byte count for people, in binary units (``"512 B"``, ``"1.5 MiB"``); ``"-"`` for None."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -106,6 +113,8 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def fmt_num(v: Any) -> str:
+    """A table cell: ``"-"`` for None, ``"yes"``/``"no"`` for bools, ints as they are, floats with
+    at most 4 decimals (4 significant digits when very large or small)."""
     if v is None:
         return "-"
     if isinstance(v, (bool, np.bool_)):

@@ -302,6 +302,8 @@ def _cmd_copy(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the commands that check and change a store (``verify``, ``repair``, ``copy``) to the
+    subparsers ``sub``; ``common`` holds the options every command takes."""
     p = sub.add_parser("verify", parents=[common], help="check a store for damage (exit 1 when a fault is found)",
                        description="Check the commit record against the arrays, that every chunk holding a committed "
                                    "row exists and has its full size, and (trajectory stores) the episode table.  "

@@ -38,6 +38,7 @@ def ratio_text(info: dict[str, Any]) -> str:
 
 
 def print_info(info: dict[str, Any]) -> None:
+    """Print what ``trajstore info`` shows, from a :func:`~trajstore.maintenance.summary.store_info` dict."""
     print(f"store          {info['path']}")
     print(f"kind           {info['kind']} (format v{info['format_version']}, {info['created_by']}, {info['created_at']})")
     if info.get("dataset"):
@@ -252,6 +253,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the commands that show a store (``info``, ``ls``, ``episodes``, ``head``, ``stats``,
+    ``plot``, ``demo``) to the subparsers ``sub``; ``common`` holds the options every command takes."""
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("info", parents=[common], formatter_class=fmt, help="summarize a store",
                        description="Kind, format version, creator, spaces, capacity, rows and offset of each table, "

@@ -81,10 +81,12 @@ class Table:
     # -- sizes ---------------------------------------------------------------------------
     @property
     def count(self) -> int:
+        """Rows present in the in-memory state (``end - start``)."""
         return self.state.end - self.state.start
 
     @property
     def offset(self) -> int:
+        """Physical row of logical row 0: ``start % capacity`` (0 for an unbounded table)."""
         return 0 if self.capacity is None else self.state.start % self.capacity
 
     @property
@@ -208,6 +210,8 @@ class Table:
     @overload
     def physical(self, logical: np.ndarray) -> np.ndarray: ...
     def physical(self, logical: np.ndarray | int) -> np.ndarray | int:
+        """Physical rows of logical rows ``logical`` (int, or an int64 array of any shape) under
+        the in-memory state."""
         return physical(logical, self.state.start, self.capacity)
 
     def gather(self, logical: np.ndarray, which: Sequence[int]) -> list[np.ndarray]:

@@ -31,6 +31,31 @@ __all__ = ["RepairReport", "repair_store"]
 
 @dataclass
 class RepairReport:
+    """What :func:`repair_store` did (or, with ``dry_run``, would do).
+
+    Attributes
+    ----------
+    url : str
+        The store repaired, as given.
+    dry_run : bool
+        True: nothing was written; ``changes`` lists what a real run would change.
+    recovered : bool
+        Whether the store is (or would be) consistent afterwards; False when repair cannot fix
+        it safely (``problems`` says why) or faults remain after the repair.
+    changes : list of dict
+        One per change, in order: ``action`` (``"write"`` a commit record, ``"rollback"`` a
+        table's committed rows, ``"resize"`` an array's recorded shape, ``"delete"`` a key,
+        ``"keep"`` intact chunks of dropped rows), ``key``, ``why``; a rollback adds ``table``,
+        ``rows_before`` and ``rows_after`` (absolute ``[start, end]``), a write of a found commit
+        record ``rows_after`` per table.
+    problems : list of str
+        Why the store could not be (fully) repaired, one line each.
+    before : VerifyReport or None
+        The scan repair acted on.
+    after : VerifyReport or None
+        A scan after the changes were written (None for a dry run, or when repair stopped early).
+    """
+
     url: str
     dry_run: bool
     recovered: bool
@@ -40,6 +65,9 @@ class RepairReport:
     after: VerifyReport | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The report as a JSON object (what ``trajstore repair --json`` prints): ``path``,
+        ``dry_run``, ``recovered``, ``changes``, ``problems``, and ``before``/``after`` as
+        :meth:`VerifyReport.to_json` (or null)."""
         return {"path": self.url, "dry_run": self.dry_run, "recovered": self.recovered, "changes": self.changes,
                 "problems": self.problems, "before": self.before.to_json() if self.before else None,
                 "after": self.after.to_json() if self.after else None}
@@ -120,6 +148,15 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
     changed.  ``dry_run=True`` reports the same changes without writing a byte.  Local stores are
     locked while repaired (a store a writer has open is refused); remote stores have no lock, so
     make sure no writer is running.
+
+    Raises
+    ------
+    ReadOnlyError
+        A ``.zip`` store without ``dry_run`` (zips are written once; repair a folder copy).
+    LockedError
+        A writer has the local store open.
+    StoreNotFoundError
+        No local folder or zip at ``path``.
     """
     p = os.fspath(path)
     if not dry_run and "://" not in p and p.endswith(".zip"):

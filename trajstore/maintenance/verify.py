@@ -53,12 +53,34 @@ class Fault:
     rows: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The fault as a JSON object: ``kind``, ``key``, ``table``, ``rows`` (``[lo, hi]`` or
+        null) and ``message``."""
         return {"kind": self.kind, "key": self.key, "table": self.table,
                 "rows": list(self.rows) if self.rows else None, "message": self.message}
 
 
 @dataclass
 class VerifyReport:
+    """What :func:`verify_store` found: the store is sound when :attr:`ok` (no fault).
+
+    Attributes
+    ----------
+    url : str
+        The store checked, as given.
+    deep : bool
+        Whether every committed chunk was also decoded.
+    faults : list of Fault
+        Damage: each names the key or array path and, for rows, the table and logical rows.
+    notes : list of str
+        Harmless findings, one line each (orphaned temp files, chunks beyond the committed rows,
+        a pending rewrite, whether the previous commit record could replace the current one).
+    checked : dict
+        Counts: ``arrays``, ``chunks`` and ``decoded`` (what was checked), ``rows`` (committed
+        rows of every table together) and ``table_rows`` (per table).
+    removable : list of (str, str)
+        ``(key, why)`` of the keys :func:`~trajstore.maintenance.repair.repair_store` may delete.
+    """
+
     url: str
     deep: bool
     faults: list[Fault] = field(default_factory=list)
@@ -72,9 +94,18 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no fault was found (notes do not count)."""
         return not self.faults
 
     def to_json(self) -> dict[str, Any]:
+        """The report as a JSON object (what ``trajstore verify --json`` prints).
+
+        Returns
+        -------
+        dict
+            ``path``, ``ok``, ``deep``, ``faults`` (:meth:`Fault.to_json` each), ``notes``,
+            ``checked`` and ``removable`` (``{"key", "why"}`` objects).
+        """
         return {"path": self.url, "ok": self.ok, "deep": self.deep, "faults": [f.to_json() for f in self.faults],
                 "notes": self.notes, "checked": self.checked,
                 "removable": [{"key": k, "why": w} for k, w in self.removable]}

@@ -367,9 +367,11 @@ def _restore(cls: type, kwargs: dict[str, Any], device: str, snap: dict[str, Any
 
 
 def take(per_key: PerKey, idx: Any) -> PerKey:
+    """Rows ``idx`` (any numpy index along axis 0) of every key's array."""
     return {k: v[idx] for k, v in per_key.items()}
 
 
 def concat(parts: Sequence[PerKey]) -> PerKey:
+    """The arrays of ``parts`` (at least one, all with the same keys) joined along axis 0, key by key."""
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

@@ -101,6 +101,7 @@ class ObsLayout:
         return spaces.Dict([(k, storage_box(self.shape[k], self.dtype[k])) for k in self.keys])  # type: ignore[misc]
 
     def describe(self) -> str:
+        """``"key: shape dtype"`` of every key (``obs`` for a non-Dict space), for messages."""
         return ", ".join(f"{k or 'obs'}: {self.shape[k]} {self.dtype[k]}" for k in self.keys)
 
     # -- input --------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class ObsLayout:
         return {k: np.empty((n, *self.shape[k]), self.dtype[k]) for k in self.keys}
 
     def zeros(self, n: int) -> PerKey:
+        """Zeroed ``{key: (n, *shape[key]) of dtype[key]}`` arrays."""
         return {k: np.zeros((n, *self.shape[k]), self.dtype[k]) for k in self.keys}
 
     def wrap(self, per_key: PerKey) -> np.ndarray | dict[str, np.ndarray]:

@@ -98,6 +98,7 @@ class StoreRoot:
         return f"{self._fs_root.rstrip('/')}/{name}"
 
     def exists(self, name: str) -> bool:
+        """Whether part ``name`` (a file or folder under the root) exists."""
         return bool(self.fs.exists(self._fs_path(name)))
 
     def names(self) -> list[str]:
@@ -107,6 +108,7 @@ class StoreRoot:
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._fs_root, detail=False))
 
     def is_empty(self) -> bool:
+        """Whether the root folder is missing or holds nothing."""
         root = self._fs_root
         if not self.fs.exists(root):
             return True
@@ -252,6 +254,7 @@ def register(root: StoreRoot, buf: Any) -> None:
 
 
 def unregister(root: StoreRoot, buf: Any) -> None:
+    """Forget that ``buf`` holds ``root`` (when it closes); another buffer registered since is kept."""
     ref = _OPEN.get(root.key)
     if ref is not None and ref() is buf:
         del _OPEN[root.key]

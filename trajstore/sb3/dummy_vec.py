@@ -224,6 +224,8 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         """Ignored: fullness is the sub-buffers' (BaseBuffer assigns it)."""
 
     def size(self) -> int:
+        """Steps stored per env, as SB3's ``BaseBuffer.size``: ``buffer_size`` once every
+        sub-buffer is full, else the facade's ``pos``."""
         return self.buffer_size if self.full else self.pos
 
     def _stack(self, name: str) -> np.ndarray:

@@ -156,6 +156,7 @@ def check_key(key: str, where: Any = None) -> None:
 
 
 def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words for messages (``"file"``, ``"symbolic link"``, ``"FIFO"``...)."""
     for test, name in ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
                        (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
         if test(mode):

@@ -47,6 +47,7 @@ class TableState:
 
     @property
     def count(self) -> int:
+        """Committed rows, ``end - start``."""
         return self.end - self.start
 
 
@@ -63,12 +64,14 @@ class Head:
     pending: dict[str, Any] | None = None
 
     def copy(self) -> "Head":
+        """An independent copy (tables, ``state`` and ``pending`` copied too), to change and commit."""
         # Field by field: a deepcopy per commit costs more than writing the record.
         tables = {k: TableState(t.start, t.end, t.allocated) for k, t in self.tables.items()}
         return Head(self.generation, self.epoch, tables, copy.deepcopy(self.state) if self.state else {},
                     copy.deepcopy(self.pending) if self.pending else None)
 
     def to_json(self) -> bytes:
+        """The record as compact UTF-8 JSON, as ``trajstore.head.json`` holds it (with ``format_version``)."""
         obj = {
             "format_version": FORMAT_VERSION,
             "generation": self.generation,
@@ -337,6 +340,7 @@ class HeadWatch:
         self._ino = ino
 
     def close(self) -> None:
+        """Close the watched file; until the next read or write the record counts as changed."""
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self._ino = -1, None

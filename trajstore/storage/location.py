@@ -80,10 +80,12 @@ class Location:
     # -- identity ---------------------------------------------------------------------
     @property
     def read_only(self) -> bool:
+        """Whether the zarr store was opened read-only (writes raise ``ReadOnlyError``)."""
         return bool(self.zstore.read_only)
 
     @property
     def is_local(self) -> bool:
+        """Whether the store is a plain local folder (memory maps, lock files, ``path``)."""
         return self.local_root is not None
 
     def __repr__(self) -> str:
@@ -309,6 +311,8 @@ class Location:
             yield key, int(sync(self.zstore.getsize(key)))
 
     def close(self) -> None:
+        """Close the zarr store.  Errors are ignored (closing twice is harmless), except from a
+        zip being written, whose close is what publishes the zip."""
         try:
             self.zstore.close()
         except Exception:  # closing a store twice or a store without close is harmless ...
@@ -345,6 +349,7 @@ class ChunkCache:
         self._total: int | None = None
 
     def invalidate(self) -> None:
+        """The commit record may have changed: the next read fetches it again to find its entries."""
         self._tag = None
 
     def _dir(self, loc: Location) -> Path:
@@ -356,6 +361,9 @@ class ChunkCache:
         return self.root / self._tag
 
     def get(self, loc: Location, key: str, limit: int | None) -> bytes | None:
+        """The cached bytes of ``key`` under ``loc``'s current commit record, or None (not cached,
+        unreadable, or more than ``limit`` bytes: the key's read limit when None).  A hit
+        refreshes the entry's modification time, so it is evicted last."""
         p = self._dir(loc) / key
         try:
             with open(p, "rb") as f:
@@ -366,6 +374,10 @@ class ChunkCache:
         return None if len(data) > (read_limit(key) if limit is None else limit) else data
 
     def put(self, loc: Location, key: str, data: bytes) -> None:
+        """Cache ``data`` as ``key`` under ``loc``'s current commit record (atomically, by rename).
+        Once the folder holds more than ``max_bytes``, the oldest entries are deleted down to
+        three quarters of it.  Data larger than ``max_bytes`` is not cached; a full or read-only
+        cache folder only costs the cache."""
         if len(data) > self.max_bytes:
             return
         p = self._dir(loc) / key

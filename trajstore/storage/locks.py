@@ -307,6 +307,7 @@ class WriterLock:
         self._locks.acquire(self._mp_fd)
 
     def release_op(self) -> None:
+        """End the write operation :meth:`acquire_op` started (nothing when none was)."""
         if self._mp_fd is not None:
             self._locks.release(self._mp_fd)
 
@@ -324,6 +325,9 @@ class WriterLock:
             _LIVE_LOCKS.discard(self)
 
     def release(self) -> None:
+        """Drop the lock (idempotent).  A single writer first marks the lock file ``closed``, so the
+        next writer knows it ended cleanly; a forked child that inherited a multiprocessing lock
+        leaves it to its parent."""
         _LIVE_LOCKS.discard(self)
         if self._pid != os.getpid() and not self.forked_child:
             return  # a forked multiprocessing child does not own the parent's lock

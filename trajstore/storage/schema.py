@@ -147,20 +147,32 @@ class FieldSchema:
 
     @property
     def row_bytes(self) -> int:
+        """Uncompressed bytes of one row (``shape`` is the row shape)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     def chunk_count(self, rows: int) -> int:
+        """Chunks that ``rows`` rows from row 0 span: ``ceil(rows / chunk_rows)``."""
         return -(-rows // self.chunk_rows)
 
 
 @dataclass(frozen=True)
 class TableSchema:
+    """One table of the schema, checked: its ``name``, ring ``capacity`` (None: unbounded) and
+    ``fields`` in stored order."""
+
     name: str
     capacity: int | None
     fields: tuple[FieldSchema, ...]
 
 
 def check_dtype(v: Any, what: str, where: str) -> np.dtype:
+    """The numpy dtype named ``v`` (``"float32"``, ``"<f4"``...), one of :data:`ALLOWED_DTYPES`.
+
+    Raises
+    ------
+    DamagedStoreError
+        ``v`` names no allowed dtype; the message names ``where`` and ``what``.
+    """
     if not isinstance(v, str) or v not in _DTYPE_NAMES:
         raise DamagedStoreError(f"{where}: {what} is {_name_value(v)}; expected one of the plain dtypes "
                                 f"{sorted(d.name for d in ALLOWED_DTYPES)}")

@@ -85,9 +85,11 @@ class BufferSource:
 
     @property
     def is_trajectory(self) -> bool:
+        """Whether the rows are a :class:`~trajstore.TrajectoryReplayBuffer`'s steps."""
         return self.kind == "TrajectoryReplayBuffer"
 
     def close(self) -> None:
+        """Close the buffer this source opened in this process; a buffer it was given stays open."""
         if self._buf is not None and self._owned and self._pid == os.getpid():
             self._buf.close()
         self._buf = None
@@ -146,10 +148,12 @@ class FieldSelection:
 
     @property
     def step_leaves(self) -> list[int]:
+        """Leaves of the buffer's space read per row (every step field), in field order."""
         return [j for ids, ep in zip(self.leaf_ids, self.episode) if not ep for j in ids]
 
     @property
     def episode_leaves(self) -> list[int]:
+        """Leaves of the buffer's space read per episode (``episode_data/...`` fields), in field order."""
         return [j for ids, ep in zip(self.leaf_ids, self.episode) if ep for j in ids]
 
     def assemble(self, step_arrays: list[np.ndarray], ep_arrays: list[np.ndarray], out: Any) -> dict[str, Any]:

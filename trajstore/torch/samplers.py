@@ -52,6 +52,8 @@ class RandomBatchSampler(Sampler[list[int]]):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: the batches that follow depend on ``(seed, epoch, rank)``
+        (call it every epoch, as with ``DistributedSampler``, for fresh batches)."""
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:

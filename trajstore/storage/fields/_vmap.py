@@ -285,6 +285,7 @@ class VirtualArray:
             raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
 
     def close(self) -> None:
+        """Unmap the whole range (idempotent): arrays viewing it must not be touched afterwards."""
         if self.base:
             _libc.munmap(self.base, self.nbytes)
             self.base = 0

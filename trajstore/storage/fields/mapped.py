@@ -54,6 +54,8 @@ class MappedField:
 
     @property
     def array(self) -> np.ndarray:
+        """The reserved range as one ``(chunks * C, *row_shape)`` array of ``spec.dtype``
+        (little-endian): physical row ``r`` is ``array[r]`` (zeros where its chunk is not mapped)."""
         return self._va.array
 
     def grow(self, allocated: int) -> None:

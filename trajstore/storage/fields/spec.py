@@ -140,9 +140,12 @@ class FieldSpec:
 
     @property
     def row_bytes(self) -> int:
+        """Uncompressed bytes of one row: ``prod(row_shape) * dtype.itemsize``."""
         return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        """What the store's attributes record of the field: ``path``, ``chunk_rows`` and
+        ``layout`` (row shape, dtype and codec are in the array's own zarr metadata)."""
         return {"path": self.array_path, "chunk_rows": self.chunk_rows, "layout": self.layout}
 
 
