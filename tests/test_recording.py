@@ -163,3 +163,32 @@ def test_record_vector_env_disabled_autoreset(tmp_path):
         np.testing.assert_array_equal(steps["obs"][1:], steps["next_obs"][:-1])
     assert len(buf) == 2 * 120
     buf.close()
+
+
+def test_an_info_key_missing_after_the_first_step_is_refused_and_nothing_of_that_step_is_written(tmp_path):
+    """A recorded info key that a later step's info lacks raises UnknownFieldError (a KeyError)
+    naming the key, before that step's row is written; the steps before it stay recorded."""
+    from trajstore.errors import BadArgumentError, UnknownFieldError
+
+    class Flaky(gym.Wrapper):
+        def reset(self, **kw):
+            self.t = 0
+            return self.env.reset(**kw)
+
+        def step(self, a):
+            o, r, te, tr, i = self.env.step(a)
+            self.t += 1
+            return o, r, te, tr, ({**i, "step": self.t} if self.t < 3 else dict(i))
+
+    with pytest.raises(BadArgumentError, match="pass cache_path="):  # a path where the buffer goes
+        RecordEpisodes(gym.make("CartPole-v1"), str(tmp_path / "rec"))
+    rec = RecordEpisodes(Flaky(gym.make("CartPole-v1")), cache_path=str(tmp_path / "rec"), info_keys=["step"])
+    rec.reset(seed=0)
+    rec.step(0)
+    rec.step(0)
+    with pytest.raises(UnknownFieldError, match=r"info keys \['step'\] missing from this step's info") as ei:
+        rec.step(0)
+    assert isinstance(ei.value, KeyError)
+    assert len(rec.buffer) == 2
+    np.testing.assert_array_equal(rec.buffer[:]["step_data"]["info"]["step"], [1, 2])
+    rec.close()

@@ -19,7 +19,7 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Box, Dict
 
-from trajstore.errors import BadOptionError, UnknownFieldError, UnsupportedSpaceError
+from trajstore.errors import BadArgumentError, BadOptionError, UnknownFieldError, UnsupportedSpaceError
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE"]
@@ -72,6 +72,9 @@ class _Recorder:
                dataset_info: dict[str, Any] | None) -> None:
         if buffer is not None and cache_path is not None:
             raise BadOptionError("pass either buffer or cache_path, not both")
+        if buffer is not None and not isinstance(buffer, TrajectoryReplayBuffer):
+            hint = f"; to record into a new store at {buffer!r}, pass cache_path=" if isinstance(buffer, (str, os.PathLike)) else ""
+            raise BadArgumentError(f"buffer must be a TrajectoryReplayBuffer or None; got {type(buffer).__name__}{hint}")
         self.record_next_obs = record_next_obs
         self.info_keys = list(info_keys or [])
         self._info_spaces = dict(info_keys) if isinstance(info_keys, Mapping) else None
@@ -96,11 +99,16 @@ class _Recorder:
             set_dataset_info(self.buffer, **self._dataset_info)
 
     def _ensure_buffer(self, info: Mapping[str, Any], vector: bool) -> TrajectoryReplayBuffer:
+        """The buffer (created from the first step's info), after checking that this step's info has
+        every recorded key: a step without one raises before anything of it is written."""
+        missing = [k for k in self.info_keys if k not in info]
+        if missing and self.buffer is None:
+            raise UnknownFieldError(f"info keys {missing} not in the first step's info; pass info_keys as a dict "
+                                    "{key: space} to record keys that appear later")
+        if missing:
+            raise UnknownFieldError(f"info keys {missing} missing from this step's info (it has {sorted(info)}); "
+                                    "every recorded step needs the info_keys: the step was not recorded")
         if self.buffer is None:
-            missing = [k for k in self.info_keys if k not in info]
-            if missing:
-                raise UnknownFieldError(f"info keys {missing} not in the first step's info; pass info_keys as a dict "
-                               "{key: space} to record keys that appear later")
             self._create({k: _info_space(np.asarray(info[k])[0] if vector else info[k]) for k in self.info_keys})
         assert self.buffer is not None
         return self.buffer
