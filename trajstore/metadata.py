@@ -16,10 +16,15 @@ from importlib import metadata as _im
 from typing import Any
 
 from trajstore.buffers.base import StoredBuffer
-from trajstore.errors import BadArgumentError, BadValueError, DamagedStoreError, ReadOnlyError
-from trajstore.storage.schema import load_json
+from trajstore.errors import (
+    BadArgumentError,
+    BadValueError,
+    DamagedStoreError,
+    ReadOnlyError,
+)
 from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.location import Location, resolve_location
+from trajstore.storage.schema import load_json
 
 __all__ = ["DATASET_KEY", "set_dataset_info", "get_dataset_info", "env_description", "library_versions"]
 

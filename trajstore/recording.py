@@ -19,8 +19,13 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces import Box, Dict
 
-from trajstore.errors import BadArgumentError, BadOptionError, UnknownFieldError, UnsupportedSpaceError
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import (
+    BadArgumentError,
+    BadOptionError,
+    UnknownFieldError,
+    UnsupportedSpaceError,
+)
 
 __all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE"]
 

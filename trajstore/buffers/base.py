@@ -15,12 +15,12 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from trajstore.buffers.backend import Backend
-from trajstore.errors import BadOptionError, ClosedError
-from trajstore.core.store import Store
-from trajstore.core.stager import RowStager
-from trajstore.core.table import Table
 from trajstore.buffers.rows import BufferRows
 from trajstore.buffers.views import BatchBase
+from trajstore.core.stager import RowStager
+from trajstore.core.store import Store
+from trajstore.core.table import Table
+from trajstore.errors import BadOptionError, ClosedError
 from trajstore.sampling.source import read_consistent, sample_consistent
 
 _T = TypeVar("_T")

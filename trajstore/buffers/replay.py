@@ -16,14 +16,14 @@ import numpy as np
 
 from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
-from trajstore.storage.fields.layout import make_field_spec
-from trajstore.core.ring import IndexLike, normalize_index
-from trajstore.spaces import ValuePlan, flatdim, space_to_json
 from trajstore.buffers.base import StoredBuffer
-from trajstore.core.store import Store, TableSpec, _progress
-from trajstore.core.stager import RowStager
 from trajstore.buffers.views import BatchBase
+from trajstore.core.ring import IndexLike, normalize_index
+from trajstore.core.stager import RowStager
+from trajstore.core.store import Store, TableSpec, _progress
+from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
+from trajstore.spaces import ValuePlan, flatdim, space_to_json
+from trajstore.storage.fields.layout import make_field_spec
 
 __all__ = ["ReplayBuffer", "ZarrStorage"]
 

@@ -23,20 +23,30 @@ import numpy as np
 from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.buffers.replay import (
+    ZarrStorage,
+    _copy_steps,
+    _is_remote,
+    _storage_cls_check,
+)
 from trajstore.buffers.rows import TrajectoryRows
+from trajstore.buffers.views import BatchBase
 from trajstore.core.episodes import EpisodeIndex, RunIndex
-from trajstore.errors import (BadOptionError, BadValueError, SpaceMismatchError, UnknownEpisodeError,
-                              UnsupportedSpaceError)
-from trajstore.buffers.replay import ZarrStorage, _copy_steps, _is_remote, _storage_cls_check
-from trajstore.storage.schema import MAX_INT
 from trajstore.core.ring import IndexLike, normalize_index
-from trajstore.storage.fields.base import Field
-from trajstore.storage.fields.layout import make_field_spec
+from trajstore.core.stager import RowStager
+from trajstore.core.store import Store, TableSpec
+from trajstore.errors import (
+    BadOptionError,
+    BadValueError,
+    SpaceMismatchError,
+    UnknownEpisodeError,
+    UnsupportedSpaceError,
+)
 from trajstore.sampling import sequences as _seq
 from trajstore.spaces import ValuePlan, space_to_json
-from trajstore.core.store import Store, TableSpec
-from trajstore.core.stager import RowStager
-from trajstore.buffers.views import BatchBase
+from trajstore.storage.fields.base import Field
+from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.schema import MAX_INT
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.errors import BadArgumentError, ReadOnlyError
 from trajstore.core.ring import IndexLike, normalize_index
+from trajstore.errors import BadArgumentError, ReadOnlyError
 from trajstore.spaces import ValuePlan, subspace
 
 __all__ = ["BatchBase", "SliceView", "ColumnView"]

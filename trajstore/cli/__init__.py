@@ -16,8 +16,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from trajstore.cli import show as _show
 from trajstore.cli import maintain as _maintain
+from trajstore.cli import show as _show
 from trajstore.cli._common import CLIError
 
 __all__ = ["main", "build_parser"]

@@ -8,11 +8,19 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.metadata import DATASET_KEY
-from trajstore.maintenance.summary import iter_blocks, open_store
+from trajstore.cli._common import (
+    CLIError,
+    add_store_args,
+    fmt_bytes,
+    json_arg,
+    positive_int,
+    print_json,
+    progress,
+)
 from trajstore.maintenance.repair import RepairReport, repair_store
+from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
-from trajstore.cli._common import CLIError, add_store_args, fmt_bytes, json_arg, positive_int, print_json, progress
+from trajstore.metadata import DATASET_KEY
 
 __all__ = ["register", "copy_store"]
 
@@ -163,8 +171,8 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     """
     from trajstore import ReplayBuffer, TrajectoryReplayBuffer
     from trajstore.core.zipcopy import write_zip
-    from trajstore.spaces import ValuePlan, space_from_json
     from trajstore.maintenance.summary import STEPS, episode_counts
+    from trajstore.spaces import ValuePlan, space_from_json
 
     if _same(src, dst):
         raise CLIError("SRC and DST are the same store", code=2)

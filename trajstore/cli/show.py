@@ -8,9 +8,24 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.maintenance.summary import episode_table, field_stats, head_rows, open_store, store_info
-from trajstore.cli._common import (CLIError, add_store_args, fmt_bytes, fmt_num, non_negative_int, positive_int, print_json,
-                      print_table, progress)
+from trajstore.cli._common import (
+    CLIError,
+    add_store_args,
+    fmt_bytes,
+    fmt_num,
+    non_negative_int,
+    positive_int,
+    print_json,
+    print_table,
+    progress,
+)
+from trajstore.maintenance.summary import (
+    episode_table,
+    field_stats,
+    head_rows,
+    open_store,
+    store_info,
+)
 
 __all__ = ["register", "print_info", "episode_text", "ratio_text"]
 
@@ -235,7 +250,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 # -- demo ------------------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trajstore.demo import record_demo
-
     from trajstore.errors import StoreExistsError
 
     try:

@@ -26,8 +26,8 @@ from trajstore.core.table import Table
 from trajstore.errors import ClosedError, LockedError, ReadOnlyError
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, HeadWatch, TableState, read_head, write_head
-from trajstore.storage.locks import WriterLock
 from trajstore.storage.location import STAGING_DIR, Location
+from trajstore.storage.locks import WriterLock
 from trajstore.storage.schema import TableSchema, check_pending
 
 __all__ = ["StoreCommits", "consolidate_metadata"]

@@ -17,6 +17,8 @@ import numpy as np
 import zarr
 
 from trajstore._optional import missing
+from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
+from trajstore.core.table import Table
 from trajstore.errors import (
     BadOptionError,
     DamagedStoreError,
@@ -27,16 +29,37 @@ from trajstore.errors import (
     StoreNotFoundError,
     TrajstoreError,
 )
+from trajstore.spaces import space_from_json
 from trajstore.storage.confined import OPEN_FLAGS
 from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
-from trajstore.storage.head import (FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, HeadWatch, TableState,
-                                    read_head, write_head)
+from trajstore.storage.head import (
+    FORMAT_VERSION,
+    HEAD_KEY,
+    LOCK_KEY,
+    MPLOCK_KEY,
+    PREV_KEY,
+    Head,
+    HeadWatch,
+    TableState,
+    read_head,
+    write_head,
+)
+from trajstore.storage.location import (
+    STAGING_DIR,
+    TMP_DIR,
+    Location,
+    open_zarr_group,
+    resolve_location,
+)
 from trajstore.storage.locks import WriterLock
-from trajstore.storage.schema import TableSchema, array_rows, check_head_tables, check_rows_fit, check_schema, read_root
-from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location, open_zarr_group, resolve_location
-from trajstore.spaces import space_from_json
-from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
-from trajstore.core.table import Table
+from trajstore.storage.schema import (
+    TableSchema,
+    array_rows,
+    check_head_tables,
+    check_rows_fit,
+    check_schema,
+    read_root,
+)
 
 __all__ = ["Store", "TableSpec"]
 

@@ -23,12 +23,24 @@ import zarr
 import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc)
 from zarr.storage import MemoryStore
 
-from trajstore.core.ring import contiguous_runs
 from trajstore.core.commit import consolidate_metadata
+from trajstore.core.ring import contiguous_runs
 from trajstore.core.store import ATTRS_KEY, Store, _progress
 from trajstore.errors import StoreExistsError
-from trajstore.storage.fields.spec import FieldSpec, _raw_row_align, chunk_key, make_field_spec, parse_compressor
-from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, TableState, write_head
+from trajstore.storage.fields.spec import (
+    FieldSpec,
+    _raw_row_align,
+    chunk_key,
+    make_field_spec,
+    parse_compressor,
+)
+from trajstore.storage.head import (
+    HEAD_KEY,
+    LOCK_KEY,
+    MPLOCK_KEY,
+    TableState,
+    write_head,
+)
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
 from trajstore.storage.schema import check_schema
 from trajstore.storage.zipstore import ZipWriter

@@ -18,13 +18,30 @@ import numpy as np
 import zarr
 
 from trajstore.errors import DamagedStoreError, LockedError, ReadOnlyError
-from trajstore.storage.head import HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY, Head, TableState, write_head
+from trajstore.maintenance.verify import (
+    VerifyReport,
+    _fmt_rows,
+    _locate,
+    _parse_head,
+    _Scan,
+    _scan,
+    _scan_orphans,
+    probe_head,
+    usable_prev,
+)
+from trajstore.storage.confined import MAX_HEAD_BYTES
+from trajstore.storage.head import (
+    HEAD_KEY,
+    LOCK_KEY,
+    MPLOCK_KEY,
+    PREV_KEY,
+    Head,
+    TableState,
+    write_head,
+)
+from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
 from trajstore.storage.locks import WriterLock
 from trajstore.storage.schema import check_pending, load_json
-from trajstore.storage.confined import MAX_HEAD_BYTES
-from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
-from trajstore.maintenance.verify import (VerifyReport, _fmt_rows, _locate, _parse_head, _Scan, _scan, _scan_orphans, probe_head,
-                     usable_prev)
 
 __all__ = ["RepairReport", "repair_store"]
 

@@ -16,11 +16,11 @@ import gymnasium
 import numpy as np
 
 from trajstore.core.episodes import all_done, done_fields, episode_numbers, scalar_field
+from trajstore.core.store import Store
+from trajstore.core.table import Table
 from trajstore.errors import NoEpisodesError, UnknownEpisodeError, UnknownFieldError
 from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.schema import load_json
-from trajstore.core.store import Store
-from trajstore.core.table import Table
 
 __all__ = [
     "store_info", "space_tree", "open_store", "array_list", "select_fields", "episode_table", "head_rows",

@@ -28,15 +28,27 @@ from typing import Any, Callable
 import numpy as np
 import zarr
 
-from trajstore.errors import DamagedStoreError, NotATrajstoreError, StoreNotFoundError, TrajstoreError
-from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
 from trajstore.core.ring import contiguous_runs
-from trajstore.storage.schema import (TableSchema, _consolidated, check_allocation, check_array_meta, check_pending,
-                     check_schema, load_json)
+from trajstore.core.store import ATTRS_KEY, check_attrs
+from trajstore.errors import (
+    DamagedStoreError,
+    NotATrajstoreError,
+    StoreNotFoundError,
+    TrajstoreError,
+)
 from trajstore.spaces import space_from_json
 from trajstore.storage.confined import MAX_FILE_BYTES
+from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location, resolve_location
-from trajstore.core.store import ATTRS_KEY, check_attrs
+from trajstore.storage.schema import (
+    TableSchema,
+    _consolidated,
+    check_allocation,
+    check_array_meta,
+    check_pending,
+    check_schema,
+    load_json,
+)
 
 __all__ = ["Fault", "VerifyReport", "verify_store"]
 

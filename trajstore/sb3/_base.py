@@ -12,13 +12,19 @@ from typing import TYPE_CHECKING, Any, Sequence
 import gymnasium
 import numpy as np
 
-from trajstore.errors import ClosedError, DamagedStoreError, ReadOnlyError, SpaceMismatchError, StoreNotFoundError
 from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
-from trajstore.spaces import space_from_json
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.buffers.views import ColumnView
+from trajstore.errors import (
+    ClosedError,
+    DamagedStoreError,
+    ReadOnlyError,
+    SpaceMismatchError,
+    StoreNotFoundError,
+)
 from trajstore.sb3 import _root
 from trajstore.sb3._layout import ObsLayout, PerKey
+from trajstore.spaces import space_from_json
 
 __all__ = ["ZarrBufferMixin", "PositionView"]
 

@@ -24,7 +24,12 @@ from typing import Any
 import fsspec
 import gymnasium
 
-from trajstore.errors import FormatVersionError, NotATrajstoreError, SpaceMismatchError, StoreExistsError
+from trajstore.errors import (
+    FormatVersionError,
+    NotATrajstoreError,
+    SpaceMismatchError,
+    StoreExistsError,
+)
 from trajstore.spaces import space_from_json, space_to_json
 from trajstore.storage.location import fsspec_options
 

@@ -21,15 +21,23 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, RolloutBuffer
-from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+from stable_baselines3.common.type_aliases import (
+    DictRolloutBufferSamples,
+    RolloutBufferSamples,
+)
 from stable_baselines3.common.vec_env import VecNormalize
 
+from trajstore._optional import to_numpy
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.sb3 import _root
 from trajstore.sb3._base import concat, take
 from trajstore.sb3._layout import ObsLayout
-from trajstore._optional import to_numpy
-from trajstore.sb3.rollout import FLAT, ZarrDictRolloutBuffer, ZarrRolloutBuffer, _ZarrRolloutMixin
+from trajstore.sb3.rollout import (
+    FLAT,
+    ZarrDictRolloutBuffer,
+    ZarrRolloutBuffer,
+    _ZarrRolloutMixin,
+)
 
 __all__ = ["DummyVecRolloutBuffer"]
 

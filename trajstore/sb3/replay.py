@@ -23,7 +23,10 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, DictReplayBuffer, ReplayBuffer
-from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+from stable_baselines3.common.type_aliases import (
+    DictReplayBufferSamples,
+    ReplayBufferSamples,
+)
 from stable_baselines3.common.vec_env import VecNormalize
 
 from trajstore.errors import UnsupportedSpaceError

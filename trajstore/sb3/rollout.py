@@ -22,13 +22,20 @@ from typing import TYPE_CHECKING, Any, Generator, cast
 import gymnasium
 import numpy as np
 from gymnasium import spaces
-from stable_baselines3.common.buffers import BaseBuffer, DictRolloutBuffer, RolloutBuffer
-from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+from stable_baselines3.common.buffers import (
+    BaseBuffer,
+    DictRolloutBuffer,
+    RolloutBuffer,
+)
+from stable_baselines3.common.type_aliases import (
+    DictRolloutBufferSamples,
+    RolloutBufferSamples,
+)
 from stable_baselines3.common.vec_env import VecNormalize
 
 from trajstore._optional import to_numpy
-from trajstore.errors import UnsupportedSpaceError
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import UnsupportedSpaceError
 from trajstore.sb3._base import PositionView, ZarrBufferMixin, concat, take
 from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
 from trajstore.sb3._root import announce_resume, space_config

@@ -26,11 +26,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trajstore.storage.confined import MAX_HEAD_BYTES, OPEN_FLAGS, pread, pwrite
 from trajstore.errors import DamagedStoreError, FormatVersionError
-from trajstore.storage.keys import FORMAT_VERSION, HEAD_KEY, LOCK_KEY, MPLOCK_KEY, PREV_KEY
-from trajstore.storage.schema import check_int, load_json
+from trajstore.storage.confined import MAX_HEAD_BYTES, OPEN_FLAGS, pread, pwrite
+from trajstore.storage.keys import (
+    FORMAT_VERSION,
+    HEAD_KEY,
+    LOCK_KEY,
+    MPLOCK_KEY,
+    PREV_KEY,
+)
 from trajstore.storage.location import Location
+from trajstore.storage.schema import check_int, load_json
 
 __all__ = ["HEAD_KEY", "PREV_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head",
            "write_head", "read_prev", "sync_prev", "HeadWatch"]

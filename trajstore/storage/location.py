@@ -23,6 +23,13 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, MemoryStore, ZipStore
 
+from trajstore.errors import (
+    BadOptionError,
+    DamagedStoreError,
+    NotATrajstoreError,
+    ReadOnlyError,
+    StoreNotFoundError,
+)
 from trajstore.storage.confined import (
     ConfinedLocalStore,
     Confinement,
@@ -31,7 +38,6 @@ from trajstore.storage.confined import (
     full_disk,
     read_limit,
 )
-from trajstore.errors import BadOptionError, DamagedStoreError, NotATrajstoreError, ReadOnlyError, StoreNotFoundError
 
 __all__ = ["Location", "resolve_location", "fsspec_options", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
@@ -471,7 +477,11 @@ def resolve_location(
         # be updated in place.  So a writer never opens an existing zip (refused before the file
         # is touched), and a new zip is written beside the path and renamed onto it when done
         # (trajstore._zipstore: an existing zip is never truncated, a failed copy leaves it whole).
-        from trajstore.storage.zipstore import ZipWriter, check_zip_file, zip_read_only_error
+        from trajstore.storage.zipstore import (
+            ZipWriter,
+            check_zip_file,
+            zip_read_only_error,
+        )
 
         if read_only:
             check_zip_file(path)  # zipfile's "File is not a zip file" names neither the path nor the fix

@@ -29,7 +29,6 @@ import zipfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import ZipStore
 

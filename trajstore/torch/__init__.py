@@ -22,7 +22,12 @@ try:
 except ImportError:
     raise missing("torch", "trajstore.torch") from None
 
-from trajstore.torch.datasets import SampleBatch, SequenceDataset, TransitionDataset, collate_batch  # noqa: E402
+from trajstore.torch.datasets import (  # noqa: E402
+    SampleBatch,
+    SequenceDataset,
+    TransitionDataset,
+    collate_batch,
+)
 from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
 
 __all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from trajstore.buffers.base import StoredBuffer
-from trajstore.errors import BadArgumentError, NotATrajstoreError, UnknownFieldError
 from trajstore.buffers.replay import ReplayBuffer
-from trajstore.spaces import ValuePlan, leaves, subspace
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import BadArgumentError, NotATrajstoreError, UnknownFieldError
+from trajstore.spaces import ValuePlan, leaves, subspace
 
 __all__ = ["BufferSource", "FieldSelection"]
 

@@ -15,7 +15,13 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate, default_collate_fn_map
 
-from trajstore.core.episodes import all_done, done_at, done_field_names, done_fields, episode_numbers
+from trajstore.core.episodes import (
+    all_done,
+    done_at,
+    done_field_names,
+    done_fields,
+    episode_numbers,
+)
 from trajstore.errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent

@@ -24,12 +24,12 @@ from typing import Any, cast
 import numpy as np
 import zarr
 
+from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.storage.fields._blosc import GETITEM as _GETITEM
 from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._blosc import check_frame as _check_frame
 from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
-from trajstore.storage.confined import full_disk as _full_disk
-from trajstore.errors import DamagedStoreError, TrajstoreError
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,

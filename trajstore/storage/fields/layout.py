@@ -31,18 +31,17 @@ import os
 
 import zarr
 
-from trajstore.storage.fields import _vmap
-from trajstore.storage.fields.base import Field
-from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import DamagedStoreError
-from trajstore.storage.fields.base import gather_windows_by_rows
+from trajstore.storage.fields import _vmap
+from trajstore.storage.fields.base import Field, gather_windows_by_rows
+from trajstore.storage.fields.chunked import ChunkedField
+from trajstore.storage.fields.mapped import MappedField
 from trajstore.storage.fields.spec import (
     FieldSpec,
     chunk_key,
     make_field_spec,
     parse_compressor,
 )
-from trajstore.storage.fields.mapped import MappedField
 from trajstore.storage.location import Location
 
 __all__ = [

@@ -17,10 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from trajstore.storage.fields import _vmap
-from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.errors import DamagedStoreError, MappingLimitError
-from trajstore.storage.fields.spec import PWRITE_BYTES, FieldSpec, chunk_key, open_zarr_array
+from trajstore.storage.confined import full_disk as _full_disk
+from trajstore.storage.fields import _vmap
+from trajstore.storage.fields.spec import (
+    PWRITE_BYTES,
+    FieldSpec,
+    chunk_key,
+    open_zarr_array,
+)
 from trajstore.storage.location import Location, fsync_dir
 
 __all__ = ["MappedField"]

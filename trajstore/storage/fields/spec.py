@@ -13,8 +13,8 @@ import numpy as np
 import zarr
 import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc)
 
-from trajstore.storage.fields import _vmap
 from trajstore.errors import BadOptionError
+from trajstore.storage.fields import _vmap
 from trajstore.storage.location import Location
 
 __all__ = [
