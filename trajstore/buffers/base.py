@@ -18,7 +18,7 @@ from trajstore.buffers.backend import Backend
 from trajstore.buffers.rows import BufferRows
 from trajstore.buffers.views import BatchBase
 from trajstore.core.stager import RowStager
-from trajstore.core.store import Store
+from trajstore.core.store import BEFORE_OPEN, Store
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ClosedError
 from trajstore.sampling.source import read_consistent, sample_consistent
@@ -32,7 +32,8 @@ __all__ = ["StoredBuffer", "as_generator"]
 # a commit from __del__ during finalization could wait forever on that loop.
 _OPEN: "weakref.WeakSet[StoredBuffer]" = weakref.WeakSet()
 # Writers collected where they cannot commit (inside zarr's event-loop thread, which a commit
-# waits on): kept alive here and committed by the next buffer opened, or at exit.
+# waits on): kept alive here and committed before the next store opens (core.store.BEFORE_OPEN),
+# or at exit.
 _DEFERRED: list["StoredBuffer"] = []
 
 
@@ -42,6 +43,9 @@ def _close_deferred() -> None:
             _DEFERRED.pop().close()
         except Exception:  # one broken buffer must not stop the others' commits
             pass
+
+
+BEFORE_OPEN.append(_close_deferred)
 
 
 @atexit.register
@@ -86,7 +90,6 @@ class StoredBuffer(BatchBase):
         self._rng = np.random.default_rng()
         self._closed = False
         self._stagers = []
-        _close_deferred()
         _OPEN.add(self)
 
     @classmethod

@@ -65,6 +65,16 @@ __all__ = ["Store", "TableSpec"]
 
 ATTRS_KEY = "trajstore"
 
+#: Called before any store is created or opened.  The buffers layer registers the commit of writers
+#: that were collected where they could not commit (inside zarr's event-loop thread): they still
+#: hold their writer lock, which the store about to open may need.
+BEFORE_OPEN: list[Callable[[], None]] = []
+
+
+def _before_open() -> None:
+    for fn in BEFORE_OPEN:
+        fn()
+
 
 def _version() -> str:
     try:
@@ -170,6 +180,7 @@ class Store(StoreCommits):
             The layout is outside what ``open`` accepts (sizes past the format's limits), checked
             before any byte is written.
         """
+        _before_open()
         attrs = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
@@ -240,6 +251,7 @@ class Store(StoreCommits):
         ------
         StoreNotFoundError, NotATrajstoreError, FormatVersionError, DamagedStoreError, LockedError
         """
+        _before_open()
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
         where = str(loc.url)
         root = read_root(loc)
