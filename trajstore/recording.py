@@ -220,8 +220,8 @@ class RecordEpisodes(gymnasium.Wrapper, _Recorder):
         gymnasium.error.ResetNeeded
             No ``reset`` since the last episode ended (or ever).
         UnknownFieldError
-            First step, names-only ``info_keys``: an info key is missing, so its space cannot be
-            inferred and the buffer cannot be created.
+            An ``info_keys`` key is missing from this step's info (nothing of the step is recorded;
+            on the first step with names-only ``info_keys`` its space cannot be inferred either).
         UnsupportedSpaceError
             First step: an ``info_keys`` value is neither a number nor a bool.
         BadValueError, SpaceMismatchError
@@ -374,8 +374,8 @@ class RecordVectorEpisodes(gymnasium.vector.VectorWrapper, _Recorder):
         gymnasium.error.ResetNeeded
             ``reset`` was never called.
         UnknownFieldError
-            First step, names-only ``info_keys``: an info key is missing, so its space cannot be
-            inferred and the buffer cannot be created.
+            An ``info_keys`` key is missing from this step's info (nothing of the step is recorded;
+            on the first step with names-only ``info_keys`` its space cannot be inferred either).
         UnsupportedSpaceError
             First step: an ``info_keys`` value is neither a number nor a bool.
         BadValueError, SpaceMismatchError
