@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from _package_ast import import_origin, module_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
 
@@ -68,11 +69,6 @@ class _Module:
     imports: dict[str, str] = field(default_factory=dict)  # local name -> dotted origin
 
 
-def _module_name(path: Path, root: Path) -> str:
-    parts = path.relative_to(root.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
     """Statements at module level, through ``if``/``try`` blocks (conditional definitions)."""
     out: list[ast.stmt] = []
@@ -95,12 +91,7 @@ def _parse(name: str, path: Path, source: str) -> _Module:
         if isinstance(node, ast.ClassDef):
             mod.classes[node.name] = node
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                origin = ".".join(base + ([node.module] if node.module else []))
-            else:
-                origin = node.module or ""
+            origin = import_origin(name, is_pkg, node)
             for alias in node.names:
                 mod.imports[alias.asname or alias.name] = f"{origin}.{alias.name}"
         elif isinstance(node, ast.Import):
@@ -114,7 +105,7 @@ def _parse(name: str, path: Path, source: str) -> _Module:
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, _Module]:
-    return {(n := _module_name(p, root)): _parse(n, p, p.read_text()) for p in sorted(root.rglob("*.py"))}
+    return {(n := module_name(p, root)): _parse(n, p, p.read_text()) for p in sorted(root.rglob("*.py"))}
 
 
 def _dotted(expr: ast.expr) -> str | None:

@@ -791,6 +791,27 @@ def test_a_writer_collected_in_zarrs_event_loop_still_commits(tmp_path):
         assert len(again) == 5 and (again[:] == 1).all()
 
 
+def test_a_writer_collected_in_another_event_loop_commits_at_once(tmp_path):
+    """Only zarr's own loop defers the commit: a writer collected while another loop runs in this
+    thread (Jupyter's, a user's asyncio.run) commits and releases its lock right there."""
+    import asyncio
+    import gc
+
+    from trajstore.buffers import base
+
+    path = tmp_path / "s"
+    held = [ReplayBuffer.create(Box(-1, 1, (3,), np.float32), cache_path=path)]
+    held[0].extend(np.ones((4, 3), np.float32))  # not committed
+
+    async def collect() -> None:
+        held.clear()
+        gc.collect()
+
+    asyncio.run(collect())
+    assert not base._DEFERRED
+    assert (path / "trajstore.lock").read_text().strip() == "closed"  # released by the commit-and-close
+
+
 def test_a_forked_child_of_a_lockless_writer_is_no_writer():
     """Stores without a lock file (in memory, remote URLs) have one writer too: the process that
     opened them.  Its forked child gets LockedError, as the child of a local writer does."""

@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from _package_ast import import_origin, module_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
 
@@ -30,12 +31,7 @@ LAYERS = [
 
 
 def _modules() -> dict[str, Path]:
-    mods = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        mods[name] = path
-    return mods
+    return {module_name(path, PACKAGE): path for path in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str) -> int:
@@ -63,12 +59,7 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, in
                 visit(child)
             return
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_origin(name, is_pkg, node)
             if target.split(".")[0] == "trajstore":
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"

@@ -12,6 +12,24 @@ from trajstore.metadata import env_description, get_dataset_info
 from trajstore.recording import EPISODE_SPACE, RecordEpisodes, RecordVectorEpisodes, step_space
 
 
+class _StepInfo(gym.Wrapper):
+    """Adds ``info["step"]`` (1, 2, ... within an episode), up to step ``until`` (exclusive)."""
+
+    def __init__(self, env: gym.Env, until: int | None = None) -> None:
+        super().__init__(env)
+        self.until = until
+
+    def reset(self, **kw):
+        self.t = 0
+        return self.env.reset(**kw)
+
+    def step(self, a):
+        o, r, te, tr, i = self.env.step(a)
+        self.t += 1
+        keep = self.until is None or self.t < self.until
+        return o, r, te, tr, ({**i, "step": self.t} if keep else dict(i))
+
+
 def _episodes(buf: TrajectoryReplayBuffer) -> list[tuple[int, dict, dict]]:
     """(episode id, step data, episode data) of every episode, in row order."""
     out = []
@@ -78,17 +96,7 @@ def test_record_info_keys_partial_episode_and_existing_buffer(tmp_path):
                        info_spaces={"step": gym.spaces.Box(0, 10**6, (), np.int64)})
     buf = TrajectoryReplayBuffer.create(space, episode_data_instance_space=EPISODE_SPACE, cache_path=path)
 
-    class StepInfo(gym.Wrapper):
-        def reset(self, **kw):
-            self.t = 0
-            return self.env.reset(**kw)
-
-        def step(self, a):
-            o, r, te, tr, i = self.env.step(a)
-            self.t += 1
-            return o, r, te, tr, {**i, "step": self.t}
-
-    rec = RecordEpisodes(StepInfo(env), buf, info_keys={"step": space["info"]["step"]})
+    rec = RecordEpisodes(_StepInfo(env), buf, info_keys={"step": space["info"]["step"]})
     rec.reset(seed=1)
     for _ in range(3):
         rec.step(0)
@@ -170,19 +178,9 @@ def test_an_info_key_missing_after_the_first_step_is_refused_and_nothing_of_that
     naming the key, before that step's row is written; the steps before it stay recorded."""
     from trajstore.errors import BadArgumentError, UnknownFieldError
 
-    class Flaky(gym.Wrapper):
-        def reset(self, **kw):
-            self.t = 0
-            return self.env.reset(**kw)
-
-        def step(self, a):
-            o, r, te, tr, i = self.env.step(a)
-            self.t += 1
-            return o, r, te, tr, ({**i, "step": self.t} if self.t < 3 else dict(i))
-
     with pytest.raises(BadArgumentError, match="pass cache_path="):  # a path where the buffer goes
         RecordEpisodes(gym.make("CartPole-v1"), str(tmp_path / "rec"))
-    rec = RecordEpisodes(Flaky(gym.make("CartPole-v1")), cache_path=str(tmp_path / "rec"), info_keys=["step"])
+    rec = RecordEpisodes(_StepInfo(gym.make("CartPole-v1"), until=3), cache_path=str(tmp_path / "rec"), info_keys=["step"])
     rec.reset(seed=0)
     rec.step(0)
     rec.step(0)

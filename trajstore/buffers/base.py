@@ -13,6 +13,7 @@ import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
+import zarr.core.sync as zarr_sync
 
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.rows import BufferRows
@@ -58,12 +59,15 @@ def _close_all() -> None:
             pass
 
 
-def _in_event_loop() -> bool:
+def _in_zarr_loop() -> bool:
+    """Whether this thread runs zarr's event loop, which a commit (zarr's ``sync``) waits on.
+    Any other running loop (Jupyter's, a user's ``asyncio.run``) does not stop a commit."""
     try:
-        asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
     except RuntimeError:
         return False
-    return True
+    zarr_loop = getattr(zarr_sync, "loop", [None])[0]
+    return zarr_loop is not None and running is zarr_loop
 
 
 def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
@@ -352,7 +356,7 @@ class StoredBuffer(BatchBase):
                 # even inside zarr's event-loop setup (whose lock a commit would take again and
                 # deadlock on), and the rows belong to the parent.  Release, never commit.
                 self._release()
-            elif not self._closed and _in_event_loop():
+            elif not self._closed and _in_zarr_loop():
                 # Collected in zarr's IO thread (buffers sit in reference cycles, so the cyclic
                 # collector frees them in whichever thread it runs): a commit here would wait on
                 # this very loop.  Keep the buffer alive; it commits at the next open or at exit.

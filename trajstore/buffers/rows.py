@@ -41,15 +41,15 @@ class BufferRows:
 
     @property
     def count(self) -> int:
-        return self.buffer._table.count
+        return self.table.count
 
     @property
     def start(self) -> int:
-        return self.buffer._table.state.start
+        return self.table.state.start
 
     @property
     def capacity(self) -> int | None:
-        return self.buffer._table.capacity
+        return self.table.capacity
 
     @property
     def live(self) -> bool:
@@ -62,7 +62,7 @@ class BufferRows:
 
     @property
     def committed(self) -> tuple[int, int]:
-        st = self.buffer._store.committed.tables[self.buffer._table.name]
+        st = self.buffer._store.committed.tables[self.table.name]
         return st.start, st.end
 
     @property
@@ -94,10 +94,10 @@ class BufferRows:
         return self.buffer._read_rows(rows, leaves)
 
     def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._table.gather_windows(first, length, [self._field_index(j) for j in leaves])
+        return self.table.gather_windows(first, length, [self._field_index(j) for j in leaves])
 
     def leaf_field(self, leaf: int) -> Field | None:
-        return self.buffer._table.fields[leaf]
+        return self.table.fields[leaf]
 
     def _field_index(self, leaf: int) -> int:
         return leaf
@@ -132,14 +132,13 @@ class TrajectoryRows(BufferRows):
 
     def leaf_field(self, leaf: int) -> Field | None:
         kind, f = self.buffer._src[leaf]
-        return self.buffer._table.fields[f] if kind == "s" else None
+        return self.table.fields[f] if kind == "s" else None
 
     def step_ids(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self.buffer._step_ids(rows), dtype=np.int64)
 
     def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
-        buf = self.buffer
-        return buf._table.gather_windows(first, length, [buf._id_field])[0]
+        return self.table.gather_windows(first, length, [self.buffer._id_field])[0]
 
     def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
         return self.buffer._runs.one_run(first + self.start, span)
