@@ -378,7 +378,7 @@ def test_flush_fsync_covers_rows_of_earlier_plain_flush(tmp_path, monkeypatch, c
     need = set(range(1000 // 64 + 1))
     if compressor is None:
         img = next(f for f in rb._table.fields if f.spec.array_path.endswith("img"))  # white box: its mapping
-        base, cb, nb = img._va.base, img._va.chunk_bytes, img._va.nbytes
+        base, cb, nb = img._va.base, img._va.stride, img._va.nbytes
         got = {(int(e[1]) - base) // cb for e in synced if e[0] == "msync" and 0 <= int(e[1]) - base < nb}
     else:
         got = {int(e[1].split("/step_data/img/c/")[1].split("/")[0]) for e in synced

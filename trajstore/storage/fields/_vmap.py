@@ -1,4 +1,4 @@
-"""One contiguous numpy array over many chunk files (Linux).
+"""One numpy view over many chunk files mapped into one reserved address range (Linux).
 
 :data:`AVAILABLE` says whether this process can build one (Linux with a loadable libc, and the
 environment variable ``TRAJSTORE_NO_MMAP`` unset or ``0``); it is computed at import and never
@@ -9,10 +9,12 @@ bytes on disk, slower random reads.
 
 An uncompressed zarr chunk file is a raw C-order block of ``chunk_rows`` rows.  We
 reserve one virtual address range for the whole field and map each chunk file at its
-place with ``MAP_FIXED``; unmapped stretches are anonymous zero pages (what zarr reads
+slot with ``MAP_FIXED``; unmapped slots are anonymous zero pages (what zarr reads
 for a missing chunk).  A random gather is then a single numpy fancy index over the
 page cache, which is what a plain ``np.memmap`` of one big file costs.  Chunk byte
-sizes must be multiples of the page size so the pieces tile without gaps.
+sizes must be multiples of the page size.  Chunks smaller than a huge page tile the range
+end to end (one contiguous array); larger ones start on huge-page boundaries
+(:func:`slot_bytes`), so the kernel maps their 2 MiB page-cache folios in one fault each.
 
 A store through a shared mapping into a file page the filesystem cannot allocate (a hole
 on a full disk) kills the process with ``SIGBUS``; ``write`` would have returned ``ENOSPC``.
@@ -189,8 +191,43 @@ def _check(addr: int | None, what: str) -> int:
     return addr
 
 
+def _huge_page_bytes() -> int:
+    """Bytes one page-table entry maps at the level above pages (2 MiB on x86-64 and arm64 with
+    4 KiB pages): the span a page-cache folio of that size is mapped with in one fault."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            n = int(f.read().strip())
+    except (OSError, ValueError):
+        n = 2 << 20
+    return n if n > PAGE and n % PAGE == 0 and n & (n - 1) == 0 else 2 << 20
+
+
+#: See :func:`_huge_page_bytes`.
+HUGE = _huge_page_bytes()
+
+
+def slot_bytes(chunk_bytes: int) -> int:
+    """Address space given to one chunk: the chunk itself, rounded up to :data:`HUGE` when it
+    spans at least one.
+
+    Why: the kernel maps a page-cache folio of :data:`HUGE` bytes (a file read or written in large
+    blocks gets them) with one page-table entry, on one fault, but only where the virtual address
+    and the file offset agree modulo :data:`HUGE`.  Chunks laid end to end start at multiples of
+    their own size, which for image rows (28,224 bytes for (84,84,4) uint8) never is a multiple of
+    2 MiB; such chunks were mapped 64 KiB per fault (fault-around), and the first few hundred
+    batches of a freshly opened store took 300 faults each where a plain ``np.memmap`` took 70.
+    """
+    return -(-chunk_bytes // HUGE) * HUGE if chunk_bytes >= HUGE else chunk_bytes
+
+
 class VirtualArray:
-    """A reserved address range seen as a numpy array of ``n_chunks * chunk_rows`` rows.
+    """A reserved address range holding ``n_chunks`` chunks of ``chunk_rows`` rows, each chunk
+    file mapped at its slot.
+
+    Slots are :func:`slot_bytes` apart.  Where that equals a chunk's size the rows are one
+    contiguous array (:attr:`array`); otherwise every chunk starts on a :data:`HUGE` boundary and
+    :attr:`chunks` is the only view (``array`` is None).  Use :meth:`take`, :meth:`windows`,
+    :meth:`rows` and :meth:`put`, which serve both.
 
     Parameters
     ----------
@@ -206,27 +243,106 @@ class VirtualArray:
         Map chunk files read-write (the writer) or read-only (readers).
     """
 
-    def __init__(self, n_chunks: int, chunk_rows: int, row_shape: tuple[int, ...], dtype: np.dtype, writable: bool):
+    def __init__(self, n_chunks: int, chunk_rows: int, row_shape: tuple[int, ...], dtype: np.dtype,
+                 writable: bool) -> None:
         self.chunk_rows = chunk_rows
         self.row_shape = tuple(row_shape)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.writable = writable
-        self.chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.chunk_bytes = chunk_rows * self.row_bytes
         if self.chunk_bytes % PAGE:
             raise ValueError(f"chunk of {self.chunk_bytes} bytes is not a multiple of the page size {PAGE}")
         self.n_chunks = max(int(n_chunks), 1)
-        self.nbytes = self.n_chunks * self.chunk_bytes
+        self.stride = slot_bytes(self.chunk_bytes)
+        self.nbytes = self.n_chunks * self.stride
+        # Reserve one HUGE more than needed, so the range can start on a HUGE boundary.
+        align = HUGE if self.chunk_bytes >= HUGE else PAGE
+        self._reserved = self.nbytes + align - PAGE
         flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE
-        self.base = _check(_libc.mmap(None, self.nbytes, _PROT_READ, flags, -1, 0), "reserve address range")
+        self._reserved_at = _check(_libc.mmap(None, self._reserved, _PROT_READ, flags, -1, 0), "reserve address range")
+        self.base = -(-self._reserved_at // align) * align
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
         buf = (ctypes.c_char * self.nbytes).from_address(self.base)
-        # numpy's stubs accept a ctypes array as a buffer only from Python 3.12 on
-        arr: np.ndarray = np.frombuffer(buf, dtype=self.dtype)  # type: ignore[call-overload]
-        arr = arr.reshape((self.n_chunks * chunk_rows, *self.row_shape))
         # Writes must only ever reach rows of mapped, writable chunk files: anything else is
-        # a read-only zero page and would crash the process, so only the writer's array is writable.
-        arr.flags.writeable = False
-        self.array = arr
+        # a read-only zero page and would crash the process, so only the writer's views are writable.
+        inner = np.empty((1, *self.row_shape), self.dtype).strides[1:]  # C order within a row
+        self.chunks: np.ndarray = np.ndarray((self.n_chunks, chunk_rows, *self.row_shape), self.dtype,
+                                             buffer=buf, strides=(self.stride, self.row_bytes, *inner))
+        self.chunks.flags.writeable = writable
+        self.array: np.ndarray | None = None
+        if self.stride == self.chunk_bytes:
+            self.array = self.chunks.reshape((self.n_chunks * chunk_rows, *self.row_shape))
+        # Every byte of the range, for the window pre-touch in :meth:`windows`.
+        self._bytes: np.ndarray = np.ndarray((self.nbytes,), np.uint8, buffer=buf)
+
+    def take(self, phys: np.ndarray) -> np.ndarray:
+        """Copies of rows ``phys`` (B,) int64: (B, *row_shape)."""
+        if self.array is not None:
+            return self.array[phys]
+        k, r = np.divmod(phys, self.chunk_rows)
+        return self.chunks[k, r]
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """A copy of rows ``[lo, hi)``."""
+        if self.array is not None:
+            return self.array[lo:hi].copy()
+        out = np.empty((hi - lo, *self.row_shape), self.dtype)
+        for k, off, pos, n in self._pieces(lo, hi - lo):
+            out[pos : pos + n] = self.chunks[k, off : off + n]
+        return out
+
+    def put(self, lo: int, data: np.ndarray) -> None:
+        """Store ``data`` (n, *row_shape) into rows ``[lo, lo + n)``; their chunks must be mapped writable."""
+        if self.array is not None:
+            self.array[lo : lo + len(data)] = data
+            return
+        for k, off, pos, n in self._pieces(lo, len(data)):
+            self.chunks[k, off : off + n] = data[pos : pos + n]
+
+    def _pieces(self, lo: int, n: int) -> list[tuple[int, int, int, int]]:
+        """``(chunk, row in chunk, position in the block, rows)`` of each chunk that rows
+        ``[lo, lo + n)`` touch."""
+        out, pos = [], 0
+        while pos < n:
+            k, off = divmod(lo + pos, self.chunk_rows)
+            take = min(self.chunk_rows - off, n - pos)
+            out.append((k, off, pos, take))
+            pos += take
+        return out
+
+    def windows(self, phys: np.ndarray, length: int) -> np.ndarray:
+        """Copies of ``length`` consecutive rows from each of ``phys`` (B,): (B, length, ...); every
+        window must end within the range.
+
+        Each window is one element of a ``void`` view whose elements overlap (stride one row), so
+        numpy copies it with one ``memcpy``: far fewer page-table walks and cache misses than
+        gathering B x length rows.  A first pass loads the first and last byte of every window:
+        those loads are independent, so the page walks and cache misses of all windows overlap
+        instead of stalling one window's copy after another (on a store far larger than the
+        caches this halves the memory stalls; docs/benchmarks.md).  Where chunks are apart
+        (:attr:`array` is None), the windows that run into the next chunk are gathered row by row.
+        """
+        rb, window, C = self.row_bytes, length * self.row_bytes, self.chunk_rows
+        vtype = np.dtype((np.void, window))
+        if self.array is not None:
+            at = phys * rb
+            view = np.ndarray((self.n_chunks * C - length + 1,), vtype, buffer=self._bytes, strides=(rb,))
+            self._bytes.take(np.concatenate([at, at + (window - 1)]))
+            return view[phys].view(self.dtype).reshape(len(phys), length, *self.row_shape)
+        k, r = np.divmod(phys, C)
+        out = np.empty((len(phys), length, *self.row_shape), self.dtype)
+        inside = r + length <= C
+        if length <= C:
+            at = k * self.stride + r * rb
+            self._bytes.take(np.concatenate([at[inside], at[inside] + (window - 1)]))
+            view = np.ndarray((self.n_chunks, C - length + 1), vtype, buffer=self._bytes, strides=(self.stride, rb))
+            out[inside] = view[k[inside], r[inside]].view(self.dtype).reshape(-1, length, *self.row_shape)
+        across = ~inside
+        if across.any():
+            rows = phys[across, None] + np.arange(length)
+            out[across] = self.take(rows.ravel()).reshape(-1, length, *self.row_shape)
+        return out
 
     def map_chunk(self, k: int, fd: int, name: str) -> None:
         """Map the open chunk file ``fd`` (named ``name`` in errors) as chunk ``k``, replacing
@@ -255,41 +371,32 @@ class VirtualArray:
             except OSError as e:
                 raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", name) from None
         prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
-        addr = self.base + k * self.chunk_bytes
-        _check(_libc.mmap(addr, self.chunk_bytes, prot, _MAP_SHARED | _MAP_FIXED, fd, 0), f"map {name}")
+        # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
+        # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).
+        _check(_libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0),
+               f"map {name}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:
         """Put zero pages back at chunk ``k``."""
-        addr = self.base + k * self.chunk_bytes
         flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
-        _check(_libc.mmap(addr, self.chunk_bytes, _PROT_READ, flags, -1, 0), "unmap chunk")
+        _check(_libc.mmap(self.base + k * self.stride, self.stride, _PROT_READ, flags, -1, 0), "unmap chunk")
         self.mapped[k] = False
-
-    def writable_rows(self, start: int, stop: int) -> np.ndarray:
-        """A writable view of rows ``[start, stop)``; every chunk they touch must be mapped."""
-        view: np.ndarray = np.frombuffer(  # type: ignore[call-overload]  # ctypes buffer: see __init__
-            (ctypes.c_char * ((stop - start) * self.chunk_bytes // self.chunk_rows)).from_address(
-                self.base + start * self.chunk_bytes // self.chunk_rows
-            ),
-            dtype=self.dtype,
-        )
-        return view.reshape((stop - start, *self.row_shape))
 
     def sync(self, k: int) -> None:
         """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error
         (``EIO``...) is raised, not ignored, so ``flush(fsync=True)`` never commits rows that
         did not reach the disk."""
-        if _libc.msync(self.base + k * self.chunk_bytes, self.chunk_bytes, 4) != 0:  # MS_SYNC
+        if _libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
             err = ctypes.get_errno()
             raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
 
     def close(self) -> None:
         """Unmap the whole range (idempotent): arrays viewing it must not be touched afterwards."""
         if self.base:
-            _libc.munmap(self.base, self.nbytes)
+            _libc.munmap(self._reserved_at, self._reserved)
             self.base = 0
-            self.array = None  # type: ignore[assignment]
+            self.array = self.chunks = self._bytes = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
         try:

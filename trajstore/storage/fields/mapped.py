@@ -1,8 +1,9 @@
 """``MappedField``: a raw field on a local folder, its chunk files memory-mapped side by side.
 
 Uncompressed chunks (codec ``bytes``, little-endian).  Each chunk file is created at full size
-and memory-mapped into one contiguous virtual array (:mod:`._vmap`); the writer copies rows
-straight into the page cache and readers gather with one numpy fancy index.  zarr-python is used
+and memory-mapped into one reserved address range (:mod:`._vmap`, each chunk at a 2 MiB
+boundary when it spans one); the writer copies rows straight into the page cache and readers
+gather with one numpy fancy index.  zarr-python is used
 only for metadata.  Raw chunk files are allocated whole (``posix_fallocate``) before they are
 mapped, so a store into a mapping never meets a full disk (which would be ``SIGBUS``).
 """
@@ -48,20 +49,11 @@ class MappedField:
         self.allocated = allocated
 
     def _reserve(self, allocated: int) -> _vmap.VirtualArray:
-        va = _vmap.VirtualArray(-(-allocated // self.C), self.C, self.spec.row_shape, self.spec.dtype, self.writable)
-        if self.writable:
-            va.array.flags.writeable = True
-        return va
+        return _vmap.VirtualArray(-(-allocated // self.C), self.C, self.spec.row_shape, self.spec.dtype, self.writable)
 
     def _path(self, k: int, prefix: str = "") -> str:
         key = chunk_key(self.spec.array_path, k, self._ndim)
         return str(self.loc.path(f"{prefix}/{key}" if prefix else key))
-
-    @property
-    def array(self) -> np.ndarray:
-        """The reserved range as one ``(chunks * C, *row_shape)`` array of ``spec.dtype``
-        (little-endian): physical row ``r`` is ``array[r]`` (zeros where its chunk is not mapped)."""
-        return self._va.array
 
     def grow(self, allocated: int) -> None:
         """Re-reserve a larger range and map the same chunk files into it (the writer first
@@ -179,7 +171,7 @@ class MappedField:
         if data.nbytes >= PWRITE_BYTES:
             self._pwrite(phys_lo, data)
         else:
-            self._va.array[phys_lo : phys_lo + n] = data
+            self._va.put(phys_lo, data)
         if k_lo != self._last_k or k_hi != k_lo:  # per-step appends stay in one chunk: skip the set update
             self._synced.update(range(k_lo, k_hi + 1))
             self._last_k = k_hi
@@ -188,7 +180,7 @@ class MappedField:
         """Large blocks go through ``pwrite`` into the page cache: first writes to a fresh page of
         a mapping fault one page at a time, which costs more than the copy itself."""
         buf = np.ascontiguousarray(data, dtype=self._va.dtype).reshape(-1).view(np.uint8)
-        row_bytes = self._va.chunk_bytes // self.C
+        row_bytes = self._va.row_bytes
         pos, n = 0, len(data)
         while pos < n:
             k, off = divmod(phys_lo + pos, self.C)
@@ -212,32 +204,18 @@ class MappedField:
                 os.close(fd)
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
-        return self._va.array[phys]
+        return self._va.take(phys)
 
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
-        """Copies of ``length`` consecutive physical rows from each of ``phys`` (B,): (B, length, ...).
-
-        Each window is one element of a ``void`` view whose elements overlap (stride one row), so
-        numpy copies it with one ``memcpy``: far fewer page-table walks and cache misses than
-        gathering B x length rows.  A first pass loads the first and last byte of every window:
-        those loads are independent, so the page walks and cache misses of all windows overlap
-        instead of stalling one window's copy after another (on a store far larger than the
-        caches this halves the memory stalls; docs/benchmarks.md).
-        """
-        a = self._va.array
-        row_bytes = a.strides[0]
-        window = length * row_bytes
-        raw = a.reshape(-1).view(np.uint8)
-        view = np.ndarray((len(a) - length + 1,), np.dtype((np.void, window)), buffer=raw, strides=(row_bytes,))
-        at = phys * row_bytes
-        raw.take(np.concatenate([at, at + (window - 1)]))
-        return view[phys].view(a.dtype).reshape(len(phys), length, *a.shape[1:])
+        """Copies of ``length`` consecutive physical rows from each of ``phys`` (B,): (B, length, ...)
+        (one ``memcpy`` per window: :meth:`trajstore.storage.fields._vmap.VirtualArray.windows`)."""
+        return self._va.windows(phys, length)
 
     def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self._va.array[lo:hi].copy()
+        return self._va.rows(lo, hi)
 
     def read_chunk(self, k: int) -> np.ndarray:
-        return self._va.array[k * self.C : (k + 1) * self.C].copy()
+        return self._va.chunks[k].copy()
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix)."""
