@@ -330,18 +330,20 @@ class VirtualArray:
             view = np.ndarray((self.n_chunks * C - length + 1,), vtype, buffer=self._bytes, strides=(rb,))
             self._bytes.take(np.concatenate([at, at + (window - 1)]))
             return view[phys].view(self.dtype).reshape(len(phys), length, *self.row_shape)
+        if length > C:
+            return self.take((phys[:, None] + np.arange(length)).ravel()).reshape(len(phys), length, *self.row_shape)
         k, r = np.divmod(phys, C)
-        out = np.empty((len(phys), length, *self.row_shape), self.dtype)
-        inside = r + length <= C
-        if length <= C:
-            at = k * self.stride + r * rb
-            self._bytes.take(np.concatenate([at[inside], at[inside] + (window - 1)]))
-            view = np.ndarray((self.n_chunks, C - length + 1), vtype, buffer=self._bytes, strides=(self.stride, rb))
-            out[inside] = view[k[inside], r[inside]].view(self.dtype).reshape(-1, length, *self.row_shape)
-        across = ~inside
-        if across.any():
+        # Windows that run into the next chunk are gathered as the last window of their own chunk,
+        # then replaced row by row: one gather for all, a few rows more for those.
+        rr = np.minimum(r, C - length)
+        at = k * self.stride + rr * rb
+        self._bytes.take(np.concatenate([at, at + (window - 1)]))
+        view = np.ndarray((self.n_chunks, C - length + 1), vtype, buffer=self._bytes, strides=(self.stride, rb))
+        out = view[k, rr].view(self.dtype).reshape(len(phys), length, *self.row_shape)
+        across = np.flatnonzero(rr != r)
+        if len(across):
             rows = phys[across, None] + np.arange(length)
-            out[across] = self.take(rows.ravel()).reshape(-1, length, *self.row_shape)
+            out[across] = self.take(rows.ravel()).reshape(len(across), length, *self.row_shape)
         return out
 
     def map_chunk(self, k: int, fd: int, name: str) -> None:
