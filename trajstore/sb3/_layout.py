@@ -83,6 +83,9 @@ class ObsLayout:
             if isinstance(s, spaces.Dict):
                 raise UnsupportedSpaceError(f"nested Dict observation at key {k!r}: stable-baselines3 buffers "
                                             "support one level of Dict")
+        # What an add's observation already is in the common case (one array, right shape and
+        # dtype), so :meth:`batch` can pass it through without the checks (a per-step saving).
+        self._as_is = None if self.is_dict else ((self.n_envs, *self.shape[None]), self.dtype[None])
 
     # -- storage -----------------------------------------------------------------------------
     def leaf(self, prefix: str, env: int, key: str | None) -> str:
@@ -126,6 +129,8 @@ class ObsLayout:
         BadValueError
             A shape that does not broadcast to ``(n, *obs_shape)``, or a missing Dict key.
         """
+        if n is None and type(obs) is np.ndarray and self._as_is == (obs.shape, obs.dtype):
+            return {None: obs}
         n = self.n_envs if n is None else n
         if self.is_dict:
             if not isinstance(obs, Mapping):
@@ -151,6 +156,8 @@ class ObsLayout:
     def row_values(self, per_key: PerKey) -> list[np.ndarray]:
         """Env ``e``'s observation ``per_key[key][e]`` for every env and key, in the order of
         :meth:`leaves` (a row's observation leaves)."""
+        if not self.is_dict:
+            return list(per_key[None])  # its rows
         return [per_key[k][e] for e in range(self.n_envs) for k in self.keys]
 
     # -- output -------------------------------------------------------------------------------
