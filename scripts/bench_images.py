@@ -191,7 +191,7 @@ def bench_sb3(tmp: Path, size: int, calls: int, with_add: bool) -> list[Row]:
         fill_ref()
         fill_ours()
     ours.close()
-    ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path)  # reopened: it resumes the rows
+    ours = ZarrReplayBuffer(size, obs_space, act_space, "cpu", cache_path=path, resume=True)  # reopened
     try:
         t = run_blocks({"trajstore": lambda: ours.sample(BATCH), "sb3": lambda: ref.sample(BATCH)}, calls)
         rows = ratio_rows(f"ZarrReplayBuffer.sample(256), {size:,} transitions", t, "trajstore", "sb3", 1.0)
@@ -201,6 +201,37 @@ def bench_sb3(tmp: Path, size: int, calls: int, with_add: bool) -> list[Row]:
     finally:
         ours.close()
     return rows
+
+
+#: What profiling found (kept in docs/benchmarks.md with each rewrite of the section).
+FINDINGS = """\
+Where the time went (profiled, issue 12):
+
+- `ValuePlan.from_arrays` nested the returned arrays with a self-recursive closure, a reference
+  cycle that kept every batch alive until the garbage collector ran; each 7 MB image batch was
+  then freed late and the next one faulted in fresh zeroed pages (`clear_page_erms` was 38% of
+  `sample`'s time; 509 page faults per call against 0.2 for the same gather). Fixed.
+- Opening the chunk files of a store on its first read cost three `lstat` and a pathlib walk per
+  chunk; `openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS` does the same checks in one call.
+- The cold phase (first 200 calls after opening): page faults. The kernel maps a 2 MiB page-cache
+  folio with one fault, but only where the virtual address and the file offset agree modulo
+  2 MiB. The memmap file starts on such a boundary; trajstore's 256-row chunks (7.2 MB for
+  28,224-byte rows) lay end to end did not, so they were mapped 64 KiB per fault (fault-around):
+  324 faults per `sample(256)` over the first 25 calls against the memmap's 74, and
+  `get_slice`/`get_column`/`get_sequences` missed 1.5x cold. Chunks of at least 2 MiB now start
+  on 2 MiB boundaries, a gap after each (`_vmap.slot_bytes`): about 115 faults against the
+  memmap's 75 (each chunk's last 1.2 MB, short of 2 MiB, is still mapped 64 KiB at a time).
+  This holds for stores written in large blocks (`extend`, imports, copies) or read back from disk;
+  a ring written one step at a time (`ZarrReplayBuffer.add`, 18-row blocks) has small folios, which
+  are mapped 64 KiB per fault in any layout (hence `ZarrReplayBuffer.sample` cold at 1e5 rows).
+- `ZarrReplayBuffer.add` of a frame pair (about 25 us against SB3's 12): `pwrite` into the page
+  cache is 8-9 us (a memory-bandwidth copy, 6 us per 56 KiB at best on this machine), staging the
+  two frames 3.6 us, the block hand-over (ring bookkeeping, small leaves, eviction commits) about
+  5 us, and the Python of `add` about 7 us. SB3 pays two copies into RAM (6.9 us) and little else.
+  A background writer thread made it slower (42 -> 67 us on 2 cores); larger blocks (128 rows)
+  save about 2 us. At 1e5 transitions the ring's dirty pages (5.6 GB) also exceed the kernel's
+  dirty thresholds (20% of RAM), so writeback throttles `pwrite`.
+"""
 
 
 def table(rows: list[Row]) -> str:
@@ -240,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         took = time.perf_counter() - t0
     text = (f"{n:,} frames of (84,84,4) uint8, {calls} calls per system (first {COLD} = cold), blocks of "
             f"{BLOCK}, took {took:.0f} s.\n\n" + table(rows))
+    if a.markdown is not None:
+        text = FINDINGS + "\n" + text
     print(text)
     if a.markdown is not None:
         _write_markdown(a.markdown, "bench_images.py", a.quick, "## Image rows: every read path against the memmap limit",
