@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 __all__ = ["RowStager"]
 
+#: A block holds about this many bytes (16 to 256 rows).  Per-block costs (ring bookkeeping, one
+#: ``pwrite`` per large field, small fields stored into their mappings) are spread over more rows
+#: when blocks are bigger: an (84,84,4) frame pair's ``ZarrReplayBuffer.add`` took 26 us with
+#: 1 MiB blocks (18 rows) and 22.5 us with 128-row blocks (docs/benchmarks.md).
+STAGE_BYTES = 8 << 20
+
 
 class RowStager:
     """Rows appended one at a time, collected in ``bufs`` (one array per leaf, ``rows`` rows each)
@@ -33,7 +39,7 @@ class RowStager:
     def __init__(self, table: Table, leaves: Sequence[tuple[tuple[int, ...], np.dtype]]) -> None:
         self.table = table
         row_bytes = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in leaves) or 1
-        rows = int(min(256, max(16, (1 << 20) // row_bytes)))
+        rows = int(min(256, max(16, STAGE_BYTES // row_bytes)))
         if table.capacity is not None:
             rows = min(rows, table.guard)  # a ring's block is also its eviction step (Table.guard)
         self.bufs = [np.empty((rows, *s), d) for s, d in leaves]
