@@ -330,3 +330,58 @@ def test_mapping_needs_a_dict_step_space(tmp_path):
     np.testing.assert_array_equal(data["step_data"]["pair"][1], [[0, 0], [0, 2], [2, 4], [4, 6]])
     assert mask["pair"].tolist() == [[False, True]] + [[True, True]] * 3
     buf.close()
+
+
+# ----------------------------------------------------------------------------------------
+# SequenceDataset(offsets=...) and collate_batch
+# ----------------------------------------------------------------------------------------
+def test_sequence_dataset_per_field(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from trajstore import ReplayBuffer
+    from trajstore.torch import RandomBatchSampler, SequenceDataset, collate_batch
+
+    buf = TrajectoryReplayBuffer.create(STEP, episode_data_instance_space=EP, cache_path=tmp_path / "s", chunk_rows=8)
+    write(buf, [5, 1, 9, 2, 12, 4])
+    buf.close()
+    pad = {"obs/image": "zero"}
+    ds = SequenceDataset(tmp_path / "s", offsets=OFFSETS, fields=["episode_data"], pad=pad, output="numpy")
+    ro = TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True)
+    assert len(ds) == len(ro) and ds.fields == ["obs/image", "obs/state", "action", "episode_data"]
+    batch = ds.read_batch(np.arange(len(ds)))
+    want, mask = ro.get_sequences(ds.anchors, OFFSETS, pad=pad)
+    check(ro, ds.anchors, OFFSETS, pad, want, batch["mask"])
+    for key in OFFSETS:
+        np.testing.assert_array_equal(batch[key], leaf(want["step_data"], key))
+        np.testing.assert_array_equal(batch["mask"][key], mask[key])
+    np.testing.assert_array_equal(batch["episode_data"], want["episode_data"])
+    item = ds[3]
+    assert item["action"].shape == (6, 2) and item["mask"]["obs/state"].shape == (2,)
+
+    # within_episode: anchors whose window -3 .. 5 lies inside one episode, all masks True.
+    ids, _ = logical(ro)
+    inner = SequenceDataset(tmp_path / "s", offsets=OFFSETS, within_episode=True, stride=2)
+    ok = [a for a in range(0, len(ids), 2) if a >= 3 and a + 5 < len(ids) and ids[a - 3] == ids[a] == ids[a + 5]]
+    assert inner.anchors.tolist() == ok == [20, 22]
+    loader = DataLoader(inner, batch_sampler=RandomBatchSampler(inner, 8, num_batches=3, seed=0),
+                        collate_fn=collate_batch, num_workers=1)
+    for b in loader:
+        assert tuple(b["obs/image"].shape) == (8, 3, 2, 2) and tuple(b["action"].shape) == (8, 6, 2)
+        assert set(b["mask"]) == set(OFFSETS) and all(bool(m.all()) for m in b["mask"].values())
+        assert isinstance(b["obs/state"], torch.Tensor)
+    default = DataLoader(inner, batch_size=2)  # torch's default_collate, item by item
+    b = next(iter(default))
+    assert tuple(b["mask"]["action"].shape) == (2, 6) and tuple(b["obs/state"].shape) == (2, 2, 3)
+    ro.close()
+
+    with pytest.raises(BadArgumentError, match="got both"):
+        SequenceDataset(tmp_path / "s", 4, offsets=OFFSETS)
+    with pytest.raises(BadOptionError, match="may only add 'episode_data"):
+        SequenceDataset(tmp_path / "s", offsets=OFFSETS, fields=["reward"])
+    with pytest.raises(UnknownFieldError, match="'obs/depth'"):
+        SequenceDataset(tmp_path / "s", offsets={"obs/depth": [0]})
+    rb = ReplayBuffer.create(Dict({"x": Box(-1, 1, (), np.float32)}), cache_path=tmp_path / "rb")
+    rb.extend({"x": np.zeros(4, np.float32)})
+    rb.close()
+    with pytest.raises(BadArgumentError, match="needs a TrajectoryReplayBuffer store"):
+        SequenceDataset(tmp_path / "rb", offsets={"x": [0]})

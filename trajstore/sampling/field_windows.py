@@ -33,7 +33,7 @@ from trajstore.sampling.source import EpisodeSource, read_consistent, sample_con
 from trajstore.spaces import leaves
 
 __all__ = ["FieldWindow", "FieldWindows", "get_field_windows", "resolve_fields", "sample_field_windows",
-           "seq_len_or_offsets"]
+           "seq_len_or_offsets", "span_of"]
 
 #: A span wider than this (and than 4x its distinct offsets) is resolved offset by offset.
 DENSE_SPAN = 4096
@@ -68,6 +68,16 @@ class FieldWindows(NamedTuple):
                 node = node.setdefault(k, {})
             node[f.path[-1]] = _nest(f.space, iter([out(a) for a in self.steps[f.key]]))
         return tree
+
+    def by_key(self, out: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+        """``{key: value}`` in the caller's key order, each value nested as its subspace."""
+        return {f.key: _nest(f.space, iter([out(a) for a in self.steps[f.key]])) for f in self.fields}
+
+
+def span_of(fields: list[FieldWindow]) -> tuple[int, int]:
+    """``(lo, hi)``: the smallest and largest offset of any field, and 0 (the anchor)."""
+    every = np.concatenate([f.offsets for f in fields] + [np.zeros(1, np.int64)])
+    return int(every.min()), int(every.max())
 
 
 def _nest(space: gymnasium.Space[Any], arrays: Any) -> Any:

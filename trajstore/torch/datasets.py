@@ -22,7 +22,8 @@ from trajstore.core.episodes import (
     done_fields,
     episode_numbers,
 )
-from trajstore.errors import BadOptionError, IndexOutOfRangeError, NoEpisodesError
+from trajstore.errors import BadArgumentError, BadOptionError, IndexOutOfRangeError, NoEpisodesError
+from trajstore.sampling import field_windows as _fw
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
 from trajstore.torch._source import BufferSource, FieldSelection
@@ -199,7 +200,8 @@ class TransitionDataset(_Base):
 
 
 class SequenceDataset(_Base):
-    """One item per window of ``seq_len`` consecutive steps: ``{field: (T, ...), "mask": (T,) bool}``.
+    """One item per window of ``seq_len`` consecutive steps: ``{field: (T, ...), "mask": (T,) bool}``,
+    or with per-field ``offsets``: ``{key: (len(offsets[key]), ...), "mask": {key: (len(offsets[key]),) bool}}``.
 
     Frame ``t`` of item ``i`` is row ``anchor_i + t``; it is valid when that row exists and belongs
     to the anchor's episode (as :meth:`TrajectoryReplayBuffer.get_sequences`).  Invalid frames are
@@ -211,15 +213,25 @@ class SequenceDataset(_Base):
     a (partial) episode.  A ReplayBuffer store without such fields is one long episode, and
     ``within_episode=True`` is refused on it.
 
+    Per-field windows (TrajectoryReplayBuffer stores): ``offsets`` maps step fields to their own
+    offsets around an anchor row (every ``stride``-th row), e.g. ``{"obs": [-1, 0], "action":
+    range(16)}``, read and padded as :meth:`TrajectoryReplayBuffer.get_sequences` with a mapping
+    (``pad`` may map fields to modes); ``fields`` then only adds ``"episode_data/<path>"`` fields.
+
     Parameters
     ----------
-    seq_len : int
+    seq_len : int, optional
+        Exactly one of ``seq_len`` and ``offsets``.
     fields : list of str, optional
         As :class:`TransitionDataset`; ``"episode_data/<path>"`` fields hold the anchor's episode
         value (no time axis).
-    pad : "edge" or "zero"
+    offsets : mapping of str to ints, optional
+        Per-field offsets (keys as :meth:`TrajectoryReplayBuffer.get_sequences` takes them).
+    pad : "edge" or "zero" (or, with ``offsets``, a mapping of keys to modes)
     within_episode : bool
-        Only windows lying wholly inside one episode (then every mask is all True).
+        Only windows lying wholly inside one episode (then every mask is all True); with
+        ``offsets``: anchors whose window of all fields together (smallest to largest offset,
+        anchor included) lies inside one episode.
     stride : int
         Anchors every ``stride`` rows.
     mask_key : str
@@ -229,14 +241,27 @@ class SequenceDataset(_Base):
     ------
     NoEpisodesError
         ``within_episode=True`` on a ReplayBuffer store without done-like fields.
+    BadArgumentError
+        Both or neither of ``seq_len`` and ``offsets``; ``offsets`` on a ReplayBuffer store; bad
+        ``offsets`` as :meth:`TrajectoryReplayBuffer.get_sequences` raises.
     """
 
-    def __init__(self, source: Any, seq_len: int, fields: Sequence[str] | str | None = None, *, pad: str = "edge",
+    seq_len: int | None  # None with offsets
+    pad: str | Mapping[str, str]
+
+    def __init__(self, source: Any, seq_len: int | None = None, fields: Sequence[str] | str | None = None, *,
+                 offsets: Mapping[str, Any] | None = None, pad: str | Mapping[str, str] = "edge",
                  within_episode: bool = False, stride: int = 1, output: str = "torch", mask_key: str = "mask",
                  storage_options: dict[str, Any] | None = None) -> None:
+        _fw.seq_len_or_offsets(seq_len, offsets)
+        if offsets is not None:
+            self._init_fields(source, fields, offsets, pad, within_episode, stride, output, mask_key, storage_options)
+            return
+        assert seq_len is not None
+        self._field_offsets: Mapping[str, Any] | None = None
         if seq_len < 1 or stride < 1:
             raise BadOptionError(f"seq_len and stride must be >= 1; got {seq_len}, {stride}")
-        if pad not in PADS:
+        if not isinstance(pad, str) or pad not in PADS:
             raise BadOptionError(f"pad must be one of {PADS}; got {pad!r}")
         super().__init__(source, fields, output, storage_options)
         if mask_key in self.fields:
@@ -266,6 +291,42 @@ class SequenceDataset(_Base):
         self._anchors = anchors
         self._offsets = np.arange(seq_len, dtype=np.int64)
 
+    def _init_fields(self, source: Any, fields: Sequence[str] | str | None, offsets: Mapping[str, Any],
+                     pad: str | Mapping[str, str], within_episode: bool, stride: int, output: str, mask_key: str,
+                     storage_options: dict[str, Any] | None) -> None:
+        """``__init__`` with per-field ``offsets``: anchors every ``stride`` rows (``within_episode``:
+        those whose span of all fields lies in one run of equal episode ids)."""
+        if stride < 1:
+            raise BadOptionError(f"stride must be >= 1; got {stride}")
+        ep_fields = [fields] if isinstance(fields, str) else list(fields or [])
+        steps = [f for f in ep_fields if f.split("/")[0] != "episode_data"]
+        if steps:
+            raise BadOptionError(f"with offsets=, the step fields are the offsets keys; fields= may only add "
+                                 f"'episode_data' or 'episode_data/<path>' fields; got {steps}")
+        super().__init__(source, ep_fields, output, storage_options)
+        if not self._src.is_trajectory:
+            raise BadArgumentError(f"{self._src.path or 'in-memory buffer'}: offsets= (per-field windows) needs a "
+                                   "TrajectoryReplayBuffer store; a ReplayBuffer store takes seq_len")
+        buf: Any = self._src.buffer
+        rows = buf.row_source()
+        fw = _fw.resolve_fields(buf.step_space, rows.step_leaves, offsets, pad)  # checks every key and offset
+        if mask_key in offsets or mask_key in self.fields:
+            raise BadOptionError(f"mask_key {mask_key!r} collides with a field name")
+        self.fields = [*offsets, *self.fields]
+        self.seq_len, self.pad, self.within_episode, self.stride = None, pad, within_episode, stride
+        self.mask_key, self._field_offsets = mask_key, offsets
+        self._done = None
+        n, ids = read_consistent(rows, lambda: (rows.count, self._all_ids(rows) if within_episode else None))
+        anchors = np.arange(0, n, stride, dtype=np.int64)
+        if within_episode and n:
+            assert ids is not None
+            lo, hi = _fw.span_of(fw)
+            change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+            starts, ends = np.concatenate([[0], change]), np.append(change, n)
+            run = np.searchsorted(ends, anchors, side="right")  # the run of equal ids holding each anchor
+            anchors = anchors[(anchors + lo >= starts[run]) & (anchors + hi < ends[run])]
+        self._anchors = anchors
+
     def _all_ids(self, rows: Any) -> np.ndarray:
         """An episode id of every row: stored ids (from the run index), or episode numbers from done flags."""
         if self._src.is_trajectory:
@@ -280,11 +341,13 @@ class SequenceDataset(_Base):
 
     @property
     def anchors(self) -> np.ndarray:
-        """Logical row of the first frame of every item."""
+        """Logical row of the first frame of every item (with ``offsets``: the anchor row, offset 0)."""
         return self._anchors
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         rows = self._src.buffer.row_source()
+        if self._field_offsets is not None:
+            return self._read_fields(rows, np.asarray(indices, dtype=np.int64), out)
         # One commit record for the mask and the data: a reader of a live store retries until
         # no writer evicted or rewrote the rows meanwhile (as TrajectoryReplayBuffer.get_sequences).
         return read_consistent(rows, lambda: self._read_once(rows, np.asarray(indices, dtype=np.int64), out))
@@ -315,6 +378,19 @@ class SequenceDataset(_Base):
         eps = rows.read_rows(anchors, self._sel.episode_leaves) if self._sel.episode_leaves else []
         batch = self._sel.assemble(steps, eps, out)
         batch[self.mask_key] = out(valid)
+        return batch
+
+
+    def _read_fields(self, rows: Any, indices: np.ndarray, out: Any) -> dict[str, Any]:
+        """Items with per-field offsets: ``{key: (B, T_key, ...), episode fields: (B, ...),
+        mask_key: {key: (B, T_key) bool}}``, from one consistent read."""
+        assert self._field_offsets is not None
+        buf: Any = self._src.buffer
+        w = _fw.get_field_windows(rows, buf.step_space, self._anchors[indices], self._field_offsets, self.pad)
+        where = {j: k for k, j in enumerate(rows.episode_leaves)}
+        eps = [w.episodes[where[j]] for j in self._sel.episode_leaves]
+        batch = {**w.by_key(out), **self._sel.assemble([], eps, out)}
+        batch[self.mask_key] = {k: out(v) for k, v in w.valid.items()}
         return batch
 
 
