@@ -12,9 +12,9 @@ from trajstore.buffers.replay import ReplayBuffer, ZarrStorage
 from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
 from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
-# Maintenance (verify, repair) is imported on first use: most programs never call it, and
+# Maintenance (verify, repair) and the prioritized sampler are imported on first use: most programs never call them, and
 # ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = ("verify_store", "repair_store")
+_LAZY = ("verify_store", "repair_store", "PrioritizedSampler")
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +23,8 @@ def __getattr__(name: str) -> Any:
         from trajstore.maintenance.verify import verify_store as value
     elif name == "repair_store":
         from trajstore.maintenance.repair import repair_store as value
+    elif name == "PrioritizedSampler":
+        from trajstore.sampling.prioritized import PrioritizedSampler as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -32,4 +34,4 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "errors"]
+__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "errors"]

@@ -1,0 +1,645 @@
+"""Prioritized experience replay (Schaul et al. 2016) over any stored buffer, with priorities
+that persist in the store.
+
+:class:`PrioritizedSampler` draws rows of a ``ReplayBuffer`` or ``TrajectoryReplayBuffer`` with
+probability ``P(i) = p_i ** alpha / sum_k p_k ** alpha`` (``p_i = priority_i + eps``) from a sum
+tree in RAM (:class:`~trajstore.sampling.sumtree.SumTree`), and returns importance weights
+``(N * P(i)) ** -beta``, divided by their largest value in the batch.
+
+Where the priorities live (the storage decision)
+------------------------------------------------
+In a *sidecar store*: an ordinary trajstore ReplayBuffer store (one float32 row per row of the
+buffer, space ``Box(0, inf, (), float32)``) in the folder ``trajstore.priorities/`` inside the
+buffer's own folder (or under its URL).  Its rows are numbered with the buffer's absolute row
+numbers (a ring of the buffer's capacity, so row ``a`` of both sits in slot ``a % capacity``),
+and its commit record's state holds ``{"main_epoch", "max_priority"}``.  Why a store of its own
+rather than a field of the buffer's table:
+
+- the buffer's format, its commit record, ``trajstore verify``/``repair`` and every reader of old
+  stores stay exactly as they are (a buffer without the folder has no priorities stored, and
+  readers that do not know about priorities never look at it);
+- it inherits the commit protocol and its crash safety unchanged: the sidecar is written with
+  the same data-first/record-last commits, priority changes of committed rows with the staged,
+  crash-atomic rewrite of ``set_at``, so a SIGKILL at any instant leaves both stores opening,
+  each with its last commit (``trajstore verify <store>/trajstore.priorities`` checks it);
+- ``dumps`` to another folder and ``trajstore copy`` copy it with the buffer (byte copies of the
+  folder); a ``.zip`` export does not carry priorities.
+
+Rules that follow from it:
+
+- Only a sampler over a *writable* buffer writes the sidecar (it takes the sidecar's writer lock,
+  so one such sampler per store at a time; another raises ``LockedError``).  Priority changes
+  live in RAM and are written every ``flush_interval`` seconds during :meth:`update_priorities`,
+  and by :meth:`PrioritizedSampler.flush` / :meth:`PrioritizedSampler.close`; the buffer is
+  flushed first, so the sidecar never names rows the buffer has not committed.
+- A row without a stored priority (appended after the last sidecar commit, or any row of a store
+  that never had a sampler) counts as the largest priority seen so far (``max_priority`` of the
+  sidecar's record; 1.0 before any).
+- Readers (``load_from(..., read_only=True)``, other processes) open the sidecar read-only and
+  re-read it whenever its commit record changes, so they sample with the writer's last flushed
+  priorities.  A reader may call :meth:`update_priorities` too: those changes stay in its RAM.
+- Operations that rewrite rows in place (``set_at``, ``remove_at``, ``clear``, rewriting episode
+  data of a trajectory buffer) change the buffer's epoch; rows may have been renumbered, so every
+  priority returns to ``max_priority`` (the sidecar is reset at the next flush).
+
+Indices
+-------
+``sample`` returns the buffer's *logical* row indices (``buffer[indices]`` is the batch).  A ring
+renumbers its rows when it evicts, so :meth:`PrioritizedSampler.update_priorities` reads indices
+as they were numbered at the most recent :meth:`~PrioritizedSampler.sample` (it keeps that
+sample's first absolute row, :attr:`PrioritizedSampler.last_start`): rows appended in between
+do not misdirect updates, and updates of rows evicted in between are dropped.  Pass ``start=``
+to update from an older sample.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from trajstore._optional import to_numpy
+from trajstore.core.store import Store, TableSpec
+from trajstore.errors import (
+    BadIndexError,
+    BadOptionError,
+    BadValueError,
+    ClosedError,
+    ConcurrentWriteError,
+    EmptyBufferError,
+    IndexOutOfRangeError,
+    StoreNotFoundError,
+)
+from trajstore.sampling.source import SAMPLE_ATTEMPTS, RowSource
+from trajstore.sampling.sumtree import SumTree
+from trajstore.spaces import space_to_json
+from trajstore.storage.fields.layout import make_field_spec
+
+__all__ = ["PrioritizedSampler", "PRIORITIES_DIR"]
+
+#: Folder of the sidecar store, inside the buffer's folder (or under its URL).
+PRIORITIES_DIR = "trajstore.priorities"
+#: The sidecar's table and field (a ReplayBuffer store of one float32 per row).
+_TABLE = "step_data"
+#: Rows per sidecar chunk (64 KiB of float32): a flush rewrites only the chunks holding changes.
+SIDE_CHUNK_ROWS = 16384
+#: A reader that found no sidecar looks for one again at most this often (seconds).
+SIDE_RECHECK_S = 1.0
+#: Rows added or evicted at once beyond this fraction of the tree rebuild it (O(n)) instead of
+#: updating row by row (O(k log n)).
+REBUILD_FRACTION = 0.125
+
+_OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    # Registered after the buffers' own exit hook (buffers are imported first), so it runs before
+    # it: the buffer is still open when the sampler flushes it and then its priorities.
+    for s in list(_OPEN):
+        try:
+            s.close()
+        except Exception:  # exiting anyway: one broken sampler must not stop the others
+            pass
+
+
+def _sidecar_url(buffer: Any) -> str | None:
+    """Where the buffer's sidecar lives: None for in-memory buffers and ``.zip`` files."""
+    path = buffer.cache_path
+    if path is None:
+        return None
+    p = os.fspath(path)
+    if "://" in p or "::" in p:
+        return p.rstrip("/") + "/" + PRIORITIES_DIR
+    if os.path.isdir(p):
+        return os.path.join(p, PRIORITIES_DIR)
+    return None  # a .zip (read-only, written whole by dumps): no sidecar
+
+
+def _positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise BadOptionError(f"PrioritizedSampler: {name} must be a float; got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise BadOptionError(f"PrioritizedSampler: {name} must be a finite float {'>= 0' if allow_zero else '> 0'}; "
+                             f"got {value!r}")
+    return v
+
+
+class PrioritizedSampler:
+    """Prioritized replay over a ``ReplayBuffer`` or ``TrajectoryReplayBuffer``.
+
+    Row ``i`` is drawn (with replacement) with probability ``P(i) = p_i ** alpha / sum_k p_k **
+    alpha``, where ``p_i`` is the row's priority plus ``eps``; a new row enters with the largest
+    priority seen so far (1.0 at first) and a row evicted from a ring leaves the distribution.
+    Priorities are kept in the store (see the module docstring), so a reopened buffer, or a
+    read-only reader in another process, samples with the same ones.
+
+    Importance weights are ``w_i = (N * P(i)) ** -beta / max_j w_j`` (N: rows in the buffer) with
+    the max over the *batch*, as Dopamine and the Rainbow reference code do.  OpenAI baselines and
+    TorchRL divide by the largest weight over the whole buffer instead (from the smallest
+    priority, kept in a second, min tree); the batch max needs no second tree to maintain and
+    persist, and a single stale row of tiny priority anywhere in the buffer cannot shrink every
+    batch's weights (and so the effective learning rate).  Either way the weights only ever scale
+    updates down; the largest weight in every batch is exactly 1.
+
+    Parameters
+    ----------
+    buffer : ReplayBuffer or TrajectoryReplayBuffer
+        Anything with ``row_source()``, ``get_at(indices)``, ``read_only``, ``cache_path``,
+        ``storage_options`` and ``flush()``.
+    alpha : float
+        Priority exponent (0: uniform).
+    beta : float
+        Importance-sampling exponent; an attribute, anneal it (e.g. towards 1) as training goes.
+    eps : float
+        Added to every priority, so a row of priority 0 is still drawn now and then.
+    flush_interval : float or None
+        Seconds between automatic writes of changed priorities during :meth:`update_priorities`
+        (writable buffers only); None: only :meth:`flush` and :meth:`close` write them.
+
+    Attributes
+    ----------
+    alpha, beta, eps : float
+        As given; ``beta`` may be changed at any time.  (Changing ``alpha`` or ``eps`` later is
+        refused: every weight in the tree would have to be recomputed; make a new sampler.)
+    max_priority : float
+        The largest priority seen so far (what new rows get).
+    last_start : int or None
+        Absolute row number of logical row 0 at the last :meth:`sample` (see ``update_priorities``).
+    """
+
+    def __init__(self, buffer: Any, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *,
+                 flush_interval: float | None = 1.0) -> None:
+        self._alpha = _positive_float("alpha", alpha)
+        self.beta = _positive_float("beta", beta)
+        self._eps = _positive_float("eps", eps)
+        if flush_interval is not None:
+            flush_interval = _positive_float("flush_interval", flush_interval)
+        self.flush_interval = flush_interval
+        if not callable(getattr(buffer, "row_source", None)):
+            raise BadOptionError(f"PrioritizedSampler needs a ReplayBuffer or TrajectoryReplayBuffer; got "
+                                 f"{type(buffer).__name__}")
+        self.buffer = buffer
+        self._src: RowSource = buffer.row_source()
+        self._writable = not buffer.read_only
+        self._rng = np.random.default_rng()
+        self._closed = False
+        self.max_priority = 1.0
+        self.last_start: int | None = None
+        self._last_count = 0
+        self._last_epoch: int | None = None
+        cap = self._src.capacity
+        self._cap = cap
+        n = cap if cap is not None else max(1024, self._src.start + self._src.count)
+        self._tree = SumTree(n)
+        self._p = np.zeros(self._tree.size, np.float32)  # raw priority per slot (live slots only)
+        self._dirty = np.zeros(self._tree.size, bool)  # changed since the sidecar last stored it
+        # The rows the tree holds: absolute [start, end) under buffer epoch `epoch`.
+        self._start = self._end = 0
+        self._epoch: int | None = None
+        self._side_url = _sidecar_url(buffer)
+        self._side: Store | None = None
+        self._side_seen = 0  # generation of the sidecar record the values came from
+        self._side_looked = -math.inf
+        self._last_flush = time.monotonic()
+        self._open_side(create=False)
+        self._follow()
+        _OPEN.add(self)
+
+    # -- parameters --------------------------------------------------------------------------
+    @property
+    def alpha(self) -> float:
+        """Priority exponent: ``P(i)`` is proportional to ``(priority_i + eps) ** alpha``."""
+        return self._alpha
+
+    @property
+    def eps(self) -> float:
+        """Added to every priority before the exponent."""
+        return self._eps
+
+    def __len__(self) -> int:
+        """Rows the sampler draws from (the buffer's rows as of the last sample or update)."""
+        return self._end - self._start
+
+    # -- the sidecar store -------------------------------------------------------------------
+    def _open_side(self, create: bool) -> Store | None:
+        """The sidecar store, opened (writers: created when ``create``) if it is not yet."""
+        if self._side is not None or self._side_url is None:
+            return self._side
+        if not create and time.monotonic() - self._side_looked < SIDE_RECHECK_S:
+            return None
+        self._side_looked = time.monotonic()
+        opts = self.buffer.storage_options
+        try:
+            self._side = Store.open(self._side_url, "ReplayBuffer", read_only=not self._writable,
+                                    multiprocessing=False, storage_options=opts, options={})
+        except StoreNotFoundError:
+            if not (create and self._writable):
+                return None
+            remote = "://" in self._side_url and not self._side_url.startswith(("file://", "memory://"))
+            spec = make_field_spec(_TABLE, (), np.dtype(np.float32), capacity=self._cap,
+                                   compressor="lz4" if remote else None, chunk_rows=SIDE_CHUNK_ROWS)
+            from gymnasium.spaces import Box
+
+            space = Box(0.0, np.inf, (), np.float32)
+            self._side = Store.create(self._side_url, "ReplayBuffer", [TableSpec(_TABLE, self._cap, [spec])],
+                                      {"spaces": {_TABLE: space_to_json(space)}}, storage_options=opts,
+                                      overwrite=False, multiprocessing=False, options={})
+        if self._writable:
+            self._side.state_provider = self._side_state
+        self._side_seen = -1  # values not read yet
+        return self._side
+
+    def _side_state(self) -> dict[str, Any]:
+        return {"main_epoch": self._epoch, "max_priority": float(self.max_priority)}
+
+    def _side_valid(self) -> bool:
+        """Whether the sidecar's rows are numbered as the buffer's are now (same epoch)."""
+        return self._side is not None and self._side.committed.state.get("main_epoch") == self._epoch
+
+    def _adopt_side_max(self) -> None:
+        m = self._side.committed.state.get("max_priority") if self._side is not None else None
+        if isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0:
+            self.max_priority = max(self.max_priority, float(m))
+
+    def _stored(self, lo: int, hi: int) -> np.ndarray:
+        """Priorities of absolute rows ``[lo, hi)``: the sidecar's where it has them (finite and
+        >= 0; it is input like any store), ``max_priority`` elsewhere.  (hi - lo,) float32."""
+        out = np.full(hi - lo, self.max_priority, np.float32)
+        side = self._side
+        if side is None or hi <= lo or not self._side_valid():
+            return out
+        t = side.tables[_TABLE]
+        for _ in range(SAMPLE_ATTEMPTS):
+            gen = side.committed.generation
+            a, b = max(lo, t.state.start), min(hi, t.state.end)
+            vals = t.read_contiguous(a - t.state.start, b - t.state.start, [0])[0] if a < b else None
+            if side.writable or not side.refresh() or side.committed.generation == gen:
+                break
+        else:
+            raise ConcurrentWriteError(f"{self._side_url}: the priorities kept changing while they were read")
+        if vals is not None:
+            good = np.isfinite(vals) & (vals >= 0)
+            out[a - lo : b - lo] = np.where(good, vals, np.float32(self.max_priority))
+        return out
+
+    # -- following the buffer ----------------------------------------------------------------
+    def _slots(self, rows: np.ndarray) -> np.ndarray:
+        return rows % self._cap if self._cap is not None else rows
+
+    def _weights(self, p: np.ndarray) -> np.ndarray:
+        return np.power(p.astype(np.float64) + self._eps, self._alpha)
+
+    def _ensure_room(self, end: int) -> None:
+        if self._cap is None and end > self._tree.size:
+            self._tree.grow(end)
+            size = self._tree.size
+            self._p = np.concatenate([self._p, np.zeros(size - len(self._p), np.float32)])
+            self._dirty = np.concatenate([self._dirty, np.zeros(size - len(self._dirty), bool)])
+
+    def _rebuild(self) -> None:
+        """Tree weights from ``_p`` for the live rows [start, end), O(n)."""
+        w = np.zeros(self._tree.size, np.float64)
+        if self._end > self._start:
+            slots = self._slots(np.arange(self._start, self._end, dtype=np.int64))
+            w[slots] = self._weights(self._p[slots])
+        self._tree.build(w)
+
+    def _reload(self) -> None:
+        """Every live row's priority from the sidecar again (its record changed), keeping this
+        process's own unwritten changes."""
+        self._adopt_side_max()
+        if self._end > self._start:
+            slots = self._slots(np.arange(self._start, self._end, dtype=np.int64))
+            stored = self._stored(self._start, self._end)
+            mine = self._dirty[slots]
+            self._p[slots] = np.where(mine, self._p[slots], stored)
+        self._rebuild()
+
+    def _follow(self) -> None:
+        """Catch the tree up with the buffer (rows added and evicted, a new epoch) and with the
+        sidecar (a newer record written by the writer's sampler)."""
+        src = self._src
+        src.sync()
+        side_changed = False
+        if self._side is None and self._side_url is not None and not self._writable:
+            side_changed = self._open_side(create=False) is not None
+        elif self._side is not None and not self._writable:
+            side_changed = self._side.refresh()
+        if self._side is not None and self._side_seen != self._side.committed.generation:
+            side_changed = True
+            self._side_seen = self._side.committed.generation
+        epoch = src.record.epoch
+        start, end = src.start, src.start + src.count
+        if epoch != self._epoch or start < self._start or end < self._end:
+            # Rows were rewritten, removed or cleared (or this is the first look): renumbered.
+            self._epoch = epoch
+            self._start, self._end = start, end
+            self._ensure_room(end)
+            self._dirty[:] = False
+            self._adopt_side_max()
+            if end > start:
+                self._p[self._slots(np.arange(start, end, dtype=np.int64))] = self._stored(start, end)
+            self._rebuild()
+            return
+        moved = start != self._start or end != self._end
+        if not moved and not side_changed:
+            return
+        self._ensure_room(end)
+        gone = np.arange(self._start, min(start, self._end), dtype=np.int64)
+        new = np.arange(max(self._end, start), end, dtype=np.int64)
+        self._start, self._end = start, end
+        gs, ns = self._slots(gone), self._slots(new)
+        self._dirty[gs] = False
+        self._dirty[ns] = False
+        if side_changed:
+            self._reload()
+            return
+        if new.size:
+            self._p[ns] = self._stored(int(new[0]), end)
+        if gone.size + new.size > REBUILD_FRACTION * self._tree.size:
+            self._rebuild()
+            return
+        # A ring's new row in a freed slot: its weight comes last and wins.
+        self._tree.update(np.concatenate([gs, ns]),
+                          np.concatenate([np.zeros(gone.size), self._weights(self._p[ns])]))
+
+    def _logical(self, slots: np.ndarray) -> np.ndarray:
+        if self._cap is None:
+            return slots - self._start
+        return (slots - self._start) % self._cap
+
+    # -- sampling ------------------------------------------------------------------------------
+    def sample(self, batch_size: int, rng: np.random.Generator | int | None = None) -> tuple[Any, np.ndarray, Any]:
+        """Draw ``batch_size`` rows with replacement, each with probability ``P(i)``.
+
+        Parameters
+        ----------
+        batch_size : int
+            Rows to draw, > 0.
+        rng : numpy.random.Generator, int or None
+            Random source (an int seeds a new Generator); default: the sampler's own.
+
+        Returns
+        -------
+        batch : Any
+            ``buffer[indices]``: the rows, as the buffer returns them (nested dict or tuple of
+            (B, ...) arrays, a ``TrajectoryData`` for a trajectory buffer; torch tensors on a
+            torch backend).
+        indices : np.ndarray
+            (B,) int64 logical row indices (valid for ``buffer[...]`` until the next write).
+        weights : np.ndarray or torch.Tensor
+            (B,) float32 importance weights ``(N * P(i)) ** -beta / max over the batch``, in
+            ``(0, 1]`` (a torch tensor on the buffer's device for a torch backend).
+
+        Raises
+        ------
+        BadOptionError
+            ``batch_size`` is not an int > 0.
+        EmptyBufferError
+            The buffer holds no rows.
+        ConcurrentWriteError
+            (Readers) a writer evicted rows faster than they could be sampled, 100 times running.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+            raise BadOptionError(f"sample: batch_size must be an int > 0; got {batch_size!r}")
+        if self._closed:
+            raise ClosedError("sample: the PrioritizedSampler was closed")
+        gen = rng if isinstance(rng, np.random.Generator) else (self._rng if rng is None else np.random.default_rng(rng))
+        src = self._src
+        for _ in range(SAMPLE_ATTEMPTS):
+            self._follow()
+            total = self._tree.total
+            if self._end <= self._start or total <= 0:
+                raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
+            start, epoch = self._start, self._epoch
+            slots = self._tree.find(gen.random(int(batch_size)) * total)
+            idx = self._logical(slots)
+            if not src.live:
+                batch = self.buffer.get_at(idx)
+                break
+            try:
+                batch = self.buffer.get_at(idx)
+            except IndexOutOfRangeError:  # a writer shrank the ring's view meanwhile: draw again
+                continue
+            if src.start == start and src.record.epoch == epoch:  # the rows read are the rows drawn
+                break
+        else:
+            raise ConcurrentWriteError(f"{src.name}: the writer evicts rows faster than this reader can sample them")
+        n = self._end - self._start
+        prob = self._tree.get(slots) / total
+        w = np.power(n * prob, -self.beta)
+        w = (w / w.max()).astype(np.float32)
+        self.last_start, self._last_count, self._last_epoch = start, n, epoch
+        weights: Any = w
+        if getattr(self.buffer, "backend", "numpy") == "torch":
+            import torch
+
+            weights = torch.as_tensor(w, device=self.buffer.device)
+        return batch, idx.astype(np.int64, copy=False), weights
+
+    def probabilities(self, indices: Any) -> np.ndarray:
+        """``P(i)`` of logical rows ``indices`` now: (B,) float64.
+
+        Raises
+        ------
+        IndexOutOfRangeError
+            An index outside ``[0, len)``.
+        """
+        self._follow()
+        idx = self._check_indices(indices, self._end - self._start, "probabilities")
+        total = self._tree.total
+        return self._tree.get(self._slots(idx + self._start)) / total if total > 0 else np.zeros(len(idx))
+
+    def priorities(self, indices: Any) -> np.ndarray:
+        """Priorities (as given to :meth:`update_priorities`, before ``eps``) of logical rows
+        ``indices`` now: (B,) float32.
+
+        Raises
+        ------
+        IndexOutOfRangeError
+            An index outside ``[0, len)``.
+        """
+        self._follow()
+        idx = self._check_indices(indices, self._end - self._start, "priorities")
+        return self._p[self._slots(idx + self._start)].copy()
+
+    @staticmethod
+    def _check_indices(indices: Any, count: int, what: str) -> np.ndarray:
+        idx = to_numpy(indices)
+        if idx.dtype == bool or not np.issubdtype(idx.dtype, np.integer):
+            raise BadIndexError(f"{what}: indices must be integers (the indices sample() returned); got dtype "
+                                f"{idx.dtype}")
+        if idx.ndim > 1:
+            raise BadIndexError(f"{what}: indices must be a 1-D array; got shape {idx.shape}")
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        bad = (idx < 0) | (idx >= count)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise IndexOutOfRangeError(f"{what}: index {int(idx[j])} (position {j}) is out of range: expected logical "
+                                       f"rows 0..{count - 1} ({count} rows)")
+        return idx
+
+    # -- priorities ----------------------------------------------------------------------------
+    def update_priorities(self, indices: Any, priorities: Any, *, start: int | None = None) -> None:
+        """Set the priorities of rows ``indices`` (e.g. ``|TD error|``).
+
+        Parameters
+        ----------
+        indices : array-like of int
+            (B,) logical rows as numbered at the last :meth:`sample` (numpy, list or torch).
+        priorities : array-like of float
+            (B,) finite values >= 0 (or one value for all); ``eps`` is added when sampling.
+        start : int, optional
+            Absolute row of logical row 0 when ``indices`` were drawn: the ``last_start`` of the
+            sample they came from.  Default: that of the last sample.
+
+        Rows evicted since that sample are skipped (they left the buffer).  After a ``set_at``,
+        ``remove_at`` or ``clear`` since that sample (rows renumbered) nothing is updated.
+        Changes are written to the store every ``flush_interval`` seconds (writable buffers).
+
+        Raises
+        ------
+        BadIndexError
+            ``indices`` are not a 1-D array of integers.
+        IndexOutOfRangeError
+            An index outside the rows that sample saw.
+        BadValueError
+            A priority is negative, NaN or infinite, or their number differs from the indices'.
+        ClosedError
+            The sampler was closed.
+        """
+        if self._closed:
+            raise ClosedError("update_priorities: the PrioritizedSampler was closed")
+        if start is None and self.last_start is None:
+            self._follow()
+            base, count, epoch = self._start, self._end - self._start, self._epoch
+        elif start is None:
+            base, count, epoch = int(self.last_start or 0), self._last_count, self._last_epoch
+        else:
+            base, count, epoch = int(start), self._end - int(start), self._epoch
+        idx = self._check_indices(indices, count, "update_priorities")
+        p = to_numpy(priorities)
+        if not (np.issubdtype(p.dtype, np.floating) or np.issubdtype(p.dtype, np.integer)) or p.dtype == bool:
+            raise BadValueError(f"update_priorities: priorities must be numbers; got dtype {p.dtype}")
+        p = p.astype(np.float64).reshape(-1) if p.ndim <= 1 else p
+        if p.ndim != 1 or (p.size != idx.size and p.size != 1):
+            raise BadValueError(f"update_priorities: expected {idx.size} priorities (one per index) or one for all; "
+                                f"got shape {to_numpy(priorities).shape}")
+        bad = ~np.isfinite(p) | (p < 0)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise BadValueError(f"update_priorities: priorities must be finite and >= 0; got {p[j]!r} at position {j}")
+        if p.size == 1:
+            p = np.full(idx.size, p[0])
+        self._follow()
+        if epoch != self._epoch:
+            return  # rows were renumbered since the sample: the indices name other rows now
+        rows = idx + base
+        live = (rows >= self._start) & (rows < self._end)
+        rows, p = rows[live], p[live]
+        if rows.size:
+            slots = self._slots(rows)
+            self._p[slots] = p
+            self._dirty[slots] = True
+            self._tree.update(slots, self._weights(self._p[slots]))
+            self.max_priority = max(self.max_priority, float(p.max()))
+        if (self._writable and self.flush_interval is not None
+                and time.monotonic() - self._last_flush >= self.flush_interval):
+            self.flush()
+
+    # -- persistence ---------------------------------------------------------------------------
+    def flush(self, fsync: bool | None = None) -> None:
+        """Write changed priorities to the store: the buffer is flushed first, then the sidecar
+        is brought up to the buffer's committed rows and committed.  Nothing to do for
+        read-only buffers, in-memory buffers and ``.zip`` stores.
+
+        Parameters
+        ----------
+        fsync : bool, optional
+            As ``buffer.flush(fsync)``: also survive power loss.
+        """
+        self._last_flush = time.monotonic()
+        if not self._writable or self._side_url is None or self._closed:
+            return
+        try:
+            self.buffer.flush(fsync)
+            self._follow()
+        except ClosedError:
+            pass  # the buffer was closed first: its last commit stands; write priorities up to it
+        side = self._open_side(create=True)
+        assert side is not None
+        t = side.tables[_TABLE]
+        main_start, main_end = self._src.committed
+        main_end = min(main_end, self._end)
+        if not self._side_valid() or t.state.end > main_end or t.state.end < main_start:
+            # Renumbered rows (a new epoch), or every stored row gone: start over at the buffer's start.
+            t.state.start = t.state.end = max(main_start, self._start)
+            head = side._current_head()
+            head.epoch += 1
+            head.state = self._side_state()
+            side._write_head(head)
+        lo, hi = t.state.start, t.state.end
+        slots = np.flatnonzero(self._dirty)
+        if slots.size:
+            rows = self._rows_of(slots)
+            keep = (rows >= lo) & (rows < hi)
+            if keep.any():
+                r = rows[keep]
+                vals = self._p[self._slots(r)].astype(np.float32)
+                side.rewrite(t.rewrite_plan_set(r - lo, [vals], [0]), lambda: None)
+            self._dirty[slots] = False
+        if main_end > t.state.end:
+            new = np.arange(t.state.end, main_end, dtype=np.int64)
+            vals = np.full(new.size, self.max_priority, np.float32)
+            alive = new >= self._start
+            vals[alive] = self._p[self._slots(new[alive])]
+            t.extend([vals], new.size)
+        side.commit(fsync=fsync, state=self._side_state())
+        self._side_seen = side.committed.generation
+
+    def _rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """Absolute rows of live ``slots``."""
+        if self._cap is None:
+            return slots.astype(np.int64)
+        first = self._start % self._cap
+        return self._start + (slots - first) % self._cap
+
+    def close(self) -> None:
+        """Flush (writers) and release the sidecar store and its writer lock.  The buffer stays
+        open."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            _OPEN.discard(self)
+            if self._side is not None:
+                self._side.close()
+                self._side = None
+
+    def __enter__(self) -> "PrioritizedSampler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"PrioritizedSampler({self._src.name!r}, rows={len(self)}, alpha={self._alpha}, beta={self.beta}, "
+                f"eps={self._eps}, max_priority={self.max_priority:g})")
