@@ -23,6 +23,7 @@ import numpy as np
 from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.replay import (
     ZarrStorage,
     _copy_steps,
@@ -94,7 +95,7 @@ def _check_episode_ids(ids: Any) -> np.ndarray:
     return raw.astype(np.int64)
 
 
-class TrajectoryReplayBuffer(StoredBuffer):
+class TrajectoryReplayBuffer(EpisodeEditing, StoredBuffer):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
