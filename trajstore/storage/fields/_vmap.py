@@ -263,7 +263,7 @@ class VirtualArray:
         self._reserved_at = _check(_libc.mmap(None, self._reserved, _PROT_READ, flags, -1, 0), "reserve address range")
         self.base = -(-self._reserved_at // align) * align
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
-        buf = (ctypes.c_char * self.nbytes).from_address(self.base)
+        buf = memoryview((ctypes.c_char * self.nbytes).from_address(self.base)).cast("B")
         # Writes must only ever reach rows of mapped, writable chunk files: anything else is
         # a read-only zero page and would crash the process, so only the writer's views are writable.
         inner = np.empty((1, *self.row_shape), self.dtype).strides[1:]  # C order within a row
