@@ -59,6 +59,7 @@ import math
 import os
 import sys
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -72,8 +73,10 @@ from trajstore.errors import (
     BadValueError,
     ClosedError,
     ConcurrentWriteError,
+    DamagedStoreError,
     EmptyBufferError,
     IndexOutOfRangeError,
+    NotATrajstoreError,
     StoreNotFoundError,
 )
 from trajstore.sampling.source import SAMPLE_ATTEMPTS, RowSource
@@ -237,12 +240,26 @@ class PrioritizedSampler:
             return None
         self._side_looked = time.monotonic()
         opts = self.buffer.storage_options
+        overwrite = False
         try:
             self._side = Store.open(self._side_url, "ReplayBuffer", read_only=not self._writable,
                                     multiprocessing=False, storage_options=opts, options={})
         except StoreNotFoundError:
             if not (create and self._writable):
                 return None
+        except (DamagedStoreError, NotATrajstoreError) as e:
+            # A writer killed while it created the sidecar (or a damaged one): priorities are
+            # hints, so a writer starts a new sidecar and a reader samples without them.
+            if not self._writable:
+                warnings.warn(f"{self._side_url}: the stored priorities cannot be read ({e}); every row counts "
+                              "as max_priority", stacklevel=3)
+                return None
+            if not create:
+                return None
+            warnings.warn(f"{self._side_url}: the stored priorities cannot be read ({e}); they are written anew",
+                          stacklevel=3)
+            overwrite = True
+        if self._side is None:
             remote = "://" in self._side_url and not self._side_url.startswith(("file://", "memory://"))
             spec = make_field_spec(_TABLE, (), np.dtype(np.float32), capacity=self._cap,
                                    compressor="lz4" if remote else None, chunk_rows=SIDE_CHUNK_ROWS)
@@ -251,7 +268,7 @@ class PrioritizedSampler:
             space = Box(0.0, np.inf, (), np.float32)
             self._side = Store.create(self._side_url, "ReplayBuffer", [TableSpec(_TABLE, self._cap, [spec])],
                                       {"spaces": {_TABLE: space_to_json(space)}}, storage_options=opts,
-                                      overwrite=False, multiprocessing=False, options={})
+                                      overwrite=overwrite, multiprocessing=False, options={})
         if self._writable:
             self._side.state_provider = self._side_state
         self._side_seen = -1  # values not read yet
@@ -536,7 +553,8 @@ class PrioritizedSampler:
         bad = ~np.isfinite(p) | (p < 0)
         if bad.any():
             j = int(np.argmax(bad))
-            raise BadValueError(f"update_priorities: priorities must be finite and >= 0; got {p[j]!r} at position {j}")
+            raise BadValueError(f"update_priorities: priorities must be finite and >= 0; got {float(p[j])!r} "
+                                f"at position {j}")
         if p.size == 1:
             p = np.full(idx.size, p[0])
         self._follow()

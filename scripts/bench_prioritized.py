@@ -1,0 +1,157 @@
+"""Prioritized replay benchmark: ``PrioritizedSampler.sample(256)`` against the buffer's uniform
+``sample(256)`` on the same store (target: within 2x at 1,000,000 vector rows), and the sum
+tree's build time at 10,000,000 rows.
+
+    python scripts/bench_prioritized.py                                # 1e6 rows, tree build at 1e7
+    python scripts/bench_prioritized.py --quick                        # small sizes (smoke test)
+    python scripts/bench_prioritized.py --markdown docs/benchmarks.md  # also (re)write its section
+
+The store holds transitions of (17,) float32 observations (obs, next_obs, (6,) action, reward,
+done; raw chunks), as in bench_core.py, every row with a random priority (written through the
+sampler and flushed to the store).  Both buffer and sampler are then opened afresh and timed in
+alternating blocks of consecutive calls: cold = the first 200 calls of each after opening,
+steady = the calls after those; each figure is the median over blocks of the time per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_core import _write_markdown  # noqa: E402
+
+from trajstore import PrioritizedSampler, ReplayBuffer  # noqa: E402
+from trajstore.sampling.sumtree import SumTree  # noqa: E402
+
+HEADING = "## Prioritized replay (scripts/bench_prioritized.py)"
+COLD_CALLS = 200
+
+
+def _space() -> gym.spaces.Dict:
+    obs = gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)
+    return gym.spaces.Dict({
+        "obs": obs, "next_obs": obs, "action": gym.spaces.Box(-1, 1, (6,), np.float32),
+        "reward": gym.spaces.Box(-np.inf, np.inf, (), np.float32), "done": gym.spaces.Box(0, 1, (), np.float32),
+    })
+
+
+def build_store(path: Path, rows: int) -> None:
+    """``rows`` random transitions, and a random priority for every row (stored in the sidecar)."""
+    rng = np.random.default_rng(0)
+    with ReplayBuffer.create(_space(), cache_path=str(path), capacity=rows) as buf:
+        step = 100_000
+        for lo in range(0, rows, step):
+            n = min(step, rows - lo)
+            buf.extend({"obs": rng.standard_normal((n, 17), np.float32),
+                        "next_obs": rng.standard_normal((n, 17), np.float32),
+                        "action": rng.uniform(-1, 1, (n, 6)).astype(np.float32),
+                        "reward": rng.standard_normal(n, np.float32), "done": np.zeros(n, np.float32)})
+        with PrioritizedSampler(buf, flush_interval=None) as s:
+            s.sample(1, rng=0)
+            s.update_priorities(np.arange(rows), rng.exponential(1.0, rows))
+
+
+def _blocks(fns: dict[str, Callable[[], Any]], calls: int, block: int) -> dict[str, list[float]]:
+    """Seconds per call of every block of ``block`` consecutive calls, the functions taking turns
+    block by block (which goes first alternates), ``calls`` calls each."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(calls // block):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn = fns[name]
+            t = time.perf_counter()
+            for _ in range(block):
+                fn()
+            out[name].append((time.perf_counter() - t) / block)
+    return out
+
+
+def bench_sampling(path: Path, calls: int, block: int) -> tuple[list[tuple[str, float, float]], float]:
+    """(what, prioritized ms, uniform ms) rows, and the sampler's open time in seconds."""
+    rng_u, rng_p = np.random.default_rng(1), np.random.default_rng(2)
+    with ReplayBuffer.load_from(str(path)) as buf:
+        t = time.perf_counter()
+        s = PrioritizedSampler(buf, flush_interval=None)
+        opened = time.perf_counter() - t
+        times = _blocks({"prioritized": lambda: s.sample(256, rng=rng_p),
+                         "uniform": lambda: buf.sample(256, rng=rng_u)}, calls, block)
+        state: dict[str, Any] = {}
+
+        def cycle() -> None:  # a training step: sample, then new priorities for the batch
+            _b, idx, _w = s.sample(256, rng=rng_p)
+            s.update_priorities(idx, rng_p.exponential(1.0, 256))
+            state["n"] = state.get("n", 0) + 1
+
+        cyc = _blocks({"cycle": cycle, "uniform": lambda: buf.sample(256, rng=rng_u)}, max(calls // 2, block), block)
+        s.close()
+    k = COLD_CALLS // block
+    med = statistics.median
+    rows = [("sample(256), cold", med(times["prioritized"][:k]), med(times["uniform"][:k])),
+            ("sample(256), steady", med(times["prioritized"][k:]), med(times["uniform"][k:])),
+            ("sample(256) + update_priorities(256), steady", med(cyc["cycle"]), med(cyc["uniform"]))]
+    return rows, opened
+
+
+def bench_build(n: int, repeats: int) -> float:
+    """Median seconds to build a sum tree of ``n`` leaves from their weights (allocation included)."""
+    w = np.random.default_rng(3).exponential(1.0, n)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tree = SumTree(n)
+        tree.build(w)
+        times.append(time.perf_counter() - t)
+        assert np.isclose(tree.total, w.sum())
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows of the store sampled")
+    p.add_argument("--build-rows", type=int, default=10_000_000, help="leaves of the tree whose build is timed")
+    p.add_argument("--calls", type=int, default=2000, help="calls of each sampler (the first 200: cold)")
+    p.add_argument("--block", type=int, default=25, help="consecutive calls per timed block")
+    p.add_argument("--markdown", type=Path, default=None, help="write the results into this markdown file's section")
+    p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.build_rows, args.calls = 20_000, 200_000, 400
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = Path(d) / "per"
+        t = time.perf_counter()
+        build_store(path, args.rows)
+        built = time.perf_counter() - t
+        rows, opened = bench_sampling(path, args.calls, args.block)
+    build = bench_build(args.build_rows, 3)
+    lines = ["| measurement | PrioritizedSampler ms | uniform buffer.sample ms | ratio |", "|---|---|---|---|"]
+    for what, ours, uni in rows:
+        lines.append(f"| {what} | {ours * 1e3:.3f} | {uni * 1e3:.3f} | {ours / uni:.2f}x |")
+    lines.append(f"| tree build, {args.build_rows:,} rows | {build * 1e3:.0f} | - | - |")
+    lines.append(f"| PrioritizedSampler open, {args.rows:,} rows (priorities read from the store) | {opened * 1e3:.0f} "
+                 "| - | - |")
+    text = "\n".join(lines)
+    print(text)
+    print(f"(store of {args.rows:,} rows with priorities written in {built:.1f} s)")
+    if args.markdown:
+        _write_markdown(args.markdown, "bench_prioritized.py", args.quick, HEADING,
+                        f"{args.rows:,} rows of (17,) f32 transitions (raw chunks, page cache warm), every row with "
+                        f"a random priority (alpha 0.6); {args.calls:,} calls of each in alternating blocks of "
+                        f"{args.block}; cold = the first {COLD_CALLS} calls after opening, steady = the rest; medians "
+                        "over blocks. Target: `sample(256)` within 2x of uniform.\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
