@@ -54,6 +54,7 @@ to update from an older sample.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import math
 import os
@@ -110,6 +111,18 @@ def _flush_all() -> None:
             s.close()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
+
+
+def _in_zarr_loop() -> bool:
+    """Whether this thread runs zarr's event loop (a store write would wait on it forever)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    import zarr.core.sync as zarr_sync
+
+    zarr_loop = getattr(zarr_sync, "loop", [None])[0]
+    return zarr_loop is not None and running is zarr_loop
 
 
 def _sidecar_url(buffer: Any) -> str | None:
@@ -193,7 +206,8 @@ class PrioritizedSampler:
         self._src: RowSource = buffer.row_source()
         self._writable = not buffer.read_only
         self._rng = np.random.default_rng()
-        self._closed = False
+        self._pid = os.getpid()
+        self._closed = True  # until built
         self.max_priority = 1.0
         self.last_start: int | None = None
         self._last_count = 0
@@ -212,8 +226,13 @@ class PrioritizedSampler:
         self._side_seen = 0  # generation of the sidecar record the values came from
         self._side_looked = -math.inf
         self._last_flush = time.monotonic()
-        self._open_side(create=False)
-        self._follow()
+        try:
+            self._open_side(create=False)
+            self._follow()
+        except BaseException:
+            self._release()
+            raise
+        self._closed = False
         _OPEN.add(self)
 
     # -- parameters --------------------------------------------------------------------------
@@ -451,9 +470,10 @@ class PrioritizedSampler:
         else:
             raise ConcurrentWriteError(f"{src.name}: the writer evicts rows faster than this reader can sample them")
         n = self._end - self._start
-        prob = self._tree.get(slots) / total
-        w = np.power(n * prob, -self.beta)
-        w = (w / w.max()).astype(np.float32)
+        # (N P(i)) ** -beta / max_j (N P(j)) ** -beta == (min_j P(j) / P(i)) ** beta: P's common
+        # factors (N, the total) cancel, so the tree's weights give it directly.
+        leaf = self._tree.get(slots)
+        w = np.power(leaf.min() / leaf, self.beta).astype(np.float32)
         self.last_start, self._last_count, self._last_epoch = start, n, epoch
         weights: Any = w
         if getattr(self.buffer, "backend", "numpy") == "torch":
@@ -632,17 +652,21 @@ class PrioritizedSampler:
 
     def close(self) -> None:
         """Flush (writers) and release the sidecar store and its writer lock.  The buffer stays
-        open."""
+        open.  (In a process forked from the writer nothing is written: the parent writes.)"""
         if self._closed:
             return
         try:
-            self.flush()
+            if os.getpid() == self._pid:
+                self.flush()
         finally:
-            self._closed = True
-            _OPEN.discard(self)
-            if self._side is not None:
-                self._side.close()
-                self._side = None
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        _OPEN.discard(self)
+        if self._side is not None:
+            self._side.close()
+            self._side = None
 
     def __enter__(self) -> "PrioritizedSampler":
         return self
@@ -651,10 +675,14 @@ class PrioritizedSampler:
         self.close()
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
-            return
+        if sys.is_finalizing() or self.__dict__.get("_closed", True):
+            return  # exiting (the exit hook flushed), or never fully built
         try:
-            self.close()
+            if _in_zarr_loop():
+                # Collected in zarr's IO thread (which a write waits on): release without writing.
+                self._release()
+            else:
+                self.close()
         except Exception:
             pass
 
