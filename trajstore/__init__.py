@@ -14,7 +14,7 @@ from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
 # Maintenance (verify, repair) and the prioritized sampler are imported on first use: most programs never call them, and
 # ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = ("verify_store", "repair_store", "PrioritizedSampler")
+_LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split")
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from trajstore.maintenance.repair import repair_store as value
     elif name == "PrioritizedSampler":
         from trajstore.sampling.prioritized import PrioritizedSampler as value
+    elif name in ("combine", "split"):
+        from trajstore.maintenance import combine as _combine
+
+        value = getattr(_combine, name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -34,4 +38,4 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "errors"]
+__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "errors"]

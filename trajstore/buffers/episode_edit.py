@@ -30,7 +30,7 @@ from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.errors import BadArgumentError, BadValueError, UnknownEpisodeError
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling import sequences as _seq
-from trajstore.sampling.source import read_consistent, sample_consistent
+from trajstore.sampling.source import EpisodeSource, read_consistent, sample_consistent
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
@@ -112,7 +112,7 @@ def episode_columns(buf: TrajectoryReplayBuffer, names: Sequence[str] | None = N
     return cols
 
 
-class SelectionRows:
+class SelectionRows(EpisodeSource):
     """The steps of some episodes of a trajectory buffer as an
     :class:`~trajstore.sampling.source.EpisodeSource`.
 

@@ -7,7 +7,7 @@ traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2
 errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
-:mod:`.maintain` (verify, repair, copy).
+:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from trajstore.cli import edit as _edit
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
 from trajstore.cli._common import CLIError
@@ -31,6 +32,8 @@ examples:
   trajstore episodes demo_store --sort return --limit 10
   trajstore verify runs/buffer --deep       check every committed chunk
   trajstore copy runs/buffer buffer.zip     copy (verified) into a zip
+  trajstore split data --ratios train=0.9,val=0.1 data_   episodes into data_train, data_val
+  trajstore filter data good --where "return > 100"       keep the episodes that match
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
 
 'trajstore COMMAND --help' describes each command."""
@@ -48,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _show.register(sub, common)
     _maintain.register(sub, common)
+    _edit.register(sub, common)
     # Subcommands in a sensible order in --help.
-    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "plot", "demo"]
+    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "combine", "split", "filter", "plot",
+             "demo"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
 

@@ -1,0 +1,123 @@
+"""Commands that write new stores from episodes of existing ones: ``combine``, ``split``, ``filter``.
+
+Each streams a bounded block of steps at a time, writes its destination(s) under a temporary
+name, verifies them and only then renames them into place (nothing is left behind on error);
+see :mod:`trajstore.maintenance.combine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from trajstore.cli._common import CLIError, print_json
+
+__all__ = ["register", "parse_ratios"]
+
+
+def parse_ratios(text: str) -> dict[str, float]:
+    """``"train=0.9,val=0.1"`` as ``{"train": 0.9, "val": 0.1}`` (argparse type of ``--ratios``)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"expected NAME=FRACTION[,NAME=FRACTION...] such as train=0.9,val=0.1; "
+                                             f"got {text!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"split {name!r} is named twice in {text!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"the fraction of {name!r} is not a number: {value!r}") from None
+    return out
+
+
+def _bar(args: argparse.Namespace) -> bool | None:
+    return False if args.json else None  # a bar only on a terminal, never around JSON
+
+
+def _cmd_combine(args: argparse.Namespace) -> int:
+    from trajstore.maintenance.combine import combine
+
+    if len(args.stores) < 2:
+        raise CLIError("combine needs at least one source and a destination: trajstore combine A [B ...] DST", code=2)
+    *sources, dst = args.stores
+    out = combine(sources, dst, tqdm=_bar(args), overwrite=args.overwrite)
+    if args.json:
+        print_json(out)
+    else:
+        parts = ", ".join(f"{s} ({e} episodes, {n} steps)" for s, e, n in zip(out["sources"], out["episodes"],
+                                                                                out["steps"]))
+        print(f"combined {parts} into {out['destination']}: {sum(out['episodes'])} episodes, "
+              f"{sum(out['steps'])} steps, episode field 'source' = index of the source; verified")
+    return 0
+
+
+def _cmd_split(args: argparse.Namespace) -> int:
+    from trajstore.maintenance.combine import split
+
+    out = split(args.src, args.ratios, args.dst_prefix, seed=args.seed, tqdm=_bar(args), overwrite=args.overwrite)
+    if args.json:
+        print_json(out)
+    else:
+        for name, s in out["splits"].items():
+            print(f"{name}: {s['episodes']} episodes, {s['steps']} steps -> {s['destination']}")
+        print(f"split {out['source']} (seed {out['seed']}); every split verified")
+    return 0
+
+
+def _cmd_filter(args: argparse.Namespace) -> int:
+    from trajstore.maintenance.combine import filter_store
+
+    out = filter_store(args.src, args.dst, args.where, tqdm=_bar(args), overwrite=args.overwrite)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"kept {out['episodes']} of {out['of']} episodes ({out['steps']} steps) where {out['where']}: "
+              f"{out['destination']}; verified")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``combine``, ``split`` and ``filter`` to the subparsers ``sub``; ``common`` holds the
+    options every command takes."""
+    p = sub.add_parser("combine", parents=[common], help="one store from the episodes of several (verified)",
+                       description="Write every episode of the stores A B ... to a new store DST (a local folder). "
+                                   "The sources must have equal step and episode spaces.  Episodes get fresh ids "
+                                   "0, 1, ... and an episode field 'source' holding the index of their store in the "
+                                   "argument list (0 for A).  DST is written under a temporary name, verified, then "
+                                   "renamed; nothing is left behind on error.")
+    p.add_argument("stores", nargs="+", metavar="STORE", help="source stores, then the destination DST")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_combine)
+
+    p = sub.add_parser("split", parents=[common], help="split a store's episodes into several stores (verified)",
+                       description="Share the episodes of SRC out among new stores DST_PREFIX + NAME, one per "
+                                   "NAME=FRACTION of --ratios (fractions summing to 1).  Every episode goes to exactly "
+                                   "one split, keeping its id, steps and episode data; the assignment is a random "
+                                   "permutation seeded by --seed, so it is reproducible.  Each split is verified "
+                                   "before any is renamed into place.")
+    p.add_argument("src", metavar="SRC", help="store to split")
+    p.add_argument("--ratios", type=parse_ratios, default={"train": 0.9, "val": 0.1}, metavar="NAME=F,...",
+                   help="split names and fractions (default train=0.9,val=0.1)")
+    p.add_argument("dst_prefix", metavar="DST_PREFIX", help="each split is written to DST_PREFIX + NAME "
+                                                            "(out/pendulum_ gives out/pendulum_train)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the episode permutation (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing stores at the destinations")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_split)
+
+    p = sub.add_parser("filter", parents=[common], help="keep the episodes matching an expression (verified)",
+                       description="Write the episodes of SRC for which --where holds to a new store DST (ids, steps "
+                                   "and episode data kept).  The expression is a small safe language, never Python "
+                                   "eval: numbers, episode fields (episode_id, start, length, live, has_data and every "
+                                   "scalar episode-data field; Dict keys joined by '.'), comparisons == != < <= > >=, "
+                                   "and/or/not, parentheses.  Example: --where 'return > 100 and length >= 50'.")
+    p.add_argument("src", metavar="SRC", help="store to filter")
+    p.add_argument("dst", metavar="DST", help="destination (a local folder)")
+    p.add_argument("--where", required=True, metavar="EXPR", help="which episodes to keep, e.g. 'return > 100'")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_cmd_filter)

@@ -1,0 +1,519 @@
+"""Whole-store episode editing: :func:`combine`, :func:`split` and :func:`filter_store` (issue 16).
+
+Each writes new trajectory stores from existing ones, streaming a bounded block of steps at a
+time (about 8 MiB, as ``extend_from``), and is all or nothing: a destination is built under a
+temporary name in its parent folder (``.<name>.trajstore-partial-<pid>-<random>``), verified
+(:func:`~trajstore.maintenance.verify.verify_store`), and only then renamed into place; on any
+error every temporary folder is removed and no destination appears.  Bad input (unequal spaces,
+bad ratios, an unknown field, an existing destination) is refused before a byte is written.
+Destinations are local folders.
+
+Episode ids: :func:`combine` gives every episode a fresh id (0, 1, ... in the order of the
+sources, then of the episodes' first steps) and records where it came from in the episode field
+``source``; :func:`split` and :func:`filter_store` keep the source's ids, so a split's episodes
+can be matched with the original store.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+from trajstore.buffers.episode_edit import TABLE_COLUMNS, SelectionRows, episode_columns
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.core.store import _progress
+from trajstore.errors import (
+    BadArgumentError,
+    BadOptionError,
+    DamagedStoreError,
+    SpaceMismatchError,
+    StoreExistsError,
+    UnsupportedSpaceError,
+)
+from trajstore.maintenance.verify import verify_store
+from trajstore.maintenance.where import compile_where, where_fields
+
+__all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space"]
+
+#: The episode field :func:`combine` adds: the index of the episode's source in ``sources``.
+SOURCE_FIELD = "source"
+#: Steps are copied in blocks of about this many bytes.
+BLOCK_BYTES = 8 << 20
+
+PathLike = str | os.PathLike[str]
+
+
+# -- destinations ------------------------------------------------------------------------------------
+def _local(path: Any, what: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadArgumentError(f"{what} must be a path (str or os.PathLike); got {type(path).__name__}")
+    p = os.fspath(path)
+    if "://" in p or "::" in p or p.endswith(".zip"):
+        raise BadOptionError(f"{what} {p!r}: combine, split and filter write local folders; copy the result "
+                             "elsewhere with `trajstore copy` afterwards")
+    return os.path.abspath(p)
+
+
+def _check_free(dst: str, overwrite: bool) -> None:
+    if os.path.lexists(dst) and not overwrite and (not os.path.isdir(dst) or any(os.scandir(dst))):
+        raise StoreExistsError(f"{dst}: something already exists there; pass overwrite=True (--overwrite) to replace it")
+
+
+class _Staged:
+    """Temporary folders next to their destinations, renamed into place together by :meth:`commit`
+    or removed by :meth:`discard`."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, str]] = []
+
+    def new(self, dst: str) -> str:
+        parent, name = os.path.split(dst)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.trajstore-partial-{os.getpid()}-{secrets.token_hex(4)}")
+        self.pairs.append((tmp, dst))
+        return tmp
+
+    def commit(self, overwrite: bool) -> None:
+        for tmp, dst in self.pairs:
+            if overwrite and os.path.lexists(dst):
+                if os.path.isdir(dst) and not os.path.islink(dst):
+                    shutil.rmtree(dst)
+                else:
+                    os.unlink(dst)
+            elif os.path.isdir(dst):
+                os.rmdir(dst)  # an empty folder (checked before writing)
+            os.rename(tmp, dst)
+        self.pairs = []
+
+    def discard(self) -> None:
+        for tmp, _dst in self.pairs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.pairs = []
+
+
+def _verified(path: str) -> None:
+    rep = verify_store(path)
+    if not rep.ok:
+        raise DamagedStoreError(f"{path}: the written store does not verify: {rep.faults[0].message}")
+
+
+# -- sources -----------------------------------------------------------------------------------------
+def _open(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:
+    """``(buffer, opened here)``: a TrajectoryReplayBuffer as it is, a path opened read-only."""
+    if isinstance(src, TrajectoryReplayBuffer):
+        return src, False
+    if not isinstance(src, (str, os.PathLike)):
+        raise BadArgumentError(f"{what} must be a path or a TrajectoryReplayBuffer; got {type(src).__name__}")
+    return TrajectoryReplayBuffer.load_from(src, read_only=True), True
+
+
+def _block_rows(buf: TrajectoryReplayBuffer) -> int:
+    return max(1, BLOCK_BYTES // max(buf._table.row_bytes, 1))
+
+
+def _step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
+    order, a bounded block at a time."""
+    buf._sync()
+    t = buf._table
+    fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
+    step = _block_rows(buf)
+    if ids is None:
+        for lo in range(0, t.count, step):
+            *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)
+            yield arrays, eids
+        return
+    sel = SelectionRows(buf.row_source(), ids)
+    n = sel.count
+    for lo in range(0, n, step):
+        rows = sel.to_parent(np.arange(lo, min(lo + step, n)))
+        *arrays, eids = t.gather(rows, fields)
+        yield arrays, eids
+
+
+def _episode_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray,
+                                                                                   list[np.ndarray]]]:
+    """``(ids, has_data, arrays)`` for blocks of episodes ``ids``: their episode-data leaves (zeros
+    where an episode has none)."""
+    if buf._ep_plan is None:
+        return
+    fields = list(range(len(buf._ep_plan.leaves)))
+    step = max(1, BLOCK_BYTES // max(buf._ep_table.row_bytes if buf._ep_table is not None else 1, 1))
+    for lo in range(0, len(ids), step):
+        part = ids[lo : lo + step]
+        yield part, buf._episodes.lookup(part) >= 0, buf._episode_rows(part, fields)
+
+
+def _spaces_equal(bufs: Sequence[TrajectoryReplayBuffer], names: Sequence[str]) -> None:
+    first = bufs[0]
+    for k, b in enumerate(bufs[1:], 1):
+        if b.step_space != first.step_space:
+            raise SpaceMismatchError(f"combine: {names[k]} has step space {b.step_space}; expected {first.step_space} "
+                                     f"(the step space of {names[0]})")
+        if b.episode_space != first.episode_space:
+            raise SpaceMismatchError(f"combine: {names[k]} has episode space {b.episode_space}; expected "
+                                     f"{first.episode_space} (the episode space of {names[0]})")
+
+
+def combined_episode_space(episode_space: gymnasium.Space | None, n_sources: int) -> gymnasium.spaces.Dict:
+    """The episode space of a store combined from ``n_sources`` stores of ``episode_space``.
+
+    Parameters
+    ----------
+    episode_space : gymnasium.Space or None
+        The sources' episode space.
+    n_sources : int
+        How many sources.
+
+    Returns
+    -------
+    gymnasium.spaces.Dict
+        ``episode_space`` plus ``source``, ``Box(0, n_sources - 1, (), int64)``: a Dict keeps its
+        keys (a ``source`` key is replaced), no space gives ``Dict(source=...)``, any other space
+        becomes ``Dict(value=episode_space, source=...)``.
+
+    Raises
+    ------
+    UnsupportedSpaceError
+        A Dict episode space whose ``source`` is not a scalar integer Box (it could not hold the
+        index).
+    """
+    src_box = gymnasium.spaces.Box(0, max(n_sources - 1, 0), (), np.int64)
+    if episode_space is None:
+        return gymnasium.spaces.Dict({SOURCE_FIELD: src_box})
+    if isinstance(episode_space, gymnasium.spaces.Dict):
+        old = episode_space.spaces.get(SOURCE_FIELD)
+        if old is not None and not (isinstance(old, gymnasium.spaces.Box) and old.shape == ()
+                                    and np.dtype(old.dtype).kind in "iu"):
+            raise UnsupportedSpaceError(f"combine: the sources' episode field {SOURCE_FIELD!r} is {old}; expected a "
+                                        f"scalar integer Box to hold the source index (rename that field first)")
+        return gymnasium.spaces.Dict({**{k: v for k, v in episode_space.spaces.items() if k != SOURCE_FIELD},
+                                      SOURCE_FIELD: src_box})
+    return gymnasium.spaces.Dict({"value": episode_space, SOURCE_FIELD: src_box})
+
+
+# -- combine ---------------------------------------------------------------------------------------
+def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike, *, tqdm: bool | None = None,
+            overwrite: bool = False) -> dict[str, Any]:
+    """One trajectory store at ``dst`` holding every episode of ``sources``.
+
+    Episodes keep their steps (in the order of the sources, then of the rows) and their episode
+    data, get fresh ids ``0, 1, ...`` and an episode field ``source``: the index of their store in
+    ``sources`` (int64).  The episode space is the sources' plus ``source``
+    (:func:`combined_episode_space`); episodes without episode data get zeros in the other fields.
+
+    Parameters
+    ----------
+    sources : sequence of paths or TrajectoryReplayBuffer
+        At least one store; equal step spaces and equal episode spaces.  Paths are opened
+        read-only; buffers are read as they are (and left open).
+    dst : path
+        A local folder that does not exist yet (or is empty; ``overwrite=True`` replaces it).
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace an existing store at ``dst`` (only after the new one was written and verified).
+
+    Returns
+    -------
+    dict
+        ``destination``, ``sources`` (names), ``episodes`` (per source), ``steps`` (per source),
+        ``verified`` (True).
+
+    Raises
+    ------
+    BadArgumentError
+        No sources, or a source that is neither a path nor a trajectory buffer.
+    SpaceMismatchError
+        Two sources' step or episode spaces differ (the message names both).
+    StoreExistsError
+        ``dst`` exists and ``overwrite`` is False.
+    """
+    if isinstance(sources, (str, os.PathLike)) or not len(sources):
+        raise BadArgumentError("combine: sources must be a non-empty sequence of stores (paths or buffers); got "
+                               f"{sources!r}")
+    out_path = _local(dst, "combine: dst")
+    _check_free(out_path, overwrite)
+    opened: list[tuple[TrajectoryReplayBuffer, bool]] = []
+    staged = _Staged()
+    try:
+        for k, s in enumerate(sources):
+            opened.append(_open(s, f"combine: sources[{k}]"))
+        bufs = [b for b, _ in opened]
+        names = [b.cache_path or f"sources[{k}]" for k, b in enumerate(bufs)]
+        _spaces_equal(bufs, names)
+        ep_space = combined_episode_space(bufs[0].episode_space, len(bufs))
+        tables = [b.episodes() for b in bufs]
+        total = sum(len(b) for b in bufs)
+        bar = _progress(total, f"combine into {os.path.basename(out_path)}", tqdm, unit="step")
+        tmp = staged.new(out_path)
+        try:
+            out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
+                                                cache_path=tmp)
+            try:
+                next_id = 0
+                for k, (b, table) in enumerate(zip(bufs, tables)):
+                    src_ids = np.sort(table["episode_id"])
+                    # Fresh ids in order of the episodes' first steps.
+                    fresh = np.empty(len(src_ids), np.int64)
+                    fresh[np.searchsorted(src_ids, table["episode_id"])] = np.arange(next_id, next_id + len(src_ids))
+                    next_id += len(src_ids)
+                    for arrays, eids in _step_blocks(b, None):
+                        ids = fresh[np.searchsorted(src_ids, eids)]
+                        out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
+                        bar.update(len(eids))
+                    _combine_episode_data(b, out, src_ids, fresh, k)
+                out.mark_episode_end()
+            finally:
+                out.close()
+        finally:
+            bar.close()
+        _verified(tmp)
+        staged.commit(overwrite)
+    except BaseException:
+        staged.discard()
+        raise
+    finally:
+        for b, own in opened:
+            if own:
+                b.close()
+    return {"destination": out_path, "sources": names, "episodes": [len(t["episode_id"]) for t in tables],
+            "steps": [int(t["length"].sum()) for t in tables], "verified": True}
+
+
+def _combine_episode_data(src: TrajectoryReplayBuffer, out: TrajectoryReplayBuffer, src_ids: np.ndarray,
+                          fresh: np.ndarray, k: int) -> None:
+    """Episode data of every episode of ``src`` (zeros where it has none) plus ``source = k``."""
+    source = np.int64(k)
+    ep = src.episode_space
+    if src._ep_plan is None:
+        for new in fresh.tolist():
+            out.set_episode_data_at(new, {SOURCE_FIELD: source})
+        return
+    plan = src._ep_plan
+    pos = 0
+    for part, _has, arrays in _episode_blocks(src, src_ids):
+        for i in range(len(part)):
+            value = plan.from_arrays([a[i] for a in arrays])
+            row = ({**{key: v for key, v in value.items() if key != SOURCE_FIELD}, SOURCE_FIELD: source}
+                   if isinstance(ep, gymnasium.spaces.Dict) else {"value": value, SOURCE_FIELD: source})
+            out.set_episode_data_at(int(fresh[pos + i]), row)
+        pos += len(part)
+
+
+# -- split and filter ------------------------------------------------------------------------------
+def _check_ratios(ratios: Any) -> dict[str, float]:
+    if not isinstance(ratios, Mapping) or not ratios:
+        raise BadArgumentError(f"split: ratios must be a non-empty mapping of split names to fractions, e.g. "
+                               f"{{'train': 0.9, 'val': 0.1}}; got {ratios!r}")
+    out: dict[str, float] = {}
+    for name, r in ratios.items():
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name:
+            raise BadOptionError(f"split: split names must be non-empty names without '/'; got {name!r}")
+        if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) or not np.isfinite(r) \
+                or r < 0:
+            raise BadOptionError(f"split: ratio of {name!r} must be a number >= 0; got {r!r}")
+        out[name] = float(r)
+    total = sum(out.values())
+    if abs(total - 1.0) > 1e-6:
+        raise BadOptionError(f"split: ratios must sum to 1; got {total:g} from {out}")
+    return out
+
+
+def split_counts(n: int, ratios: Mapping[str, float]) -> dict[str, int]:
+    """Episodes per split: ``floor(n * ratio)`` each, the remaining episodes to the splits with the
+    largest remainders (ties: in the order given), so the counts add up to ``n``.
+
+    Parameters
+    ----------
+    n : int
+        Episodes to share out.
+    ratios : mapping of str to float
+        Fractions summing to 1.
+
+    Returns
+    -------
+    dict of str to int
+        Counts in the order of ``ratios``, summing to ``n``.
+    """
+    names = list(ratios)
+    exact = np.array([n * ratios[k] for k in names], np.float64)
+    base = np.floor(exact + 1e-9).astype(np.int64)
+    rest = n - int(base.sum())
+    order = np.argsort(-(exact - base), kind="stable")
+    base[order[:rest]] += 1
+    return dict(zip(names, base.tolist()))
+
+
+def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar: Any) -> int:
+    """A store at ``tmp`` with the spaces of ``src`` and its episodes ``ids`` (sorted), ids kept."""
+    out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp)
+    steps = 0
+    try:
+        if len(ids):
+            for arrays, eids in _step_blocks(src, ids):
+                out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": eids})
+                bar.update(len(eids))
+                steps += len(eids)
+            if src._ep_plan is not None:
+                plan = src._ep_plan
+                for part, has, arrays in _episode_blocks(src, ids):
+                    for i in np.flatnonzero(has).tolist():
+                        out.set_episode_data_at(int(part[i]), plan.from_arrays([a[i] for a in arrays]))
+        out.mark_episode_end()
+    finally:
+        out.close()
+    return steps
+
+
+def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | None = None, dst_prefix: PathLike = "",
+          *, seed: int = 0, tqdm: bool | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Split the episodes of ``src`` into stores ``dst_prefix + name``, one per entry of ``ratios``.
+
+    Every episode (with steps) goes to exactly one split, with its steps, its episode data and its
+    id.  Which episodes go where is a seeded random permutation: the same ``src``, ``ratios`` and
+    ``seed`` always give the same splits.  Split ``name`` gets ``floor(E * ratio)`` episodes, the
+    remaining ones going to the largest remainders (:func:`split_counts`).
+
+    Parameters
+    ----------
+    src : path or TrajectoryReplayBuffer
+        The store to split (a path is opened read-only).
+    ratios : mapping of str to float
+        Split names to fractions >= 0 summing to 1; default ``{"train": 0.9, "val": 0.1}``.
+    dst_prefix : path
+        Each split is written to ``dst_prefix + name`` (``"out/pendulum_"`` gives
+        ``out/pendulum_train``; ``"out/"`` gives ``out/train``).
+    seed : int
+        Seed of the permutation of episodes.
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace existing stores at the destinations.
+
+    Returns
+    -------
+    dict
+        ``source``, ``seed``, ``splits``: per name ``{"destination", "episodes", "steps",
+        "episode_ids"}``, ``verified`` (True).
+
+    Raises
+    ------
+    BadArgumentError
+        ``ratios`` is not a non-empty mapping; ``src`` is not a path or a trajectory buffer.
+    BadOptionError
+        A ratio < 0 or not a number, ratios not summing to 1, a bad split name.
+    StoreExistsError
+        A destination exists and ``overwrite`` is False.
+    """
+    r = _check_ratios({"train": 0.9, "val": 0.1} if ratios is None else ratios)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise BadArgumentError(f"split: seed must be an int; got {seed!r}")
+    prefix = os.fspath(dst_prefix)
+    dsts = {name: _local(prefix + name, f"split: destination of {name!r}") for name in r}
+    for d in dsts.values():
+        _check_free(d, overwrite)
+    buf, own = _open(src, "split: src")
+    staged = _Staged()
+    try:
+        ids = buf.episodes()["episode_id"]
+        perm = np.random.default_rng(seed).permutation(ids)
+        counts = split_counts(len(ids), r)
+        report: dict[str, Any] = {}
+        bar = _progress(len(buf), f"split {os.path.basename(os.fspath(buf.cache_path or 'buffer'))}", tqdm,
+                        unit="step")
+        try:
+            lo = 0
+            for name, c in counts.items():
+                mine = np.sort(perm[lo : lo + c])
+                lo += c
+                tmp = staged.new(dsts[name])
+                steps = _write_selection(buf, mine, tmp, bar)
+                _verified(tmp)
+                report[name] = {"destination": dsts[name], "episodes": int(c), "steps": steps,
+                                "episode_ids": mine.tolist()}
+        finally:
+            bar.close()
+        staged.commit(overwrite)
+        return {"source": buf.cache_path, "seed": int(seed), "splits": report, "verified": True}
+    except BaseException:
+        staged.discard()
+        raise
+    finally:
+        if own:
+            buf.close()
+
+
+def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
+                 where: str | Callable[[dict[str, np.ndarray]], Any], *, tqdm: bool | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:
+    """Write the episodes of ``src`` for which ``where`` holds to a new store at ``dst`` (ids,
+    steps and episode data kept).
+
+    Parameters
+    ----------
+    src : path or TrajectoryReplayBuffer
+        The store to filter (a path is opened read-only).
+    dst : path
+        A local folder that does not exist yet (``overwrite=True`` replaces it).
+    where : str or callable
+        An expression of :mod:`trajstore.maintenance.where` over the episode fields (``"return >
+        100 and length >= 10"``), or a function as ``filter_episodes`` takes.
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace an existing store at ``dst``.
+
+    Returns
+    -------
+    dict
+        ``source``, ``destination``, ``where`` (the expression, or None for a function),
+        ``episodes`` (kept), ``of`` (episodes in ``src``), ``steps`` (kept), ``verified`` (True).
+
+    Raises
+    ------
+    BadOptionError
+        ``where`` is not an expression of the language, or does not give true/false.
+    UnknownFieldError
+        ``where`` names a field the store's episodes do not have (the message lists them).
+    StoreExistsError
+        ``dst`` exists and ``overwrite`` is False.
+    """
+    out_path = _local(dst, "filter: dst")
+    _check_free(out_path, overwrite)
+    buf, own = _open(src, "filter: src")
+    staged = _Staged()
+    try:
+        if callable(where):
+            mask = buf.filter_episodes(where).episode_ids
+            cols = episode_columns(buf, names=[])
+        else:
+            names = where_fields(where)
+            data_names = [leaf.name or "value" for leaf in buf._ep_plan.leaves] if buf._ep_plan is not None else []
+            compile_where(where, list(TABLE_COLUMNS) + data_names)  # unknown fields: before reading anything
+            cols = episode_columns(buf, names=[n for n in names if n in data_names])
+            mask = cols["episode_id"][compile_where(where, cols)(cols)]
+        ids = np.sort(np.asarray(mask, np.int64))
+        tmp = staged.new(out_path)
+        total = int(cols["length"][np.isin(cols["episode_id"], ids)].sum())
+        bar = _progress(total, f"filter into {os.path.basename(out_path)}", tqdm, unit="step")
+        try:
+            steps = _write_selection(buf, ids, tmp, bar)
+        finally:
+            bar.close()
+        _verified(tmp)
+        staged.commit(overwrite)
+        return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
+                "episodes": int(len(ids)), "of": int(len(cols["episode_id"])), "steps": steps, "verified": True}
+    except BaseException:
+        staged.discard()
+        raise
+    finally:
+        if own:
+            buf.close()
