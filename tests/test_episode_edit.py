@@ -214,6 +214,31 @@ def test_view_of_a_ring_drops_evicted_steps(tmp_path):
     buf.extend(_steps(buf.current_episode_id, 3))  # evicts 3 more steps of episode 0
     assert len(view) == 2 + 10
     np.testing.assert_array_equal(view[0]["step_data"]["obs"], [0, 8, 8])
+    # Removing an episode from a ring (its first rows evicted, the ring wrapped) keeps the others whole.
+    buf.remove_episodes([0])
+    ids = buf.get_at_with_metadata(slice(None))[1]["episode_ids"]
+    assert ids.tolist() == [1] * 10 + [2] * 10 + [3] * 3
+    np.testing.assert_array_equal(buf[:]["step_data"]["obs"][:, 1], list(range(10)) * 2 + list(range(3)))
+    assert len(view) == 10 and verify_store(str(tmp_path / "r")).ok
+    buf.close()
+
+
+def test_view_of_a_reader_follows_the_writers_commits(tmp_path):
+    path = str(tmp_path / "live")
+    buf, m = _build(path, [4, 6])
+    buf.flush()
+    live = buf.current_episode_id
+    buf.extend(_steps(live, 2))
+    buf.flush()
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        view = ro.select_episodes([0, live])
+        assert len(view) == 4 + 2 and view.episodes()["live"].tolist() == [False, True]
+        buf.extend(_steps(live, 3))  # the live episode grows; the reader sees it after the commit
+        buf.flush()
+        assert len(view) == 4 + 5
+        np.testing.assert_array_equal(view[4:]["step_data"]["obs"][:, 1], [0, 1, 0, 1, 2])
+        d, mk = view.get_sequences([3, 4], [0, 1])
+        assert mk.tolist() == [[True, False], [True, True]]
     buf.close()
 
 

@@ -485,35 +485,40 @@ class EpisodeEditing:
         """
         buf = cast("TrajectoryReplayBuffer", self)
         sel = _as_ids(ids)
-        buf._store._check_writable()
         buf._sync()
-        t, et = buf._table, buf._ep_table
-        first, lengths, run_ids = buf.row_source().runs()
-        ep_rows = buf._episodes.lookup(sel) if et is not None else np.full(len(sel), -1, np.int64)
-        _check_known(buf, sel, extra=ep_rows >= 0)
-        mine = np.isin(run_ids, sel)
-        n = lengths[mine]
-        rows = (np.repeat(first[mine] - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
-                if n.size else np.zeros(0, np.int64)).astype(np.int64)
-        gone_ep = np.unique(ep_rows[ep_rows >= 0])
-        if rows.size == 0 and gone_ep.size == 0:
-            return
+        with buf._store.write_op():  # multiprocessing: under the writers' lock, on their latest commit
+            buf._drain()
+            _remove(buf, sel)
 
-        def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
-            yield from t.rewrite_plan_remove(rows)
-            if et is not None and gone_ep.size:
-                yield from et.rewrite_plan_remove(gone_ep)
 
-        def shrink() -> None:
-            t.state.end -= int(rows.size)
-            if et is not None:
-                et.state.end -= int(gone_ep.size)
-            buf._episodes.forget()
-            if buf.current_episode_id in sel:  # its id is gone: later steps start a fresh episode
-                buf._new_episode()
+def _remove(buf: TrajectoryReplayBuffer, sel: np.ndarray) -> None:
+    """The body of ``remove_episodes`` (inside a write operation)."""
+    t, et = buf._table, buf._ep_table
+    first, lengths, run_ids = buf.row_source().runs()
+    ep_rows = buf._episodes.lookup(sel) if et is not None else np.full(len(sel), -1, np.int64)
+    _check_known(buf, sel, extra=ep_rows >= 0)
+    mine = np.isin(run_ids, sel)
+    n = lengths[mine]
+    rows = (np.repeat(first[mine] - np.concatenate([[0], np.cumsum(n)[:-1]]), n) + np.arange(int(n.sum()))
+            if n.size else np.zeros(0, np.int64)).astype(np.int64)
+    gone_ep = np.unique(ep_rows[ep_rows >= 0])
+    if rows.size == 0 and gone_ep.size == 0:
+        return
 
-        with buf._store.write_op():
-            buf._store.rewrite(changes(), shrink)
+    def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
+        yield from t.rewrite_plan_remove(rows)
+        if et is not None and gone_ep.size:
+            yield from et.rewrite_plan_remove(gone_ep)
+
+    def shrink() -> None:
+        t.state.end -= int(rows.size)
+        if et is not None:
+            et.state.end -= int(gone_ep.size)
+        buf._episodes.forget()
+        if buf.current_episode_id in sel:  # its id is gone: later steps start a fresh episode
+            buf._new_episode()
+
+    buf._store.rewrite(changes(), shrink)
 
 
 def _check_known(buf: TrajectoryReplayBuffer, sel: np.ndarray, extra: np.ndarray | None = None) -> None:
