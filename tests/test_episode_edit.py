@@ -378,6 +378,13 @@ def test_combine_without_episode_space_and_refusals(tmp_path):
         trajstore.combine([str(tmp_path / "p")], str(tmp_path / "q"))
     with pytest.raises(BadArgumentError):
         trajstore.combine([], str(tmp_path / "x"))
+    with pytest.raises(BadOptionError, match="both a source and a destination"):
+        trajstore.combine([str(tmp_path / "p"), str(tmp_path / "q")], str(tmp_path / "q"), overwrite=True)
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "q"), read_only=True) as q:
+        assert len(q) == 5
+    trajstore.combine([str(tmp_path / "p")], str(tmp_path / "pq"), overwrite=True)  # replaced once verified
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "pq"), read_only=True) as pq:
+        assert len(pq) == 5 and pq.episode_space == Dict({"source": Box(0, 0, (), np.int64)})
     assert not os.path.exists(tmp_path / "x") and [n for n in os.listdir(tmp_path) if "partial" in n] == []
 
 

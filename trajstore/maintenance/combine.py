@@ -97,6 +97,14 @@ class _Staged:
         self.pairs = []
 
 
+def _not_a_source(dst: str, sources: Sequence[Any]) -> None:
+    """A destination must not be one of the stores being read (``overwrite`` would delete it)."""
+    for s in sources:
+        path = s.cache_path if isinstance(s, TrajectoryReplayBuffer) else s
+        if isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)) == dst:
+            raise BadOptionError(f"{dst} is both a source and a destination; write to another folder")
+
+
 def _verified(path: str) -> None:
     rep = verify_store(path)
     if not rep.ok:
@@ -239,6 +247,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         raise BadArgumentError("combine: sources must be a non-empty sequence of stores (paths or buffers); got "
                                f"{sources!r}")
     out_path = _local(dst, "combine: dst")
+    _not_a_source(out_path, sources)
     _check_free(out_path, overwrite)
     opened: list[tuple[TrajectoryReplayBuffer, bool]] = []
     staged = _Staged()
@@ -418,6 +427,7 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
     prefix = os.fspath(dst_prefix)
     dsts = {name: _local(prefix + name, f"split: destination of {name!r}") for name in r}
     for d in dsts.values():
+        _not_a_source(d, [src])
         _check_free(d, overwrite)
     buf, own = _open(src, "split: src")
     staged = _Staged()
@@ -486,6 +496,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         ``dst`` exists and ``overwrite`` is False.
     """
     out_path = _local(dst, "filter: dst")
+    _not_a_source(out_path, [src])
     _check_free(out_path, overwrite)
     buf, own = _open(src, "filter: src")
     staged = _Staged()
