@@ -141,6 +141,12 @@ def test_select_episodes_view_reads_the_selected_rows(tmp_path):
     np.testing.assert_array_equal(view.get_episode(4)["step_data"]["obs"], m.obs(np.flatnonzero(m.ids == 4)))
     with pytest.raises(UnknownEpisodeError):
         view.get_episode(3)  # in the buffer, not in the selection
+    # Views of the view read the same rows (get_column, get_slice, to_dask).
+    np.testing.assert_array_equal(view.get_column(["step_data", "obs"])[2:5], m.obs(rows[2:5]))
+    np.testing.assert_array_equal(view.get_slice(slice(-3, None))[:]["step_data"]["act"][:, 0], m.k[rows[-3:]])
+    pytest.importorskip("dask")
+    buf.flush()
+    np.testing.assert_array_equal(view.get_column("step_data/obs").to_dask().compute(), m.obs(rows))
     buf.close()
 
 

@@ -221,7 +221,9 @@ class SelectionRows(EpisodeSource):
         return [a.reshape(len(first), length, *a.shape[1:]) for a in self.read_rows(rows, leaves)]
 
     def leaf_field(self, leaf: int) -> Field | None:
-        return None  # the selection's rows are not one stored field's rows
+        # The parent's field: its layout (dtype, shape, chunk rows) sizes dask chunks; rows are
+        # always read through read_rows, which maps selection rows to the parent's.
+        return self.parent.leaf_field(leaf)
 
     # -- EpisodeSource ----------------------------------------------------------------------------
     @property
