@@ -11,8 +11,9 @@ Where the priorities live (the storage decision)
 In a *sidecar store*: an ordinary trajstore ReplayBuffer store (one float32 row per row of the
 buffer, space ``Box(0, inf, (), float32)``) in the folder ``trajstore.priorities/`` inside the
 buffer's own folder (or under its URL).  Its rows are numbered with the buffer's absolute row
-numbers (a ring of the buffer's capacity, so row ``a`` of both sits in slot ``a % capacity``),
-and its commit record's state holds ``{"main_epoch", "max_priority"}``.  Why a store of its own
+numbers (for a ring buffer, a ring 1/8 larger than the buffer's, so that its early evictions
+never drop a row the buffer still holds), and its commit record's state holds
+``{"main_epoch", "max_priority"}``.  Why a store of its own
 rather than a field of the buffer's table:
 
 - the buffer's format, its commit record, ``trajstore verify``/``repair`` and every reader of old
@@ -280,12 +281,15 @@ class PrioritizedSampler:
             overwrite = True
         if self._side is None:
             remote = "://" in self._side_url and not self._side_url.startswith(("file://", "memory://"))
-            spec = make_field_spec(_TABLE, (), np.dtype(np.float32), capacity=self._cap,
+            # A ring evicts up to two `guard`s of rows (1/16 of its capacity) before it must: a
+            # sidecar ring 1/8 larger than the buffer's always keeps every row the buffer keeps.
+            cap = None if self._cap is None else self._cap + self._cap // 8 + 64
+            spec = make_field_spec(_TABLE, (), np.dtype(np.float32), capacity=cap,
                                    compressor="lz4" if remote else None, chunk_rows=SIDE_CHUNK_ROWS)
             from gymnasium.spaces import Box
 
             space = Box(0.0, np.inf, (), np.float32)
-            self._side = Store.create(self._side_url, "ReplayBuffer", [TableSpec(_TABLE, self._cap, [spec])],
+            self._side = Store.create(self._side_url, "ReplayBuffer", [TableSpec(_TABLE, cap, [spec])],
                                       {"spaces": {_TABLE: space_to_json(space)}}, storage_options=opts,
                                       overwrite=overwrite, multiprocessing=False, options={})
         if self._writable:
