@@ -194,7 +194,8 @@ class SelectionRows(EpisodeSource):
 
     @property
     def committed(self) -> tuple[int, int]:
-        return self.start, self.start + self.count
+        rows = self._resolve()  # a writer's rows past its last commit are not committed
+        return self._vstart, self._vstart + int(np.searchsorted(rows, self.parent.committed[1]))
 
     @property
     def reopen(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
