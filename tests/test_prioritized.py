@@ -348,6 +348,11 @@ def test_bad_input_raises_specific_errors(tmp_path: Path) -> None:
                 s.update_priorities(np.zeros((2, 2), np.int64), [1.0])
             # Nothing was changed by the refused calls.
             assert (s.priorities(np.arange(10)) == 1.0).all()
+        with PrioritizedSampler(buf, eps=0.0) as s:
+            s.sample(1, rng=0)
+            s.update_priorities(np.arange(10), 0.0)
+            with pytest.raises(BadValueError, match="every one of the 10 rows has priority 0 and eps is 0"):
+                s.sample(4)
 
 
 # ---------------------------------------------------------------------------------------------

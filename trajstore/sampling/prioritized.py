@@ -445,6 +445,8 @@ class PrioritizedSampler:
             ``batch_size`` is not an int > 0.
         EmptyBufferError
             The buffer holds no rows.
+        BadValueError
+            Every row has priority 0 and ``eps`` is 0.
         ConcurrentWriteError
             (Readers) a writer evicted rows faster than they could be sampled, 100 times running.
         """
@@ -457,8 +459,11 @@ class PrioritizedSampler:
         for _ in range(SAMPLE_ATTEMPTS):
             self._follow()
             total = self._tree.total
-            if self._end <= self._start or total <= 0:
+            if self._end <= self._start:
                 raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
+            if total <= 0:
+                raise BadValueError(f"sample: every one of the {self._end - self._start} rows has priority 0 and eps "
+                                    "is 0, so no row can be drawn; give some rows a priority > 0 or use eps > 0")
             start, epoch = self._start, self._epoch
             slots = self._tree.find(gen.random(int(batch_size)) * total)
             idx = self._logical(slots)
