@@ -159,9 +159,10 @@ class PrioritizedSampler:
     read-only reader in another process, samples with the same ones.
 
     Importance weights are ``w_i = (N * P(i)) ** -beta / max_j w_j`` (N: rows in the buffer) with
-    the max over the *batch*, as Dopamine and the Rainbow reference code do.  OpenAI baselines and
-    TorchRL divide by the largest weight over the whole buffer instead (from the smallest
-    priority, kept in a second, min tree); the batch max needs no second tree to maintain and
+    the max over the *batch*, as Dopamine's Rainbow agent does (stable-baselines3 and its contrib
+    package ship no prioritized replay).  OpenAI baselines and TorchRL divide by the largest weight
+    over the whole buffer instead (``(p_i / min_k p_k) ** -beta``, the smallest priority kept in a
+    second, min tree); the batch max needs no second tree to maintain and
     persist, and a single stale row of tiny priority anywhere in the buffer cannot shrink every
     batch's weights (and so the effective learning rate).  Either way the weights only ever scale
     updates down; the largest weight in every batch is exactly 1.
