@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.block}; cold = the first {COLD_CALLS} calls after opening, steady = the rest; medians "
                         "over blocks. Target: `sample(256)` within 2x of uniform.\n\n" + text + "\n\n"
                         "Beyond uniform's draw and gather, a prioritized `sample(256)` searches the sum tree (one "
-                        "`searchsorted` over the 16,384 partial sums of its top row, then one descent step of five "
-                        "numpy calls on 256-element arrays per level below it: six at 1,000,000 rows), computes the "
+                        "`searchsorted` over the 4,096 partial sums of its top row, then one descent step of five "
+                        "numpy calls on 256-element arrays per level below it: eight at 1,000,000 rows), computes the "
                         "importance weights, and reads the rows through `buffer[indices]` (which checks the "
                         "indices). The training-step row adds `update_priorities(256)` (an O(B log n) tree update) "
                         "and, on the next sample, the top row's partial sums computed again.")
