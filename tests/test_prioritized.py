@@ -25,6 +25,7 @@ import _workers as W  # noqa: E402
 from trajstore import PrioritizedSampler, ReplayBuffer, TrajectoryReplayBuffer, verify_store  # noqa: E402
 from trajstore.errors import (  # noqa: E402
     BadIndexError,
+    DamagedStoreError,
     BadOptionError,
     BadValueError,
     EmptyBufferError,
@@ -353,6 +354,54 @@ def test_bad_input_raises_specific_errors(tmp_path: Path) -> None:
             s.update_priorities(np.arange(10), 0.0)
             with pytest.raises(BadValueError, match="every one of the 10 rows has priority 0 and eps is 0"):
                 s.sample(4)
+
+
+@pytest.mark.parametrize("what", ["link-to-a-folder-outside", "file"])
+def test_a_tampered_sidecar_is_never_followed_or_erased(tmp_path: Path, what: str) -> None:
+    """A store is input: its ``trajstore.priorities`` entry may be a link to a folder elsewhere
+    (holding a damaged "store", which a writer would otherwise erase and recreate) or a file.  The
+    writer's sampler refuses with DamagedStoreError, a reader samples without priorities (a
+    warning), and nothing outside the buffer changes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (outside / "zarr.json").write_text("{not json")
+    _buffer(tmp_path / "buf", 20).close()
+    side = tmp_path / "buf" / PRIORITIES_DIR
+    if what == "file":
+        side.write_text("not a folder")
+    else:
+        side.symlink_to(outside, target_is_directory=True)
+    buf = ReplayBuffer.load_from(str(tmp_path / "buf"))
+    with pytest.raises(DamagedStoreError, match="is a link|is not a folder"):
+        PrioritizedSampler(buf).update_priorities(np.arange(4), np.ones(4))
+    buf.close()
+    with ReplayBuffer.load_from(str(tmp_path / "buf"), read_only=True) as ro:
+        with pytest.warns(UserWarning, match="max_priority"):
+            s = PrioritizedSampler(ro)
+            _batch, idx, w = s.sample(8, rng=0)
+        assert len(idx) == 8 and np.allclose(w, 1.0)
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "zarr.json"]
+    assert (outside / "precious.txt").read_text() == "keep me"
+
+
+def test_a_zip_of_the_buffer_leaves_the_priorities_out(tmp_path: Path) -> None:
+    """``dumps`` to a ``.zip`` writes the buffer's rows; the sidecar (a store of its own, which
+    readers of a zip never look for) is not copied in part."""
+    import zipfile
+
+    buf = _buffer(tmp_path / "buf", 50)
+    s = PrioritizedSampler(buf)
+    s.update_priorities(np.arange(10), np.arange(1, 11, dtype=np.float64))
+    s.flush()
+    assert (tmp_path / "buf" / PRIORITIES_DIR).is_dir()
+    buf.dumps(str(tmp_path / "b.zip"))
+    s.close()
+    buf.close()
+    names = zipfile.ZipFile(tmp_path / "b.zip").namelist()
+    assert names and not [n for n in names if n.startswith(PRIORITIES_DIR)]
+    with ReplayBuffer.load_from(str(tmp_path / "b.zip"), read_only=True) as z:
+        assert _values(z[:]).tolist() == list(range(50))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ while a writer fills a ring, and pickling as a small handle.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import os
 import sys
@@ -13,13 +12,12 @@ import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
-import zarr.core.sync as zarr_sync
 
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.rows import BufferRows
 from trajstore.buffers.views import BatchBase
 from trajstore.core.stager import RowStager
-from trajstore.core.store import BEFORE_OPEN, Store
+from trajstore.core.store import BEFORE_OPEN, Store, in_zarr_loop
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ClosedError
 from trajstore.sampling.source import read_consistent, sample_consistent
@@ -57,17 +55,6 @@ def _close_all() -> None:
             buf.close()
         except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
             pass
-
-
-def _in_zarr_loop() -> bool:
-    """Whether this thread runs zarr's event loop, which a commit (zarr's ``sync``) waits on.
-    Any other running loop (Jupyter's, a user's ``asyncio.run``) does not stop a commit."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    zarr_loop = getattr(zarr_sync, "loop", [None])[0]
-    return zarr_loop is not None and running is zarr_loop
 
 
 def as_generator(rng: np.random.Generator | int | None, default: np.random.Generator) -> np.random.Generator:
@@ -356,7 +343,7 @@ class StoredBuffer(BatchBase):
                 # even inside zarr's event-loop setup (whose lock a commit would take again and
                 # deadlock on), and the rows belong to the parent.  Release, never commit.
                 self._release()
-            elif not self._closed and _in_zarr_loop():
+            elif not self._closed and in_zarr_loop():
                 # Collected in zarr's IO thread (buffers sit in reference cycles, so the cyclic
                 # collector frees them in whichever thread it runs): a commit here would wait on
                 # this very loop.  Keep the buffer alive; it commits at the next open or at exit.

@@ -7,6 +7,7 @@ The commit protocol a store follows while it is open is :mod:`trajstore.core.com
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import shutil
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 import zarr
+import zarr.core.sync as zarr_sync
 
 from trajstore._optional import missing
 from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
@@ -69,6 +71,18 @@ ATTRS_KEY = "trajstore"
 #: that were collected where they could not commit (inside zarr's event-loop thread): they still
 #: hold their writer lock, which the store about to open may need.
 BEFORE_OPEN: list[Callable[[], None]] = []
+
+
+def in_zarr_loop() -> bool:
+    """Whether this thread runs zarr's event loop, which a commit (zarr's ``sync``) waits on:
+    an object collected there must not commit.  Any other running loop (Jupyter's, a user's
+    ``asyncio.run``) does not stop a commit."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    zarr_loop = getattr(zarr_sync, "loop", [None])[0]
+    return zarr_loop is not None and running is zarr_loop
 
 
 def _before_open() -> None:

@@ -41,6 +41,7 @@ from trajstore.storage.head import (
     TableState,
     write_head,
 )
+from trajstore.storage.keys import PRIORITIES_DIR
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
 from trajstore.storage.schema import check_schema
 from trajstore.storage.zipstore import ZipWriter
@@ -165,7 +166,9 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
         arrays = tuple(spec.array_path + "/" for _t, _f, spec, _c, _a in plans)
         for key in store.loc.list_prefix(""):  # the dataset description and other root files
             # Not the commit record nor a kept copy of an older one (its allocation is the source's).
-            if (key in (LOCK_KEY, MPLOCK_KEY) or key.startswith(("trajstore.head", TMP_DIR, STAGING_DIR, *arrays))
+            # Nor a sampler's priorities (a store of their own, which a zip's readers never look for).
+            if (key in (LOCK_KEY, MPLOCK_KEY)
+                    or key.startswith(("trajstore.head", TMP_DIR, STAGING_DIR, PRIORITIES_DIR + "/", *arrays))
                     or key == "zarr.json" or key.endswith("/zarr.json")):
                 continue
             blob = store.loc.get(key)

@@ -55,10 +55,10 @@ to update from an older sample.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import math
 import os
+import stat
 import sys
 import time
 import warnings
@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from trajstore._optional import to_numpy
-from trajstore.core.store import Store, TableSpec
+from trajstore.core.store import Store, TableSpec, in_zarr_loop
 from trajstore.errors import (
     BadIndexError,
     BadOptionError,
@@ -85,11 +85,11 @@ from trajstore.sampling.source import SAMPLE_ATTEMPTS, RowSource
 from trajstore.sampling.sumtree import SumTree
 from trajstore.spaces import space_to_json
 from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.keys import PRIORITIES_DIR
 
 __all__ = ["PrioritizedSampler", "PRIORITIES_DIR"]
 
 #: Folder of the sidecar store, inside the buffer's folder (or under its URL).
-PRIORITIES_DIR = "trajstore.priorities"
 #: The sidecar's table and field (a ReplayBuffer store of one float32 per row).
 _TABLE = "step_data"
 #: Rows per sidecar chunk (64 KiB of float32): a flush rewrites only the chunks holding changes.
@@ -114,18 +114,6 @@ def _flush_all() -> None:
             pass
 
 
-def _in_zarr_loop() -> bool:
-    """Whether this thread runs zarr's event loop (a store write would wait on it forever)."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    import zarr.core.sync as zarr_sync
-
-    zarr_loop = getattr(zarr_sync, "loop", [None])[0]
-    return zarr_loop is not None and running is zarr_loop
-
-
 def _sidecar_url(buffer: Any) -> str | None:
     """Where the buffer's sidecar lives: None for in-memory buffers and ``.zip`` files."""
     path = buffer.cache_path
@@ -137,6 +125,25 @@ def _sidecar_url(buffer: Any) -> str | None:
     if os.path.isdir(p):
         return os.path.join(p, PRIORITIES_DIR)
     return None  # a .zip (read-only, written whole by dumps): no sidecar
+
+
+def _not_a_folder(url: str) -> str | None:
+    """Why the local sidecar ``url`` must not be opened: it is a link (a tampered store could
+    point it anywhere, and a writer would write, or erase and recreate, what it points to) or
+    something other than a folder.  None: a folder, or nothing there yet, or not a local path."""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    elif "://" in url or "::" in url:
+        return None  # object stores have no links
+    try:
+        st = os.lstat(url)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a link, which trajstore never follows out of a store"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    return None
 
 
 def _positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
@@ -260,6 +267,14 @@ class PrioritizedSampler:
         if not create and time.monotonic() - self._side_looked < SIDE_RECHECK_S:
             return None
         self._side_looked = time.monotonic()
+        refused = _not_a_folder(self._side_url)
+        if refused is not None:
+            msg = f"{self._side_url} {refused}; remove it so that priorities can be stored there"
+            if self._writable:
+                raise DamagedStoreError(msg)
+            warnings.warn(f"{msg}. Every row counts as max_priority", stacklevel=3)
+            self._side_url = None  # never looked at again
+            return None
         opts = self.buffer.storage_options
         overwrite = False
         try:
@@ -688,7 +703,7 @@ class PrioritizedSampler:
         if sys.is_finalizing() or self.__dict__.get("_closed", True):
             return  # exiting (the exit hook flushed), or never fully built
         try:
-            if _in_zarr_loop():
+            if in_zarr_loop():
                 # Collected in zarr's IO thread (which a write waits on): release without writing.
                 self._release()
             else:

@@ -3,7 +3,7 @@
 Everything else in a store is zarr's (``zarr.json`` files and chunk keys); see docs/format.md.
 """
 
-__all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY"]
+__all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY", "PRIORITIES_DIR"]
 
 #: The commit record: which rows of every table are committed (see :mod:`trajstore.storage.head`).
 HEAD_KEY = "trajstore.head.json"
@@ -15,5 +15,8 @@ LOCK_KEY = "trajstore.lock"
 MPLOCK_KEY = "trajstore.mplock"
 #: The dataset description (:mod:`trajstore.metadata`).
 DATASET_KEY = "trajstore.dataset.json"
+#: A store of its own inside a buffer's folder: the priorities a PrioritizedSampler keeps
+#: (:mod:`trajstore.sampling.prioritized`).  Not part of the buffer's rows (a ``.zip`` leaves it out).
+PRIORITIES_DIR = "trajstore.priorities"
 #: Version of the commit record's format; a newer one is refused with FormatVersionError.
 FORMAT_VERSION = 1
