@@ -330,12 +330,14 @@ def test_bad_input_raises_specific_errors(tmp_path: Path) -> None:
                 with pytest.raises(BadOptionError, match=rf"batch_size must be an int > 0; got {bad!r}"):
                     s.sample(bad)
             s.sample(4, rng=0)
-            with pytest.raises(BadValueError, match=r"finite and >= 0; got -1\.0 at position 1"):
+            with pytest.raises(BadValueError, match=r"finite, >= 0 and at most .*; got -1\.0 at position 1"):
                 s.update_priorities([0, 1], [2.0, -1.0])
-            with pytest.raises(BadValueError, match=r"finite and >= 0; got nan at position 0"):
+            with pytest.raises(BadValueError, match=r"finite, >= 0 and .*; got nan at position 0"):
                 s.update_priorities([0], [float("nan")])
-            with pytest.raises(BadValueError, match=r"finite and >= 0; got inf"):
+            with pytest.raises(BadValueError, match=r"finite, >= 0 and .*; got inf"):
                 s.update_priorities([0], [float("inf")])
+            with pytest.raises(BadValueError, match=r"stored as float32\); got 1e\+300"):
+                s.update_priorities([0], [1e300])  # would overflow the stored float32 to inf
             with pytest.raises(BadValueError, match=r"expected 2 priorities .* got shape \(3,\)"):
                 s.update_priorities([0, 1], [1.0, 2.0, 3.0])
             with pytest.raises(IndexOutOfRangeError, match=r"index 10 \(position 1\) is out of range: expected "

@@ -90,6 +90,8 @@ from trajstore.storage.keys import PRIORITIES_DIR
 __all__ = ["PrioritizedSampler", "PRIORITIES_DIR"]
 
 #: Folder of the sidecar store, inside the buffer's folder (or under its URL).
+#: Largest priority (they are stored as float32).
+_F32_MAX = float(np.finfo(np.float32).max)
 #: The sidecar's table and field (a ReplayBuffer store of one float32 per row).
 _TABLE = "step_data"
 #: Rows per sidecar chunk (64 KiB of float32): a flush rewrites only the chunks holding changes.
@@ -574,7 +576,8 @@ class PrioritizedSampler:
         IndexOutOfRangeError
             An index outside the rows that sample saw.
         BadValueError
-            A priority is negative, NaN or infinite, or their number differs from the indices'.
+            A priority is negative, NaN, infinite or beyond float32's range, or their number differs
+            from the indices'.
         ClosedError
             The sampler was closed.
         """
@@ -595,11 +598,11 @@ class PrioritizedSampler:
         if p.ndim != 1 or (p.size != idx.size and p.size != 1):
             raise BadValueError(f"update_priorities: expected {idx.size} priorities (one per index) or one for all; "
                                 f"got shape {to_numpy(priorities).shape}")
-        bad = ~np.isfinite(p) | (p < 0)
+        bad = ~np.isfinite(p) | (p < 0) | (p > _F32_MAX)
         if bad.any():
             j = int(np.argmax(bad))
-            raise BadValueError(f"update_priorities: priorities must be finite and >= 0; got {float(p[j])!r} "
-                                f"at position {j}")
+            raise BadValueError(f"update_priorities: priorities must be finite, >= 0 and at most {_F32_MAX:.4g} "
+                                f"(they are stored as float32); got {float(p[j])!r} at position {j}")
         if p.size == 1:
             p = np.full(idx.size, p[0])
         self._follow()
