@@ -443,6 +443,13 @@ def test_split_by_episodes_is_complete_and_seeded(tmp_path):
         trajstore.split(str(tmp_path / "src"), {"train": 0.5, "val": 0.5}, str(tmp_path / "out" / "s_"))
     assert not os.path.exists(tmp_path / "never")
     assert [n for n in os.listdir(tmp_path / "out") if "partial" in n] == []
+    # Without dst_prefix the splits go next to the source (as the split(src, ratios, seed=) call)
+    beside = trajstore.split(str(tmp_path / "src"), {"train": 0.7, "val": 0.2, "test": 0.1}, seed=5)
+    assert {k: v["destination"] for k, v in beside["splits"].items()} == {
+        k: str(tmp_path / f"src_{k}") for k in ("train", "val", "test")}
+    assert all(beside["splits"][k]["episode_ids"] == rep["splits"][k]["episode_ids"] for k in rep["splits"])
+    with pytest.raises(BadArgumentError, match="pass dst_prefix"):
+        trajstore.split(TrajectoryReplayBuffer.create(src.step_space, cache_path=None), {"all": 1.0})
 
 
 def test_filter_store_with_where_expression(tmp_path):

@@ -381,8 +381,8 @@ def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar
     return steps
 
 
-def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | None = None, dst_prefix: PathLike = "",
-          *, seed: int = 0, tqdm: bool | None = None, overwrite: bool = False) -> dict[str, Any]:
+def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | None = None,
+          dst_prefix: PathLike | None = None, *, seed: int = 0, tqdm: bool | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Split the episodes of ``src`` into stores ``dst_prefix + name``, one per entry of ``ratios``.
 
     Every episode (with steps) goes to exactly one split, with its steps, its episode data and its
@@ -396,9 +396,11 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
         The store to split (a path is opened read-only).
     ratios : mapping of str to float
         Split names to fractions >= 0 summing to 1; default ``{"train": 0.9, "val": 0.1}``.
-    dst_prefix : path
+    dst_prefix : path, optional
         Each split is written to ``dst_prefix + name`` (``"out/pendulum_"`` gives
-        ``out/pendulum_train``; ``"out/"`` gives ``out/train``).
+        ``out/pendulum_train``; ``"out/"`` gives ``out/train``).  Default: next to the source,
+        ``<src>_`` (``data/pendulum`` gives ``data/pendulum_train``, ``data/pendulum_val``); a
+        source without a folder (in memory, a URL) needs one.
     seed : int
         Seed of the permutation of episodes.
     tqdm : bool or None
@@ -424,6 +426,12 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
     r = _check_ratios({"train": 0.9, "val": 0.1} if ratios is None else ratios)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise BadArgumentError(f"split: seed must be an int; got {seed!r}")
+    if dst_prefix is None:
+        where = src.cache_path if isinstance(src, TrajectoryReplayBuffer) else src
+        if where is None or "://" in os.fspath(where) or os.fspath(where).endswith(".zip"):
+            raise BadArgumentError(f"split: pass dst_prefix; the source {where!r} is not a local folder to "
+                                   "write the splits next to")
+        dst_prefix = os.fspath(where).rstrip("/\\") + "_"
     prefix = os.fspath(dst_prefix)
     dsts = {name: _local(prefix + name, f"split: destination of {name!r}") for name in r}
     for d in dsts.values():
