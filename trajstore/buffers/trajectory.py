@@ -15,15 +15,16 @@ rows are evicted once the last step of their episode has left the step ring.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping, Sequence, TypedDict, cast
+from typing import Any, Iterator, Sequence, TypedDict, cast
 
 import gymnasium
 import numpy as np
 
 from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
-from trajstore.buffers.base import StoredBuffer, as_generator
+from trajstore.buffers.base import StoredBuffer
 from trajstore.buffers.episode_edit import EpisodeEditing
+from trajstore.buffers.episode_windows import EpisodeWindows
 from trajstore.buffers.replay import (
     ZarrStorage,
     _copy_steps,
@@ -43,8 +44,6 @@ from trajstore.errors import (
     UnknownEpisodeError,
     UnsupportedSpaceError,
 )
-from trajstore.sampling import field_windows as _fw
-from trajstore.sampling import sequences as _seq
 from trajstore.spaces import ValuePlan, space_to_json
 from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.layout import make_field_spec
@@ -95,7 +94,7 @@ def _check_episode_ids(ids: Any) -> np.ndarray:
     return raw.astype(np.int64)
 
 
-class TrajectoryReplayBuffer(EpisodeEditing, StoredBuffer):
+class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, StoredBuffer):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
@@ -665,91 +664,6 @@ class TrajectoryReplayBuffer(EpisodeEditing, StoredBuffer):
                     for k, eid in enumerate(src[have].tolist()):
                         self._episodes.set_row(fresh[eid], [a[k : k + 1] for a in data])
             self._new_episode()
-
-    # -- episodes and sequences -------------------------------------------------------------------
-    def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray | Mapping[str, Any], *,
-                      pad: str | Mapping[str, str] = "edge") -> tuple[TrajectoryData, Any]:
-        """Windows of frames around anchor rows.
-
-        Frame ``t`` of anchor ``b`` is row ``idx[b] + offsets[t]``; it is valid when that row exists
-        and belongs to the anchor's episode.  Invalid frames are filled by ``pad``: ``"edge"``
-        repeats the nearest valid frame (before the anchor the earliest valid one, after it the
-        latest), ``"zero"`` fills zeros.
-
-        Per-field windows: ``offsets`` may map fields of a Dict step space (keys joined by ``"/"``,
-        ``"obs/image"``; a Dict or Tuple node is read whole) to their own offsets, e.g.
-        ``{"obs": [-1, 0], "action": range(16)}``, and ``pad`` may map fields to modes (unnamed:
-        ``"edge"``).  Only the named fields are read, each once; ``"edge"`` then repeats the nearest
-        row of the anchor's episode within the window of all fields together (its first step before
-        the anchor, its last after it: Diffusion Policy's padding); see docs/offline.md.
-
-        Returns
-        -------
-        data : TrajectoryData
-            ``step_data`` leaves of shape (B, T, ...) (per field: only the named fields, nested as in
-            the space, (B, len(offsets[key]), ...)); ``episode_data`` of each anchor's episode, (B, ...).
-        valid_mask : (B, T) bool, or per field a dict key -> (B, len(offsets[key])) bool
-
-        Raises
-        ------
-        BadOptionError, BadArgumentError, UnknownFieldError
-            A bad pad mode; per field: offsets not 1-D integers, empty, overlapping or naming no
-            field; a step space that is not a Dict.
-        """
-        if isinstance(offsets, Mapping):
-            return self._field_windows(_fw.get_field_windows(self.row_source(), self.step_space, idx, offsets, pad))
-        return self._windows(_seq.get_sequences(self.row_source(), idx, offsets, pad))  # type: ignore[arg-type]
-
-    def sample_sequences(self, batch_size: int, seq_len: int | None = None, *,
-                         offsets: Mapping[str, Any] | None = None, rng: np.random.Generator | int | None = None,
-                         pad: str | Mapping[str, str] = "edge", within_episode: bool = False, allow_pad: bool = False
-                         ) -> tuple[TrajectoryData, Any]:
-        """``batch_size`` windows of ``seq_len`` consecutive rows from uniformly drawn first rows
-        (``within_episode=True``: only windows wholly inside one episode).  Returns
-        ``(data with step_data (B, T, ...), valid_mask (B, T))`` as :meth:`get_sequences`.
-
-        Or, instead of ``seq_len``, per-field ``offsets`` as :meth:`get_sequences` takes them,
-        around uniformly drawn anchor rows (``within_episode=True``: anchors whose window of all
-        fields together lies inside the anchor's episode), returning per-field data and masks.
-        ``allow_pad=True`` with ``within_episode=True`` draws every row as an anchor and pads the
-        frames outside its episode (Diffusion Policy's ``pad_before`` / ``pad_after``).
-
-        Raises
-        ------
-        BadArgumentError
-            Both or neither of ``seq_len`` and ``offsets``; bad ``offsets`` as :meth:`get_sequences`.
-        BadOptionError
-            A bad ``seq_len`` or ``pad``; no window lies inside one episode with ``within_episode``.
-        """
-        _fw.seq_len_or_offsets(seq_len, offsets)
-        g, within = as_generator(rng, self._rng), within_episode and not allow_pad
-        if offsets is not None:
-            return self._field_windows(_fw.sample_field_windows(self.row_source(), self.step_space, batch_size,
-                                                                offsets, g, pad, within))
-        return self._windows(_seq.sample_sequences(self.row_source(), batch_size, cast(int, seq_len), g,
-                                                   pad, within))  # type: ignore[arg-type]
-
-    def episodes(self) -> dict[str, np.ndarray]:
-        """One entry per episode with steps present: ``episode_id``, ``start`` (logical row of its
-        first step), ``length`` (steps) and ``live`` (still being recorded), ordered by ``start``."""
-        return _seq.episode_table(self.row_source())
-
-    def get_episode(self, episode_id: int) -> TrajectoryData:
-        """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
-        return self.get_at(_seq.episode_rows(self.row_source(), int(episode_id)))
-
-    def _windows(self, w: _seq.Windows) -> tuple[TrajectoryData, Any]:
-        """Sequence windows (numpy, per leaf) as this buffer's structure and backend."""
-        out = self._backend.out
-        step_data = self._step_plan.from_arrays([out(a) for a in w.steps])
-        episode_data = self._ep_plan.from_arrays([out(a) for a in w.episodes]) if self._ep_plan is not None else None
-        return self._wrap({"step_data": step_data, "episode_data": episode_data}), out(w.valid)
-
-    def _field_windows(self, w: _fw.FieldWindows) -> tuple[TrajectoryData, dict[str, Any]]:
-        """Per-field windows as this buffer's structure and backend."""
-        out = self._backend.out
-        ep = self._ep_plan.from_arrays([out(a) for a in w.episodes]) if self._ep_plan is not None else None
-        return self._wrap({"step_data": w.nest(out), "episode_data": ep}), {k: out(v) for k, v in w.valid.items()}
 
     def row_source(self) -> "TrajectoryRows":
         """This buffer's step rows as an :class:`~trajstore.sampling.source.EpisodeSource`."""
