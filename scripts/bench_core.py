@@ -29,6 +29,27 @@ import numpy as np
 from trajstore import ReplayBuffer
 
 
+#: Consecutive calls of one system before the next system's turn, and the calls after opening
+#: that count as cold (the process's mappings of a freshly opened store not yet faulted in).
+BLOCK, COLD = 25, 200
+
+
+def run_blocks(systems: dict[str, Callable[[], Any]], calls: int) -> dict[str, np.ndarray]:
+    """Seconds of each of ``calls`` consecutive calls per system, in blocks of :data:`BLOCK`, the
+    systems' order rotated every round (neither gets the process's warm-up for free; blocks, not
+    single calls interleaved, are how a training loop calls)."""
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(-(-calls // BLOCK)):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn, out = systems[name], times[name]
+            for _ in range(BLOCK):
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+    return {n: np.asarray(ts[:calls]) for n, ts in times.items()}
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, inner: int, warmup: int = 1) -> float:
     """Median seconds per call of ``fn`` over ``repeats`` rounds of ``inner`` calls, after
     ``warmup`` calls (random reads of a fresh mapping first fault its pages in)."""

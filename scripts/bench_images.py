@@ -37,30 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gymnasium as gym
-from bench_core import _write_markdown
+from bench_core import BLOCK, COLD, _write_markdown, run_blocks
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 FRAME = (84, 84, 4)
 BATCH = 256
-BLOCK = 25
-COLD = 200
 Row = dict[str, Any]
-
-
-def run_blocks(systems: dict[str, Callable[[], Any]], calls: int) -> dict[str, np.ndarray]:
-    """Seconds of each of ``calls`` consecutive calls per system, in blocks of :data:`BLOCK`, the
-    systems' order rotated every round."""
-    names = list(systems)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(-(-calls // BLOCK)):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            fn, out = systems[name], times[name]
-            for _ in range(BLOCK):
-                t = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t)
-    return {n: np.asarray(ts[:calls]) for n, ts in times.items()}
 
 
 def ratio_rows(what: str, times: dict[str, np.ndarray], ours: str, base: str, target: float) -> list[Row]:

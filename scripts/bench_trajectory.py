@@ -1,8 +1,22 @@
-"""Sequence sampling benchmark: TrajectoryReplayBuffer.sample_sequences(256, 32) on stores of
-1e5 and 1e7 rows of (17,) float32 (the cost must not grow with the store), against a numpy
-in-RAM gather of the same windows, in one run.
+"""Sequence sampling benchmark: windows from TrajectoryReplayBuffer stores of 1e5 and 1e7 steps
+((17,) float32 obs and (6,) float32 action, episodes of 250-750 steps); the cost must not grow
+with the store.
 
-    python scripts/bench_trajectory.py                         # 1e5 and 1e7 rows
+Workloads, 256 windows per call:
+
+- ``sample_sequences(256, 32)``, with ``within_episode`` False and True, against a numpy gather
+  of the same windows from arrays in RAM (the same sizes);
+- per-field windows (issue 16): ``get_sequences(anchors, offsets={"obs": [-1, 0],
+  "action": range(16)})`` at random anchors, and ``sample_sequences(256, offsets=...,
+  within_episode=True)``.
+
+How it is measured (docs/benchmarks.md): every store is opened afresh for each workload (page
+cache warm, no read pass before timing: a training loop does none); the stores' calls run in
+blocks of 25 consecutive calls, the order rotated each round; "cold" is the mean of the first 200
+calls after opening, "steady" of the calls after those.  The target is the ratio of the large
+store to the small one (<= 1.3).
+
+    python scripts/bench_trajectory.py                         # 1e5 and 1e7 rows (about 3 minutes)
     python scripts/bench_trajectory.py --quick                 # 1e4 and 1e5 rows (smoke test)
     python scripts/bench_trajectory.py --markdown docs/benchmarks.md
 """
@@ -11,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,43 +34,36 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
+from bench_core import COLD, _replace_section, _reproduce, run_blocks  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 
 B, T = 256, 32
+#: Diffusion-Policy-style per-field windows: two observation frames, sixteen actions.
+FIELDS = {"obs": [-1, 0], "action": list(range(16))}
+Call = Callable[[], Any]
 
 
-def build(path: Path, rows: int, mean_episode: int = 500) -> TrajectoryReplayBuffer:
-    """A store of ``rows`` steps of (17,) float32 in episodes of random length."""
+def build(path: Path, rows: int, mean_episode: int = 500) -> None:
+    """A store of ``rows`` steps ({"obs": (17,), "action": (6,)} float32) in episodes of random length."""
     rng = np.random.default_rng(0)
-    space = gym.spaces.Dict({"obs": gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)})
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(-np.inf, np.inf, (17,), np.float32),
+                             "action": gym.spaces.Box(-1, 1, (6,), np.float32)})
     tb = TrajectoryReplayBuffer.create(space, cache_path=path, overwrite=True)
     lengths = rng.integers(mean_episode // 2, mean_episode * 3 // 2, size=rows // mean_episode * 2 + 2)
-    ends = np.cumsum(lengths)
-    ids = np.searchsorted(ends, np.arange(rows), side="right").astype(np.int64)
+    ids = np.searchsorted(np.cumsum(lengths), np.arange(rows), side="right").astype(np.int64)
     block = 1 << 18
     for lo in range(0, rows, block):
         hi = min(lo + block, rows)
-        obs = rng.standard_normal((hi - lo, 17)).astype(np.float32)
-        tb.extend({"step_data": {"obs": obs}, "episode_ids": ids[lo:hi]})
+        step = {"obs": rng.standard_normal((hi - lo, 17)).astype(np.float32),
+                "action": rng.uniform(-1, 1, (hi - lo, 6)).astype(np.float32)}
+        tb.extend({"step_data": step, "episode_ids": ids[lo:hi]})
     tb.close()
-    os.sync()  # write back now, not while the other store is measured
-    ro = TrajectoryReplayBuffer.load_from(path, read_only=True)
-    # Steady state: one sequential pass maps every page of this process's view of the store (a
-    # training process pays those page faults once; the in-RAM baseline never does).
-    for lo in range(0, rows, block):
-        ro.get_at_with_metadata(slice(lo, min(lo + block, rows)))
-    return ro
+    os.sync()  # write back now, not while a store is measured
 
 
-def sampler(tb: TrajectoryReplayBuffer, within: bool) -> Callable[[], Any]:
-    rng = np.random.default_rng(1)
-    return lambda: tb.sample_sequences(B, T, rng=rng, within_episode=within)
-
-
-def numpy_gather(rows: int) -> Callable[[], Any]:
-    """The same windows gathered from in-RAM numpy arrays (obs and ids), mask included."""
+def numpy_gather(rows: int) -> Call:
+    """The windows of ``sample_sequences(256, 32)`` gathered from in-RAM numpy arrays, mask included."""
     rng = np.random.default_rng(2)
     obs = rng.standard_normal((rows, 17)).astype(np.float32)
     ids = np.repeat(np.arange(rows // 500 + 1), 500)[:rows]
@@ -71,16 +77,48 @@ def numpy_gather(rows: int) -> Callable[[], Any]:
     return gather
 
 
-def alternate(runs: dict[Any, Callable[[], Any]], repeats: int, inner: int = 20) -> dict[Any, float]:
-    """Median seconds per call of every run, measured in ``repeats`` alternating rounds of
-    ``inner`` calls (so load drift on a shared machine hits every run alike)."""
-    for fn in runs.values():
-        fn()  # first use: a store builds its run index (one pass over the ids), pages fault in
-    times: dict[Any, list[float]] = {k: [] for k in runs}
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            times[key].append(_median_time(fn, 1, inner, warmup=0))
-    return {k: statistics.median(v) for k, v in times.items()}
+WORKLOADS: dict[str, Callable[[TrajectoryReplayBuffer, np.random.Generator], Any]] = {
+    "sample_sequences(256, 32)": lambda tb, g: tb.sample_sequences(B, T, rng=g),
+    "sample_sequences(256, 32, within_episode=True)": lambda tb, g: tb.sample_sequences(B, T, rng=g,
+                                                                                        within_episode=True),
+    "get_sequences(256 anchors, offsets=obs [-1,0] + action 0..15)": lambda tb, g: tb.get_sequences(
+        g.integers(0, len(tb), B), offsets=FIELDS),
+    "sample_sequences(256, offsets=obs [-1,0] + action 0..15, within_episode=True)": lambda tb, g: tb.sample_sequences(
+        B, offsets=FIELDS, rng=g, within_episode=True),
+}
+
+
+def measure(paths: dict[int, Path], calls: int) -> list[dict[str, Any]]:
+    """Every workload on every store (opened afresh for it), blocks rotated between the stores;
+    the numpy gather of the first workload's windows runs with them."""
+    rows_out: list[dict[str, Any]] = []
+    for k, (what, fn) in enumerate(WORKLOADS.items()):
+        opened = {n: TrajectoryReplayBuffer.load_from(p, read_only=True) for n, p in paths.items()}
+        g = np.random.default_rng(1)
+        systems: dict[str, Call] = {str(n): (lambda tb=tb: fn(tb, g)) for n, tb in opened.items()}
+        if k == 0:
+            systems.update({f"numpy {n}": numpy_gather(n) for n in paths})
+        times = run_blocks(systems, calls)
+        for tb in opened.values():
+            tb.close()
+        for name, t in times.items():
+            rows_out.append({"what": what if name.isdigit() else "numpy in-RAM gather of the same windows",
+                             "rows": int(name.split()[-1]), "cold": t[:COLD].mean() * 1e3,
+                             "steady": t[COLD:].mean() * 1e3})
+    return rows_out
+
+
+def table(results: list[dict[str, Any]], small: int, large: int) -> str:
+    lines = ["| workload | store rows | cold ms/call | steady ms/call |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['what']} | {r['rows']:,} | {r['cold']:.3f} | {r['steady']:.3f} |")
+    lines += ["", f"Ratio {large:,} rows / {small:,} rows (target <= 1.3):", "",
+              "| workload | cold | steady |", "|---|---|---|"]
+    by = {(r["what"], r["rows"]): r for r in results}
+    for what in dict.fromkeys(r["what"] for r in results):
+        hi, lo = by[(what, large)], by[(what, small)]
+        lines.append(f"| {what} | {hi['cold'] / lo['cold']:.2f} | {hi['steady'] / lo['steady']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,46 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--dir", type=Path, default=None)
     args = p.parse_args(argv)
-    # The middle size is past the last-level cache: growth from it to the large one is not cache capacity.
-    small, middle, large = (10_000, 30_000, 100_000) if args.quick else (100_000, 1_000_000, 10_000_000)
-    sizes = (small, middle, large)
-    repeats, passes = (3, 1) if args.quick else (31, 3)
-    lines = ["| store rows | within_episode | trajstore ms | numpy in-RAM ms | ratio vs numpy |", "|---|---|---|---|---|"]
+    small, large = (10_000, 100_000) if args.quick else (100_000, 10_000_000)
+    calls = COLD + (50 if args.quick else 400)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        stores = {rows: build(Path(d) / f"t{rows}", rows) for rows in sizes}
-        runs: dict[Any, Callable[[], Any]] = {("numpy", rows): numpy_gather(rows) for rows in stores}
-        runs.update({(rows, w): sampler(tb, w) for rows, tb in stores.items() for w in (False, True)})
-        # Independent passes show how far the ratios move on a shared machine.
-        each = [alternate(runs, repeats) for _ in range(passes)]
-        for tb in stores.values():
-            tb.close()
-    times = {k: statistics.median(p[k] for p in each) for k in runs}
-    base = {rows: times[("numpy", rows)] for rows in sizes}
-    for rows in sizes:
-        for within in (False, True):
-            t = times[(rows, within)]
-            lines.append(f"| {rows:,} | {within} | {t * 1e3:.3f} | {base[rows] * 1e3:.3f} | {t / base[rows]:.2f}x |")
-    text = "\n".join(lines) + "\n"
-
-    def ratio(key_hi: Any, key_lo: Any) -> str:
-        r = [p[key_hi] / p[key_lo] for p in each]
-        return f"{times[key_hi] / times[key_lo]:.2f}" + (f" (passes {', '.join(f'{x:.2f}' for x in r)})" if passes > 1 else "")
-
-    for lo in (small, middle):
-        ratios = [f"within_episode={w}: {ratio((large, w), (lo, w))}" for w in (False, True)]
-        ratios.append(f"numpy in-RAM gather: {ratio(('numpy', large), ('numpy', lo))}")
-        target = " (target <= 1.3)" if lo == small else ""
-        text += f"\nRatio {large:,} rows / {lo:,} rows{target}: " + "; ".join(ratios) + "\n"
+        paths = {n: Path(d) / f"t{n}" for n in (small, large)}
+        for n, path in paths.items():
+            build(path, n)
+        results = measure(paths, calls)
+    text = table(results, small, large)
     print(text)
     if args.markdown:
         cmd, env = _reproduce("bench_trajectory.py", args.quick, f"numpy {np.__version__}")
         section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
-                   f"`sample_sequences({B}, {T})` from a read-only TrajectoryReplayBuffer of (17,) float32 steps in "
-                   f"episodes of 250-750 steps, medians of {repeats} alternating rounds in each of {passes} passes (the table: medians over the passes), page cache warm. The numpy baseline "
-                   f"gathers the same windows from arrays in RAM: its own growth between sizes is what the memory "
-                   f"hierarchy costs (a {small:,}-row store fits in a last-level cache, the larger ones do not). "
-                   f"The target (ratio <= 1.3) is for the call as written, `within_episode=False`; what grows with the store "
-                   f"in both modes is the memory latency of {B} random {T}-row windows, which the in-RAM gather pays too.\n\n{text}\n")
+                   f"Windows of {B} anchors from read-only TrajectoryReplayBuffer stores of {small:,} and {large:,} "
+                   "steps ({\"obs\": (17,), \"action\": (6,)} float32, episodes of 250-750 steps), each store "
+                   f"opened afresh per workload, page cache warm, no read pass before timing; blocks of 25 "
+                   f"consecutive calls rotated between the stores; cold = the first {COLD} calls after opening, "
+                   "steady = the calls after those. Per-field windows read obs at offsets -1, 0 and action at "
+                   "0..15 (Diffusion Policy's 2 observation frames and 16 actions). The numpy gather takes "
+                   "`sample_sequences(256, 32)`'s windows from arrays in RAM: its own growth between sizes is what "
+                   "the memory hierarchy costs (the small store fits in the last-level cache, the large one does "
+                   "not). The large store's cold calls also map its pages into the process for the first time "
+                   "(about 1 GB, spread over 200 calls), and the first `within_episode` call builds the run index "
+                   f"of its 10 million episode ids once.\n\n{text}\n")
         _replace_section(args.markdown, "## Sequence sampling", section)
     return 0
 
