@@ -58,46 +58,33 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import stat
 import sys
 import time
-import warnings
 import weakref
 from typing import Any
 
 import numpy as np
 
 from trajstore._optional import to_numpy
-from trajstore.core.store import Store, TableSpec, in_zarr_loop
+from trajstore.core.store import in_zarr_loop
 from trajstore.errors import (
     BadIndexError,
     BadOptionError,
     BadValueError,
     ClosedError,
     ConcurrentWriteError,
-    DamagedStoreError,
     EmptyBufferError,
     IndexOutOfRangeError,
-    NotATrajstoreError,
-    StoreNotFoundError,
 )
+from trajstore.sampling.priority_store import PriorityStore
 from trajstore.sampling.source import SAMPLE_ATTEMPTS, RowSource
 from trajstore.sampling.sumtree import SumTree
-from trajstore.spaces import space_to_json
-from trajstore.storage.fields.layout import make_field_spec
 from trajstore.storage.keys import PRIORITIES_DIR
 
 __all__ = ["PrioritizedSampler", "PRIORITIES_DIR"]
 
-#: Folder of the sidecar store, inside the buffer's folder (or under its URL).
 #: Largest priority (they are stored as float32).
 _F32_MAX = float(np.finfo(np.float32).max)
-#: The sidecar's table and field (a ReplayBuffer store of one float32 per row).
-_TABLE = "step_data"
-#: Rows per sidecar chunk (64 KiB of float32): a flush rewrites only the chunks holding changes.
-SIDE_CHUNK_ROWS = 16384
-#: A reader that found no sidecar looks for one again at most this often (seconds).
-SIDE_RECHECK_S = 1.0
 #: Rows added or evicted at once beyond this fraction of the tree rebuild it (O(n)) instead of
 #: updating row by row (O(k log n)).
 REBUILD_FRACTION = 0.125
@@ -114,38 +101,6 @@ def _flush_all() -> None:
             s.close()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
-
-
-def _sidecar_url(buffer: Any) -> str | None:
-    """Where the buffer's sidecar lives: None for in-memory buffers and ``.zip`` files."""
-    path = buffer.cache_path
-    if path is None:
-        return None
-    p = os.fspath(path)
-    if "://" in p or "::" in p:
-        return p.rstrip("/") + "/" + PRIORITIES_DIR
-    if os.path.isdir(p):
-        return os.path.join(p, PRIORITIES_DIR)
-    return None  # a .zip (read-only, written whole by dumps): no sidecar
-
-
-def _not_a_folder(url: str) -> str | None:
-    """Why the local sidecar ``url`` must not be opened: it is a link (a tampered store could
-    point it anywhere, and a writer would write, or erase and recreate, what it points to) or
-    something other than a folder.  None: a folder, or nothing there yet, or not a local path."""
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    elif "://" in url or "::" in url:
-        return None  # object stores have no links
-    try:
-        st = os.lstat(url)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return "is a link, which trajstore never follows out of a store"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a folder"
-    return None
 
 
 def _positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
@@ -232,13 +187,10 @@ class PrioritizedSampler:
         # The rows the tree holds: absolute [start, end) under buffer epoch `epoch`.
         self._start = self._end = 0
         self._epoch: int | None = None
-        self._side_url = _sidecar_url(buffer)
-        self._side: Store | None = None
-        self._side_seen = 0  # generation of the sidecar record the values came from
-        self._side_looked = -math.inf
+        self._side = PriorityStore(buffer, self._writable, cap, self._side_state)
         self._last_flush = time.monotonic()
         try:
-            self._open_side(create=False)
+            self._side.open(create=False)
             self._follow()
         except BaseException:
             self._release()
@@ -262,91 +214,18 @@ class PrioritizedSampler:
         return self._end - self._start
 
     # -- the sidecar store -------------------------------------------------------------------
-    def _open_side(self, create: bool) -> Store | None:
-        """The sidecar store, opened (writers: created when ``create``) if it is not yet."""
-        if self._side is not None or self._side_url is None:
-            return self._side
-        if not create and time.monotonic() - self._side_looked < SIDE_RECHECK_S:
-            return None
-        self._side_looked = time.monotonic()
-        refused = _not_a_folder(self._side_url)
-        if refused is not None:
-            msg = f"{self._side_url} {refused}; remove it so that priorities can be stored there"
-            if self._writable:
-                raise DamagedStoreError(msg)
-            warnings.warn(f"{msg}. Every row counts as max_priority", stacklevel=3)
-            self._side_url = None  # never looked at again
-            return None
-        opts = self.buffer.storage_options
-        overwrite = False
-        try:
-            self._side = Store.open(self._side_url, "ReplayBuffer", read_only=not self._writable,
-                                    multiprocessing=False, storage_options=opts, options={})
-        except StoreNotFoundError:
-            if not (create and self._writable):
-                return None
-        except (DamagedStoreError, NotATrajstoreError) as e:
-            # A writer killed while it created the sidecar (or a damaged one): priorities are
-            # hints, so a writer starts a new sidecar and a reader samples without them.
-            if not self._writable:
-                warnings.warn(f"{self._side_url}: the stored priorities cannot be read ({e}); every row counts "
-                              "as max_priority", stacklevel=3)
-                return None
-            if not create:
-                return None
-            warnings.warn(f"{self._side_url}: the stored priorities cannot be read ({e}); they are written anew",
-                          stacklevel=3)
-            overwrite = True
-        if self._side is None:
-            remote = "://" in self._side_url and not self._side_url.startswith(("file://", "memory://"))
-            # A ring evicts up to two `guard`s of rows (1/16 of its capacity) before it must: a
-            # sidecar ring 1/8 larger than the buffer's always keeps every row the buffer keeps.
-            cap = None if self._cap is None else self._cap + self._cap // 8 + 64
-            spec = make_field_spec(_TABLE, (), np.dtype(np.float32), capacity=cap,
-                                   compressor="lz4" if remote else None, chunk_rows=SIDE_CHUNK_ROWS)
-            from gymnasium.spaces import Box
-
-            space = Box(0.0, np.inf, (), np.float32)
-            self._side = Store.create(self._side_url, "ReplayBuffer", [TableSpec(_TABLE, cap, [spec])],
-                                      {"spaces": {_TABLE: space_to_json(space)}}, storage_options=opts,
-                                      overwrite=overwrite, multiprocessing=False, options={})
-        if self._writable:
-            self._side.state_provider = self._side_state
-        self._side_seen = -1  # values not read yet
-        return self._side
-
     def _side_state(self) -> dict[str, Any]:
+        """The sidecar's commit-record state: which numbering of rows its priorities follow."""
         return {"main_epoch": self._epoch, "max_priority": float(self.max_priority)}
 
-    def _side_valid(self) -> bool:
-        """Whether the sidecar's rows are numbered as the buffer's are now (same epoch)."""
-        return self._side is not None and self._side.committed.state.get("main_epoch") == self._epoch
-
     def _adopt_side_max(self) -> None:
-        m = self._side.committed.state.get("max_priority") if self._side is not None else None
-        if isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0:
-            self.max_priority = max(self.max_priority, float(m))
+        m = self._side.max_priority()
+        if m is not None:
+            self.max_priority = max(self.max_priority, m)
 
     def _stored(self, lo: int, hi: int) -> np.ndarray:
-        """Priorities of absolute rows ``[lo, hi)``: the sidecar's where it has them (finite and
-        >= 0; it is input like any store), ``max_priority`` elsewhere.  (hi - lo,) float32."""
-        out = np.full(hi - lo, self.max_priority, np.float32)
-        side = self._side
-        if side is None or hi <= lo or not self._side_valid():
-            return out
-        t = side.tables[_TABLE]
-        for _ in range(SAMPLE_ATTEMPTS):
-            gen = side.committed.generation
-            a, b = max(lo, t.state.start), min(hi, t.state.end)
-            vals = t.read_contiguous(a - t.state.start, b - t.state.start, [0])[0] if a < b else None
-            if side.writable or not side.refresh() or side.committed.generation == gen:
-                break
-        else:
-            raise ConcurrentWriteError(f"{self._side_url}: the priorities kept changing while they were read")
-        if vals is not None:
-            good = np.isfinite(vals) & (vals >= 0)
-            out[a - lo : b - lo] = np.where(good, vals, np.float32(self.max_priority))
-        return out
+        """Priorities of absolute rows ``[lo, hi)`` (``max_priority`` where none is stored)."""
+        return self._side.read(lo, hi, self._epoch, self.max_priority)
 
     # -- following the buffer ----------------------------------------------------------------
     def _slots(self, rows: np.ndarray) -> np.ndarray:
@@ -386,14 +265,7 @@ class PrioritizedSampler:
         sidecar (a newer record written by the writer's sampler)."""
         src = self._src
         src.sync()
-        side_changed = False
-        if self._side is None and self._side_url is not None and not self._writable:
-            side_changed = self._open_side(create=False) is not None
-        elif self._side is not None and not self._writable:
-            side_changed = self._side.refresh()
-        if self._side is not None and self._side_seen != self._side.committed.generation:
-            side_changed = True
-            self._side_seen = self._side.committed.generation
+        side_changed = self._side.changed()
         epoch = src.record.epoch
         start, end = src.start, src.start + src.count
         if epoch != self._epoch or start < self._start or end < self._end:
@@ -633,43 +505,25 @@ class PrioritizedSampler:
             As ``buffer.flush(fsync)``: also survive power loss.
         """
         self._last_flush = time.monotonic()
-        if not self._writable or self._side_url is None or self._closed:
+        if not self._writable or self._side.url is None or self._closed:
             return
         try:
             self.buffer.flush(fsync)
             self._follow()
         except ClosedError:
             pass  # the buffer was closed first: its last commit stands; write priorities up to it
-        side = self._open_side(create=True)
-        assert side is not None
-        t = side.tables[_TABLE]
         main_start, main_end = self._src.committed
-        main_end = min(main_end, self._end)
-        if not self._side_valid() or t.state.end > main_end or t.state.end < main_start:
-            # Renumbered rows (a new epoch), or every stored row gone: start over at the buffer's start.
-            t.state.start = t.state.end = max(main_start, self._start)
-            head = side._current_head()
-            head.epoch += 1
-            head.state = self._side_state()
-            side._write_head(head)
-        lo, hi = t.state.start, t.state.end
         slots = np.flatnonzero(self._dirty)
-        if slots.size:
-            rows = self._rows_of(slots)
-            keep = (rows >= lo) & (rows < hi)
-            if keep.any():
-                r = rows[keep]
-                vals = self._p[self._slots(r)].astype(np.float32)
-                side.rewrite(t.rewrite_plan_set(r - lo, [vals], [0]), lambda: None)
-            self._dirty[slots] = False
-        if main_end > t.state.end:
-            new = np.arange(t.state.end, main_end, dtype=np.int64)
-            vals = np.full(new.size, self.max_priority, np.float32)
-            alive = new >= self._start
-            vals[alive] = self._p[self._slots(new[alive])]
-            t.extend([vals], new.size)
-        side.commit(fsync=fsync, state=self._side_state())
-        self._side_seen = side.committed.generation
+        self._side.write(self._epoch, (main_start, min(main_end, self._end)), max(main_start, self._start),
+                         self._rows_of(slots), self._p[slots].astype(np.float32), self._tail, fsync)
+        self._dirty[slots] = False
+
+    def _tail(self, new: np.ndarray) -> np.ndarray:
+        """Priorities of absolute rows ``new`` the sidecar does not hold yet, (K,) float32."""
+        vals = np.full(new.size, self.max_priority, np.float32)
+        alive = new >= self._start
+        vals[alive] = self._p[self._slots(new[alive])]
+        return vals
 
     def _rows_of(self, slots: np.ndarray) -> np.ndarray:
         """Absolute rows of live ``slots``."""
@@ -692,9 +546,9 @@ class PrioritizedSampler:
     def _release(self) -> None:
         self._closed = True
         _OPEN.discard(self)
-        if self._side is not None:
-            self._side.close()
-            self._side = None
+        side = self.__dict__.get("_side")
+        if side is not None:
+            side.close()
 
     def __enter__(self) -> "PrioritizedSampler":
         return self
