@@ -241,6 +241,33 @@ def test_priorities_survive_save_load_and_a_new_process(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ training
 
+
+def test_train_is_sb3_dqn_train_with_unit_weights(tmp_path: Path) -> None:
+    """With alpha=0 and beta=0 (uniform draws, every weight 1) PrioritizedDQN ends with exactly the
+    parameters of SB3's own DQN.train run on the same prioritized buffer class: its train differs
+    from SB3's only by the weights and the priority updates (which do not move uniform draws).
+    (Against DQN with ZarrReplayBuffer it cannot be bit-identical: the rows are drawn by the
+    sampler's generator, not by np.random.)"""
+    def train(cls: Any, name: str) -> Any:
+        env = make_vec_env("CartPole-v1", n_envs=2, seed=4)
+        model = cls("MlpPolicy", env, buffer_size=200, learning_starts=60, batch_size=16, train_freq=4,
+                    gradient_steps=2, target_update_interval=50, seed=4, device="cpu",
+                    policy_kwargs=dict(net_arch=[16, 16]), replay_buffer_class=ZarrPrioritizedReplayBuffer,
+                    replay_buffer_kwargs=dict(cache_path=tmp_path / name, alpha=0.0, beta=0.0))
+        return model.learn(400)
+
+    ref, ours = train(DQN, "dqn"), train(PrioritizedDQN, "per")
+    assert ours.replay_buffer.full and ours._n_updates == ref._n_updates > 0
+    sa, sb = ours.policy.state_dict(), ref.policy.state_dict()
+    for k in sa:
+        assert th.equal(sa[k], sb[k]), f"parameter {k} differs"
+    # PrioritizedDQN did set priorities (|TD error|); SB3's train did not
+    assert len(np.unique(ours.replay_buffer.priorities())) > 20
+    assert set(np.unique(ref.replay_buffer.priorities()).tolist()) == {1.0}
+    for m in (ref, ours):
+        m.replay_buffer.close()
+
+
 ZOO = dict(learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000, gamma=0.99,
            target_update_interval=10, train_freq=256, gradient_steps=128, exploration_fraction=0.16,
            exploration_final_eps=0.04)
