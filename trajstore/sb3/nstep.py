@@ -18,12 +18,19 @@ from typing import Any
 import gymnasium
 import numpy as np
 from gymnasium import spaces
-from stable_baselines3.common.buffers import NStepReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from trajstore.errors import BadOptionError, UnsupportedSpaceError
+from trajstore.errors import BadOptionError, MissingDependencyError, UnsupportedSpaceError
 from trajstore.sb3.replay import _ZarrReplayMixin
+
+try:
+    from stable_baselines3.common.buffers import NStepReplayBuffer
+except ImportError:  # pragma: no cover - stable-baselines3 before 2.7
+    import stable_baselines3
+
+    raise MissingDependencyError(f"trajstore.sb3.nstep needs stable-baselines3 >= 2.7 (NStepReplayBuffer); "
+                                 f"found {stable_baselines3.__version__}: pip install -U stable-baselines3") from None
 
 __all__ = ["ZarrNStepReplayBuffer"]
 
