@@ -17,6 +17,7 @@ import sys
 from typing import Sequence
 
 from trajstore.cli import edit as _edit
+from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
 from trajstore.cli._common import CLIError
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _show.register(sub, common)
     _maintain.register(sub, common)
     _edit.register(sub, common)
+    _interop.register(sub, common)
     # Subcommands in a sensible order in --help.
     order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "combine", "split", "filter", "plot",
              "demo"]
