@@ -13,6 +13,9 @@ as with SB3's HerReplayBuffer.
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +177,40 @@ def test_pickle_and_load_replay_buffer(tmp_path: Path) -> None:
     with ZarrHerReplayBuffer.open(tmp_path / "rb", env=ref.env, device="cpu") as again:  # the truncation was stored
         same_bookkeeping(again, ref, "truncated, reopened")
         same_samples(again, ref, seed=5)
+
+
+def test_reopen_after_the_writer_died(tmp_path: Path) -> None:
+    """A process adds transitions and dies (``os._exit``: no close, no flush); the reopened
+    buffer has SB3's bookkeeping for every committed transition and continues as SB3's."""
+    child = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_sb3_her import GoalEnv, SPACE, transition, vec_env
+        from trajstore.sb3.her import ZarrHerReplayBuffer
+        rb = ZarrHerReplayBuffer(24, SPACE, GoalEnv.action_space, vec_env(2), "cpu", n_envs=2,
+                                 cache_path={str(tmp_path / "rb")!r}, commit_interval=0)
+        rng = np.random.default_rng(21)
+        for t in range(40):
+            rb.add(*transition(2, rng, p_done=0.03 if 10 <= t < 25 else 0.3))
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+    env = vec_env(2)
+    ref = HerReplayBuffer(24, SPACE, GoalEnv.action_space, env, "cpu", n_envs=2)
+    rng = np.random.default_rng(21)
+    for t in range(40):
+        ref.add(*transition(2, rng, p_done=0.03 if 10 <= t < 25 else 0.3))
+    with ZarrHerReplayBuffer.open(tmp_path / "rb", env=env, device="cpu") as ours:
+        assert ours.full  # the ring wrapped in the child
+        same_bookkeeping(ours, ref, "reopened")
+        same_samples(ours, ref, seed=8)
+        for t in range(15):
+            tr = transition(2, rng, p_done=0.3)
+            ref.add(*tr)
+            ours.add(*tr)
+        same_bookkeeping(ours, ref, "continued")
+        same_samples(ours, ref, seed=9)
 
 
 def test_temporary_buffer_pickles_its_data() -> None:
