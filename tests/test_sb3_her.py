@@ -229,6 +229,27 @@ def test_temporary_buffer_pickles_its_data() -> None:
             same_samples(back, ref, seed=7)
 
 
+def test_reset_forgets_the_episodes(tmp_path: Path) -> None:
+    ref, ours = pair(tmp_path, 2, 10)
+    rng = np.random.default_rng(12)
+    for _ in range(14):
+        ours.add(*transition(2, rng, p_done=0.3))
+    assert (ours.ep_length > 0).any()
+    ours.reset()
+    assert ours.size() == 0 and not (ours.ep_length > 0).any() and not ours._current_ep_start.any()
+    with pytest.raises(RuntimeError, match="before the end of the first episode"):
+        ours.sample(4)
+    for _ in range(7):  # it fills again as a new SB3 buffer does
+        tr = transition(2, rng, p_done=0.3)
+        ref.add(*tr)
+        ours.add(*tr)
+    same_bookkeeping(ours, ref)
+    ours.close()
+    with ZarrHerReplayBuffer.open(tmp_path / "rb", env=ref.env, device="cpu") as again:
+        same_bookkeeping(again, ref, "reopened")
+        same_samples(again, ref, seed=13)
+
+
 def test_refused_arguments(tmp_path: Path) -> None:
     env, act = vec_env(1), GoalEnv.action_space
     with pytest.raises(UnsupportedSpaceError, match="achieved_goal"):
