@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trajstore.cli._common import print_json
+from trajstore.cli._common import CLIError, print_json
 
 __all__ = ["register", "IMPORTS", "EXPORTS"]
 
 #: Formats ``trajstore import`` reads (name -> help).
-IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, terminals, timeouts, ...)"}
+IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, terminals, timeouts, ...)",
+           "diffusion-policy": "Diffusion Policy's zarr store (data/<key>, meta/episode_ends; format 2 or 3, "
+                               "folder or .zarr.zip)"}
 #: Formats ``trajstore export`` writes (name -> help).
-EXPORTS = {"d4rl": "D4RL's flat HDF5 file"}
+EXPORTS = {"d4rl": "D4RL's flat HDF5 file",
+           "diffusion-policy": "Diffusion Policy's zarr store (--zarr-format 2 or 3; a name ending in .zip "
+                               "writes a zip)"}
 
 
 def _bar(args: argparse.Namespace) -> bool | None:
@@ -25,9 +29,11 @@ def _bar(args: argparse.Namespace) -> bool | None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from trajstore.interop.d4rl import d4rl_to_store
-
-    out = d4rl_to_store(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
+    if args.format == "d4rl":
+        from trajstore.interop.d4rl import d4rl_to_store as convert
+    else:
+        from trajstore.interop.diffusion_policy import diffusion_policy_to_store as convert
+    out = convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
     out = {"format": args.format, **out}
     if args.json:
         print_json(out)
@@ -38,9 +44,17 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from trajstore.interop.d4rl import export_d4rl
+    if args.format == "d4rl":
+        from trajstore.interop.d4rl import export_d4rl
 
-    out = export_d4rl(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
+        if args.zarr_format is not None:
+            raise CLIError("--zarr-format applies to diffusion-policy exports only", code=2)
+        out = export_d4rl(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
+    else:
+        from trajstore.interop.diffusion_policy import export_diffusion_policy
+
+        out = export_diffusion_policy(args.src, args.dst, zarr_format=args.zarr_format or 2, tqdm=_bar(args),
+                                      overwrite=args.overwrite)
     out = {"format": args.format, **out}
     if args.json:
         print_json(out)
@@ -78,6 +92,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("format", choices=sorted(EXPORTS), metavar="FORMAT", help=f"one of {', '.join(sorted(EXPORTS))}")
     p.add_argument("src", metavar="SRC", help="the store to export")
     p.add_argument("dst", metavar="DST", help="the file to write")
+    p.add_argument("--zarr-format", type=int, choices=(2, 3), default=None,
+                   help="diffusion-policy: zarr format of DST (default 2, what Diffusion Policy's code reads)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_export)

@@ -1,0 +1,342 @@
+"""Diffusion Policy's zarr replay buffers: :func:`import_diffusion_policy` and
+:func:`export_diffusion_policy`.
+
+Diffusion Policy (``diffusion_policy/common/replay_buffer.py``) keeps one zarr group: ``data/<key>``
+arrays of N rows each (``action``, ``state``, ``img``, ``keypoint``, ...) and ``meta/episode_ends``
+(E,) int64, the cumulative end of each episode (episode e is rows ``ends[e-1]:ends[e]``).  Its code
+writes zarr format 2 with zarr 2.x, in a folder or a ``.zarr.zip`` file; zarr format 3 is read too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium.spaces import Dict
+
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.core.store import _progress
+from trajstore.errors import (
+    BadOptionError,
+    BadValueError,
+    DamagedStoreError,
+    NotATrajstoreError,
+    UnsupportedSpaceError,
+)
+from trajstore.interop._common import (
+    Checksums,
+    ImportWriter,
+    StepBlocks,
+    block_rows,
+    box_for,
+    export_source,
+    recorder_space,
+    source_file,
+    staged_path,
+    step_leaves,
+)
+
+__all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store"]
+
+
+def _is_zip(path: str) -> bool:
+    return path.endswith(".zip") and os.path.isfile(path)
+
+
+def _open_group(path: str, what: str, zip_file: bool | None = None) -> tuple[Any, Any]:
+    """``(root group, zip store or None)`` of a Diffusion Policy store, read-only (``zip_file``:
+    whether ``path`` is a zip; None: a file named ``*.zip``)."""
+    import zarr
+
+    zs = None
+    try:
+        if _is_zip(path) if zip_file is None else zip_file:
+            zs = zarr.storage.ZipStore(path, mode="r")
+            root = zarr.open_group(zs, mode="r")
+        else:
+            root = zarr.open_group(path, mode="r")
+    except Exception as e:  # noqa: BLE001  # zarr raises many kinds for "not a group here"
+        if zs is not None:
+            zs.close()
+        raise NotATrajstoreError(f"{what}: {path} is not a zarr group ({type(e).__name__}: {e}); expected a Diffusion "
+                                 "Policy replay buffer (data/<key> arrays and meta/episode_ends)") from None
+    return root, zs
+
+
+def _layout(root: Any, src: str) -> dict[str, Any]:
+    import zarr
+
+    def node(key: str) -> Any:
+        try:
+            return root[key]
+        except KeyError:
+            return None
+
+    data, meta = node("data"), node("meta")
+    if not isinstance(data, zarr.Group) or not isinstance(meta, zarr.Group):
+        raise NotATrajstoreError(f"{src}: expected the groups data/ and meta/ of a Diffusion Policy replay buffer; "
+                                 f"found {sorted(root.keys())}")
+    ends_arr = node("meta/episode_ends")
+    if not isinstance(ends_arr, zarr.Array):
+        raise NotATrajstoreError(f"{src}: expected the array meta/episode_ends; meta/ holds {sorted(meta.keys())}")
+    if ends_arr.ndim != 1 or ends_arr.dtype.kind not in "iu":
+        raise BadValueError(f"{src}: meta/episode_ends is {ends_arr.dtype} {ends_arr.shape}; expected 1-D integers")
+    ends = np.asarray(ends_arr[:], np.int64)  # one int per episode
+    arrays = {k: a for k, a in sorted(data.arrays())}
+    groups = sorted(k for k, _ in data.groups())
+    if groups:
+        raise NotATrajstoreError(f"{src}: data/ holds groups {groups}; Diffusion Policy keeps one array per key there")
+    if "action" not in arrays:
+        raise NotATrajstoreError(f"{src}: expected the array data/action; data/ holds {sorted(arrays)}")
+    n = int(ends[-1]) if len(ends) else 0
+    if len(ends) and (ends[0] <= 0 or np.any(np.diff(ends) <= 0)):
+        raise BadValueError(f"{src}: meta/episode_ends must increase strictly from a value > 0 (cumulative episode "
+                            f"ends); got {ends[:10].tolist()}{' ...' if len(ends) > 10 else ''}")
+    for k, a in arrays.items():
+        if a.ndim < 1 or a.shape[0] != n:
+            raise BadValueError(f"{src}: data/{k} has shape {a.shape}; expected ({n}, ...): one row per step up to "
+                                f"meta/episode_ends[-1] = {n}")
+    obs: dict[str, gymnasium.Space[Any]] = {k: box_for(a.dtype, tuple(a.shape[1:]), f"{src}: data/{k}") for k, a in arrays.items() if k != "action"}
+    if not obs:
+        raise NotATrajstoreError(f"{src}: data/ holds only action; expected observation arrays too (state, img, ...)")
+    act = box_for(arrays["action"].dtype, tuple(arrays["action"].shape[1:]), f"{src}: data/action")
+    return {"n": n, "ends": ends, "arrays": arrays, "space": recorder_space(Dict(obs), act, next_obs=False, info=None),
+            "zarr_format": int(root.metadata.zarr_format)}
+
+
+def _read(a: Any, lo: int, hi: int, where: str) -> np.ndarray:
+    try:
+        return np.asarray(a[lo:hi])
+    except Exception as e:  # noqa: BLE001  # a damaged chunk: a codec error of any kind
+        raise DamagedStoreError(f"{where}: rows {lo}:{hi} cannot be read ({type(e).__name__}: {e}); the store is "
+                                "damaged") from None
+
+
+def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                              **create_kwargs: Any) -> dict[str, Any]:
+    """Write the Diffusion Policy store ``path`` to a new store at ``cache_path`` (see
+    :func:`import_diffusion_policy`).
+
+    Parameters
+    ----------
+    path : path
+        A zarr folder or ``.zarr.zip`` file (format 2 or 3).
+    cache_path : path
+        Destination: a local folder that does not exist yet (or is empty).
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace an existing store at ``cache_path`` (after the new one verified).
+    **create_kwargs
+        Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
+
+    Returns
+    -------
+    dict
+        ``source``, ``destination``, ``steps``, ``episodes``, ``verified`` (True).
+    """
+    src = source_file(path, "import_diffusion_policy: path")
+    root, zs = _open_group(src, "import_diffusion_policy")
+    try:
+        lay = _layout(root, src)
+        n, ends, arrays = lay["n"], lay["ends"], lay["arrays"]
+        row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+        step = block_rows(row_bytes)
+        info = {"imported_from": {"format": "diffusion_policy", "path": src, "zarr_format": lay["zarr_format"],
+                                  "keys": sorted(arrays)}}
+        done_all_at = ends - 1  # last row of each episode
+        with ImportWriter(cache_path, lay["space"], what="import_diffusion_policy", create_kwargs=create_kwargs,
+                          total=n, tqdm=tqdm, overwrite=overwrite) as w:
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                done = np.zeros(hi - lo, np.bool_)
+                sel = done_all_at[(done_all_at >= lo) & (done_all_at < hi)]
+                done[sel - lo] = True
+                obs = {k: _read(a, lo, hi, f"{src}: data/{k}") for k, a in arrays.items() if k != "action"}
+                w.write({"obs": obs, "action": _read(arrays["action"], lo, hi, f"{src}: data/action"),
+                         "reward": np.zeros(hi - lo), "terminated": np.zeros(hi - lo, np.bool_),
+                         "truncated": done}, done)
+            out = w.finish(info)
+    finally:
+        if zs is not None:
+            zs.close()
+    return {"source": src, **out}
+
+
+def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                            **create_kwargs: Any) -> TrajectoryReplayBuffer:
+    """Import a Diffusion Policy replay buffer (zarr format 2 or 3, folder or ``.zarr.zip``) into a
+    new trajectory store with the recorders' schema.
+
+    Mapping: ``data/action`` -> ``action``; every other ``data/<key>`` (N, ...) -> ``obs/<key>``
+    (a Dict observation space, dtypes and shapes kept); ``meta/episode_ends`` -> episode ids 0, 1,
+    ... (episode e is rows ``ends[e-1]:ends[e]``).  Diffusion Policy records demonstrations
+    without rewards or terminal states: ``reward`` is 0, ``terminated`` False, ``truncated`` True
+    at the last step of each episode.  Episode data: ``seed`` -1, ``return`` 0, ``length``.
+    Streams blocks of about 8 MiB; the store is built under a temporary name, verified, renamed.
+
+    Parameters
+    ----------
+    path : path
+        The zarr folder or ``.zarr.zip`` file: ``data/<key>`` arrays of N rows (``action``
+        required), ``meta/episode_ends`` (E,) integers, strictly increasing, ``ends[-1] == N``.
+    cache_path : path
+        Destination: a local folder that does not exist yet (or is empty).
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace an existing store at ``cache_path`` (after the new one verified).
+    **create_kwargs
+        Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
+
+    Returns
+    -------
+    TrajectoryReplayBuffer
+        The new store, open for writing (close it when done).
+
+    Raises
+    ------
+    StoreNotFoundError
+        ``path`` does not exist.
+    NotATrajstoreError
+        ``path`` is not a zarr group, or lacks ``data/action`` or ``meta/episode_ends``.
+    BadValueError
+        ``episode_ends`` not strictly increasing, or arrays whose length is not ``ends[-1]``.
+    DamagedStoreError
+        A chunk cannot be read (nothing is left at ``cache_path``).
+    """
+    out = diffusion_policy_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    return TrajectoryReplayBuffer.load_from(out["destination"])
+
+
+def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: bool | None = None,
+                            overwrite: bool = False) -> dict[str, Any]:
+    """Write a trajectory store as a Diffusion Policy replay buffer.
+
+    ``obs`` leaves become ``data/<key>`` (a Dict observation's keys; a single-array ``obs`` becomes
+    ``data/obs``), ``action`` becomes ``data/action``, and the episode boundaries
+    ``meta/episode_ends`` (int64).  Chunks of about 8 MiB along rows, Blosc lz4 (Diffusion Policy's
+    default); ``meta/episode_ends`` uncompressed.  The store is read back and compared (SHA-256
+    per array), then renamed into place.
+
+    Parameters
+    ----------
+    src : path or TrajectoryReplayBuffer
+        The store (a path is opened read-only), recorders' schema; ``obs`` a Box or a flat Dict of
+        Boxes / Discretes; episodes must not interleave.
+    path : path
+        Destination: a folder (``.zarr``) or a zip file (a name ending in ``.zip``).
+    zarr_format : int
+        2 (what Diffusion Policy's zarr 2.x code reads) or 3.
+    tqdm : bool or None
+        Progress bar: True / False force it; None shows it on a terminal.
+    overwrite : bool
+        Replace an existing file or folder at ``path``.
+
+    Returns
+    -------
+    dict
+        ``source``, ``destination``, ``steps``, ``episodes``, ``zarr_format``, ``verified`` (True).
+
+    Raises
+    ------
+    BadOptionError
+        ``zarr_format`` is not 2 or 3.
+    UnknownFieldError
+        The step data lacks a field of the recorders' schema.
+    UnsupportedSpaceError
+        ``obs`` nested deeper than one Dict level, other step fields, or interleaved episodes.
+    StoreExistsError
+        ``path`` exists and ``overwrite`` is False.
+    """
+    import numcodecs
+    import zarr
+
+    if zarr_format not in (2, 3):
+        raise BadOptionError(f"export_diffusion_policy: zarr_format must be 2 or 3; got {zarr_format!r}")
+    out = staged_path(path, "export_diffusion_policy: path", overwrite)
+    zip_out = out.dst.endswith(".zip")
+    buf, own = export_source(src, "export_diffusion_policy: src")
+    try:
+        names = step_leaves(buf, "export_diffusion_policy", box_only=(), allowed_extra=("obs", "next_obs"))
+        leaves = buf._step_plan.leaves
+        keys: dict[int, str] = {}
+        for name, k in names.items():
+            if name == "action":
+                keys[k] = "action"
+            elif name == "obs" or (name.startswith("obs/") and name.count("/") == 1):
+                keys[k] = name.split("/")[-1] if "/" in name else "obs"
+            elif name.startswith("obs/"):
+                raise UnsupportedSpaceError(f"export_diffusion_policy: obs leaf {name!r} is nested; Diffusion Policy "
+                                            "keeps one flat data/<key> array per key (a Box or a Dict of Boxes)")
+        if "action" in [keys[k] for k in keys if leaves[k].name != "action"]:
+            raise UnsupportedSpaceError("export_diffusion_policy: obs has a key 'action', which would collide with "
+                                        "data/action")
+        blocks = StepBlocks(buf, "export_diffusion_policy")
+        n = blocks.count
+        step = block_rows(sum(leaves[k].dtype.itemsize * int(np.prod(leaves[k].shape, dtype=np.int64))
+                              for k in keys))
+        sums = Checksums()
+        ends: list[int] = []
+        with out as tmp:
+            zs = zarr.storage.ZipStore(tmp, mode="w") if zip_out else None
+            bar = _progress(n, f"export_diffusion_policy to {os.path.basename(out.dst)}", tqdm, unit="step")
+            try:
+                root = zarr.open_group(zs if zs is not None else tmp, mode="w", zarr_format=2 if zarr_format == 2 else 3)
+                root.require_group("data")
+                root.require_group("meta")
+                comp = (numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.NOSHUFFLE) if zarr_format == 2
+                        else zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle"))
+                arrs = {k: root.create_array(f"data/{key}", shape=(n, *leaves[k].shape), dtype=leaves[k].dtype,
+                                             chunks=(max(1, min(step, n)), *leaves[k].shape), compressors=comp)
+                        for k, key in keys.items()}
+                lo = 0
+                for arrays, end in blocks:
+                    hi = lo + len(end)
+                    for k, a in arrs.items():
+                        a[lo:hi] = arrays[k]
+                        sums.add(f"data/{keys[k]}", np.asarray(arrays[k]))
+                    ends.extend((lo + np.flatnonzero(end) + 1).tolist())
+                    bar.update(hi - lo)
+                    lo = hi
+                if n and (not ends or ends[-1] != n):
+                    ends.append(n)
+                e = root.create_array("meta/episode_ends", shape=(len(ends),), dtype=np.int64,
+                                      chunks=(max(1, len(ends)),), compressors=None)
+                if ends:
+                    e[:] = np.asarray(ends, np.int64)
+                sums.add("meta/episode_ends", np.asarray(ends, np.int64))
+            finally:
+                bar.close()
+                if zs is not None:
+                    zs.close()
+            _check_written(tmp, zip_out, sums.digest(), step, n)
+    finally:
+        if own:
+            buf.close()
+    return {"source": buf.cache_path, "destination": out.dst, "steps": n, "episodes": len(ends),
+            "zarr_format": zarr_format, "verified": True}
+
+
+def _check_written(path: str, zip_file: bool, want: dict[str, str], step: int, n: int) -> None:
+    """Read the written store back in blocks and compare each array's SHA-256."""
+    root, zs = _open_group(path, "export_diffusion_policy", zip_file)
+    try:
+        got = Checksums()
+        for name in want:
+            a = root[name]
+            if name == "meta/episode_ends":
+                got.add(name, np.asarray(a[:], np.int64))
+                continue
+            for lo in range(0, n, step):
+                got.add(name, np.asarray(a[lo : min(lo + step, n)]))
+        if got.digest() != want:
+            bad = sorted(k for k in want if got.digest().get(k) != want[k])
+            raise DamagedStoreError(f"export_diffusion_policy: {path}: arrays {bad} read back differ from what was "
+                                    "written")
+    finally:
+        if zs is not None:
+            zs.close()
+
