@@ -7,6 +7,8 @@
 - :class:`ZarrRolloutBuffer`, :class:`ZarrDictRolloutBuffer`: SB3's rollout buffers (PPO, A2C)
   with the rollout's observations on disk and an optional history of every rollout.
 - :class:`DummyVecRolloutBuffer`: a rollout facade that gives every env its own sub-buffer.
+- :class:`ZarrNStepReplayBuffer`, :class:`ZarrHerReplayBuffer`: SB3's ``NStepReplayBuffer`` and
+  ``HerReplayBuffer`` on disk (HER's episode bookkeeping survives a restart).
 
 Under one ``np.random`` seed they return the same batches as SB3's own buffers, bit for bit.
 See docs/sb3.md.
@@ -23,8 +25,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from trajstore.sb3._root import ResumedBufferWarning  # noqa: E402
 from trajstore.sb3.dummy_vec import DummyVecRolloutBuffer  # noqa: E402
+from trajstore.sb3.her import ZarrHerReplayBuffer  # noqa: E402
+from trajstore.sb3.nstep import ZarrNStepReplayBuffer  # noqa: E402
 from trajstore.sb3.replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
 from trajstore.sb3.rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
-           "DummyVecRolloutBuffer", "ResumedBufferWarning"]
+           "DummyVecRolloutBuffer", "ZarrNStepReplayBuffer", "ZarrHerReplayBuffer", "ResumedBufferWarning"]
