@@ -17,7 +17,8 @@ __all__ = ["register", "IMPORTS", "EXPORTS"]
 #: Formats ``trajstore import`` reads (name -> help).
 IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, terminals, timeouts, ...)",
            "diffusion-policy": "Diffusion Policy's zarr store (data/<key>, meta/episode_ends; format 2 or 3, "
-                               "folder or .zarr.zip)"}
+                               "folder or .zarr.zip)",
+           "robomimic": "robomimic's HDF5 file (data/demo_<i>/{obs/*, next_obs/*, actions, rewards, dones}, mask/*)"}
 #: Formats ``trajstore export`` writes (name -> help).
 EXPORTS = {"d4rl": "D4RL's flat HDF5 file",
            "diffusion-policy": "Diffusion Policy's zarr store (--zarr-format 2 or 3; a name ending in .zip "
@@ -29,8 +30,11 @@ def _bar(args: argparse.Namespace) -> bool | None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
+    convert: Any
     if args.format == "d4rl":
         from trajstore.interop.d4rl import d4rl_to_store as convert
+    elif args.format == "robomimic":
+        from trajstore.interop.robomimic import robomimic_to_store as convert
     else:
         from trajstore.interop.diffusion_policy import diffusion_policy_to_store as convert
     out = convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
