@@ -32,6 +32,7 @@ pytest.importorskip("stable_baselines3")
 import torch as th  # noqa: E402
 from stable_baselines3 import DQN  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
+from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
 
@@ -271,26 +272,48 @@ def test_train_is_sb3_dqn_train_with_unit_weights(tmp_path: Path) -> None:
 ZOO = dict(learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000, gamma=0.99,
            target_update_interval=10, train_freq=256, gradient_steps=128, exploration_fraction=0.16,
            exploration_final_eps=0.04)
+BUDGET = 50_000  # the zoo's n_timesteps
+SOLVED = 475.0  # CartPole-v1's reward threshold
+EVAL_EVERY, EVAL_FROM = 2_500, 10_000
+
+
+class _UntilSolved(BaseCallback):
+    """Every EVAL_EVERY steps from EVAL_FROM: the mean return of 5 deterministic episodes on an
+    env of its own (deterministic actions draw no random numbers, so training is not disturbed);
+    stops training once it reaches SOLVED."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.env = make_vec_env("CartPole-v1", n_envs=1, seed=100)
+        self.returns: list[tuple[int, float]] = []
+
+    def _on_step(self) -> bool:
+        if self.num_timesteps < EVAL_FROM or self.num_timesteps % EVAL_EVERY:
+            return True
+        mean, _ = evaluate_policy(self.model, self.env, n_eval_episodes=5, deterministic=True, warn=False)
+        self.returns.append((self.num_timesteps, float(mean)))
+        return mean < SOLVED
 
 
 @pytest.mark.slow
-def test_prioritized_dqn_cartpole_as_good_as_dqn(tmp_path: Path) -> None:
-    """rl-baselines3-zoo's CartPole-v1 DQN hyperparameters (50k steps there; fewer here)."""
-    def run(cls: Any, **kw: Any) -> float:
-        model = cls("MlpPolicy", "CartPole-v1", **ZOO, policy_kwargs=dict(net_arch=[64, 64]), seed=0, device="cpu",
-                    **kw).learn(STEPS)
-        mean, _ = evaluate_policy(model, gym.make("CartPole-v1"), n_eval_episodes=5, deterministic=True)
+def test_prioritized_dqn_solves_cartpole_as_dqn_does(tmp_path: Path) -> None:
+    """rl-baselines3-zoo's CartPole-v1 DQN hyperparameters (net 256x256, 50k steps): plain DQN and
+    PrioritizedDQN, same seed, both reach CartPole's reward threshold (mean of 5 evaluation
+    episodes >= 475) within the zoo's step budget.  DQN's return on CartPole swings between
+    evaluations (500 then 17 for this seed), so the test compares the first return at the
+    threshold, not the last one; it stops each run there (25k to 35k steps when this was written)."""
+    def run(cls: Any, **kw: Any) -> list[tuple[int, float]]:
+        cb = _UntilSolved()
+        model = cls("MlpPolicy", "CartPole-v1", **ZOO, policy_kwargs=dict(net_arch=[256, 256]), seed=0,
+                    device="cpu", **kw)
+        model.learn(BUDGET, callback=cb)
         model.replay_buffer.close()
-        return float(mean)
+        return cb.returns
 
     ref = run(DQN, replay_buffer_class=ZarrReplayBuffer, replay_buffer_kwargs=dict(cache_path=tmp_path / "d"))
     ours = run(PrioritizedDQN, replay_buffer_kwargs=dict(cache_path=tmp_path / "p", beta_final=1.0))
-    assert ref >= MIN_RETURN, f"plain DQN reached only {ref}: the settings no longer train CartPole"
-    assert ours >= MIN_RETURN and ours >= 0.7 * ref, (ours, ref)
-
-
-STEPS = 20_000
-MIN_RETURN = 150.0
+    assert ref and ref[-1][1] >= SOLVED, f"plain DQN never solved CartPole ({ref}): the settings no longer train it"
+    assert ours and ours[-1][1] >= SOLVED, f"PrioritizedDQN never solved CartPole; DQN did at {ref[-1]}: {ours}"
 
 
 KILL_CHILD = textwrap.dedent("""
