@@ -24,6 +24,7 @@ import _workers as W  # noqa: E402
 
 from trajstore import PrioritizedSampler, ReplayBuffer, TrajectoryReplayBuffer, verify_store  # noqa: E402
 from trajstore.errors import (  # noqa: E402
+    BadArgumentError,
     BadIndexError,
     DamagedStoreError,
     BadOptionError,
@@ -282,6 +283,58 @@ def test_trajectory_buffer_and_unbounded_growth(tmp_path: Path) -> None:
         s = PrioritizedSampler(ro)
         assert len(s) == 4000 and (s.priorities(np.arange(4000)) > 0).all()
         s.close()
+
+
+def test_prioritized_sequences(tmp_path: Path) -> None:
+    """sample_sequences draws anchors by priority and reads their windows as get_sequences does;
+    within_episode keeps only windows inside one episode (per-field offsets too); the weights and
+    indices are the anchors'."""
+    from gymnasium.spaces import Dict
+
+    space = Dict({"obs": Box(-np.inf, np.inf, (1,), np.float64), "act": Box(-np.inf, np.inf, (1,), np.float64)})
+    lengths = [5, 9, 3, 12, 7, 2, 10]
+    with TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "t")) as buf:
+        row = 0
+        for n in lengths:
+            v = np.arange(row, row + n, dtype=np.float64)[:, None]
+            buf.extend({"obs": v, "act": -v})
+            buf.mark_episode_end()
+            row += n
+        ids = buf.get_at_with_metadata(slice(None))[1]["episode_ids"]
+        with PrioritizedSampler(buf, alpha=1.0, beta=0.5, eps=0.0) as s:
+            s.sample(1, rng=0)
+            hot = np.array([3, 20, 40])  # anchors near episode ends, at the start of one, in the last episode
+            p = np.full(len(buf), 0.01)
+            p[hot] = 10.0
+            s.update_priorities(np.arange(len(buf)), p)
+            data, mask, idx, w = s.sample_sequences(4000, 3, rng=1)
+            want, want_mask = buf.get_sequences(idx, np.arange(3))
+            np.testing.assert_array_equal(data["step_data"]["obs"], want["step_data"]["obs"])
+            np.testing.assert_array_equal(mask, want_mask)
+            freq = np.isin(idx, hot).mean()
+            assert 0.95 < freq < 0.99, f"{freq:.3f} of the anchors are the high-priority rows; P says 0.985"
+            np.testing.assert_allclose(w, np.power(p[idx].min() / p[idx], 0.5), rtol=1e-6)
+            # within_episode: every window lies in its anchor's episode; anchor 3 (episode 0 has rows
+            # 0..4) cannot start a 3-row window, so the hot anchors drawn are 20 and 40 only
+            data, mask, idx, w = s.sample_sequences(2000, 3, rng=2, within_episode=True)
+            assert mask.all() and not np.isin(idx, [3]).any()
+            win = idx[:, None] + np.arange(3)
+            assert (ids[win] == ids[idx][:, None]).all()
+            assert np.isin(idx, [20, 40]).mean() > 0.9
+            # per-field offsets: one frame of history, three actions ahead
+            offs = {"obs": [-1, 0], "act": [0, 1, 2]}
+            data, masks, idx, w = s.sample_sequences(500, offsets=offs, rng=3, within_episode=True)
+            assert set(masks) == {"obs", "act"} and all(m.all() for m in masks.values())
+            np.testing.assert_array_equal(data["step_data"]["obs"][:, :, 0], idx[:, None] + np.array([-1, 0]))
+            np.testing.assert_array_equal(data["step_data"]["act"][:, :, 0], -(idx[:, None] + np.arange(3)))
+            assert (ids[idx - 1] == ids[idx]).all() and (ids[idx + 2] == ids[idx]).all()
+            with pytest.raises(BadOptionError, match="inside one episode"):
+                s.sample_sequences(8, 13, rng=4, within_episode=True)  # longer than every episode
+            with pytest.raises(BadArgumentError, match="either seq_len"):
+                s.sample_sequences(8, 3, offsets=offs)
+    with _buffer(tmp_path / "r", 10) as rb, PrioritizedSampler(rb) as s:
+        with pytest.raises(BadOptionError, match="needs a TrajectoryReplayBuffer"):
+            s.sample_sequences(4, 2)
 
 
 def test_rewrites_reset_priorities(tmp_path: Path) -> None:

@@ -61,13 +61,15 @@ import os
 import sys
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import numpy as np
 
 from trajstore._optional import to_numpy
 from trajstore.core.store import in_zarr_loop
 from trajstore.errors import (
+    BadArgumentError,
     BadIndexError,
     BadOptionError,
     BadValueError,
@@ -76,8 +78,9 @@ from trajstore.errors import (
     EmptyBufferError,
     IndexOutOfRangeError,
 )
+from trajstore.sampling.field_windows import seq_len_or_offsets
 from trajstore.sampling.priority_store import PriorityStore
-from trajstore.sampling.source import SAMPLE_ATTEMPTS, RowSource
+from trajstore.sampling.source import SAMPLE_ATTEMPTS, EpisodeSource, RowSource
 from trajstore.sampling.sumtree import SumTree
 from trajstore.storage.keys import PRIORITIES_DIR
 
@@ -88,6 +91,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 #: Rows added or evicted at once beyond this fraction of the tree rebuild it (O(n)) instead of
 #: updating row by row (O(k log n)).
 REBUILD_FRACTION = 0.125
+#: Rounds of draws ``sample_sequences(within_episode=True)`` makes before it gives up.
+ACCEPT_ROUNDS = 64
 
 _OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
 
@@ -101,6 +106,18 @@ def _flush_all() -> None:
             s.close()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
+
+
+def _span(offsets: Any) -> tuple[int, int]:
+    """``(lo, hi)``: the smallest and largest frame offset, 0 (the anchor) included, of one list of
+    offsets or a mapping of field -> offsets (checked by ``get_sequences`` itself)."""
+    every = [np.asarray(list(v) if isinstance(v, range) else v).reshape(-1)
+             for v in (offsets.values() if isinstance(offsets, Mapping) else [offsets])]
+    try:
+        flat = np.concatenate(every + [np.zeros(1, np.int64)]).astype(np.int64)
+    except (TypeError, ValueError):
+        raise BadArgumentError(f"sample_sequences: offsets must be integers; got {offsets!r}") from None
+    return int(flat.min()), int(flat.max())
 
 
 def _positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
@@ -340,10 +357,85 @@ class PrioritizedSampler:
         ConcurrentWriteError
             (Readers) a writer evicted rows faster than they could be sampled, 100 times running.
         """
+        batch, idx, weights = self._sample("sample", batch_size, rng, self.buffer.get_at)
+        return batch, idx, weights
+
+    def sample_sequences(self, batch_size: int, seq_len: int | None = None, *, offsets: Any = None,
+                         rng: np.random.Generator | int | None = None, pad: Any = "edge",
+                         within_episode: bool = False) -> tuple[Any, Any, np.ndarray, Any]:
+        """Prioritized sequences (trajectory buffers): windows around anchor rows drawn with
+        probability ``P(i)`` of the anchor, as ``buffer.get_sequences`` reads them.
+
+        Parameters
+        ----------
+        batch_size : int
+            Windows to draw, > 0.
+        seq_len : int, optional
+            Windows of rows ``anchor .. anchor + seq_len - 1`` (as ``buffer.sample_sequences``).
+        offsets : sequence of int or mapping, optional
+            Instead of ``seq_len``: the frames of each window, one list for every field or one per
+            field of a Dict step space (``{"obs": [-1, 0], "action": range(16)}``).
+        rng : numpy.random.Generator, int or None
+            Random source; default: the sampler's own.
+        pad : str or mapping
+            Padding of frames outside the anchor's episode (``"edge"`` or ``"zero"``).
+        within_episode : bool
+            Only anchors whose whole window (every field's frames and the anchor) lies in one run
+            of the anchor's episode; others are drawn again.  Their probabilities are then
+            ``P(i)`` renormalized over such anchors; the weights use ``P(i)`` as drawn (their
+            ratios within a batch are the same).
+
+        Returns
+        -------
+        data : TrajectoryData
+            ``step_data`` leaves (B, T, ...) (per field: (B, len(offsets[key]), ...)), ``episode_data``.
+        mask : (B, T) bool, or per field a dict key -> (B, len(offsets[key])) bool
+        indices : np.ndarray
+            (B,) int64 logical anchor rows (update their priorities with :meth:`update_priorities`).
+        weights : np.ndarray or torch.Tensor
+            (B,) float32 importance weights of the anchors, as :meth:`sample` gives them.
+
+        Raises
+        ------
+        BadOptionError
+            Not a trajectory buffer; a bad ``seq_len``; with ``within_episode``, hardly any drawn
+            anchor has its window inside one episode.
+        BadArgumentError
+            Both or neither of ``seq_len`` and ``offsets``; offsets that are not integers.
+        """
+        get_sequences = getattr(self.buffer, "get_sequences", None)
+        if get_sequences is None:
+            raise BadOptionError(f"sample_sequences needs a TrajectoryReplayBuffer (episodes); got "
+                                 f"{type(self.buffer).__name__}")
+        seq_len_or_offsets(seq_len, offsets)
+        if offsets is None:
+            if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
+                raise BadOptionError(f"sample_sequences: seq_len must be an int > 0; got {seq_len!r}")
+            offsets = np.arange(int(seq_len))
+        lo, hi = _span(offsets)
+
+        def inside(idx: np.ndarray) -> np.ndarray:
+            """(B,) bool: the window of every anchor ``idx`` lies in one run of equal episode ids."""
+            src = cast(EpisodeSource, self._src)
+            first = idx + lo
+            ok = (first >= 0) & (idx + hi < src.count)
+            ok[ok] = src.one_run(first[ok], hi - lo)
+            return ok
+
+        data, idx, weights = self._sample("sample_sequences", batch_size, rng,
+                                          lambda i: get_sequences(i, offsets, pad=pad),
+                                          inside if within_episode else None)
+        return data[0], data[1], idx, weights
+
+    def _sample(self, what: str, batch_size: Any, rng: np.random.Generator | int | None,
+                read: Callable[[np.ndarray], Any], accept: Callable[[np.ndarray], np.ndarray] | None = None
+                ) -> tuple[Any, np.ndarray, Any]:
+        """Draw ``batch_size`` logical rows by priority (only rows ``accept`` approves, if given),
+        ``read`` them as of one commit record, and weigh them: ``(read(indices), indices, weights)``."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-            raise BadOptionError(f"sample: batch_size must be an int > 0; got {batch_size!r}")
+            raise BadOptionError(f"{what}: batch_size must be an int > 0; got {batch_size!r}")
         if self._closed:
-            raise ClosedError("sample: the PrioritizedSampler was closed")
+            raise ClosedError(f"{what}: the PrioritizedSampler was closed")
         gen = rng if isinstance(rng, np.random.Generator) else (self._rng if rng is None else np.random.default_rng(rng))
         src = self._src
         for _ in range(SAMPLE_ATTEMPTS):
@@ -352,16 +444,16 @@ class PrioritizedSampler:
             if self._end <= self._start:
                 raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
             if total <= 0:
-                raise BadValueError(f"sample: every one of the {self._end - self._start} rows has priority 0 and eps "
+                raise BadValueError(f"{what}: every one of the {self._end - self._start} rows has priority 0 and eps "
                                     "is 0, so no row can be drawn; give some rows a priority > 0 or use eps > 0")
             start, epoch = self._start, self._epoch
-            slots = self._tree.find(gen.random(int(batch_size)) * total)
+            slots = self._draw(int(batch_size), gen, total, accept, what)
             idx = self._logical(slots)
             if not src.live:
-                batch = self.buffer.get_at(idx)
+                out = read(idx)
                 break
             try:
-                batch = self.buffer.get_at(idx)
+                out = read(idx)
             except IndexOutOfRangeError:  # a writer shrank the ring's view meanwhile: draw again
                 continue
             if src.start == start and src.record.epoch == epoch:  # the rows read are the rows drawn
@@ -379,7 +471,26 @@ class PrioritizedSampler:
             import torch
 
             weights = torch.as_tensor(w, device=self.buffer.device)
-        return batch, idx.astype(np.int64, copy=False), weights
+        return out, idx.astype(np.int64, copy=False), weights
+
+    def _draw(self, k: int, gen: np.random.Generator, total: float,
+              accept: Callable[[np.ndarray], np.ndarray] | None, what: str) -> np.ndarray:
+        """``k`` slots drawn by priority; with ``accept``, only slots whose logical rows it approves
+        (drawn again in rounds, up to :data:`ACCEPT_ROUNDS`)."""
+        if accept is None:
+            return self._tree.find(gen.random(k) * total)
+        got: list[np.ndarray] = []
+        need = k
+        for _ in range(ACCEPT_ROUNDS):
+            s = self._tree.find(gen.random(max(2 * need, 16)) * total)
+            s = s[accept(self._logical(s))][:need]
+            got.append(s)
+            need -= len(s)
+            if need == 0:
+                return np.concatenate(got)
+        raise BadOptionError(f"{what}: within_episode=True, but after {ACCEPT_ROUNDS} rounds of draws only "
+                             f"{k - need} of {k} anchors had their window inside one episode (windows longer than "
+                             "most episodes, or the priority on anchors near episode ends)")
 
     def probabilities(self, indices: Any) -> np.ndarray:
         """``P(i)`` of logical rows ``indices`` now: (B,) float64.
