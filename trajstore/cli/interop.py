@@ -18,7 +18,8 @@ __all__ = ["register", "IMPORTS", "EXPORTS"]
 IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, terminals, timeouts, ...)",
            "diffusion-policy": "Diffusion Policy's zarr store (data/<key>, meta/episode_ends; format 2 or 3, "
                                "folder or .zarr.zip)",
-           "robomimic": "robomimic's HDF5 file (data/demo_<i>/{obs/*, next_obs/*, actions, rewards, dones}, mask/*)"}
+           "robomimic": "robomimic's HDF5 file (data/demo_<i>/{obs/*, next_obs/*, actions, rewards, dones}, mask/*)",
+           "sb3": "a stable-baselines3 replay buffer saved by model.save_replay_buffer (a pickle: needs --trust)"}
 #: Formats ``trajstore export`` writes (name -> help).
 EXPORTS = {"d4rl": "D4RL's flat HDF5 file",
            "diffusion-policy": "Diffusion Policy's zarr store (--zarr-format 2 or 3; a name ending in .zip "
@@ -35,9 +36,20 @@ def _cmd_import(args: argparse.Namespace) -> int:
         from trajstore.interop.d4rl import d4rl_to_store as convert
     elif args.format == "robomimic":
         from trajstore.interop.robomimic import robomimic_to_store as convert
+    elif args.format == "sb3":
+        from trajstore.interop.sb3_pickle import sb3_replay_buffer_to_store
+
+        out = sb3_replay_buffer_to_store(args.src, args.dst, trust=args.trust, tqdm=_bar(args),
+                                         overwrite=args.overwrite)
+        return _report_import(args, out)
     else:
         from trajstore.interop.diffusion_policy import diffusion_policy_to_store as convert
-    out = convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
+    if args.trust:
+        raise CLIError("--trust applies to sb3 imports only (the other formats are never unpickled)", code=2)
+    return _report_import(args, convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite))
+
+
+def _report_import(args: argparse.Namespace, out: dict[str, Any]) -> int:
     out = {"format": args.format, **out}
     if args.json:
         print_json(out)
@@ -82,6 +94,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("format", choices=sorted(IMPORTS), metavar="FORMAT", help=f"one of {', '.join(sorted(IMPORTS))}")
     p.add_argument("src", metavar="SRC", help="the file to import")
     p.add_argument("dst", metavar="DST", help="the new store (a local folder)")
+    p.add_argument("--trust", action="store_true",
+                   help="sb3: unpickle SRC (unpickling runs code named in the file: only for files you trust)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_import)

@@ -4,6 +4,8 @@
 - :func:`import_diffusion_policy` / :func:`export_diffusion_policy`: Diffusion Policy's zarr
   replay buffers (format 2 or 3, folders or ``.zarr.zip``).
 - :func:`import_robomimic`: robomimic's HDF5 datasets (``data/demo_<i>``, ``mask/*``; needs h5py).
+- :func:`import_sb3_replay_buffer`: stable-baselines3's ``save_replay_buffer`` pickles, only with
+  ``trust=True`` (the one place trajstore unpickles).
 
 Imports write new trajectory stores with the recorders' schema (:mod:`trajstore.recording`), so
 ``trajstore episodes``, ``SequenceDataset`` and the exports work on any imported store.  Every
@@ -17,5 +19,7 @@ from __future__ import annotations
 from trajstore.interop.d4rl import export_d4rl, import_d4rl
 from trajstore.interop.diffusion_policy import export_diffusion_policy, import_diffusion_policy
 from trajstore.interop.robomimic import import_robomimic
+from trajstore.interop.sb3_pickle import import_sb3_replay_buffer
 
-__all__ = ["import_d4rl", "export_d4rl", "import_diffusion_policy", "export_diffusion_policy", "import_robomimic"]
+__all__ = ["import_d4rl", "export_d4rl", "import_diffusion_policy", "export_diffusion_policy", "import_robomimic",
+           "import_sb3_replay_buffer"]

@@ -34,7 +34,7 @@ from trajstore.maintenance.combine import _check_free, _local, _open, _Staged, _
 from trajstore.recording import EPISODE_SPACE, step_space
 
 __all__ = ["BLOCK_BYTES", "box_for", "ImportWriter", "staged_path", "export_source", "step_leaves",
-           "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space"]
+           "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space", "check_destination"]
 
 #: Steps are read and written in blocks of about this many bytes.
 BLOCK_BYTES = 8 << 20
@@ -78,6 +78,13 @@ def _check_create_kwargs(kwargs: dict[str, Any], what: str) -> None:
     if bad:
         raise BadOptionError(f"{what}: {', '.join(bad)} cannot be chosen for an import (it writes a new unbounded "
                              f"store with the recorders' episode data at cache_path)")
+
+
+def check_destination(dst: Any, overwrite: bool, create_kwargs: dict[str, Any], what: str) -> None:
+    """The checks :class:`ImportWriter` makes of its destination and options, for an import that
+    wants them before a long read."""
+    _check_create_kwargs(create_kwargs, what)
+    _check_free(_local(dst, f"{what}: cache_path"), overwrite)
 
 
 class ImportWriter:
