@@ -9,6 +9,8 @@
 - :class:`DummyVecRolloutBuffer`: a rollout facade that gives every env its own sub-buffer.
 - :class:`ZarrNStepReplayBuffer`, :class:`ZarrHerReplayBuffer`: SB3's ``NStepReplayBuffer`` and
   ``HerReplayBuffer`` on disk (HER's episode bookkeeping survives a restart).
+- :class:`ZarrPrioritizedReplayBuffer` (:class:`ZarrPrioritizedDictReplayBuffer`) and
+  :class:`PrioritizedDQN`: prioritized replay with the priorities kept in the store.
 
 Under one ``np.random`` seed they return the same batches as SB3's own buffers, bit for bit.
 See docs/sb3.md.
@@ -27,8 +29,15 @@ from trajstore.sb3._root import ResumedBufferWarning  # noqa: E402
 from trajstore.sb3.dummy_vec import DummyVecRolloutBuffer  # noqa: E402
 from trajstore.sb3.her import ZarrHerReplayBuffer  # noqa: E402
 from trajstore.sb3.nstep import ZarrNStepReplayBuffer  # noqa: E402
+from trajstore.sb3.prioritized import (  # noqa: E402
+    PrioritizedDQN,
+    PrioritizedReplayBufferSamples,
+    ZarrPrioritizedDictReplayBuffer,
+    ZarrPrioritizedReplayBuffer,
+)
 from trajstore.sb3.replay import ZarrDictReplayBuffer, ZarrReplayBuffer  # noqa: E402
 from trajstore.sb3.rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # noqa: E402
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
-           "DummyVecRolloutBuffer", "ZarrNStepReplayBuffer", "ZarrHerReplayBuffer", "ResumedBufferWarning"]
+           "DummyVecRolloutBuffer", "ZarrNStepReplayBuffer", "ZarrHerReplayBuffer", "ZarrPrioritizedReplayBuffer",
+           "ZarrPrioritizedDictReplayBuffer", "PrioritizedReplayBufferSamples", "PrioritizedDQN", "ResumedBufferWarning"]
