@@ -19,9 +19,12 @@ IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, termi
            "diffusion-policy": "Diffusion Policy's zarr store (data/<key>, meta/episode_ends; format 2 or 3, "
                                "folder or .zarr.zip)",
            "robomimic": "robomimic's HDF5 file (data/demo_<i>/{obs/*, next_obs/*, actions, rewards, dones}, mask/*)",
+           "minari": "a Minari dataset: its id (under MINARI_DATASETS_PATH) or its folder",
            "sb3": "a stable-baselines3 replay buffer saved by model.save_replay_buffer (a pickle: needs --trust)"}
 #: Formats ``trajstore export`` writes (name -> help).
 EXPORTS = {"d4rl": "D4RL's flat HDF5 file",
+           "minari": "a Minari dataset: DST is its dataset id (namespace/name-v0), written under --datasets-path "
+                     "or MINARI_DATASETS_PATH",
            "diffusion-policy": "Diffusion Policy's zarr store (--zarr-format 2 or 3; a name ending in .zip "
                                "writes a zip)"}
 
@@ -36,6 +39,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         from trajstore.interop.d4rl import d4rl_to_store as convert
     elif args.format == "robomimic":
         from trajstore.interop.robomimic import robomimic_to_store as convert
+    elif args.format == "minari":
+        from trajstore.interop.minari import minari_to_store as convert
     elif args.format == "sb3":
         from trajstore.interop.sb3_pickle import sb3_replay_buffer_to_store
 
@@ -60,12 +65,25 @@ def _report_import(args: argparse.Namespace, out: dict[str, Any]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if args.zarr_format is not None and args.format != "diffusion-policy":
+        raise CLIError("--zarr-format applies to diffusion-policy exports only", code=2)
+    if args.datasets_path is not None and args.format != "minari":
+        raise CLIError("--datasets-path applies to minari exports only", code=2)
     if args.format == "d4rl":
         from trajstore.interop.d4rl import export_d4rl
 
-        if args.zarr_format is not None:
-            raise CLIError("--zarr-format applies to diffusion-policy exports only", code=2)
         out = export_d4rl(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
+    elif args.format == "minari":
+        from trajstore.interop.minari import export_minari
+
+        folder = export_minari(args.src, args.dst, datasets_path=args.datasets_path, tqdm=_bar(args),
+                               overwrite=args.overwrite)
+        out = {"source": args.src, "destination": folder, "dataset_id": args.dst, "verified": True}
+        if args.json:
+            print_json({"format": args.format, **out})
+        else:
+            print(f"exported {args.src} as Minari dataset {args.dst} -> {folder}; opened with minari and counted")
+        return 0
     else:
         from trajstore.interop.diffusion_policy import export_diffusion_policy
 
@@ -110,6 +128,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("format", choices=sorted(EXPORTS), metavar="FORMAT", help=f"one of {', '.join(sorted(EXPORTS))}")
     p.add_argument("src", metavar="SRC", help="the store to export")
     p.add_argument("dst", metavar="DST", help="the file to write")
+    p.add_argument("--datasets-path", default=None, metavar="DIR",
+                   help="minari: root of the datasets folder (default MINARI_DATASETS_PATH or ~/.minari/datasets)")
     p.add_argument("--zarr-format", type=int, choices=(2, 3), default=None,
                    help="diffusion-policy: zarr format of DST (default 2, what Diffusion Policy's code reads)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")

@@ -1,0 +1,172 @@
+"""Minari import and export (issue 14): datasets written by minari's own
+``create_dataset_from_buffers`` (hdf5), found by id under MINARI_DATASETS_PATH or by folder; T+1
+observations split into obs / next_obs and rebuilt exactly; spaces, seeds and metadata kept;
+``minari.load_dataset`` iterates an exported store's episodes; bad input refused before writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+minari = pytest.importorskip("minari")
+
+from minari.data_collector.episode_buffer import EpisodeBuffer  # noqa: E402
+
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
+from trajstore.cli import main  # noqa: E402
+from trajstore.errors import (  # noqa: E402
+    BadArgumentError,
+    NotATrajstoreError,
+    StoreExistsError,
+    StoreNotFoundError,
+    UnknownFieldError,
+)
+from trajstore.interop import export_minari, import_minari  # noqa: E402
+from trajstore.maintenance.verify import verify_store  # noqa: E402
+from trajstore.metadata import get_dataset_info  # noqa: E402
+
+OBS = gym.spaces.Dict({"pos": gym.spaces.Box(-5, 5, (3,), np.float32), "goal": gym.spaces.Discrete(4)})
+ACT = gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def datasets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "minari_datasets"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    warnings.filterwarnings("ignore", module="minari")
+    return root
+
+
+def make_dataset(dataset_id: str = "toy/reach-v0", lengths: tuple[int, ...] = (7, 12, 1, 30),
+                 seed: int = 0) -> list[dict[str, Any]]:
+    """A Dict-obs dataset written by minari with infos; returns the episodes as written."""
+    rng = np.random.default_rng(seed)
+    episodes, buffers = [], []
+    for k, t in enumerate(lengths):
+        ep = {"observations": {"pos": rng.uniform(-5, 5, (t + 1, 3)).astype(np.float32),
+                               "goal": rng.integers(0, 4, t + 1)},
+              "actions": rng.uniform(-1, 1, (t, 2)).astype(np.float32), "rewards": rng.standard_normal(t),
+              "terminations": np.arange(t) == t - 1 if k % 2 == 0 else np.zeros(t, bool),
+              "truncations": np.zeros(t, bool) if k % 2 == 0 else np.arange(t) == t - 1,
+              "infos": {"success": (np.arange(t + 1) == t), "dist": {"l2": rng.random(t + 1)}}}
+        episodes.append(ep)
+        buffers.append(EpisodeBuffer(id=k, seed=100 + k if k != 2 else None, **ep))
+    minari.create_dataset_from_buffers(dataset_id, buffers, observation_space=OBS, action_space=ACT,
+                                       algorithm_name="random-policy", author="Ada", author_email="ada@example.org",
+                                       code_permalink="https://example.org/code", description="a toy",
+                                       data_format="hdf5")
+    return episodes
+
+
+def test_import_by_id_values_spaces_seeds_metadata(tmp_path: Path) -> None:
+    episodes = make_dataset()
+    with import_minari("toy/reach-v0", tmp_path / "s") as buf:
+        assert buf.step_space["obs"] == OBS and buf.step_space["action"] == ACT
+        table = buf.episodes()
+        assert table["length"].tolist() == [7, 12, 1, 30]
+        for eid, ep in zip(table["episode_id"].tolist(), episodes):
+            got: Any = buf.get_episode(eid)
+            sd, ed = got["step_data"], got["episode_data"]
+            for key in ("pos", "goal"):
+                np.testing.assert_array_equal(sd["obs"][key], ep["observations"][key][:-1])
+                np.testing.assert_array_equal(sd["next_obs"][key], ep["observations"][key][1:])
+            np.testing.assert_array_equal(sd["action"], ep["actions"])
+            np.testing.assert_array_equal(sd["reward"], ep["rewards"])
+            np.testing.assert_array_equal(sd["terminated"], ep["terminations"])
+            np.testing.assert_array_equal(sd["truncated"], ep["truncations"])
+            np.testing.assert_array_equal(sd["info"]["success"], ep["infos"]["success"][1:])
+            np.testing.assert_array_equal(sd["info"]["dist"]["l2"], ep["infos"]["dist"]["l2"][1:])
+            assert int(ed["minari_id"][0]) == eid
+            assert int(ed["seed"][0]) == (100 + eid if eid != 2 else -1)
+            np.testing.assert_allclose(ed["return"][0], ep["rewards"].sum())
+        meta = get_dataset_info(buf)["imported_from"]["metadata"]
+        assert meta["algorithm_name"] == "random-policy" and meta["author"] == ["Ada"]
+        assert meta["dataset_id"] == "toy/reach-v0"
+    assert verify_store(tmp_path / "s").ok
+
+
+def test_round_trip_minari_store_minari(tmp_path: Path, datasets_root: Path) -> None:
+    make_dataset(seed=3)
+    import_minari(datasets_root / "toy" / "reach-v0", tmp_path / "s").close()  # by folder this time
+    folder = export_minari(tmp_path / "s", "toy/reach-again-v0", description="exported")
+    assert folder == str(datasets_root / "toy" / "reach-again-v0")
+    a, b = minari.load_dataset("toy/reach-v0"), minari.load_dataset("toy/reach-again-v0")
+    assert (b.total_episodes, b.total_steps) == (a.total_episodes, a.total_steps)
+    assert b.observation_space == a.observation_space and b.action_space == a.action_space
+    for ea, eb in zip(a.iterate_episodes(), b.iterate_episodes()):
+        for key in ("pos", "goal"):  # T+1 observations rebuilt exactly
+            np.testing.assert_array_equal(eb.observations[key], ea.observations[key])
+        for f in ("actions", "rewards", "terminations", "truncations"):
+            np.testing.assert_array_equal(getattr(eb, f), getattr(ea, f), err_msg=f)
+    seeds = [m.get("seed") for m in b.storage.get_episode_metadata(range(4))]
+    assert seeds == [m.get("seed") for m in a.storage.get_episode_metadata(range(4))] == [100, 101, None, 103]
+    meta = b.storage.metadata
+    assert meta["algorithm_name"] == "random-policy" and meta["description"] == "exported"
+    assert set(meta["author"]) == {"Ada"}
+
+
+def test_export_recorded_store_to_datasets_path(tmp_path: Path) -> None:
+    from trajstore.recording import RecordEpisodes
+
+    env = RecordEpisodes(gym.make("CartPole-v1"), cache_path=str(tmp_path / "rec"), record_next_obs=True)
+    for k in range(3):
+        env.reset(seed=k)
+        done = False
+        while not done:
+            _, _, te, tr, _ = env.step(env.action_space.sample())
+            done = te or tr
+    env.close()
+    with TrajectoryReplayBuffer.load_from(tmp_path / "rec", read_only=True) as rec:
+        lengths = rec.episodes()["length"].tolist()
+    folder = export_minari(tmp_path / "rec", "cartpole/recorded-v1", datasets_path=tmp_path / "elsewhere",
+                           algorithm_name="random")
+    assert folder == str(tmp_path / "elsewhere" / "cartpole" / "recorded-v1")
+    os.environ["MINARI_DATASETS_PATH"] = str(tmp_path / "elsewhere")  # the fixture restores it
+    ds = minari.load_dataset("cartpole/recorded-v1")
+    assert [len(e.rewards) for e in ds.iterate_episodes()] == lengths
+    assert [m["seed"] for m in ds.storage.get_episode_metadata(range(3))] == [0, 1, 2]
+
+
+def test_refusals_before_writing(tmp_path: Path, datasets_root: Path) -> None:
+    with pytest.raises(StoreNotFoundError, match="no local Minari dataset 'toy/none-v0'.*MINARI_DATASETS_PATH"):
+        import_minari("toy/none-v0", tmp_path / "s")
+    (tmp_path / "notminari").mkdir()
+    with pytest.raises(NotATrajstoreError, match="not a Minari dataset folder"):
+        import_minari(tmp_path / "notminari", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    from trajstore.recording import EPISODE_SPACE, step_space
+
+    with TrajectoryReplayBuffer.create(step_space(gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2)),
+                                       episode_data_instance_space=EPISODE_SPACE, cache_path=tmp_path / "nonext") as b:
+        b.extend({"obs": np.zeros((3, 2), np.float32), "action": np.zeros(3, np.int64), "reward": np.zeros(3),
+                  "terminated": np.zeros(3, bool), "truncated": np.zeros(3, bool)})
+    with pytest.raises(UnknownFieldError, match="no next_obs; Minari keeps T\\+1 observations"):
+        export_minari(tmp_path / "nonext", "toy/x-v0")
+    with pytest.raises(BadArgumentError, match="namespace/name-v0"):
+        export_minari(tmp_path / "nonext", "../escape")
+    make_dataset()
+    import_minari("toy/reach-v0", tmp_path / "s").close()
+    with pytest.raises(StoreExistsError):
+        export_minari(tmp_path / "s", "toy/reach-v0")
+    assert not (datasets_root / "toy" / "x-v0").exists()
+    assert not [p for p in (datasets_root / "toy").iterdir() if "trajstore-partial" in p.name]
+
+
+def test_cli_import_export_minari(tmp_path: Path, datasets_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dataset()
+    assert main(["import", "minari", "toy/reach-v0", str(tmp_path / "s"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["format"] == "minari" and out["episodes"] == 4 and out["steps"] == 50
+    assert main(["export", "minari", str(tmp_path / "s"), "toy/cli-v0", "--datasets-path", str(tmp_path / "d"),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["destination"] == str(tmp_path / "d" / "toy" / "cli-v0")
+    assert main(["info", str(tmp_path / "s")]) == 0
+    assert "random-policy" in capsys.readouterr().out  # the dataset metadata, shown by trajstore info
