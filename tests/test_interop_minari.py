@@ -23,6 +23,7 @@ from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.cli import main  # noqa: E402
 from trajstore.errors import (  # noqa: E402
     BadArgumentError,
+    DamagedStoreError,
     NotATrajstoreError,
     StoreExistsError,
     StoreNotFoundError,
@@ -170,3 +171,19 @@ def test_cli_import_export_minari(tmp_path: Path, datasets_root: Path, capsys: p
     assert out["destination"] == str(tmp_path / "d" / "toy" / "cli-v0")
     assert main(["info", str(tmp_path / "s")]) == 0
     assert "random-policy" in capsys.readouterr().out  # the dataset metadata, shown by trajstore info
+
+
+def test_broken_dataset_leaves_no_partial_store(tmp_path: Path, datasets_root: Path) -> None:
+    """A dataset whose last episode's group was deleted from main_data.hdf5 after writing: the
+    import fails after writing the first episodes, and neither the store nor a temporary folder
+    remains."""
+    import h5py
+
+    make_dataset()
+    with h5py.File(datasets_root / "toy" / "reach-v0" / "data" / "main_data.hdf5", "r+") as f:
+        assert "episode_3" in f
+        del f["episode_3"]
+    with pytest.raises(DamagedStoreError, match="episode 3 cannot be read .*episode_3"):
+        import_minari("toy/reach-v0", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    assert not [p for p in tmp_path.iterdir() if "trajstore-partial" in p.name]

@@ -157,13 +157,10 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
     meta = _json_metadata(ds.storage.metadata)
     with ImportWriter(cache_path, space, what="import_minari", create_kwargs=create_kwargs,
                       total=int(ds.total_steps), tqdm=tqdm, overwrite=overwrite, episode_space=ep_space) as w:
-        ids = [int(i) for i in ds.episode_indices]
-        seeds = {int(m["id"]): m.get("seed") for m in ds.storage.get_episode_metadata(ids)}
-        for k, ep in enumerate(ds.iterate_episodes()):
+        for ep, seed in _read_episodes(ds, where):
             t = len(ep.rewards)
             if t == 0:
                 continue
-            seed = seeds.get(int(ep.id))
             w.set_episode_extra(w.episodes, {"minari_id": np.int64(ep.id),
                                              "seed": np.int64(-1 if seed is None else int(seed))})
             done = np.zeros(t, np.bool_)
@@ -178,6 +175,24 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
             w.write(block, done)
         out = w.finish({"imported_from": {"format": "minari", "source": where, "metadata": meta}})
     return {"source": where, **out}
+
+
+def _read_episodes(ds: Any, where: str) -> Iterator[tuple[Any, Any]]:
+    """``(episode, its seed or None)`` of the dataset, one at a time; a read error (a damaged
+    dataset) as DamagedStoreError."""
+    it = iter(ds.iterate_episodes())
+    k = 0
+    while True:
+        try:
+            ep = next(it)
+            seed = next(iter(ds.storage.get_episode_metadata([int(ep.id)]))).get("seed")
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001  # minari and h5py raise many kinds for damaged data
+            raise DamagedStoreError(f"import_minari: {where}: episode {k} cannot be read ({type(e).__name__}: "
+                                    f"{e}); the dataset is damaged") from None
+        k += 1
+        yield ep, seed
 
 
 def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
@@ -222,6 +237,8 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         A space trajstore cannot store (Text, Graph, ...), or infos that are not numbers.
     MissingDependencyError
         minari is not installed.
+    DamagedStoreError
+        An episode cannot be read (nothing is left at ``cache_path``).
     """
     out = minari_to_store(src, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
