@@ -256,3 +256,66 @@ def test_cli_import_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert zarr.open_group(str(tmp_path / "o.zarr"), mode="r").metadata.zarr_format == 3
     assert main(["export", "d4rl", str(tmp_path / "s"), str(tmp_path / "o.hdf5"), "--zarr-format", "3"]) == 2
     assert "--zarr-format applies to diffusion-policy" in capsys.readouterr().err
+
+
+_CHILD = """
+import resource, sys
+import numpy as np, zarr
+from trajstore.interop import import_diffusion_policy, export_diffusion_policy
+def data_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData"):
+            return int(line.split()[1]) * 1024
+# Warm-up on a 10-step store: imports modules and starts the threads zarr keeps (their stacks count
+# in VmData), so the cap below measures the data the big run holds.
+small = sys.argv[2] + ".small.zarr"
+root = zarr.open_group(small, mode="w", zarr_format=2)
+root.create_array("data/state", shape=(10, 256), dtype=np.float32)[:] = 0
+root.create_array("data/action", shape=(10, 2), dtype=np.float32)[:] = 0
+root.create_array("meta/episode_ends", shape=(1,), dtype=np.int64)[:] = [10]
+import_diffusion_policy(small, small + ".store", overwrite=True).close()
+export_diffusion_policy(small + ".store", small + ".out.zip", overwrite=True)
+cap = data_bytes() + (64 << 20)
+resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+if sys.argv[1] == "whole":  # control: reading the source's state array at once does not fit
+    zarr.open_group(sys.argv[2], mode="r")["data/state"][:]
+else:
+    buf = import_diffusion_policy(sys.argv[2], sys.argv[3])
+    n = len(buf)
+    buf.close()
+    out = export_diffusion_policy(sys.argv[3], sys.argv[3] + ".zarr.zip")
+    print(n, out["steps"])
+"""
+
+
+def test_import_and_export_in_bounded_memory(tmp_path: Path) -> None:
+    """A 164 MB store imported and exported (to a zip) by a process whose heap may grow by 64 MiB
+    only (RLIMIT_DATA, as tests/test_interop_d4rl.py); reading the source's array at once fails."""
+    import subprocess
+    import sys
+
+    n, w = 160_000, 256
+    root = zarr.open_group(str(tmp_path / "big.zarr"), mode="w", zarr_format=2)
+    state = root.create_array("data/state", shape=(n, w), chunks=(4096, w), dtype=np.float32, compressors=None)
+    for lo in range(0, n, 40_000):
+        state[lo:lo + 40_000] = np.repeat(np.arange(lo, lo + 40_000, dtype=np.float32)[:, None], w, axis=1)
+    root.create_array("data/action", shape=(n, 2), dtype=np.float32)[:] = 0
+    root.create_array("meta/episode_ends", shape=(160,), dtype=np.int64)[:] = np.arange(1000, n + 1, 1000)
+    # One malloc arena: glibc's per-thread arenas (zarr reads on a pool of threads) would count
+    # their retained heaps in VmData, which is not data the conversion holds.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "MALLOC_ARENA_MAX": "1"}
+    control = subprocess.run([sys.executable, "-c", _CHILD, "whole", str(tmp_path / "big.zarr")],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert control.returncode != 0 and "MemoryError" in control.stderr, control.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", _CHILD, "stream", str(tmp_path / "big.zarr"), str(tmp_path / "s")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [str(n), str(n)]
+    import zipfile
+
+    names = zipfile.ZipFile(tmp_path / "s.zarr.zip").namelist()
+    assert len(names) == len(set(names))  # every chunk written once, whole (blocks regrouped into chunks)
+    assert sum(1 for x in names if x.startswith("data/state/") and not x.endswith((".zarray", ".zattrs"))) > 100
+    got, ends = read_dp(tmp_path / "s.zarr.zip")
+    assert got["state"].shape == (n, w) and len(ends) == 160
+    np.testing.assert_array_equal(got["state"][n - 3 :, 0], np.arange(n - 3, n, dtype=np.float32))

@@ -10,6 +10,7 @@ writes zarr format 2 with zarr 2.x, in a folder or a ``.zarr.zip`` file; zarr fo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import gymnasium
@@ -38,7 +39,10 @@ from trajstore.interop._common import (
     step_leaves,
 )
 
-__all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store"]
+__all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES"]
+
+#: Exported arrays are chunked along rows in chunks of about this many bytes (the widest array's).
+CHUNK_BYTES = 1 << 20
 
 
 def _is_zip(path: str) -> bool:
@@ -109,6 +113,8 @@ def _layout(root: Any, src: str) -> dict[str, Any]:
 def _read(a: Any, lo: int, hi: int, where: str) -> np.ndarray:
     try:
         return np.asarray(a[lo:hi])
+    except MemoryError:
+        raise
     except Exception as e:  # noqa: BLE001  # a damaged chunk: a codec error of any kind
         raise DamagedStoreError(f"{where}: rows {lo}:{hi} cannot be read ({type(e).__name__}: {e}); the store is "
                                 "damaged") from None
@@ -217,7 +223,7 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
 
     ``obs`` leaves become ``data/<key>`` (a Dict observation's keys; a single-array ``obs`` becomes
     ``data/obs``), ``action`` becomes ``data/action``, and the episode boundaries
-    ``meta/episode_ends`` (int64).  Chunks of about 8 MiB along rows, Blosc lz4 (Diffusion Policy's
+    ``meta/episode_ends`` (int64).  Chunks of about 1 MiB along rows, Blosc lz4 (Diffusion Policy's
     default); ``meta/episode_ends`` uncompressed.  The store is read back and compared (SHA-256
     per array), then renamed into place.
 
@@ -276,8 +282,11 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
                                         "data/action")
         blocks = StepBlocks(buf, "export_diffusion_policy")
         n = blocks.count
-        step = block_rows(sum(leaves[k].dtype.itemsize * int(np.prod(leaves[k].shape, dtype=np.int64))
-                              for k in keys))
+        # Chunks of about 1 MiB (the widest array's) along rows, each written once and whole (a zip
+        # cannot replace an entry): rows are regrouped from the store's blocks into whole chunks.
+        step = max(1, CHUNK_BYTES // max(1, sum(leaves[k].dtype.itemsize * int(np.prod(leaves[k].shape,
+                                                                                         dtype=np.int64))
+                                                for k in keys)))
         sums = Checksums()
         ends: list[int] = []
         with out as tmp:
@@ -293,11 +302,11 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
                                              chunks=(max(1, min(step, n)), *leaves[k].shape), compressors=comp)
                         for k, key in keys.items()}
                 lo = 0
-                for arrays, end in blocks:
+                for arrays, end in _whole_chunks(blocks, list(keys), step):
                     hi = lo + len(end)
                     for k, a in arrs.items():
                         a[lo:hi] = arrays[k]
-                        sums.add(f"data/{keys[k]}", np.asarray(arrays[k]))
+                        sums.add(f"data/{keys[k]}", arrays[k])
                     ends.extend((lo + np.flatnonzero(end) + 1).tolist())
                     bar.update(hi - lo)
                     lo = hi
@@ -318,6 +327,40 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
             buf.close()
     return {"source": buf.cache_path, "destination": out.dst, "steps": n, "episodes": len(ends),
             "zarr_format": zarr_format, "verified": True}
+
+
+def _whole_chunks(blocks: Any, fields: list[int], rows: int) -> Iterator[tuple[dict[int, np.ndarray], np.ndarray]]:
+    """The steps of ``blocks`` (``(arrays, end)`` of any length) regrouped into runs of exactly
+    ``rows`` rows (the last one shorter): ``({field: rows of it}, end flags)``."""
+    parts: list[tuple[dict[int, np.ndarray], np.ndarray]] = []
+    have = 0
+
+    def take(count: int) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        nonlocal have
+        out_arrays: dict[int, list[np.ndarray]] = {k: [] for k in fields}
+        out_end: list[np.ndarray] = []
+        need = count
+        while need:
+            arrays, end = parts[0]
+            m = min(need, len(end))
+            for k in fields:
+                out_arrays[k].append(arrays[k][:m])
+            out_end.append(end[:m])
+            if m == len(end):
+                parts.pop(0)
+            else:
+                parts[0] = ({k: arrays[k][m:] for k in fields}, end[m:])
+            need -= m
+        have -= count
+        return {k: np.concatenate(v) for k, v in out_arrays.items()}, np.concatenate(out_end)
+
+    for arrays, end in blocks:
+        parts.append(({k: np.asarray(arrays[k]) for k in fields}, np.asarray(end)))
+        have += len(end)
+        while have >= rows:
+            yield take(rows)
+    if have:
+        yield take(have)
 
 
 def _check_written(path: str, zip_file: bool, want: dict[str, str], step: int, n: int) -> None:

@@ -188,6 +188,8 @@ def _read_episodes(ds: Any, where: str) -> Iterator[tuple[Any, Any]]:
             seed = next(iter(ds.storage.get_episode_metadata([int(ep.id)]))).get("seed")
         except StopIteration:
             return
+        except MemoryError:
+            raise
         except Exception as e:  # noqa: BLE001  # minari and h5py raise many kinds for damaged data
             raise DamagedStoreError(f"import_minari: {where}: episode {k} cannot be read ({type(e).__name__}: "
                                     f"{e}); the dataset is damaged") from None
