@@ -201,6 +201,8 @@ def _read(d: Any, lo: int, hi: int, where: str) -> np.ndarray:
     try:
         return np.asarray(d[lo:hi])
     except OSError as e:
+        if "memory allocation failed" in str(e):  # h5py reports running out of memory as an OSError
+            raise MemoryError(f"{where}: rows {lo}:{hi}: {e}") from None
         raise DamagedStoreError(f"{where}: rows {lo}:{hi} cannot be read ({e}); the file is damaged") from None
 
 
