@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 LAZY = ["trajstore.maintenance.verify", "trajstore.maintenance.repair", "trajstore.maintenance.summary", "trajstore.dask", "trajstore.cli",
-        "trajstore.torch", "trajstore.sb3", "trajstore.recording", "dask", "torch", "stable_baselines3", "tqdm",
+        "trajstore.torch", "trajstore.sb3", "trajstore.recording", "trajstore.interop", "h5py", "minari", "dask", "torch", "stable_baselines3", "tqdm",
         "matplotlib", "fsspec.implementations.http", "s3fs"]
 
 

@@ -25,6 +25,8 @@ EXTRAS: dict[str, str] = {
     "matplotlib": "plot",
     "s3fs": "s3",
     "dask": "dask",
+    "h5py": "interop",
+    "minari": "interop",
 }
 
 
