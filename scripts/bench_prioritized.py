@@ -9,8 +9,8 @@ tree's build time at 10,000,000 rows.
 The store holds transitions of (17,) float32 observations (obs, next_obs, (6,) action, reward,
 done; raw chunks), as in bench_core.py, every row with a random priority (written through the
 sampler and flushed to the store).  Both buffer and sampler are then opened afresh and timed in
-alternating blocks of consecutive calls: cold = the first 200 calls of each after opening,
-steady = the calls after those; each figure is the median over blocks of the time per call.
+blocks of 25 consecutive calls, the order rotated each round (``bench_core.run_blocks``): cold =
+the mean of the first 200 calls of each after opening, steady = of the calls after those.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -29,13 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_core import _write_markdown  # noqa: E402
+from bench_core import BLOCK, COLD, _write_markdown, run_blocks  # noqa: E402
 
 from trajstore import PrioritizedSampler, ReplayBuffer  # noqa: E402
 from trajstore.sampling.sumtree import SumTree  # noqa: E402
 
 HEADING = "## Prioritized replay (scripts/bench_prioritized.py)"
-COLD_CALLS = 200
 
 
 def _space() -> gym.spaces.Dict:
@@ -62,30 +61,15 @@ def build_store(path: Path, rows: int) -> None:
             s.update_priorities(np.arange(rows), rng.exponential(1.0, rows))
 
 
-def _blocks(fns: dict[str, Callable[[], Any]], calls: int, block: int) -> dict[str, list[float]]:
-    """Seconds per call of every block of ``block`` consecutive calls, the functions taking turns
-    block by block (which goes first alternates), ``calls`` calls each."""
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(calls // block):
-        for name in names if r % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            t = time.perf_counter()
-            for _ in range(block):
-                fn()
-            out[name].append((time.perf_counter() - t) / block)
-    return out
-
-
-def bench_sampling(path: Path, calls: int, block: int) -> tuple[list[tuple[str, float, float]], float]:
+def bench_sampling(path: Path, calls: int) -> tuple[list[tuple[str, float, float]], float]:
     """(what, prioritized ms, uniform ms) rows, and the sampler's open time in seconds."""
     rng_u, rng_p = np.random.default_rng(1), np.random.default_rng(2)
     with ReplayBuffer.load_from(str(path)) as buf:
         t = time.perf_counter()
         s = PrioritizedSampler(buf, flush_interval=None)
         opened = time.perf_counter() - t
-        times = _blocks({"prioritized": lambda: s.sample(256, rng=rng_p),
-                         "uniform": lambda: buf.sample(256, rng=rng_u)}, calls, block)
+        times = run_blocks({"prioritized": lambda: s.sample(256, rng=rng_p),
+                            "uniform": lambda: buf.sample(256, rng=rng_u)}, calls)
         state: dict[str, Any] = {}
 
         def cycle() -> None:  # a training step: sample, then new priorities for the batch
@@ -93,13 +77,11 @@ def bench_sampling(path: Path, calls: int, block: int) -> tuple[list[tuple[str, 
             s.update_priorities(idx, rng_p.exponential(1.0, 256))
             state["n"] = state.get("n", 0) + 1
 
-        cyc = _blocks({"cycle": cycle, "uniform": lambda: buf.sample(256, rng=rng_u)}, max(calls // 2, block), block)
+        cyc = run_blocks({"cycle": cycle, "uniform": lambda: buf.sample(256, rng=rng_u)}, max(calls // 2, BLOCK))
         s.close()
-    k = COLD_CALLS // block
-    med = statistics.median
-    rows = [("sample(256), cold", med(times["prioritized"][:k]), med(times["uniform"][:k])),
-            ("sample(256), steady", med(times["prioritized"][k:]), med(times["uniform"][k:])),
-            ("sample(256) + update_priorities(256), steady", med(cyc["cycle"]), med(cyc["uniform"]))]
+    rows = [("sample(256), cold", times["prioritized"][:COLD].mean(), times["uniform"][:COLD].mean()),
+            ("sample(256), steady", times["prioritized"][COLD:].mean(), times["uniform"][COLD:].mean()),
+            ("sample(256) + update_priorities(256), steady", cyc["cycle"].mean(), cyc["uniform"].mean())]
     return rows, opened
 
 
@@ -122,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the store sampled")
     p.add_argument("--build-rows", type=int, default=10_000_000, help="leaves of the tree whose build is timed")
     p.add_argument("--calls", type=int, default=2000, help="calls of each sampler (the first 200: cold)")
-    p.add_argument("--block", type=int, default=25, help="consecutive calls per timed block")
     p.add_argument("--markdown", type=Path, default=None, help="write the results into this markdown file's section")
     p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     args = p.parse_args(argv)
@@ -133,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         build_store(path, args.rows)
         built = time.perf_counter() - t
-        rows, opened = bench_sampling(path, args.calls, args.block)
+        rows, opened = bench_sampling(path, args.calls)
     build = bench_build(args.build_rows, 3)
     lines = ["| measurement | PrioritizedSampler ms | uniform buffer.sample ms | ratio |", "|---|---|---|---|"]
     for what, ours, uni in rows:
@@ -147,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         _write_markdown(args.markdown, "bench_prioritized.py", args.quick, HEADING,
                         f"{args.rows:,} rows of (17,) f32 transitions (raw chunks, page cache warm), every row with "
-                        f"a random priority (alpha 0.6); {args.calls:,} calls of each in alternating blocks of "
-                        f"{args.block}; cold = the first {COLD_CALLS} calls after opening, steady = the rest; medians "
-                        "over blocks. Target: `sample(256)` within 2x of uniform.\n\n" + text + "\n\n"
+                        f"a random priority (alpha 0.6); {args.calls:,} calls of each in blocks of {BLOCK} "
+                        f"consecutive calls, the order rotated each round; cold = the mean of the first {COLD} calls "
+                        "after opening, steady = of the rest. Target: `sample(256)` within 2x of uniform.\n\n" + text + "\n\n"
                         "Beyond uniform's draw and gather, a prioritized `sample(256)` searches the sum tree (one "
                         "`searchsorted` over the 4,096 partial sums of its top row, then one descent step of five "
                         "numpy calls on 256-element arrays per level below it: eight at 1,000,000 rows), computes the "
