@@ -291,3 +291,16 @@ def procs():
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
         p.join(10)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sb3_log_folder(tmp_path_factory: pytest.TempPathFactory):
+    """SB3's logger makes a folder per ``learn`` (``/tmp/SB3-<time>``) unless ``SB3_LOGDIR`` names one:
+    point it (and every child process, which inherits the environment) at this run's temp folder."""
+    old = os.environ.get("SB3_LOGDIR")
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3_logs"))
+    yield
+    if old is None:
+        os.environ.pop("SB3_LOGDIR", None)
+    else:
+        os.environ["SB3_LOGDIR"] = old
