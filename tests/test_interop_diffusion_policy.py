@@ -171,8 +171,8 @@ def test_export_of_a_recorded_store(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case, error, words", [
     ("noaction", NotATrajstoreError, ["expected the array data/action", "['img', 'state']"]),
-    ("ends", BadValueError, ["episode_ends must increase strictly", "[10, 5, 30]"]),
-    ("length", BadValueError, ["data/state has shape (29, 5)", "expected (30, ...)"]),
+    ("ends", BadValueError, ["episode_ends must increase strictly", "entry 1 is 5 after 10"]),
+    ("length", BadValueError, ["data/state has shape (29, 5) and data/action (30, 2)", "one row per step"]),
     ("nometa", NotATrajstoreError, ["expected the groups data/ and meta/", "['data']"]),
     ("notzarr", NotATrajstoreError, ["is not a zarr group"]),
     ("nothing", StoreNotFoundError, ["no such file"]),

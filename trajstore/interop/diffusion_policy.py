@@ -69,7 +69,44 @@ def _open_group(path: str, what: str, zip_file: bool | None = None) -> tuple[Any
     return root, zs
 
 
-def _layout(root: Any, src: str) -> dict[str, Any]:
+#: At most this many episodes are read from ``meta/episode_ends`` (1 GiB of int64).
+MAX_EPISODES = 1 << 27
+#: ``meta/episode_ends`` is read and checked this many entries at a time.
+_ENDS_BLOCK = 1 << 20
+
+
+def _episode_ends(ends_arr: Any, src: str) -> np.ndarray:
+    """``meta/episode_ends`` as (E,) int64, read in blocks and checked as it is read: 1-D integers,
+    strictly increasing from a value > 0, at most :data:`MAX_EPISODES` (a store is input: a
+    claimed length is never allocated before the values that fill it were seen)."""
+    if ends_arr.ndim != 1 or np.dtype(ends_arr.dtype).kind not in "iu":
+        raise BadValueError(f"{src}: meta/episode_ends is {ends_arr.dtype} {ends_arr.shape}; expected 1-D integers")
+    e = int(ends_arr.shape[0])
+    if e > MAX_EPISODES:
+        raise BadValueError(f"{src}: meta/episode_ends has {e} entries; at most {MAX_EPISODES} episodes are read")
+    parts: list[np.ndarray] = []
+    prev = 0
+    for lo in range(0, e, _ENDS_BLOCK):
+        hi = min(lo + _ENDS_BLOCK, e)
+        raw = _read(ends_arr, lo, hi, f"{src}: meta/episode_ends")
+        if raw.dtype.kind == "u" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
+            raise BadValueError(f"{src}: meta/episode_ends[{lo}:{hi}] holds values beyond int64")
+        block = raw.astype(np.int64)
+        steps = np.diff(np.concatenate([[prev], block]))
+        if (steps <= 0).any():
+            k = lo + int(np.argmax(steps <= 0))
+            raise BadValueError(f"{src}: meta/episode_ends must increase strictly from a value > 0 (cumulative "
+                                f"episode ends); entry {k} is {int(block[k - lo])} after {prev if k == lo else int(block[k - lo - 1])}")
+        prev = int(block[-1])
+        parts.append(block)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def check_layout(root: Any, src: str) -> dict[str, Any]:
+    """The arrays of a Diffusion Policy store, checked: ``data/`` holds arrays only (``action``
+    among them), ``meta/episode_ends`` as :func:`_episode_ends` reads it, and every data array has
+    ``ends[-1]`` rows.  Returns ``n`` (rows), ``ends`` (E,) int64, ``arrays`` (key -> zarr array,
+    sorted by key) and ``zarr_format``."""
     import zarr
 
     def node(key: str) -> Any:
@@ -85,29 +122,39 @@ def _layout(root: Any, src: str) -> dict[str, Any]:
     ends_arr = node("meta/episode_ends")
     if not isinstance(ends_arr, zarr.Array):
         raise NotATrajstoreError(f"{src}: expected the array meta/episode_ends; meta/ holds {sorted(meta.keys())}")
-    if ends_arr.ndim != 1 or ends_arr.dtype.kind not in "iu":
-        raise BadValueError(f"{src}: meta/episode_ends is {ends_arr.dtype} {ends_arr.shape}; expected 1-D integers")
-    ends = np.asarray(ends_arr[:], np.int64)  # one int per episode
     arrays = {k: a for k, a in sorted(data.arrays())}
     groups = sorted(k for k, _ in data.groups())
     if groups:
         raise NotATrajstoreError(f"{src}: data/ holds groups {groups}; Diffusion Policy keeps one array per key there")
     if "action" not in arrays:
         raise NotATrajstoreError(f"{src}: expected the array data/action; data/ holds {sorted(arrays)}")
-    n = int(ends[-1]) if len(ends) else 0
-    if len(ends) and (ends[0] <= 0 or np.any(np.diff(ends) <= 0)):
-        raise BadValueError(f"{src}: meta/episode_ends must increase strictly from a value > 0 (cumulative episode "
-                            f"ends); got {ends[:10].tolist()}{' ...' if len(ends) > 10 else ''}")
-    for k, a in arrays.items():
-        if a.ndim < 1 or a.shape[0] != n:
-            raise BadValueError(f"{src}: data/{k} has shape {a.shape}; expected ({n}, ...): one row per step up to "
-                                f"meta/episode_ends[-1] = {n}")
+    zero_d = [k for k, a in arrays.items() if a.ndim < 1]
+    if zero_d:
+        raise BadValueError(f"{src}: data/{zero_d[0]} is a 0-d array; expected one row per step along axis 0")
+    for k, a in arrays.items():  # lengths first: ends are read only for a store whose arrays agree
+        if a.shape[0] != arrays["action"].shape[0]:
+            raise BadValueError(f"{src}: data/{k} has shape {a.shape} and data/action {arrays['action'].shape}; "
+                                "expected one row per step in every data array")
+    n = int(arrays["action"].shape[0])
+    if ends_arr.ndim == 1 and int(ends_arr.shape[0]) > n:
+        raise BadValueError(f"{src}: meta/episode_ends has {ends_arr.shape[0]} entries for {n} steps; expected at "
+                            "most one episode per step")
+    ends = _episode_ends(ends_arr, src)
+    if (int(ends[-1]) if len(ends) else 0) != n:
+        raise BadValueError(f"{src}: meta/episode_ends ends at {int(ends[-1]) if len(ends) else 0} but the data "
+                            f"arrays have {n} rows; expected meta/episode_ends[-1] == rows of data/<key>")
+    return {"n": n, "ends": ends, "arrays": arrays, "zarr_format": int(root.metadata.zarr_format)}
+
+
+def _layout(root: Any, src: str) -> dict[str, Any]:
+    """:func:`check_layout` plus the recorders' space an import writes."""
+    lay = check_layout(root, src)
+    arrays = lay["arrays"]
     obs: dict[str, gymnasium.Space[Any]] = {k: box_for(a.dtype, tuple(a.shape[1:]), f"{src}: data/{k}") for k, a in arrays.items() if k != "action"}
     if not obs:
         raise NotATrajstoreError(f"{src}: data/ holds only action; expected observation arrays too (state, img, ...)")
     act = box_for(arrays["action"].dtype, tuple(arrays["action"].shape[1:]), f"{src}: data/action")
-    return {"n": n, "ends": ends, "arrays": arrays, "space": recorder_space(Dict(obs), act, next_obs=False, info=None),
-            "zarr_format": int(root.metadata.zarr_format)}
+    return {**lay, "space": recorder_space(Dict(obs), act, next_obs=False, info=None)}
 
 
 def _read(a: Any, lo: int, hi: int, where: str) -> np.ndarray:
