@@ -1,0 +1,266 @@
+"""The rows of every shard as one :class:`~trajstore.sampling.source.EpisodeSource`.
+
+Global logical row ``i`` is row ``i - cum[k]`` of shard ``k`` (shards in name order, ``cum`` the
+cumulative row counts of the view), found by ``searchsorted`` on ``cum``: O(log shards) per row,
+so uniform sampling over every row of every shard costs what it costs on one store plus that.
+The samplers of :mod:`trajstore.sampling` (uniform rows, sequence windows, per-field windows)
+run unchanged on it.
+
+Consistency: the view (which shards, how many rows each) changes only in :meth:`ShardedRows.sync`
+/ :meth:`ShardedRows.refresh`, never while a read is pinned; a read under a pinned view reads
+each shard under the commit record that view holds, and :meth:`ShardedRows.rows_intact` asks
+every shard whether its rows survived.  The view's record (:class:`ShardedHead`) has an
+``epoch`` that changes whenever a shard's rows were rewritten or evicted, or the shards changed,
+so the retry loop redraws a whole sample then, as it does for one store.
+
+Episode ids: episode ``e`` of shard ``k`` is global episode ``k * 2**40 + e``
+(:data:`EPISODE_STRIDE`), so ids of different shards never meet and a window never crosses a
+shard: the frame's id differs from the anchor's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trajstore.errors import DamagedStoreError
+from trajstore.storage.fields.base import Field
+from trajstore.storage.head import Head, TableState
+
+__all__ = ["EPISODE_STRIDE", "ShardedHead", "ShardedRows"]
+
+#: Global episode id = shard position * EPISODE_STRIDE + the shard's own episode id.
+EPISODE_STRIDE = 1 << 40
+
+
+@dataclass
+class ShardedHead(Head):
+    """The record of a view of every shard: one :class:`Head` per shard (``parts``, in name order)."""
+
+    parts: tuple[Head, ...] = field(default_factory=tuple)
+    names: tuple[str, ...] = field(default_factory=tuple)
+
+
+class ShardedRows:
+    """Every shard's rows as one :class:`~trajstore.sampling.source.EpisodeSource` (one
+    :class:`~trajstore.sampling.source.RowSource` for ReplayBuffer shards).
+
+    Parameters
+    ----------
+    name : str
+        The dataset root, for messages.
+    sources : list of BufferRows
+        One row source per shard, in name order (the shards' read-only buffers' ``row_source()``).
+    names : list of str
+        The shard names.
+    discover : callable
+        ``discover(force)`` brings :attr:`sources` and :attr:`names` up to date (new shards) and
+        returns True when they changed; ``force=False`` may skip listing (rate-limited).
+    reopen : tuple or None
+        Picklable recipe that opens the dataset's rows in another process.
+    """
+
+    def __init__(self, name: str, discover: Callable[[bool], bool],
+                 reopen: tuple[Callable[..., Any], tuple[Any, ...]] | None) -> None:
+        self.name = name
+        self.sources: list[Any] = []
+        self.names: list[str] = []
+        self.last_read: Head | None = None
+        self._discover = discover
+        self._reopen = reopen
+        self._pinned = 0
+        self._epoch = 0
+        self._generation = 0
+        self._cum = np.zeros(1, np.int64)
+        self._record = ShardedHead()
+
+    # -- the view --------------------------------------------------------------------------------
+    def adopt(self) -> bool:
+        """Recompute the view from the shards as they are now; True when it changed."""
+        parts = tuple(s.record for s in self.sources)
+        names = tuple(self.names)
+        old = self._record
+        same = names == old.names and len(parts) == len(old.parts) and all(
+            a is b or (a.generation == b.generation and a.epoch == b.epoch) for a, b in zip(parts, old.parts))
+        if same:
+            return False
+        # Rows of a shard survive as long as the shard says so; a shard gone, renamed or inserted
+        # in front moves global rows: a new epoch tells readers to draw again.
+        before = dict(zip(old.names, old.parts))
+        intact = all(n in before for n in names) and set(names) >= set(old.names) and all(
+            s.rows_intact(before[n]) for n, s in zip(names, self.sources) if n in before)
+        order_kept = [n for n in names if n in before] == list(old.names)
+        if not (intact and order_kept):
+            self._epoch += 1
+        self._generation += 1
+        counts = np.array([s.count for s in self.sources], np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        total = int(self._cum[-1])
+        self._record = ShardedHead(self._generation, self._epoch, {"rows": TableState(0, total, total)}, {}, None,
+                                   parts, names)
+        return True
+
+    @property
+    def count(self) -> int:
+        return int(self._cum[-1])
+
+    @property
+    def start(self) -> int:
+        return 0
+
+    @property
+    def capacity(self) -> int | None:
+        return None
+
+    @property
+    def live(self) -> bool:
+        return True
+
+    @property
+    def record(self) -> Head:
+        return self._record
+
+    @property
+    def committed(self) -> tuple[int, int]:
+        return 0, self.count
+
+    @property
+    def reopen(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+        return self._reopen
+
+    @property
+    def cum(self) -> np.ndarray:
+        """(shards + 1,) int64: global row of each shard's first row, then the total."""
+        return self._cum
+
+    def sync(self) -> None:
+        if self._pinned:
+            return
+        self._discover(False)
+        for s in self.sources:
+            s.sync()
+        self.adopt()
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        self._pinned += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                for s in self.sources:
+                    stack.enter_context(s.pinned())
+                yield
+        finally:
+            self._pinned -= 1
+
+    def refresh(self) -> bool:
+        """Adopt new shards and every shard's newest commit; True when the view changed."""
+        self._discover(True)
+        for s in self.sources:
+            s.refresh()
+        return self.adopt()
+
+    def rows_intact(self, before: Head) -> bool:
+        if not isinstance(before, ShardedHead):
+            return False
+        now = dict(zip(self.names, self.sources))
+        return all(n in now and now[n].rows_intact(part) for n, part in zip(before.names, before.parts))
+
+    # -- rows to shards --------------------------------------------------------------------------
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(shard, local row)`` of global logical ``rows`` (any shape), O(log shards) each."""
+        r = np.asarray(rows, dtype=np.int64)
+        k = np.searchsorted(self._cum, r, side="right") - 1
+        k = np.clip(k, 0, max(len(self.sources) - 1, 0))
+        return k, r - self._cum[k]
+
+    def _per_shard(self, rows: np.ndarray, read: Callable[[int, np.ndarray], list[np.ndarray]]) -> list[np.ndarray]:
+        """``read(shard position, local rows)`` for the rows of each shard, put back in ``rows`` order."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if not self.sources:
+            raise DamagedStoreError(f"{self.name}: rows were asked of a dataset without shards")
+        k, local = self.locate(rows)
+        if rows.size == 0 or (k == k[0]).all():
+            return read(int(k[0]) if rows.size else 0, local)
+        order = np.argsort(k, kind="stable")
+        ks = k[order]
+        bounds = np.flatnonzero(np.diff(ks)) + 1
+        out: list[np.ndarray] | None = None
+        for sel in np.split(order, bounds):
+            got = read(int(k[sel[0]]), local[sel])
+            if out is None:
+                out = [np.empty((len(rows), *a.shape[1:]), a.dtype) for a in got]
+            for o, a in zip(out, got):
+                o[sel] = a
+        assert out is not None
+        return out
+
+    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, leaves))
+
+    def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
+        first = np.asarray(first, dtype=np.int64)
+        k_first, _ = self.locate(first)
+        k_last, _ = self.locate(first + length - 1)
+        inside = k_first == k_last
+        if inside.all():
+            return self._per_shard(first, lambda k, r: self.sources[k].gather_windows(r, length, leaves))
+        # Windows across a shard boundary (their frames past the boundary are invalid: other ids):
+        # read row by row.
+        rows = first[:, None] + np.arange(length)[None, :]
+        rows = np.minimum(rows, self.count - 1)
+        return [a.reshape(len(first), length, *a.shape[1:]) for a in self.read_rows(rows.ravel(), leaves)]
+
+    def leaf_field(self, leaf: int) -> Field | None:
+        return None  # a field per shard: see :meth:`ShardedDataset.to_dask`
+
+    # -- episodes ---------------------------------------------------------------------------------
+    @property
+    def step_leaves(self) -> list[int]:
+        return list(self.sources[0].step_leaves) if self.sources else []
+
+    @property
+    def episode_leaves(self) -> list[int]:
+        return list(self.sources[0].episode_leaves) if self.sources else []
+
+    @property
+    def current_episode_id(self) -> int:
+        return -1  # one live episode per shard: ShardedDataset.episodes() marks them
+
+    def step_ids(self, rows: np.ndarray) -> np.ndarray:
+        r = np.asarray(rows, dtype=np.int64)
+
+        def read(k: int, local: np.ndarray) -> list[np.ndarray]:
+            return [self.sources[k].step_ids(local) + k * EPISODE_STRIDE]
+
+        return self._per_shard(r.reshape(-1), read)[0].reshape(r.shape)
+
+    def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
+        rows = np.asarray(first, dtype=np.int64)[:, None] + np.arange(length)[None, :]
+        return self.step_ids(np.minimum(rows, self.count - 1))
+
+    def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
+        first = np.asarray(first, dtype=np.int64)
+        k, local = self.locate(first)
+        ok = (first + span < self._cum[k + 1]) & (first >= 0)
+        out = np.zeros(len(first), bool)
+        for shard in np.unique(k[ok]).tolist():
+            sel = ok & (k == shard)
+            out[sel] = self.sources[shard].one_run(local[sel], span)
+        return out
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        parts = [s.runs() for s in self.sources]
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        first = np.concatenate([p[0] + self._cum[k] for k, p in enumerate(parts)]).astype(np.int64)
+        lengths = np.concatenate([p[1] for p in parts]).astype(np.int64)
+        ids = np.concatenate([p[2] + k * EPISODE_STRIDE for k, p in enumerate(parts)]).astype(np.int64)
+        return first, lengths, ids
+
+    def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self._per_shard(anchors, lambda k, r: self.sources[k].read_episode_rows(r, leaves))
