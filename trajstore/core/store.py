@@ -53,7 +53,7 @@ from trajstore.storage.location import (
     open_zarr_group,
     resolve_location,
 )
-from trajstore.storage.locks import WriterLock
+from trajstore.storage.locks import LEASE_KEY, RemoteLease, WriterLock, needs_lease
 from trajstore.storage.schema import (
     TableSchema,
     array_rows,
@@ -212,7 +212,9 @@ class Store(StoreCommits):
         loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
         # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
+        lease = None
         try:
+            lease = RemoteLease.acquire(loc, multiprocessing=multiprocessing) if needs_lease(loc) else None
             if lock is not None and not lock.sole:
                 raise LockedError(f"{loc.url}: other writers have this store open; it cannot be created anew")
             if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
@@ -228,6 +230,8 @@ class Store(StoreCommits):
         except BaseException:
             if lock is not None:
                 lock.release()
+            if lease is not None:
+                lease.release()
             raise
         # Not mode="w": that would delete the lock file we hold.
         group = zarr.create_group(loc.zstore, attributes={ATTRS_KEY: attrs}, overwrite=False)
@@ -247,6 +251,7 @@ class Store(StoreCommits):
         write_head(loc, head, fsync=bool(options.get("fsync")))
         group = open_zarr_group(loc, mode="r+")
         store = cls(loc, group, attrs, head, writable=True, multiprocessing=multiprocessing, lock=lock, options=options)
+        store.lease = lease
         if lock is not None:
             lock.share()
         return store
@@ -286,10 +291,12 @@ class Store(StoreCommits):
             raise
         except Exception as e:
             raise DamagedStoreError(f"{loc.url}: zarr cannot open the store's metadata ({type(e).__name__}: {e})") from None
-        lock = None
+        lock = lease = None
         if not read_only and loc.is_local:
             lock = WriterLock(loc, shared=multiprocessing)
         try:
+            if not read_only and needs_lease(loc):
+                lease = RemoteLease.acquire(loc, multiprocessing=multiprocessing)
             head = read_head(loc)
             check_head_tables(head, schema, where)
             check_rows_fit(loc, schema, head, rows, root)
@@ -301,11 +308,14 @@ class Store(StoreCommits):
                     loc.delete_prefix(TMP_DIR)
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
                         lock=lock, options=options, schema=schema)
+            store.lease = lease
             if lock is not None:
                 lock.share()
         except BaseException:
             if lock is not None:
                 lock.release()
+            if lease is not None:
+                lease.release()
             raise
         return store
 
@@ -350,7 +360,7 @@ class Store(StoreCommits):
 
     def _copy_keys(self, target: Location, progress: bool | None) -> None:
         """Every data key, then the commit record (a copy cut short has none: not a store)."""
-        skip = (LOCK_KEY, MPLOCK_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
+        skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
         bar = _progress(len(keys), f"copy to {target.url}", progress)
         try:
@@ -385,6 +395,9 @@ class Store(StoreCommits):
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
@@ -437,7 +450,9 @@ def _erase(loc: Location) -> None:
                 continue
             loc.delete_prefix(name)
         return
-    loc.delete_prefix("")
+    for key in loc.list_prefix(""):
+        if key != LEASE_KEY:  # the writer's own lease, taken before erasing
+            loc.delete(key)
 
 
 def _clean_orphans(loc: Location, head: Head) -> None:
