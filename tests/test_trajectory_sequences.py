@@ -359,6 +359,7 @@ def test_block_windows_with_interleaved_ids(tmp_path, capacity, monkeypatch):
     equal ids is not an episode, so windows crossing runs must read ids; chunks of 8 rows and a
     ring of 37 put windows across chunk boundaries and the wrap point."""
     monkeypatch.setattr(episodes._Boundaries, "_SLACK", 8)  # the run-start bitmap trims and regrows
+    monkeypatch.setattr(episodes.RunIndex, "_SCAN_ROWS", 3)  # ids are scanned in blocks: runs cross them
     rng = np.random.default_rng(3)
     buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=capacity, cache_path=tmp_path / "s", chunk_rows=8)
     row = 0
@@ -390,6 +391,7 @@ def test_run_index_follows_rewrites_and_eviction(tmp_path, monkeypatch):
     move), clear and eviction past the rows it covered; a read-only view of the same store keeps
     its own index in step with the writer's commits."""
     monkeypatch.setattr(episodes._Boundaries, "_SLACK", 8)  # the run-start bitmap trims and regrows
+    monkeypatch.setattr(episodes.RunIndex, "_SCAN_ROWS", 5)  # ids are scanned in blocks: runs cross them
     buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=48, cache_path=tmp_path / "s", chunk_rows=8)
     reader = None
     row = record(buf, [5, 3, 7, 1, 6], with_data=False)
@@ -430,6 +432,7 @@ def test_run_index_when_a_readers_ring_start_moves_back(tmp_path, monkeypatch, s
     keeps, so after that commit the start moves back: the reader's run index covers those rows
     again (joining the run they continue) and its bitmap of run starts answers as the ids do."""
     monkeypatch.setattr(episodes._Boundaries, "_SLACK", slack)
+    monkeypatch.setattr(episodes.RunIndex, "_SCAN_ROWS", 4)  # a moved-back start covers rows in blocks
     buf = TrajectoryReplayBuffer.create(STEP, step_data_capacity=48, cache_path=tmp_path / "s", chunk_rows=8)
     row = record(buf, [30, 25], with_data=False)
     buf.flush()
