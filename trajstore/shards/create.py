@@ -15,11 +15,12 @@ from typing import Any
 
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.errors import BadOptionError, SpaceMismatchError
+from trajstore.errors import BadOptionError, SpaceMismatchError, StoreExistsError
 from trajstore.shards.layout import (
     KINDS,
     OPTION_KEYS,
     ROOT_KEY,
+    SHARDS_DIR,
     RootRecord,
     check_shard_name,
     default_shard_name,
@@ -28,6 +29,7 @@ from trajstore.shards.layout import (
     shard_url,
 )
 from trajstore.spaces import space_from_json, space_to_json
+from trajstore.storage.keys import HEAD_KEY
 from trajstore.storage.locks import exclusive_put
 
 __all__ = ["create_shard"]
@@ -94,6 +96,9 @@ def create_shard(path: str | os.PathLike[str], space: Any, *, shard: str | None 
     spaces = _spaces(space, create_kwargs.get("episode_data_instance_space") if kind == "trajectory" else None)
     if root is not None:
         root.check_spaces(spaces, where)  # before anything is written
+    if loc.exists(f"{SHARDS_DIR}/{name}/zarr.json") or loc.exists(f"{SHARDS_DIR}/{name}/{HEAD_KEY}"):
+        raise StoreExistsError(f"{where}: shard {name!r} exists; each writer creates a shard of its own (shard=None "
+                               "picks a unique name), or reopens its shard with load_from")
     cls = TrajectoryReplayBuffer if kind == "trajectory" else ReplayBuffer
     buf = cls.create(space, cache_path=shard_url(root_path, name), **create_kwargs)
     if root is None:
@@ -144,8 +149,6 @@ def _record_root(loc: Any, record: RootRecord, where: str) -> None:
 
 def _remove_shard(loc: Any, name: str, url: Any) -> None:
     """Delete a shard created just now (empty, closed) whose dataset turned out to hold other spaces."""
-    from trajstore.shards.layout import SHARDS_DIR
-
     try:
         loc.delete_prefix(f"{SHARDS_DIR}/{name}")
     except Exception:  # left behind: readers refuse it by its spaces

@@ -1,0 +1,56 @@
+"""Child programs of ``test_shards.py``: shard writers, each writing its own shard of one dataset.
+
+Step ``k`` of episode ``e`` of writer ``w`` holds ``obs = [w, e, k, L]`` (``L``: the episode's
+length, a function of ``w`` and ``e``), so a reader checks any row it sees without knowing the
+writer's timing.  After each ``flush()`` the writer appends ``F <episodes> <steps>`` to its log
+(one ``os.write`` per line: a SIGKILL never tears a line that :func:`_kill_workers.parse_log` reads).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from gymnasium.spaces import Box, Dict
+
+from trajstore.shards import create_shard
+
+SPACE = Dict({"obs": Box(-np.inf, np.inf, (4,), np.float32)})
+EPISODE_SPACE = Dict({"ret": Box(-np.inf, np.inf, (), np.float64)})
+_DEADLINE_S = 60.0  # a child its parent forgot is gone after this
+
+
+def episode_length(w: int, e: int) -> int:
+    return 3 + (7 * w + 5 * e) % 11
+
+
+def episode_rows(w: int, e: int) -> dict[str, np.ndarray]:
+    n = episode_length(w, e)
+    obs = np.stack([np.full(n, w), np.full(n, e), np.arange(n), np.full(n, n)], axis=1).astype(np.float32)
+    return {"obs": obs}
+
+
+def write_shard(root: str, name: str, w: int, episodes: int | None, log: str, ready: str,
+                storage_options: Any = None) -> None:
+    """Write episodes ``0 ..`` of writer ``w`` into shard ``name``, flushing every 3 episodes and
+    logging what each flush committed; ``episodes=None`` writes until killed."""
+    kwargs = {"storage_options": storage_options} if storage_options else {}
+    buf = create_shard(root, SPACE, shard=name, episode_data_instance_space=EPISODE_SPACE, chunk_rows=64,
+                       commit_interval=0.05, **kwargs)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    open(ready, "w").close()
+    deadline = time.monotonic() + _DEADLINE_S
+    e = steps = 0
+    while (episodes is None or e < episodes) and time.monotonic() < deadline:
+        rows = episode_rows(w, e)
+        buf.extend(rows)
+        buf.set_current_episode_data({"ret": np.float64(w * 1000 + e)})
+        buf.mark_episode_end()
+        e += 1
+        steps += len(rows["obs"])
+        if e % 3 == 0 or (episodes is not None and e == episodes):
+            buf.flush()
+            os.write(fd, f"F [{e}, {steps}]\n".encode())
+    buf.close()

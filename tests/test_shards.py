@@ -1,0 +1,357 @@
+"""Sharded datasets (issue 17): shards written by several processes at once, read as one.
+
+Real stores on disk (tmp_path), real writer processes (``_workers.start``), a SIGKILLed writer,
+``memory://`` and S3 through the moto server of test_remote.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import _shard_workers as SW
+import _workers as W
+import numpy as np
+import pytest
+from _kill_workers import parse_log
+from gymnasium.spaces import Box, Dict
+from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.errors import (
+    DamagedStoreError,
+    FormatVersionError,
+    LockedError,
+    NotATrajstoreError,
+    SpaceMismatchError,
+    StoreExistsError,
+)
+from trajstore.shards import create_shard, open_sharded
+from trajstore.shards import dataset as shard_dataset
+from trajstore.shards.rows import EPISODE_STRIDE
+
+
+def _write(root, name, w, episodes, **kwargs):
+    buf = create_shard(root, SW.SPACE, shard=name, episode_data_instance_space=SW.EPISODE_SPACE, **kwargs)
+    for e in range(episodes):
+        buf.extend(SW.episode_rows(w, e))
+        buf.set_current_episode_data({"ret": np.float64(w * 1000 + e)})
+        buf.mark_episode_end()
+    return buf
+
+
+def _model(spec):
+    """Rows of shards ``{name: (w, episodes)}`` in name order, as the dataset must read them."""
+    return np.concatenate([SW.episode_rows(w, e)["obs"] for name in sorted(spec)
+                           for w, n in [spec[name]] for e in range(n)])
+
+
+def _check_episodes(ds, expected):
+    """Every episode of ``expected`` ({w: complete episodes}) is present, whole and in order;
+    global episode ids are unique and ``get_episode`` returns its rows."""
+    ep = ds.episodes()
+    assert len(set(ep["episode_id"].tolist())) == len(ep["episode_id"])
+    obs = ds.get_column(["step_data", "obs"]).to_numpy()
+    seen = {}
+    for i in range(len(ep["episode_id"])):
+        rows = obs[ep["start"][i]: ep["start"][i] + ep["length"][i]]
+        w, e = int(rows[0, 0]), int(rows[0, 1])
+        assert ep["episode_id"][i] // EPISODE_STRIDE == list(ds.shards["shard"]).index(ep["shard"][i])
+        assert ep["episode_id"][i] % EPISODE_STRIDE == ep["shard_episode_id"][i]
+        full = SW.episode_rows(w, e)["obs"]
+        np.testing.assert_array_equal(rows, full[: len(rows)])  # a live episode may be cut short
+        seen[(w, e)] = len(rows) == len(full)
+    for w, n in expected.items():
+        for e in range(n):
+            assert seen.get((w, e)), f"episode {e} of writer {w} is missing or cut short"
+    return ep
+
+
+# ----------------------------------------------------------------------------------------- one process
+def test_rows_sample_sequences_episodes(tmp_path):
+    root = str(tmp_path / "ds")
+    spec = {"b": (1, 4), "a": (0, 3), "c": (2, 5)}
+    bufs = [_write(root, name, w, n) for name, (w, n) in spec.items()]
+    for b in bufs:
+        b.flush()
+    ds = open_sharded(root)
+    model = _model(spec)
+    assert len(ds) == len(model)
+    assert list(ds.shards["shard"]) == ["a", "b", "c"]
+    assert ds.shards["rows"].sum() == len(model)
+    np.testing.assert_array_equal(ds[5]["step_data"]["obs"], model[5])
+    np.testing.assert_array_equal(ds[-1]["step_data"]["obs"], model[-1])
+    idx = np.array([0, len(model) - 1, 17, 3, 40])
+    got = ds.get_at(idx)
+    np.testing.assert_array_equal(got["step_data"]["obs"], model[idx])
+    np.testing.assert_array_equal(got["episode_data"]["ret"], model[idx, 0] * 1000 + model[idx, 1])
+    np.testing.assert_array_equal(ds[10:20]["step_data"]["obs"], model[10:20])
+
+    # uniform over every row of every shard
+    s = ds.sample(20000, rng=0)["step_data"]["obs"]
+    per_shard = np.bincount(s[:, 0].astype(int), minlength=3) / len(s)
+    share = np.array([spec[n][1] and sum(len(SW.episode_rows(spec[n][0], e)["obs"]) for e in range(spec[n][1]))
+                      for n in ("a", "b", "c")]) / len(model)
+    np.testing.assert_allclose(per_shard, share, atol=0.02)
+
+    # windows never cross shards: the last row of shard a and the first of shard b
+    end_a = int(ds.shards["rows"][0])
+    data, mask = ds.get_sequences([end_a - 1, end_a], [-1, 0, 1])
+    assert mask.tolist() == [[True, True, False], [False, True, True]]
+    obs = data["step_data"]["obs"]
+    assert (obs[0, :, 0] == 0).all() and (obs[1, :, 0] == 1).all()  # edge padding stays in its shard
+    data, mask = ds.sample_sequences(500, 3, rng=1, within_episode=True)
+    o = data["step_data"]["obs"]
+    assert mask.all() and (np.diff(o[:, :, 2], axis=1) == 1).all() and (o[:, :, :2] == o[:, :1, :2]).all()
+
+    ep = _check_episodes(ds, {w: n for w, n in spec.values()})
+    assert len(ep["episode_id"]) == 12 and not ep["live"].any()
+    k = 7
+    one = ds.get_episode(int(ep["episode_id"][k]))
+    np.testing.assert_array_equal(one["step_data"]["obs"], model[ep["start"][k]: ep["start"][k] + ep["length"][k]])
+    with pytest.raises(KeyError):
+        ds.get_episode(5 * EPISODE_STRIDE)
+
+    # refresh: new rows in a shard, then a new shard
+    bufs[1].extend(SW.episode_rows(0, 3))
+    bufs[1].flush()
+    assert ds.refresh() and len(ds) == len(model) + len(SW.episode_rows(0, 3)["obs"])
+    late = _write(root, "0-late", 9, 2)
+    late.flush()
+    assert ds.refresh()
+    assert list(ds.shards["shard"]) == ["0-late", "a", "b", "c"]
+    np.testing.assert_array_equal(ds[0]["step_data"]["obs"], SW.episode_rows(9, 0)["obs"][0])
+    assert not ds.refresh()
+    for b in [*bufs, late]:
+        b.close()
+    ds.close()
+
+
+def test_automatic_refresh_and_torch_backend(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    root = str(tmp_path / "ds")
+    a = _write(root, "a", 0, 2)
+    a.flush()
+    ds = open_sharded(root, backend="torch")
+    n = len(ds)
+    a.extend(SW.episode_rows(0, 2))
+    a.flush()
+    assert len(ds) == n + len(SW.episode_rows(0, 2)["obs"])  # each shard's record before every read
+    monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
+    b = _write(root, "b", 1, 1)
+    b.flush()
+    assert list(ds.shards["shard"]) == ["a", "b"]  # the shard list, at most every DISCOVER_INTERVAL_S
+    assert isinstance(ds.sample(4)["step_data"]["obs"], torch.Tensor)
+    a.close(), b.close(), ds.close()
+
+
+def test_first_shard_records_spaces_and_options(tmp_path):
+    root = str(tmp_path / "ds")
+    a = create_shard(root, SW.SPACE, shard="a", episode_data_instance_space=SW.EPISODE_SPACE, chunk_rows=32,
+                     step_data_capacity=1000)
+    record = json.loads((tmp_path / "ds" / "trajstore.shards.json").read_text())
+    assert record["kind"] == "TrajectoryReplayBuffer"
+    assert record["options"] == {"chunk_rows": 32, "step_data_capacity": 1000}
+    b = create_shard(root, None)  # space, episode space and options from the root record
+    assert b.capacity == 1000 and b.episode_space == SW.EPISODE_SPACE
+    assert b.cache_path.startswith(os.path.join(root, "shards", ""))
+    with pytest.raises(StoreExistsError):
+        create_shard(root, SW.SPACE, shard="a")
+    with pytest.raises(LockedError):  # a shard is one writer
+        TrajectoryReplayBuffer.load_from(a.cache_path)
+    a.close(), b.close()
+    names = set(os.listdir(tmp_path / "ds" / "shards"))
+    assert len(names) == 2 and "a" in names
+
+
+def test_space_mismatch_writes_nothing(tmp_path):
+    root = str(tmp_path / "ds")
+    create_shard(root, SW.SPACE, shard="a").close()
+    before = sorted(os.listdir(tmp_path / "ds" / "shards"))
+    other = Dict({"obs": Box(-np.inf, np.inf, (5,), np.float32)})
+    with pytest.raises(SpaceMismatchError, match="obs"):
+        create_shard(root, other, shard="b")
+    with pytest.raises(SpaceMismatchError):  # an episode space the dataset does not have
+        create_shard(root, SW.SPACE, shard="c", episode_data_instance_space=SW.EPISODE_SPACE)
+    with pytest.raises(SpaceMismatchError, match="ReplayBuffer"):
+        create_shard(root, SW.SPACE, shard="d", kind="replay")
+    assert sorted(os.listdir(tmp_path / "ds" / "shards")) == before
+
+
+def test_replay_kind(tmp_path):
+    root = str(tmp_path / "ds")
+    space = Box(-1, 1, (2,), np.float32)
+    for name, v in (("x", 0.25), ("y", 0.5)):
+        buf = create_shard(root, space, shard=name, kind="replay")
+        assert isinstance(buf, ReplayBuffer)
+        buf.extend(np.full((10, 2), v, np.float32))
+        buf.close()
+    ds = open_sharded(root)
+    assert len(ds) == 20 and ds[15].tolist() == [0.5, 0.5]
+    assert set(np.unique(ds.sample(200, rng=0))) == {0.25, 0.5}
+
+
+def test_default_names_unique(tmp_path):
+    root = str(tmp_path / "ds")
+    bufs = [create_shard(root, SW.SPACE) for _ in range(3)]
+    names = os.listdir(tmp_path / "ds" / "shards")
+    assert len(set(names)) == 3 and all(f"-{os.getpid()}-" in n for n in names)
+    for b in bufs:
+        b.close()
+
+
+# ----------------------------------------------------------------------------------------- tampered roots
+def _dataset(tmp_path):
+    root = str(tmp_path / "ds")
+    _write(root, "a", 0, 2).close()
+    return root
+
+
+@pytest.mark.parametrize("raw, error", [
+    (b"not json", DamagedStoreError),
+    (b"[]", DamagedStoreError),
+    (b'{"format": "trajstore-sharded", "format_version": 99, "kind": "ReplayBuffer", "spaces": {}, "options": {}}',
+     FormatVersionError),
+    (b'{"format": "trajstore-sharded", "format_version": 1, "kind": "os.system", "spaces": {}, "options": {}}',
+     DamagedStoreError),
+    (b" " * (2 << 20), DamagedStoreError),
+])
+def test_tampered_root_record(tmp_path, raw, error):
+    root = _dataset(tmp_path)
+    (tmp_path / "ds" / "trajstore.shards.json").write_bytes(raw)
+    with pytest.raises(error):
+        open_sharded(root)
+    with pytest.raises(error):
+        create_shard(root, SW.SPACE)
+
+
+def test_tampered_shards(tmp_path):
+    root = _dataset(tmp_path)
+    outside = str(tmp_path / "outside")
+    _write(outside, "z", 5, 1).close()
+    shards = tmp_path / "ds" / "shards"
+    os.symlink(tmp_path / "outside" / "shards" / "z", shards / "b")  # a link to a store outside the root
+    with pytest.raises(DamagedStoreError, match="link"):
+        open_sharded(root)
+    os.unlink(shards / "b")
+    (shards / "b b").mkdir()  # not a plain name
+    with pytest.raises(DamagedStoreError, match="plain name"):
+        open_sharded(root)
+    os.rmdir(shards / "b b")
+    (shards / "c").write_bytes(b"x")  # a file, not a shard folder
+    with pytest.raises(DamagedStoreError):
+        open_sharded(root)
+    os.unlink(shards / "c")
+    os.rename(shards, tmp_path / "ds" / "elsewhere")
+    os.symlink(tmp_path / "ds" / "elsewhere", shards)  # the shards folder itself a link
+    with pytest.raises(DamagedStoreError, match="link"):
+        open_sharded(root)
+    os.unlink(shards)
+    os.rename(tmp_path / "ds" / "elsewhere", shards)
+    # a shard whose own spaces differ from the root record's
+    other = TrajectoryReplayBuffer.create(Dict({"obs": Box(-1, 1, (9,), np.float32)}), cache_path=str(shards / "d"))
+    other.close()
+    with pytest.raises(DamagedStoreError, match="other spaces"):
+        open_sharded(root)
+    with pytest.raises(NotATrajstoreError):
+        open_sharded(str(shards / "a"))  # a single store is not a sharded dataset
+
+
+def test_unfinished_shard_is_left_out(tmp_path):
+    root = _dataset(tmp_path)
+    (tmp_path / "ds" / "shards" / "b").mkdir()  # a writer killed while creating its shard
+    ds = open_sharded(root)
+    assert list(ds.shards["shard"]) == ["a"] and len(ds) > 0
+
+
+# ----------------------------------------------------------------------------------------- processes
+def test_concurrent_writers_while_a_reader_samples(tmp_path, procs, monkeypatch):
+    monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
+    root = str(tmp_path / "ds")
+    _write(root, "w0", 0, 2).close()
+    ds = open_sharded(root)
+    episodes = {1: 30, 2: 40, 3: 25}
+    children = []
+    for w, n in episodes.items():
+        log, ready = str(tmp_path / f"log{w}"), str(tmp_path / f"ready{w}")
+        p = W.start(SW.write_shard, root, f"w{w}", w, n, log, ready)
+        procs.append(p)
+        children.append(p)
+    seen_shards = set()
+    while any(p.is_alive() for p in children):
+        data, mask = ds.sample_sequences(64, 3, within_episode=True)
+        o = data["step_data"]["obs"]
+        # every window read is whole: one episode of one writer, consecutive steps
+        assert mask.all() and (np.diff(o[:, :, 2], axis=1) == 1).all() and (o[:, :, :2] == o[:, :1, :2]).all()
+        assert (o[:, :, 2] < o[:, :, 3]).all()
+        seen_shards.update(ds.shards["shard"].tolist())
+        time.sleep(0.005)
+    for p in children:
+        p.join(30)
+        assert p.exitcode == 0
+    ds.refresh()
+    assert set(ds.shards["shard"]) == {"w0", "w1", "w2", "w3"}
+    assert len(seen_shards) >= 2  # the reader picked up shards while they were written
+    _check_episodes(ds, {0: 2, **episodes})
+    total = sum(len(SW.episode_rows(w, e)["obs"]) for w, n in {0: 2, **episodes}.items() for e in range(n))
+    assert len(ds) == total
+    ds.close()
+
+
+def test_killed_shard_writer_keeps_committed_rows(tmp_path, procs):
+    root = str(tmp_path / "ds")
+    _write(root, "a", 0, 2).close()
+    log, ready = str(tmp_path / "log"), str(tmp_path / "ready")
+    p = W.start(SW.write_shard, root, "b", 1, None, log, ready)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    deadline = time.monotonic() + 20
+    while len(parse_log(log)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    W.kill(p)
+    acked = [v for tag, v in parse_log(log) if tag == "F"]
+    assert acked, "the writer committed nothing before it was killed"
+    episodes, steps = acked[-1]
+    ds = open_sharded(root)
+    assert ds.shards["rows"][1] >= steps
+    _check_episodes(ds, {0: 2, 1: episodes})
+    # the killed shard reopens as a writer (its lock died with it) and grows on
+    buf = TrajectoryReplayBuffer.load_from(os.path.join(root, "shards", "b"))
+    buf.extend(SW.episode_rows(1, 10_000))
+    buf.close()
+    assert ds.refresh() and len(ds) > sum(ds.shards["rows"][:1]) + steps
+
+
+# ----------------------------------------------------------------------------------------- remote
+def test_memory_url(tmp_path):
+    root = f"memory://shards-{os.getpid()}-{time.monotonic_ns()}/ds"
+    a, b = _write(root, "a", 0, 3), _write(root, "b", 1, 2)
+    a.flush(), b.flush()
+    with pytest.raises(LockedError):  # one writer per shard, remote too
+        TrajectoryReplayBuffer.load_from(f"{root}/shards/a")
+    ds = open_sharded(root)
+    np.testing.assert_array_equal(ds.get_column(["step_data", "obs"]).to_numpy(), _model({"a": (0, 3), "b": (1, 2)}))
+    _check_episodes(ds, {0: 3, 1: 2})
+    with pytest.raises(SpaceMismatchError):
+        create_shard(root, Dict({"obs": Box(-1, 1, (1,), np.float32)}))
+    a.close(), b.close()
+
+
+def test_s3(s3_options):  # noqa: F811
+    root = f"s3://trajstore-test/sharded-{time.monotonic_ns()}"
+    a = _write(root, "a", 0, 3, storage_options=s3_options)
+    b = _write(root, "b", 1, 2, storage_options=s3_options)
+    a.flush(), b.flush()
+    with pytest.raises(LockedError):
+        TrajectoryReplayBuffer.load_from(f"{root}/shards/b", storage_options=s3_options)
+    ds = open_sharded(root, storage_options=s3_options)
+    assert list(ds.shards["shard"]) == ["a", "b"]
+    _check_episodes(ds, {0: 3, 1: 2})
+    c = _write(root, "c", 2, 1, storage_options=s3_options)
+    c.flush()
+    assert ds.refresh() and list(ds.shards["shard"]) == ["a", "b", "c"]
+    for buf in (a, b, c):
+        buf.close()
+    ds.close()
+
