@@ -334,8 +334,6 @@ def test_commit_record_pointing_past_the_data(tmp_path: Path, capsys) -> None:
     code, out = _verify(capsys, str(tmp_path / "r"))
     assert code == 1
     assert ("FAULT head-past-data: trajstore.head.json: table 'step_data' commits rows up to 9000 but step_data/obs "
-            "holds only 4096 rows (rows [4096, 9000) have no data)") in out
-    assert ("FAULT head-past-data: trajstore.head.json: table 'step_data' commits rows up to 9000 but step_data/obs "
             "has data only for rows [0, 3072) (no chunk from step_data/obs/c/3/0 on)") in out
     # Where the committed rows really ended cannot be known: repair refuses and changes nothing.
     before = head_path.read_bytes()
@@ -462,7 +460,8 @@ def test_repair_refuses_a_store_a_writer_holds(tmp_path: Path, capsys) -> None:
 
 
 def test_stale_array_shape_is_found_and_fixed(tmp_path: Path, capsys) -> None:
-    """zarr.json shapes must cover the committed rows (plain zarr readers rely on them)."""
+    """A zarr.json shape short of the committed rows (a writer killed between its commit record
+    and publishing the shape) is harmless for trajstore, a note; repair publishes the shape."""
     import zarr
 
     make_rb(tmp_path / "r")
@@ -471,10 +470,10 @@ def test_stale_array_shape_is_found_and_fixed(tmp_path: Path, capsys) -> None:
     meta["shape"][0] = 1024
     meta_path.write_text(json.dumps(meta))
     code, out = _verify(capsys, str(tmp_path / "r"))
-    assert code == 1 and ("FAULT stale-shape: step_data/obs/zarr.json: shape records 1024 rows but table 'step_data' "
+    assert code == 0 and ("step_data/obs/zarr.json: shape records 1024 rows but table 'step_data' "
                           "commits 3000") in out
     code, out, _ = cli(capsys, "repair", str(tmp_path / "r"))
-    assert code == 0 and "resized step_data/obs/zarr.json: recorded shape 1024 -> 4096 rows" in out
+    assert code == 0 and "resized step_data/obs/zarr.json: recorded shape 1024 -> 3000 rows" in out
     g = zarr.open_group(str(tmp_path / "r"), mode="r")
     np.testing.assert_array_equal(g["step_data/obs"][:3000], _episode_rows()["obs"])
 

@@ -332,8 +332,9 @@ def test_load_from_and_dumps_do_not_scale_with_size(buffers, compressor):
         touched = res["dumps_after_3_rows"]
         assert HEAD in touched
         assert len(_chunk_files(touched)) <= 1, touched  # only the partly filled chunk of the one field
-        assert touched - _chunk_files(touched) <= {HEAD, PREV}, touched  # the record and its previous copy
-        assert res["bytes_after_3_rows"] <= chunk_bytes + 4096, res["bytes_after_3_rows"]
+        # the record and its previous copy; the shape published for plain zarr readers (docs/format.md)
+        assert touched - _chunk_files(touched) <= {HEAD, PREV, "zarr.json", "step_data/zarr.json"}, touched
+        assert res["bytes_after_3_rows"] <= chunk_bytes + 8192, res["bytes_after_3_rows"]
         assert res["load_read_only"] == set(), res["load_read_only"]
         assert res["load_writer"] <= {"trajstore.lock"}, res["load_writer"]
     assert len(small["dumps_after_3_rows"]) == len(large["dumps_after_3_rows"])

@@ -2,7 +2,9 @@
 
 It lives in ``<store root>/trajstore.dataset.json`` (written atomically: temp file + rename
 locally, one PUT on object stores), so a byte copy of the store (``dumps(other_path)``,
-``trajstore copy``) carries it along.  Suggested keys: ``name``, ``env_id``, ``env_spec``,
+``trajstore copy``) carries it along.  :func:`set_dataset_info` also copies it into the root
+group's zarr attributes under ``"dataset"``, for plain zarr readers and xarray (trajstore reads
+only the file).  Suggested keys: ``name``, ``env_id``, ``env_spec``,
 ``algorithm``, ``author``, ``license``, ``code_permalink``, ``library_versions``,
 ``description``; any JSON value is accepted.
 """
@@ -24,6 +26,7 @@ from trajstore.errors import (
 )
 from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.location import Location, resolve_location
+from trajstore.storage.published import DATASET_ATTR, set_root_attribute
 from trajstore.storage.schema import load_json
 
 __all__ = ["DATASET_KEY", "set_dataset_info", "get_dataset_info", "env_description", "library_versions"]
@@ -96,6 +99,8 @@ def set_dataset_info(target: Any, *, storage_options: dict[str, Any] | None = No
     loc, opened = _location(target, storage_options, write=True)
     try:
         loc.put(DATASET_KEY, json.dumps(info, indent=2, sort_keys=True).encode("utf-8"))
+        # A copy for plain zarr readers (xarray shows it in a Dataset's attrs); trajstore reads the file above.
+        set_root_attribute(loc, DATASET_ATTR, info or None)
     finally:
         if opened:
             loc.close()

@@ -28,6 +28,7 @@ from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, HeadWatch, TableState, read_head, write_head
 from trajstore.storage.location import STAGING_DIR, Location
 from trajstore.storage.locks import RemoteLease, WriterLock
+from trajstore.storage.published import Publisher, add_dimension_names
 from trajstore.storage.schema import TableSchema, check_pending
 
 __all__ = ["StoreCommits", "consolidate_metadata"]
@@ -55,6 +56,7 @@ class StoreCommits:
     _watch: HeadWatch
     _last_commit: float
     _op: _WriteOp
+    _publisher: Publisher | None = None
 
     def _check_writable(self) -> None:
         if self.closed:
@@ -81,9 +83,13 @@ class StoreCommits:
         if self.lease is not None:  # remote: never replace a record another writer committed
             self.lease.check(self.committed.generation)
         head.generation = self.committed.generation + 1
+        # Plain zarr readers' view (storage/published.py): shapes drop rows before the record, gain them after.
+        pub = self._publisher = self._publisher or Publisher(self.loc, self.schema)
+        pub.before_commit(self.committed, head, fsync=self.fsync)
         write_head(self.loc, head, fsync=self.fsync)
         self.committed = head
         self._watch.wrote()
+        pub.after_commit(head)
 
     def _current_head(self) -> Head:
         head = self.committed.copy()
@@ -151,8 +157,9 @@ class StoreCommits:
         return self.state_provider() if self.state_provider else None
 
     def metadata_changed(self) -> None:
-        """Array shapes grew: refresh consolidated metadata before any row beyond the old shape is committed."""
-        consolidate_metadata(self.loc)
+        """A table's allocation grew: nothing to write.  The allocation lives in the commit record
+        only (arrays are sized from it in memory); the shapes plain readers see are published
+        around each commit record (:meth:`_write_head`)."""
 
     def rewrite(self, changes: Iterable[tuple[Field, int, np.ndarray]],
                 apply_state: Callable[[], None]) -> None:
@@ -256,6 +263,8 @@ class StoreCommits:
         if head.generation == self.committed.generation:
             return False
         old = self.committed
+        if self._publisher is not None:
+            self._publisher.forget()  # another writer committed (and published) since
         if old.pending and old.pending != head.pending:
             self._apply_pending(old.pending, staged=False)
         if head.epoch != old.epoch:
@@ -327,7 +336,9 @@ class _WriteOp:
 
 
 def consolidate_metadata(loc: Location) -> None:
-    """Write consolidated metadata (zarr warns about our non-zarr keys at the root; they are expected)."""
+    """Give arrays just created their dimension names (storage/published.py), then write
+    consolidated metadata (zarr warns about our non-zarr keys at the root; they are expected)."""
+    add_dimension_names(loc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(loc.zstore)

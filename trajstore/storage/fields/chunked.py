@@ -35,7 +35,7 @@ from trajstore.storage.fields.spec import (
     CACHE_BYTES,
     FieldSpec,
     chunk_key,
-    open_zarr_array,
+    sized_array,
 )
 from trajstore.storage.location import Location, fsync_dir
 
@@ -88,11 +88,8 @@ class ChunkedField:
         return endian in (None, "little") and isinstance(codecs[1], zarr.codecs.BloscCodec)
 
     def grow(self, allocated: int) -> None:
-        if self.z.shape[0] < allocated:  # another process may have resized it already
-            try:
-                self.z = open_zarr_array(self.loc, self.spec, allocated, self.writable)
-            except OSError as e:
-                raise _full_disk(e, self._where("zarr.json"), f"resize {self.spec.array_path} to {allocated} rows")
+        """Size the handle to ``allocated`` rows (in memory: the allocation is the commit record's)."""
+        self.z = sized_array(self.z, allocated)
         self.allocated = allocated
 
     def _where(self, key: str) -> str:
@@ -164,7 +161,8 @@ class ChunkedField:
             return None
         try:
             with self._decoding([k]):
-                z = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r")
+                z = sized_array(zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r"),
+                                self.allocated)
                 chunk = self._empty_chunk()
                 hi = min((k + 1) * self.C, z.shape[0])
                 chunk[: hi - k * self.C] = z[k * self.C : hi]
@@ -390,6 +388,7 @@ class ChunkedField:
         if not self.loc.exists(meta_key):
             self.loc.put(meta_key, self.loc.get(f"{self.spec.array_path}/zarr.json") or b"")
         staged = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
+        staged = sized_array(staged, self.allocated)  # the copied zarr.json records the published rows only
         # Roll-forward moves every staged key into place, so even an all-zero chunk must be written.
         return staged.with_config({"write_empty_chunks": True})
 

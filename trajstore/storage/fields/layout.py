@@ -41,6 +41,7 @@ from trajstore.storage.fields.spec import (
     chunk_key,
     make_field_spec,
     parse_compressor,
+    sized_array,
 )
 from trajstore.storage.location import Location
 
@@ -94,5 +95,6 @@ def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int
     if spec.layout == "raw" and loc.is_local and spec.row_bytes and (spec.chunk_rows * spec.row_bytes) % _vmap.PAGE == 0 \
             and mapping_ok(loc):
         return MappedField(loc, spec, allocated, writable)
-    zarray = group[spec.array_path].with_config({"write_empty_chunks": True})  # type: ignore[union-attr]
+    # Sized from the commit record's allocation: the shape in zarr.json is the published rows.
+    zarray = sized_array(group[spec.array_path], allocated).with_config({"write_empty_chunks": True})  # type: ignore[arg-type]
     return ChunkedField(loc, spec, zarray, writable)

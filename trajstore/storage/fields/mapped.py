@@ -25,7 +25,6 @@ from trajstore.storage.fields.spec import (
     PWRITE_BYTES,
     FieldSpec,
     chunk_key,
-    open_zarr_array,
 )
 from trajstore.storage.location import Location, fsync_dir
 
@@ -56,14 +55,9 @@ class MappedField:
         return str(self.loc.path(f"{prefix}/{key}" if prefix else key))
 
     def grow(self, allocated: int) -> None:
-        """Re-reserve a larger range and map the same chunk files into it (the writer first
-        resizes the zarr array, so plain zarr readers see every committed row)."""
-        if self.writable:
-            try:
-                open_zarr_array(self.loc, self.spec, allocated, writable=True)
-            except OSError as e:
-                raise _full_disk(e, self.loc.path(f"{self.spec.array_path}/zarr.json"),
-                                 f"resize {self.spec.array_path} to {allocated} rows")
+        """Re-reserve a larger range and map the same chunk files into it (no metadata is
+        written: the allocation is the commit record's, the shape plain readers see is published
+        with each commit)."""
         old = self._va
         self._va = self._reserve(allocated)
         try:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc)
+from zarr.core.array import AsyncArray
 
 from trajstore.errors import BadOptionError
 from trajstore.storage.fields import _vmap
@@ -31,6 +32,7 @@ __all__ = [
     "open_zarr_array",
     "parse_compressor",
     "row_block_codec",
+    "sized_array",
 ]
 
 #: Raw chunks aim at this many bytes: big enough that a field of 10 M rows is a few thousand
@@ -181,9 +183,21 @@ def make_field_spec(
 
 
 def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array[Any]:
-    """The field's zarr array, re-read from the store; a writer resizes it to ``allocated`` rows
-    if another handle has not already (zarr.json only; no chunk is touched)."""
+    """The field's zarr array, re-read from the store and sized to ``allocated`` rows
+    (:func:`sized_array`: nothing is written)."""
     z = zarr.open_array(loc.zstore, path=spec.array_path, mode="r+" if writable else "r")
-    if writable and z.shape[0] < allocated:
-        z.resize((allocated, *spec.row_shape))
-    return z.with_config({"write_empty_chunks": True})
+    return sized_array(z, allocated).with_config({"write_empty_chunks": True})
+
+
+def sized_array(z: zarr.Array[Any], rows: int) -> zarr.Array[Any]:
+    """A handle on array ``z`` whose shape has ``rows`` rows, in memory only.
+
+    The shape in a field's ``zarr.json`` is what plain zarr readers see (the committed rows,
+    :mod:`trajstore.storage.published`); trajstore reads and writes rows up to the allocation its
+    commit record names, so its handles are sized from that, and growing writes no metadata.
+    """
+    if z.shape[0] == rows:
+        return z
+    a = z._async_array
+    meta = a.metadata.update_shape((rows, *z.shape[1:]))
+    return zarr.Array(AsyncArray(meta, a.store_path, a.config))

@@ -1,0 +1,200 @@
+"""What plain zarr readers see of a store: each array's ``shape`` and ``dimension_names``.
+
+trajstore itself reads a store through its commit record (the rows each table holds, what its
+arrays have allocated); the ``zarr.json`` files are for everyone else (zarr-python, xarray, any
+zarr v3 reader).  So a writer *publishes* the committed rows into them:
+
+- every array carries ``dimension_names`` (:func:`dimension_names`), so
+  ``xarray.open_zarr(path, group="step_data")`` gives a Dataset;
+- an unbounded table's arrays record exactly its committed rows (``shape[0] == end``); a ring's
+  record its capacity (plain readers see physical slots; docs/format.md says how to read them in
+  order);
+- the consolidated entries in the root ``zarr.json`` say the same as the arrays' own files.
+
+Order (:meth:`Publisher.publish` is called around each commit record, see
+:meth:`trajstore.core.commit.StoreCommits._write_head`): a shape grows only after the record that
+commits the rows, and shrinks (``clear``, ``remove_at``) before the record that drops them, so at
+every instant a recorded shape names committed rows only, whose chunks are whole.  A kill between
+the record and the metadata leaves a shape that lags (plain readers see fewer rows, never rows that
+are not there); the next commit of any writer publishes again.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Mapping
+
+from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.storage.location import Location
+from trajstore.storage.schema import TableSchema, load_json
+
+__all__ = ["ROW_AXIS", "DATASET_ATTR", "dimension_names", "Publisher", "set_root_attribute", "add_dimension_names"]
+
+#: Name of axis 0 (rows) of each table's arrays.  One name per table, so every array of a table
+#: shares it (xarray aligns them); different names per table, because their row counts differ.
+ROW_AXIS = {"step_data": "row", "episode_data": "episode"}
+#: Root group attribute mirroring the dataset description (``trajstore.dataset.json``).
+DATASET_ATTR = "dataset"
+
+
+def _table_of(path: str) -> str:
+    return "episode_data" if path == "episode_data" or path.startswith("episode_data/") else "step_data"
+
+
+def dimension_names(path: str, row_ndim: int) -> list[str]:
+    """Zarr ``dimension_names`` of the array at ``path`` whose rows have ``row_ndim`` axes.
+
+    Axis 0 is the table's row axis (:data:`ROW_AXIS`); trailing axis ``i`` is named
+    ``<leaf>_<i>``, where ``<leaf>`` is the array's path inside its table's folder with ``/``
+    replaced by ``.`` (the table's own name for an array that is the whole table): unequal leaf
+    sizes never share a name.
+
+    Examples
+    --------
+    >>> dimension_names("step_data/obs/image", 3)
+    ['row', 'obs.image_0', 'obs.image_1', 'obs.image_2']
+    >>> dimension_names("step_data", 1), dimension_names("episode_data/_episode_id", 0)
+    (['row', 'step_data_0'], ['episode'])
+    """
+    table = _table_of(path)
+    leaf = path[len(table) + 1:] if path.startswith(table + "/") else path
+    leaf = leaf.replace("/", ".")
+    return [ROW_AXIS[table], *(f"{leaf}_{i}" for i in range(row_ndim))]
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2).encode("utf-8")
+
+
+def _read_obj(loc: Location, key: str) -> dict[str, Any]:
+    raw = loc.get(key)
+    if raw is None:
+        raise DamagedStoreError(f"{loc.url}: {key} is missing")
+    obj = load_json(raw, str(loc.url), key)
+    if not isinstance(obj, dict):
+        raise DamagedStoreError(f"{loc.url}: {key} holds {type(obj).__name__}; expected a JSON object")
+    return obj
+
+
+def set_root_attribute(loc: Location, name: str, value: Any, *, fsync: bool = False) -> None:
+    """Set (``value`` not None) or remove attribute ``name`` of the root group, in place of its
+    ``zarr.json`` (atomically; every other attribute and the consolidated metadata are kept)."""
+    root = _read_obj(loc, "zarr.json")
+    attrs = root.setdefault("attributes", {})
+    if value is None:
+        attrs.pop(name, None)
+    else:
+        attrs[name] = value
+    loc.put("zarr.json", _dumps(root), fsync=fsync)
+
+
+def add_dimension_names(loc: Location) -> None:
+    """Give every array of the store at ``loc`` that has none its :func:`dimension_names` (its own
+    ``zarr.json``; consolidate afterwards).  Field paths come from the root's ``trajstore``
+    attributes; a store without them is left alone."""
+    attrs = _read_obj(loc, "zarr.json").get("attributes", {}).get("trajstore")
+    tables = attrs.get("tables") if isinstance(attrs, dict) else None
+    for t in (tables or {}).values():
+        for fj in t.get("fields", ()):
+            key = f"{fj['path']}/zarr.json"
+            meta = _read_obj(loc, key)
+            if meta.get("dimension_names") is None:
+                meta["dimension_names"] = dimension_names(fj["path"], len(meta["shape"]) - 1)
+                loc.put(key, _dumps(meta))
+
+
+class Publisher:
+    """Keeps the arrays' ``zarr.json`` (and the consolidated copies) of one open store in step
+    with its commit records.
+
+    It remembers what it last wrote, so a commit that changes no table's rows writes nothing;
+    :meth:`forget` makes it read the files again (another process may have written them).
+    """
+
+    def __init__(self, loc: Location, schema: Mapping[str, TableSchema]):
+        self.loc = loc
+        self.schema = schema
+        self._meta: dict[str, dict[str, Any]] | None = None  # array path -> its zarr.json as on disk
+        self._root_ok = False  # the consolidated entries match self._meta
+
+    def forget(self) -> None:
+        """Read the metadata files again before the next publish."""
+        self._meta = None
+        self._root_ok = False
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        if self._meta is None:
+            self._meta = {f.path: _read_obj(self.loc, f"{f.path}/zarr.json")
+                          for t in self.schema.values() for f in t.fields}
+        return self._meta
+
+    def publish(self, rows: Mapping[str, int], *, lower_only: bool = False, fsync: bool = False) -> bool:
+        """Record ``rows[table]`` rows in the arrays of each table named (and dimension names in
+        every array of those tables); with ``lower_only``, only shapes that record more rows are
+        changed.  Returns whether a file was written.
+
+        Arrays first, then the root's consolidated entries: zarr readers that use either see a
+        shape that names committed rows only (see the module docstring for the order around the
+        commit record).
+        """
+        meta = self._load()
+        changed = False
+        for name, n in rows.items():
+            for f in self.schema[name].fields:
+                m = meta[f.path]
+                dims = dimension_names(f.path, len(f.shape))
+                shape = m.get("shape")
+                old = shape[0] if isinstance(shape, list) and shape else None
+                new = min(old, n) if lower_only and isinstance(old, int) else n
+                if old == new and m.get("dimension_names") == dims:
+                    continue
+                m = copy.deepcopy(m)
+                m["shape"] = [new, *f.shape]
+                m["dimension_names"] = dims
+                self.loc.put(f"{f.path}/zarr.json", _dumps(m), fsync=fsync)
+                meta[f.path] = m
+                changed = True
+        if changed or not self._root_ok:
+            self._root_ok = False
+            self._consolidate(fsync)
+            self._root_ok = True
+        return changed
+
+    def before_commit(self, old: Any, new: Any, *, fsync: bool = False) -> None:
+        """Before commit record ``new`` replaces ``old`` (:class:`trajstore.storage.head.Head`
+        objects): lower every unbounded table's shapes that would name rows ``new`` drops."""
+        self.publish({n: min(old.tables[n].end, st.end) for n, st in new.tables.items()
+                      if n in old.tables and n in self.schema and self.schema[n].capacity is None},
+                     lower_only=True, fsync=fsync)
+
+    def after_commit(self, new: Any) -> None:
+        """After commit record ``new`` is in place: record its rows (an unbounded table's end, a
+        ring's capacity).  Not part of the commit: a failure (a full disk) leaves the shapes
+        lagging and is not raised; the next commit publishes again."""
+        try:
+            self.publish({n: st.end if self.schema[n].capacity is None else st.allocated
+                          for n, st in new.tables.items() if n in self.schema})
+        except (OSError, TrajstoreError):
+            self.forget()
+
+    def _consolidate(self, fsync: bool) -> None:
+        """Copy every array's shape and dimension names into the root's consolidated entries
+        (written only when one differs)."""
+        assert self._meta is not None
+        root = _read_obj(self.loc, "zarr.json")
+        cons = root.get("consolidated_metadata")
+        entries = cons.get("metadata") if isinstance(cons, dict) else None
+        if not isinstance(entries, dict):
+            return  # no consolidated metadata: readers use the arrays' own files
+        dirty = False
+        for path, m in self._meta.items():
+            e = entries.get(path)
+            if not isinstance(e, dict):
+                continue
+            for k in ("shape", "dimension_names"):
+                if e.get(k) != m.get(k):
+                    e[k] = m.get(k)
+                    dirty = True
+        if dirty:
+            self.loc.put("zarr.json", _dumps(root), fsync=fsync)
