@@ -54,7 +54,9 @@ class BufferSource:
             if not buf.read_only:
                 buf.flush()
             self.path = buf.cache_path
-            self.kind = type(buf).__name__
+            # A subclass (a store opened in place, open_diffusion_policy) is reopened by its own load_from.
+            self.kind = next((k for k, c in _KINDS.items() if isinstance(buf, c)), type(buf).__name__)
+            self._cls: type[StoredBuffer] | None = type(buf)
             self.storage_options = storage_options if storage_options is not None else buf.storage_options
             self._buf: StoredBuffer | None = buf
             self._owned = False
@@ -62,6 +64,7 @@ class BufferSource:
             self.path = os.fspath(source)
             self.storage_options = storage_options
             self.kind = _store_kind(self.path, storage_options)
+            self._cls = None
             self._buf = None
             self._owned = True
         if self.kind not in _KINDS:
@@ -79,7 +82,8 @@ class BufferSource:
             if self.path is None:
                 raise BadArgumentError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
                                    "use num_workers=0 or a store path")
-            self._buf = _KINDS[self.kind].load_from(self.path, read_only=True, storage_options=self.storage_options)
+            cls = self._cls if self._cls is not None else _KINDS[self.kind]
+            self._buf = cls.load_from(self.path, read_only=True, storage_options=self.storage_options)  # type: ignore[attr-defined]
             self._pid = os.getpid()
         return self._buf
 
