@@ -54,3 +54,21 @@ def write_shard(root: str, name: str, w: int, episodes: int | None, log: str, re
             buf.flush()
             os.write(fd, f"F [{e}, {steps}]\n".encode())
     buf.close()
+
+
+def write_rows(url: str, storage_options: Any, log: str, ready: str) -> None:
+    """Append rows ``[seq, seq, seq, seq]`` (seq = 0, 1, ...) to a new ReplayBuffer at ``url`` in
+    blocks of 50, flushing each block and logging ``F <rows committed>``; runs until killed."""
+    from trajstore import ReplayBuffer
+
+    buf = ReplayBuffer.create(Box(-np.inf, np.inf, (4,), np.float32), cache_path=url, storage_options=storage_options,
+                              chunk_rows=64, commit_interval=3600)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    open(ready, "w").close()
+    deadline = time.monotonic() + _DEADLINE_S
+    n = 0
+    while time.monotonic() < deadline:
+        buf.extend(np.repeat(np.arange(n, n + 50, dtype=np.float32)[:, None], 4, axis=1))
+        n += 50
+        buf.flush()
+        os.write(fd, f"F {n}\n".encode())

@@ -106,6 +106,8 @@ class StoreCommits:
         rows (the writer is about to overwrite their slots): see :meth:`ensure_evicted`.
         """
         self._check_writable()
+        if self.lease is not None:  # remote: not even the data goes out over another writer's commit
+            self.lease.check(self.committed.generation)
         if self.committed.pending:  # a rewrite whose chunks could not all be moved into place
             self._roll_forward(self.committed)
         fsync = self.fsync if fsync is None else fsync

@@ -1,0 +1,110 @@
+"""A remote store has one writer (issue 17): the lease object and the generation check before
+every commit, on ``memory://`` and on S3 (moto server of test_remote.py), and a SIGKILLed remote
+writer whose lease the next writer takes over with every committed row intact."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import _shard_workers as SW
+import _workers as W
+import numpy as np
+import pytest
+from _kill_workers import parse_log
+from gymnasium.spaces import Box
+from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
+
+from trajstore import ReplayBuffer
+from trajstore.errors import BadOptionError, LockedError
+from trajstore.storage import locks
+from trajstore.storage.locks import LEASE_KEY
+
+SPACE = Box(-np.inf, np.inf, (4,), np.float32)
+
+
+def _rows(lo, hi):
+    return np.repeat(np.arange(lo, hi, dtype=np.float32)[:, None], 4, axis=1)
+
+
+@pytest.fixture(params=["memory", "s3"])
+def remote(request):
+    """(a fresh store URL, storage_options) on memory:// or the moto S3 server."""
+    stamp = f"{os.getpid()}-{time.monotonic_ns()}"
+    if request.param == "memory":
+        return f"memory://lease-{stamp}/store", None
+    return f"s3://trajstore-test/lease-{stamp}", request.getfixturevalue("s3_options")
+
+
+def test_second_writer_refused(remote):
+    url, opts = remote
+    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
+    a.extend(_rows(0, 10))
+    a.flush()
+    with pytest.raises(LockedError, match="another writer holds"):
+        ReplayBuffer.load_from(url, storage_options=opts)
+    with pytest.raises(LockedError):
+        ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts, overwrite=True)
+    r = ReplayBuffer.load_from(url, read_only=True, storage_options=opts)  # readers take no lease
+    assert len(r) == 10
+    a.close()
+    b = ReplayBuffer.load_from(url, storage_options=opts)  # released at close
+    b.extend(_rows(10, 15))
+    b.close()
+    assert len(ReplayBuffer.load_from(url, read_only=True, storage_options=opts)) == 15
+
+
+def test_commit_refused_after_another_writer_committed(remote, monkeypatch):
+    url, opts = remote
+    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
+    a.extend(_rows(0, 10))
+    a.flush()
+    monkeypatch.setattr(locks, "LEASE_TTL_S", -1.0)  # a's lease looks expired: b takes it over
+    b = ReplayBuffer.load_from(url, storage_options=opts)
+    monkeypatch.setattr(locks, "LEASE_TTL_S", 600.0)
+    b.extend(_rows(100, 105))
+    b.flush()
+    a.extend(_rows(10, 20))
+    with pytest.raises(LockedError, match="another writer committed"):
+        a.flush()  # would replace b's commit and lose its rows
+    b.close()
+    got = ReplayBuffer.load_from(url, read_only=True, storage_options=opts)[:]
+    np.testing.assert_array_equal(got, np.concatenate([_rows(0, 10), _rows(100, 105)]))
+
+
+def test_multiprocessing_refused_and_copies_unleased(remote):
+    url, opts = remote
+    with pytest.raises(BadOptionError, match="shard"):
+        ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts, multiprocessing=True)
+    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
+    a.extend(_rows(0, 3))
+    a.dumps(url + "-copy", storage_options=opts)
+    copy = ReplayBuffer.load_from(url + "-copy", storage_options=opts)  # the lease stayed behind
+    copy.extend(_rows(3, 4))
+    copy.close()
+    a.close()
+
+
+def test_killed_s3_writer_lease_taken_over(s3_options, tmp_path, procs):  # noqa: F811
+    url = f"s3://trajstore-test/killed-{time.monotonic_ns()}"
+    log, ready = str(tmp_path / "log"), str(tmp_path / "ready")
+    p = W.start(SW.write_rows, url, s3_options, log, ready)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    deadline = time.monotonic() + 30
+    while len(parse_log(log)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    W.kill(p)
+    acked = max(v for tag, v in parse_log(log) if tag == "F")
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=s3_options["key"], secret=s3_options["secret"],
+                           endpoint_url=s3_options["endpoint_url"])
+    assert fs.exists(f"{url[5:]}/{LEASE_KEY}")  # the killed writer left its lease
+    buf = ReplayBuffer.load_from(url, storage_options=s3_options)  # its process is gone: taken over
+    n = len(buf)
+    assert n >= acked
+    np.testing.assert_array_equal(buf[:], _rows(0, n))
+    buf.extend(_rows(n, n + 5))
+    buf.close()
+    assert not fs.exists(f"{url[5:]}/{LEASE_KEY}")
