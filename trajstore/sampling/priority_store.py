@@ -20,13 +20,21 @@ from typing import Any, Callable
 import numpy as np
 
 from trajstore.core.store import Store, TableSpec
-from trajstore.errors import ConcurrentWriteError, DamagedStoreError, NotATrajstoreError, StoreNotFoundError
+from trajstore.errors import (
+    ConcurrentWriteError,
+    DamagedStoreError,
+    NotATrajstoreError,
+    StoreNotFoundError,
+    TrajstoreError,
+)
 from trajstore.sampling.source import SAMPLE_ATTEMPTS
 from trajstore.spaces import space_to_json
 from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.head import HEAD_KEY, Head
 from trajstore.storage.keys import PRIORITIES_DIR
+from trajstore.storage.location import Location
 
-__all__ = ["PriorityStore", "sidecar_url"]
+__all__ = ["PriorityStore", "sidecar_url", "check_sidecar"]
 
 #: The sidecar's table and field (a ReplayBuffer store of one float32 per row).
 _TABLE = "step_data"
@@ -34,6 +42,8 @@ _TABLE = "step_data"
 SIDE_CHUNK_ROWS = 16384
 #: A reader that found no sidecar looks for one again at most this often (seconds).
 SIDE_RECHECK_S = 1.0
+#: Stored priorities :func:`check_sidecar` reads at a time (4 MiB of float32).
+CHECK_BLOCK_ROWS = 1 << 20
 
 
 def sidecar_url(buffer: Any) -> str | None:
@@ -242,3 +252,134 @@ class PriorityStore:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+#: One finding of :func:`check_sidecar` as ``trajstore verify`` reports it: ``(kind, key, message,
+#: table, rows)``, the fields of :class:`trajstore.maintenance.verify.Fault` in order.
+SidecarFault = tuple[str, str, str, str | None, tuple[int, int] | None]
+
+
+def check_sidecar(loc: Location, head: Head | None, storage_options: dict[str, Any] | None, deep: bool,
+                  verify: Callable[..., Any]) -> tuple[list[SidecarFault], list[str]]:
+    """What ``trajstore verify`` says about a buffer's priorities (``trajstore.priorities``, if
+    there is one): ``(faults, notes)``.
+
+    Faults: the entry is a link (never followed) or not a folder; the sidecar is not a sound store
+    (``verify``'s own faults, keys under ``trajstore.priorities/``); it is not a store of one
+    float32 per row; its record's ``max_priority`` is not a finite number > 0; it holds priorities
+    of rows the buffer has not committed, or lacks some of the buffer's oldest rows; a stored value
+    is not a finite number >= 0.  Notes (states the protocol produces, which samplers handle): no
+    sidecar commit yet (a writer stopped while creating it), priorities numbered under an earlier
+    epoch of the buffer, or the newest rows not stored yet (committed after the sampler's last
+    flush): those rows count as ``max_priority``.
+
+    Parameters
+    ----------
+    loc : Location
+        The buffer's store (read-only).
+    head : Head or None
+        The buffer's commit record (None: unreadable; rows are then not compared).
+    storage_options : dict or None
+        As given to verify (remote stores).
+    deep : bool
+        Also decode every committed chunk of the sidecar.
+    verify : callable
+        ``verify(url, storage_options=..., deep=...)`` returning a report with ``faults`` (each with
+        ``kind``, ``key``, ``message``) and ``notes``: the checker of whole stores (injected, as it
+        lives in a layer above this one).
+    """
+    faults: list[SidecarFault] = []
+    notes: list[str] = []
+
+    def fault(msg: str, key: str = PRIORITIES_DIR, rows: tuple[int, int] | None = None) -> None:
+        faults.append(("priorities", key, f"{PRIORITIES_DIR}: {msg}", _TABLE if rows else None, rows))
+
+    if loc.url is None:
+        return faults, notes
+    if loc.local_root is not None:
+        url = str(loc.local_root / PRIORITIES_DIR)
+        if not os.path.lexists(url):
+            return faults, notes
+        refused = _not_a_folder(url)
+        if refused is not None:
+            fault(f"{refused}; samplers ignore it (readers) or refuse to store priorities (writers) until it is removed")
+            return faults, notes
+    else:
+        url = str(loc.url).rstrip("/") + "/" + PRIORITIES_DIR
+        if not loc.list_prefix(PRIORITIES_DIR):
+            return faults, notes
+    never = (f"{PRIORITIES_DIR}: holds no committed priorities (a writer was stopped while it created them); every "
+             "row counts as max_priority, and the next writer's sampler writes them anew")
+    try:
+        sub = verify(url, storage_options=storage_options, deep=deep)
+    except (StoreNotFoundError, NotATrajstoreError):
+        notes.append(never)
+        return faults, notes
+    except TrajstoreError as e:
+        fault(f"not a store of priorities ({e})")
+        return faults, notes
+    if any(f.kind == "head-missing" for f in sub.faults):
+        notes.append(never)
+        return faults, notes
+    faults += [("priorities", f"{PRIORITIES_DIR}/{f.key}", f"{PRIORITIES_DIR}: {f.message}", None, None)
+               for f in sub.faults]
+    notes += [f"{PRIORITIES_DIR}: {n}" for n in sub.notes]
+    if faults:
+        return faults, notes
+    try:
+        side = Store.open(url, "ReplayBuffer", read_only=True, multiprocessing=False,
+                          storage_options=storage_options, options={})
+    except TrajstoreError as e:
+        fault(f"does not open ({e})")
+        return faults, notes
+    try:
+        _check_rows(side, head, fault, notes)
+    except TrajstoreError as e:
+        fault(f"the stored priorities cannot be read ({e})")
+    finally:
+        side.close()
+    return faults, notes
+
+
+def _check_rows(side: Store, head: Head | None, fault: Callable[..., None], notes: list[str]) -> None:
+    """The sidecar's rows against the buffer's commit record ``head``, and every stored value."""
+    t = side.tables.get(_TABLE)
+    if t is None or len(t.fields) != 1 or t.fields[0].spec.dtype != np.float32 or t.fields[0].spec.row_shape != ():
+        fault(f"expected one float32 per row in table {_TABLE!r}; holds tables {sorted(side.tables)}")
+        return
+    state = side.committed.state
+    m = state.get("max_priority")
+    if m is not None and not (isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0):
+        fault(f"{HEAD_KEY}: max_priority must be a finite number > 0; got {m!r:.40}", f"{PRIORITIES_DIR}/{HEAD_KEY}")
+    a, b = t.state.start, t.state.end
+    main = head.tables.get(_TABLE) if head is not None else None
+    same = head is not None and state.get("main_epoch") == head.epoch
+    if head is not None and not same:
+        notes.append(f"{PRIORITIES_DIR}: the priorities follow an earlier numbering of the buffer's rows (epoch "
+                     f"{state.get('main_epoch')!r:.20}, the buffer's is {head.epoch}); every row counts as max_priority "
+                     "until a writer's sampler stores them anew")
+    s, e = (main.start, main.end) if main is not None and same else (a, b)
+    if b > e:
+        fault(f"holds priorities of rows up to {b}, but the buffer commits rows only up to {e} (the buffer must be "
+              "committed before its priorities)")
+    elif a > s:
+        fault(f"the buffer's rows {s}..{min(a, e) - 1} have no stored priority, although later ones have (the "
+              "sidecar must start at or before the buffer's first row)", rows=(0, min(a, e) - s))
+    elif b < e:
+        notes.append(f"{PRIORITIES_DIR}: the buffer's last {e - max(b, s)} row(s) have no stored priority yet (committed "
+                     "after the sampler's last flush); they count as max_priority")
+    bad, first, last = 0, None, 0
+    for lo in range(a, b, CHECK_BLOCK_ROWS):
+        hi = min(b, lo + CHECK_BLOCK_ROWS)
+        vals = t.read_contiguous(lo - a, hi - a, [0])[0]
+        wrong = np.flatnonzero(~(np.isfinite(vals) & (vals >= 0)))
+        if wrong.size:
+            bad += int(wrong.size)
+            first = first if first is not None else (lo + int(wrong[0]), float(vals[wrong[0]]))
+            last = lo + int(wrong[-1])
+    if first is not None:
+        row, val = first
+        lo_, hi_ = max(row, s), min(last + 1, e)
+        fault(f"{bad} stored priorit{'y is' if bad == 1 else 'ies are'} not a finite number >= 0 (first: row {row}, "
+              f"{val!r}); samplers ignore them (those rows count as max_priority)",
+              rows=(lo_ - s, hi_ - s) if lo_ < hi_ else None)
