@@ -56,21 +56,17 @@ to update from an older sample.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 
-from trajstore._optional import to_numpy
 from trajstore.core.store import in_zarr_loop
 from trajstore.errors import (
-    BadArgumentError,
-    BadIndexError,
     BadOptionError,
     BadValueError,
     ClosedError,
@@ -78,21 +74,18 @@ from trajstore.errors import (
     EmptyBufferError,
     IndexOutOfRangeError,
 )
-from trajstore.sampling.field_windows import seq_len_or_offsets
+from trajstore.sampling import prioritized_checks as check
+from trajstore.sampling.prioritized_windows import ACCEPT_ROUNDS, draw_accepted, inside_one_run, window_offsets
 from trajstore.sampling.priority_store import PriorityStore
 from trajstore.sampling.source import SAMPLE_ATTEMPTS, EpisodeSource, RowSource
 from trajstore.sampling.sumtree import SumTree
 from trajstore.storage.keys import PRIORITIES_DIR
 
-__all__ = ["PrioritizedSampler", "PRIORITIES_DIR"]
+__all__ = ["PrioritizedSampler", "PRIORITIES_DIR", "ACCEPT_ROUNDS"]
 
-#: Largest priority (they are stored as float32).
-_F32_MAX = float(np.finfo(np.float32).max)
 #: Rows added or evicted at once beyond this fraction of the tree rebuild it (O(n)) instead of
 #: updating row by row (O(k log n)).
 REBUILD_FRACTION = 0.125
-#: Rounds of draws ``sample_sequences(within_episode=True)`` makes before it gives up.
-ACCEPT_ROUNDS = 64
 
 _OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
 
@@ -106,28 +99,6 @@ def _flush_all() -> None:
             s.close()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
-
-
-def _span(offsets: Any) -> tuple[int, int]:
-    """``(lo, hi)``: the smallest and largest frame offset, 0 (the anchor) included, of one list of
-    offsets or a mapping of field -> offsets (checked by ``get_sequences`` itself)."""
-    every = [np.asarray(list(v) if isinstance(v, range) else v).reshape(-1)
-             for v in (offsets.values() if isinstance(offsets, Mapping) else [offsets])]
-    try:
-        flat = np.concatenate(every + [np.zeros(1, np.int64)]).astype(np.int64)
-    except (TypeError, ValueError):
-        raise BadArgumentError(f"sample_sequences: offsets must be integers; got {offsets!r}") from None
-    return int(flat.min()), int(flat.max())
-
-
-def _positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise BadOptionError(f"PrioritizedSampler: {name} must be a float; got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise BadOptionError(f"PrioritizedSampler: {name} must be a finite float {'>= 0' if allow_zero else '> 0'}; "
-                             f"got {value!r}")
-    return v
 
 
 class PrioritizedSampler:
@@ -176,11 +147,11 @@ class PrioritizedSampler:
 
     def __init__(self, buffer: Any, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *,
                  flush_interval: float | None = 1.0) -> None:
-        self._alpha = _positive_float("alpha", alpha)
-        self.beta = _positive_float("beta", beta)
-        self._eps = _positive_float("eps", eps)
+        self._alpha = check.positive_float("alpha", alpha)
+        self.beta = check.positive_float("beta", beta)
+        self._eps = check.positive_float("eps", eps)
         if flush_interval is not None:
-            flush_interval = _positive_float("flush_interval", flush_interval)
+            flush_interval = check.positive_float("flush_interval", flush_interval)
         self.flush_interval = flush_interval
         if not callable(getattr(buffer, "row_source", None)):
             raise BadOptionError(f"PrioritizedSampler needs a ReplayBuffer or TrajectoryReplayBuffer; got "
@@ -407,24 +378,10 @@ class PrioritizedSampler:
         if get_sequences is None:
             raise BadOptionError(f"sample_sequences needs a TrajectoryReplayBuffer (episodes); got "
                                  f"{type(self.buffer).__name__}")
-        seq_len_or_offsets(seq_len, offsets)
-        if offsets is None:
-            if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
-                raise BadOptionError(f"sample_sequences: seq_len must be an int > 0; got {seq_len!r}")
-            offsets = np.arange(int(seq_len))
-        lo, hi = _span(offsets)
-
-        def inside(idx: np.ndarray) -> np.ndarray:
-            """(B,) bool: the window of every anchor ``idx`` lies in one run of equal episode ids."""
-            src = cast(EpisodeSource, self._src)
-            first = idx + lo
-            ok = (first >= 0) & (idx + hi < src.count)
-            ok[ok] = src.one_run(first[ok], hi - lo)
-            return ok
-
+        offsets, lo, hi = window_offsets(seq_len, offsets)
+        accept = inside_one_run(cast(EpisodeSource, self._src), lo, hi) if within_episode else None
         data, idx, weights = self._sample("sample_sequences", batch_size, rng,
-                                          lambda i: get_sequences(i, offsets, pad=pad),
-                                          inside if within_episode else None)
+                                          lambda i: get_sequences(i, offsets, pad=pad), accept)
         return data[0], data[1], idx, weights
 
     def _sample(self, what: str, batch_size: Any, rng: np.random.Generator | int | None,
@@ -432,8 +389,7 @@ class PrioritizedSampler:
                 ) -> tuple[Any, np.ndarray, Any]:
         """Draw ``batch_size`` logical rows by priority (only rows ``accept`` approves, if given),
         ``read`` them as of one commit record, and weigh them: ``(read(indices), indices, weights)``."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-            raise BadOptionError(f"{what}: batch_size must be an int > 0; got {batch_size!r}")
+        k = check.batch_size(what, batch_size)
         if self._closed:
             raise ClosedError(f"{what}: the PrioritizedSampler was closed")
         gen = rng if isinstance(rng, np.random.Generator) else (self._rng if rng is None else np.random.default_rng(rng))
@@ -447,7 +403,7 @@ class PrioritizedSampler:
                 raise BadValueError(f"{what}: every one of the {self._end - self._start} rows has priority 0 and eps "
                                     "is 0, so no row can be drawn; give some rows a priority > 0 or use eps > 0")
             start, epoch = self._start, self._epoch
-            slots = self._draw(int(batch_size), gen, total, accept, what)
+            slots = self._draw(k, gen, total, accept, what)
             idx = self._logical(slots)
             if not src.live:
                 out = read(idx)
@@ -479,18 +435,7 @@ class PrioritizedSampler:
         (drawn again in rounds, up to :data:`ACCEPT_ROUNDS`)."""
         if accept is None:
             return self._tree.find(gen.random(k) * total)
-        got: list[np.ndarray] = []
-        need = k
-        for _ in range(ACCEPT_ROUNDS):
-            s = self._tree.find(gen.random(max(2 * need, 16)) * total)
-            s = s[accept(self._logical(s))][:need]
-            got.append(s)
-            need -= len(s)
-            if need == 0:
-                return np.concatenate(got)
-        raise BadOptionError(f"{what}: within_episode=True, but after {ACCEPT_ROUNDS} rounds of draws only "
-                             f"{k - need} of {k} anchors had their window inside one episode (windows longer than "
-                             "most episodes, or the priority on anchors near episode ends)")
+        return draw_accepted(lambda n: self._tree.find(gen.random(n) * total), self._logical, k, accept, what)
 
     def probabilities(self, indices: Any) -> np.ndarray:
         """``P(i)`` of logical rows ``indices`` now: (B,) float64.
@@ -501,7 +446,7 @@ class PrioritizedSampler:
             An index outside ``[0, len)``.
         """
         self._follow()
-        idx = self._check_indices(indices, self._end - self._start, "probabilities")
+        idx = check.indices(indices, self._end - self._start, "probabilities")
         total = self._tree.total
         return self._tree.get(self._slots(idx + self._start)) / total if total > 0 else np.zeros(len(idx))
 
@@ -515,24 +460,8 @@ class PrioritizedSampler:
             An index outside ``[0, len)``.
         """
         self._follow()
-        idx = self._check_indices(indices, self._end - self._start, "priorities")
+        idx = check.indices(indices, self._end - self._start, "priorities")
         return self._p[self._slots(idx + self._start)].copy()
-
-    @staticmethod
-    def _check_indices(indices: Any, count: int, what: str) -> np.ndarray:
-        idx = to_numpy(indices)
-        if idx.dtype == bool or not np.issubdtype(idx.dtype, np.integer):
-            raise BadIndexError(f"{what}: indices must be integers (the indices sample() returned); got dtype "
-                                f"{idx.dtype}")
-        if idx.ndim > 1:
-            raise BadIndexError(f"{what}: indices must be a 1-D array; got shape {idx.shape}")
-        idx = idx.astype(np.int64, copy=False).reshape(-1)
-        bad = (idx < 0) | (idx >= count)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise IndexOutOfRangeError(f"{what}: index {int(idx[j])} (position {j}) is out of range: expected logical "
-                                       f"rows 0..{count - 1} ({count} rows)")
-        return idx
 
     # -- priorities ----------------------------------------------------------------------------
     def update_priorities(self, indices: Any, priorities: Any, *, start: int | None = None) -> None:
@@ -573,21 +502,8 @@ class PrioritizedSampler:
             base, count, epoch = int(self.last_start or 0), self._last_count, self._last_epoch
         else:
             base, count, epoch = int(start), self._end - int(start), self._epoch
-        idx = self._check_indices(indices, count, "update_priorities")
-        p = to_numpy(priorities)
-        if not (np.issubdtype(p.dtype, np.floating) or np.issubdtype(p.dtype, np.integer)) or p.dtype == bool:
-            raise BadValueError(f"update_priorities: priorities must be numbers; got dtype {p.dtype}")
-        p = p.astype(np.float64).reshape(-1) if p.ndim <= 1 else p
-        if p.ndim != 1 or (p.size != idx.size and p.size != 1):
-            raise BadValueError(f"update_priorities: expected {idx.size} priorities (one per index) or one for all; "
-                                f"got shape {to_numpy(priorities).shape}")
-        bad = ~np.isfinite(p) | (p < 0) | (p > _F32_MAX)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise BadValueError(f"update_priorities: priorities must be finite, >= 0 and at most {_F32_MAX:.4g} "
-                                f"(they are stored as float32); got {float(p[j])!r} at position {j}")
-        if p.size == 1:
-            p = np.full(idx.size, p[0])
+        idx = check.indices(indices, count, "update_priorities")
+        p = check.priorities(priorities, idx.size)
         self._follow()
         if epoch != self._epoch:
             return  # rows were renumbered since the sample: the indices name other rows now
