@@ -54,6 +54,7 @@ from trajstore.storage.location import (
     resolve_location,
 )
 from trajstore.storage.locks import LEASE_KEY, RemoteLease, WriterLock, needs_lease
+from trajstore.storage.published import dimension_names
 from trajstore.storage.schema import (
     TableSchema,
     array_rows,
@@ -240,10 +241,12 @@ class Store(StoreCommits):
             alloc = t.capacity if t.capacity is not None else max(f.chunk_rows for f in t.fields)
             for f in t.fields:
                 compressors, _label = parse_compressor(f.compressor if f.layout != "raw" else None, f.dtype)
+                # Shape: what plain zarr readers see, the committed rows (none yet; a ring: its slots).
                 group.create_array(
-                    f.array_path, shape=(alloc, *f.row_shape), chunks=(f.chunk_rows, *f.row_shape), dtype=f.dtype,
+                    f.array_path, shape=(alloc if t.capacity is not None else 0, *f.row_shape),
+                    chunks=(f.chunk_rows, *f.row_shape), dtype=f.dtype,
                     compressors=compressors, filters=None, fill_value=np.zeros((), f.dtype)[()],
-                    config={"write_empty_chunks": True},
+                    config={"write_empty_chunks": True}, dimension_names=dimension_names(f.array_path, len(f.row_shape)),
                 )
             head.tables[t.name] = TableState(0, 0, alloc)
         group.attrs[ATTRS_KEY] = attrs
