@@ -23,6 +23,7 @@ from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.cli import main  # noqa: E402
 from trajstore.errors import (  # noqa: E402
     BadArgumentError,
+    BadOptionError,
     DamagedStoreError,
     NotATrajstoreError,
     StoreExistsError,
@@ -46,8 +47,9 @@ def datasets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def make_dataset(dataset_id: str = "toy/reach-v0", lengths: tuple[int, ...] = (7, 12, 1, 30),
-                 seed: int = 0) -> list[dict[str, Any]]:
-    """A Dict-obs dataset written by minari with infos; returns the episodes as written."""
+                 seed: int = 0, data_format: str = "hdf5") -> list[dict[str, Any]]:
+    """A Dict-obs dataset written by minari (in ``data_format``) with infos, scalar and nested;
+    returns the episodes as written."""
     rng = np.random.default_rng(seed)
     episodes, buffers = [], []
     for k, t in enumerate(lengths):
@@ -62,12 +64,13 @@ def make_dataset(dataset_id: str = "toy/reach-v0", lengths: tuple[int, ...] = (7
     minari.create_dataset_from_buffers(dataset_id, buffers, observation_space=OBS, action_space=ACT,
                                        algorithm_name="random-policy", author="Ada", author_email="ada@example.org",
                                        code_permalink="https://example.org/code", description="a toy",
-                                       data_format="hdf5")
+                                       data_format=data_format)
     return episodes
 
 
-def test_import_by_id_values_spaces_seeds_metadata(tmp_path: Path) -> None:
-    episodes = make_dataset()
+@pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
+def test_import_by_id_values_spaces_seeds_metadata(tmp_path: Path, data_format: str) -> None:
+    episodes = make_dataset(data_format=data_format)
     with import_minari("toy/reach-v0", tmp_path / "s") as buf:
         assert buf.step_space["obs"] == OBS and buf.step_space["action"] == ACT
         table = buf.episodes()
@@ -93,19 +96,23 @@ def test_import_by_id_values_spaces_seeds_metadata(tmp_path: Path) -> None:
     assert verify_store(tmp_path / "s").ok
 
 
-def test_round_trip_minari_store_minari(tmp_path: Path, datasets_root: Path) -> None:
-    make_dataset(seed=3)
+@pytest.mark.parametrize("src_format, dst_format", [("hdf5", "hdf5"), ("arrow", "arrow"), ("hdf5", "arrow")])
+def test_round_trip_minari_store_minari(tmp_path: Path, datasets_root: Path, src_format: str, dst_format: str) -> None:
+    episodes = make_dataset(seed=3, data_format=src_format)
     import_minari(datasets_root / "toy" / "reach-v0", tmp_path / "s").close()  # by folder this time
-    folder = export_minari(tmp_path / "s", "toy/reach-again-v0", description="exported")
+    folder = export_minari(tmp_path / "s", "toy/reach-again-v0", description="exported", data_format=dst_format)
     assert folder == str(datasets_root / "toy" / "reach-again-v0")
     a, b = minari.load_dataset("toy/reach-v0"), minari.load_dataset("toy/reach-again-v0")
+    assert b.storage.FORMAT == dst_format and a.storage.FORMAT == src_format
     assert (b.total_episodes, b.total_steps) == (a.total_episodes, a.total_steps)
     assert b.observation_space == a.observation_space and b.action_space == a.action_space
-    for ea, eb in zip(a.iterate_episodes(), b.iterate_episodes()):
+    # Compared with the episodes as written: minari 0.5.4's own arrow reader cannot read the
+    # source's infos (trajstore's import reads them; the export writes none, so minari reads it).
+    for ea, eb in zip(episodes, b.iterate_episodes(), strict=True):
         for key in ("pos", "goal"):  # T+1 observations rebuilt exactly
-            np.testing.assert_array_equal(eb.observations[key], ea.observations[key])
+            np.testing.assert_array_equal(eb.observations[key], ea["observations"][key])
         for f in ("actions", "rewards", "terminations", "truncations"):
-            np.testing.assert_array_equal(getattr(eb, f), getattr(ea, f), err_msg=f)
+            np.testing.assert_array_equal(getattr(eb, f), ea[f], err_msg=f)
     seeds = [m.get("seed") for m in b.storage.get_episode_metadata(range(4))]
     assert seeds == [m.get("seed") for m in a.storage.get_episode_metadata(range(4))] == [100, 101, None, 103]
     meta = b.storage.metadata
@@ -152,6 +159,8 @@ def test_refusals_before_writing(tmp_path: Path, datasets_root: Path) -> None:
         export_minari(tmp_path / "nonext", "toy/x-v0")
     with pytest.raises(BadArgumentError, match="namespace/name-v0"):
         export_minari(tmp_path / "nonext", "../escape")
+    with pytest.raises(BadOptionError, match="data_format must be one of \\('hdf5', 'arrow'\\); got 'zarr'"):
+        export_minari(tmp_path / "nonext", "toy/x-v0", data_format="zarr")
     make_dataset()
     import_minari("toy/reach-v0", tmp_path / "s").close()
     with pytest.raises(StoreExistsError):
@@ -187,3 +196,68 @@ def test_broken_dataset_leaves_no_partial_store(tmp_path: Path, datasets_root: P
         import_minari("toy/reach-v0", tmp_path / "s")
     assert not (tmp_path / "s").exists()
     assert not [p for p in tmp_path.iterdir() if "trajstore-partial" in p.name]
+
+
+def test_broken_arrow_dataset_leaves_no_partial_store(tmp_path: Path, datasets_root: Path) -> None:
+    """An arrow dataset whose last episode's file was cut short: the import fails after writing the
+    first episodes with a DamagedStoreError naming the episode, and leaves nothing behind."""
+    make_dataset(data_format="arrow")
+    files = sorted((datasets_root / "toy" / "reach-v0" / "data" / "3").iterdir(), key=lambda f: f.suffix)
+    assert [f.suffix for f in files] == [".arrow", ".json"]  # the episode's record batch, its metadata
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    with pytest.raises(DamagedStoreError, match="episode 3 cannot be read"):
+        import_minari("toy/reach-v0", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    assert not [p for p in tmp_path.iterdir() if "trajstore-partial" in p.name]
+
+
+_EXPORT_PROGRAM = """
+import sys, warnings
+warnings.filterwarnings("ignore")
+import trajstore.interop.minari as m
+from trajstore.interop import export_minari
+original = m._episodes
+def slow(buf, ids, bar):  # one episode, then tell the parent and wait to be killed
+    for k, ep in enumerate(original(buf, ids, bar)):
+        yield ep
+        if k == 0:
+            open(sys.argv[3], "w").close()
+            import time
+            time.sleep(60)
+m._episodes = slow
+export_minari(sys.argv[1], "toy/killed-v0", datasets_path=sys.argv[2], data_format="arrow")
+"""
+
+
+def test_export_killed_midway_leaves_no_dataset(tmp_path: Path, datasets_root: Path) -> None:
+    """SIGKILL of an arrow export after its first episode was written: no dataset of that id
+    exists (minari does not find it, an import says so), the source store reopens intact, and the
+    export run again writes the whole dataset."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    episodes = make_dataset(data_format="arrow")
+    import_minari("toy/reach-v0", tmp_path / "s").close()
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", _EXPORT_PROGRAM, str(tmp_path / "s"), str(datasets_root),
+                              str(ready)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the export child never wrote its first episode"
+        partial = [p for p in (datasets_root / "toy").iterdir() if "trajstore-partial" in p.name]
+        assert len(partial) == 1 and (partial[0] / "data" / "0").is_dir()  # killed mid-way, episode 0 written
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert not (datasets_root / "toy" / "killed-v0").exists()
+    with pytest.raises(StoreNotFoundError, match="toy/killed-v0"):
+        import_minari("toy/killed-v0", tmp_path / "never")
+    assert verify_store(tmp_path / "s").ok
+    export_minari(tmp_path / "s", "toy/killed-v0", data_format="arrow")
+    again = minari.load_dataset("toy/killed-v0")
+    assert [len(e.rewards) for e in again.iterate_episodes()] == [len(e["rewards"]) for e in episodes]

@@ -21,6 +21,7 @@ from gymnasium.spaces import Box, Dict
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import (
     BadArgumentError,
+    BadOptionError,
     BadValueError,
     DamagedStoreError,
     NotATrajstoreError,
@@ -36,6 +37,7 @@ from trajstore.interop._common import (
     staged_path,
     step_leaves,
 )
+from trajstore.interop._minari_arrow import iterate_episodes
 from trajstore.recording import EPISODE_SPACE
 
 __all__ = ["import_minari", "export_minari", "minari_to_store"]
@@ -150,7 +152,7 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
     obs_space, act_space = ds.observation_space, ds.action_space
     leaves(obs_space)  # an unsupported space is refused here, naming its leaf
     leaves(act_space)
-    first = next(iter(ds.iterate_episodes()), None)
+    first = next(_read_episodes(ds, where), (None, None))[0]
     info = _info_spaces(first.infos, len(first.rewards), f"{where}: infos") if first is not None else {}
     space = recorder_space(obs_space, act_space, next_obs=True, info=info)
     ep_space = Dict({**EPISODE_SPACE.spaces, "minari_id": Box(0, 2**62, (), np.int64)})
@@ -180,7 +182,7 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
 def _read_episodes(ds: Any, where: str) -> Iterator[tuple[Any, Any]]:
     """``(episode, its seed or None)`` of the dataset, one at a time; a read error (a damaged
     dataset) as DamagedStoreError."""
-    it = iter(ds.iterate_episodes())
+    it = iterate_episodes(ds, where)
     k = 0
     while True:
         try:
@@ -247,14 +249,17 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
 
 
 _DATASET_ID = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+-v\d+$")
+#: Minari data formats an export writes.
+_FORMATS = ("hdf5", "arrow")
+
 #: Metadata an export takes over from the source's import (the rest minari computes itself).
 _KEPT = ("algorithm_name", "author", "author_email", "code_permalink", "env_spec", "eval_env_spec", "description",
          "ref_min_score", "ref_max_score", "num_episodes_average_score", "requirements")
 
 
-def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, tqdm: bool | None = None,
-                  overwrite: bool = False, **metadata: Any) -> str:
-    """Write a trajectory store as a Minari dataset (minari's hdf5 data format).
+def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, data_format: str = "hdf5",
+                  tqdm: bool | None = None, overwrite: bool = False, **metadata: Any) -> str:
+    """Write a trajectory store as a Minari dataset (minari's ``hdf5`` or ``arrow`` data format).
 
     Each episode's ``obs`` (T rows) plus the last step's ``next_obs`` give Minari's T+1
     observations; ``action``, ``reward``, ``terminated``, ``truncated`` its actions, rewards,
@@ -274,6 +279,9 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, tqdm:
     datasets_path : path, optional
         Root of the datasets folder; default minari's (``MINARI_DATASETS_PATH`` or
         ``~/.minari/datasets``).
+    data_format : {"hdf5", "arrow"}
+        Minari's data format of the dataset (``"arrow"`` needs pyarrow); written by minari's own
+        storage writer either way.
     tqdm : bool or None
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
@@ -291,6 +299,8 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, tqdm:
     ------
     BadArgumentError
         ``dataset_id`` is not of the form ``[namespace/]name-v<version>``.
+    BadOptionError
+        ``data_format`` is not ``"hdf5"`` or ``"arrow"``.
     UnknownFieldError
         The store has no ``next_obs`` (Minari keeps T+1 observations) or lacks a schema field.
     UnsupportedSpaceError
@@ -308,6 +318,8 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, tqdm:
 
     if not isinstance(dataset_id, str) or not _DATASET_ID.match(dataset_id) or ".." in dataset_id.split("/"):
         raise BadArgumentError(f"export_minari: dataset_id must look like 'namespace/name-v0'; got {dataset_id!r}")
+    if data_format not in _FORMATS:
+        raise BadOptionError(f"export_minari: data_format must be one of {_FORMATS}; got {data_format!r}")
     root = os.fspath(datasets_path) if datasets_path is not None else os.fspath(get_dataset_path(None))
     out = staged_path(os.path.join(root, dataset_id), "export_minari: dataset folder", overwrite)
     buf, own = export_source(src, "export_minari: src")
@@ -335,7 +347,7 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, tqdm:
             try:
                 os.makedirs(tmp)
                 storage = MinariStorage.new(os.path.join(tmp, "data"), observation_space=space["obs"],
-                                            action_space=space["action"], data_format="hdf5")
+                                            action_space=space["action"], data_format=data_format)
                 storage.update_metadata(meta)
                 storage.update_episodes(_episodes(buf, ids, bar))
             finally:
