@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore.buffers.views import BatchBase
+from trajstore.buffers.views import BatchBase, ColumnView
+from trajstore.spaces import ValuePlan
 
 __all__ = ["to_dask"]
 
@@ -24,9 +25,11 @@ def to_dask(view: BatchBase) -> Any:
 
     Parameters
     ----------
-    view : ReplayBuffer, TrajectoryReplayBuffer or ColumnView
+    view : ReplayBuffer, TrajectoryReplayBuffer, ShardedDataset or ColumnView
         A buffer, or a column view of one (``get_column``, possibly nested).  Slices are refused:
-        take the rows you need from the dask array instead (``arr[lo:hi]``).
+        take the rows you need from the dask array instead (``arr[lo:hi]``).  A sharded dataset
+        (:func:`~trajstore.shards.open_sharded`) or a column of one gives one dask array per
+        field across every shard: each shard's arrays, concatenated in shard name order.
 
     Returns
     -------
@@ -35,4 +38,12 @@ def to_dask(view: BatchBase) -> Any:
         store's chunk rows (a ring's wrap point included), the other axes one chunk.  A writer's
         rows not yet committed are not included.
     """
+    from trajstore.shards.dataset import ShardedDataset
+
+    node, leaves = view, list(range(len(view._plan.leaves)))
+    while isinstance(node, ColumnView):  # the leaves of the dataset the column reads
+        leaves = [node._leaf_map[j] for j in leaves]
+        node = node.parent
+    if isinstance(node, ShardedDataset):
+        return ValuePlan(view.single_space).from_arrays(node.dask_leaves(leaves))
     return view.to_dask()

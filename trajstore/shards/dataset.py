@@ -139,9 +139,8 @@ class ShardedDataset(BatchBase):
             return False
         for name in new:
             self._buffers[name] = self._open_shard(name)
-        rows = self._rows
-        rows.names = sorted(self._buffers)
-        rows.sources = [self._buffers[n].row_source() for n in rows.names]
+        names = sorted(self._buffers)
+        self._rows.set_shards(names, [self._buffers[n].row_source() for n in names])
         return True
 
     def _open_shard(self, name: str) -> Any:

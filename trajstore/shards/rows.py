@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import DamagedStoreError
+from trajstore.sampling.source import EpisodeSource
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, TableState
 
@@ -45,18 +46,17 @@ class ShardedHead(Head):
     names: tuple[str, ...] = field(default_factory=tuple)
 
 
-class ShardedRows:
-    """Every shard's rows as one :class:`~trajstore.sampling.source.EpisodeSource` (one
-    :class:`~trajstore.sampling.source.RowSource` for ReplayBuffer shards).
+class ShardedRows(EpisodeSource):
+    """Every shard's rows as one :class:`~trajstore.sampling.source.EpisodeSource` (used as a
+    :class:`~trajstore.sampling.source.RowSource` only, for ReplayBuffer shards).
+
+    ``sources`` (one row source per shard: the shards' read-only buffers' ``row_source()``) and
+    ``names`` (the shard names) are kept in name order by ``discover``.
 
     Parameters
     ----------
     name : str
         The dataset root, for messages.
-    sources : list of BufferRows
-        One row source per shard, in name order (the shards' read-only buffers' ``row_source()``).
-    names : list of str
-        The shard names.
     discover : callable
         ``discover(force)`` brings :attr:`sources` and :attr:`names` up to date (new shards) and
         returns True when they changed; ``force=False`` may skip listing (rate-limited).
@@ -72,6 +72,8 @@ class ShardedRows:
         self.last_read: Head | None = None
         self._discover = discover
         self._reopen = reopen
+        self.step_leaves: list[int] = []
+        self.episode_leaves: list[int] = []
         self._pinned = 0
         self._epoch = 0
         self._generation = 0
@@ -79,6 +81,13 @@ class ShardedRows:
         self._record = ShardedHead()
 
     # -- the view --------------------------------------------------------------------------------
+    def set_shards(self, names: list[str], sources: list[Any]) -> None:
+        """The shards now open (``discover`` calls this): names in order, and their row sources."""
+        self.names, self.sources = names, sources
+        if sources:
+            self.step_leaves = list(getattr(sources[0], "step_leaves", []))
+            self.episode_leaves = list(getattr(sources[0], "episode_leaves", []))
+
     def adopt(self) -> bool:
         """Recompute the view from the shards as they are now; True when it changed."""
         parts = tuple(s.record for s in self.sources)
@@ -218,14 +227,6 @@ class ShardedRows:
         return None  # a field per shard: see :meth:`ShardedDataset.to_dask`
 
     # -- episodes ---------------------------------------------------------------------------------
-    @property
-    def step_leaves(self) -> list[int]:
-        return list(self.sources[0].step_leaves) if self.sources else []
-
-    @property
-    def episode_leaves(self) -> list[int]:
-        return list(self.sources[0].episode_leaves) if self.sources else []
-
     @property
     def current_episode_id(self) -> int:
         return -1  # one live episode per shard: ShardedDataset.episodes() marks them

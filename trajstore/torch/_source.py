@@ -121,7 +121,8 @@ class FieldSelection:
     """
 
     def __init__(self, buf: StoredBuffer, fields: Sequence[str] | str | None) -> None:
-        traj = isinstance(buf, TrajectoryReplayBuffer)
+        # (a sharded dataset of trajectory stores says so by its kind)
+        traj = isinstance(buf, TrajectoryReplayBuffer) or getattr(buf, "kind", None) == "TrajectoryReplayBuffer"
         step_space = buf.step_space if traj else buf.single_space  # type: ignore[attr-defined]
         if fields is None:
             import gymnasium

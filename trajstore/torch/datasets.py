@@ -26,6 +26,7 @@ from trajstore.errors import BadArgumentError, BadOptionError, IndexOutOfRangeEr
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
+from trajstore.shards.source import ShardedSource, is_sharded
 from trajstore.torch._source import BufferSource, FieldSelection
 from trajstore.torch._transfer import in_worker, pack
 
@@ -97,8 +98,10 @@ class _Base(Dataset):
         if output not in _OUTPUTS:
             raise BadOptionError(f"output must be one of {_OUTPUTS}; got {output!r}")
         self.output = output
-        self._src = BufferSource(source, storage_options)
-        buf = self._src.buffer
+        # A sharded dataset (its root path, or open_sharded's view) reads every shard as one store.
+        self._src: Any = (ShardedSource(source, storage_options) if is_sharded(source, storage_options)
+                          else BufferSource(source, storage_options))
+        buf: Any = self._src.buffer
         self._sel = FieldSelection(buf, fields)
         self.fields = list(self._sel.names)
 
@@ -155,8 +158,9 @@ class TransitionDataset(_Base):
 
     Parameters
     ----------
-    source : str, os.PathLike, ReplayBuffer or TrajectoryReplayBuffer
-        A store path / URL (opened read-only) or a buffer.
+    source : str, os.PathLike, ReplayBuffer, TrajectoryReplayBuffer or ShardedDataset
+        A store path / URL (opened read-only) or a buffer; or a sharded dataset (its root path or
+        :func:`~trajstore.shards.open_sharded`'s view), read as one store over every shard.
     fields : list of str, optional
         ``/``-paths relative to the step space (``"obs"``, ``"obs/pos"``); for trajectory stores
         also ``"episode_data/<path>"`` (the value of the step's episode).  Default: every
@@ -243,7 +247,8 @@ class SequenceDataset(_Base):
         ``within_episode=True`` on a ReplayBuffer store without done-like fields.
     BadArgumentError
         Both or neither of ``seq_len`` and ``offsets``; ``offsets`` on a ReplayBuffer store; bad
-        ``offsets`` as :meth:`TrajectoryReplayBuffer.get_sequences` raises.
+        ``offsets`` as :meth:`TrajectoryReplayBuffer.get_sequences` raises; a sharded dataset of
+        ReplayBuffer shards (windows need episode ids).
     """
 
     seq_len: int | None  # None with offsets
@@ -269,6 +274,9 @@ class SequenceDataset(_Base):
         self.seq_len, self.pad, self.within_episode, self.stride, self.mask_key = seq_len, pad, within_episode, stride, mask_key
         buf = self._src.buffer
         rows = buf.row_source()
+        if isinstance(self._src, ShardedSource) and not self._src.is_trajectory:
+            raise BadArgumentError(f"{self._src.path}: SequenceDataset over a sharded dataset needs trajectory shards "
+                                   "(episode ids); its shards are ReplayBuffer stores: use TransitionDataset")
         # Done-like fields of a ReplayBuffer store (None: no episode boundaries, or a trajectory store).
         self._done = None if self._src.is_trajectory else done_fields(rows.table)
         if within_episode and not self._src.is_trajectory and self._done is None:
