@@ -261,3 +261,23 @@ def test_export_killed_midway_leaves_no_dataset(tmp_path: Path, datasets_root: P
     export_minari(tmp_path / "s", "toy/killed-v0", data_format="arrow")
     again = minari.load_dataset("toy/killed-v0")
     assert [len(e.rewards) for e in again.iterate_episodes()] == [len(e["rewards"]) for e in episodes]
+
+
+@pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
+def test_export_image_observations_exactly(tmp_path: Path, data_format: str) -> None:
+    """Image observations (uint8 Box 0..255, 32x32x3: what minari JPEG-encodes by default) are
+    exported exactly, not as lossy JPEG, in both formats."""
+    from trajstore.recording import EPISODE_SPACE, step_space
+
+    img = gym.spaces.Box(0, 255, (32, 32, 3), np.uint8)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (11, 32, 32, 3), dtype=np.uint8)  # noise: JPEG would change it
+    with TrajectoryReplayBuffer.create(step_space(img, gym.spaces.Discrete(3), next_obs=True),
+                                       episode_data_instance_space=EPISODE_SPACE, cache_path=tmp_path / "img") as b:
+        b.extend({"obs": frames[:10], "next_obs": frames[1:], "action": rng.integers(0, 3, 10),
+                  "reward": np.ones(10), "terminated": np.arange(10) == 9, "truncated": np.zeros(10, bool)})
+    export_minari(tmp_path / "img", "toy/img-v0", data_format=data_format)
+    ds = minari.load_dataset("toy/img-v0")
+    assert ds.storage.FORMAT == data_format
+    (ep,) = list(ds.iterate_episodes())
+    np.testing.assert_array_equal(ep.observations, frames)

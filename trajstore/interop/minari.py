@@ -347,7 +347,8 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, data_
             try:
                 os.makedirs(tmp)
                 storage = MinariStorage.new(os.path.join(tmp, "data"), observation_space=space["obs"],
-                                            action_space=space["action"], data_format=data_format)
+                                            action_space=space["action"], data_format=data_format,
+                                            jpeg_encoding=False)  # exact values: minari JPEG-encodes images by default
                 storage.update_metadata(meta)
                 storage.update_episodes(_episodes(buf, ids, bar))
             finally:
