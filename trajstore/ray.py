@@ -1,0 +1,295 @@
+"""Ray actors that record gymnasium envs into shards of one sharded dataset (issue 17).
+
+Ray runs the actors; trajstore stores.  Each actor is a :class:`ShardWriter`: it creates its own
+shard with :func:`~trajstore.shards.create_shard`, steps its env through
+:class:`~trajstore.recording.RecordEpisodes` (one row per step, one episode-data row per
+episode) and commits every ``flush_every`` steps.  A learner anywhere reads every shard as one
+dataset with :func:`~trajstore.shards.open_sharded` while the actors write (no lock server: one
+writer per shard, readers never lock).
+
+``import trajstore`` never imports this module (nor Ray); ``import trajstore.ray`` needs the
+``ray`` extra.  The caller starts Ray (``ray.init(...)``); see docs/scale.md.
+
+Credentials.  Everything passed to a Ray actor (constructor arguments included) is pickled into
+Ray's object store and control store, where it outlives the call and can show in logs and
+dashboards.  So ``storage_options`` here carry only non-secret settings (``profile``,
+``endpoint_url``, ``anon``, ``client_kwargs={"region_name": ...}``): keys that name a secret
+(``key``, ``secret``, ``token``, ``password``, ``*access_key*``, ``credentials`` ...) are
+refused with :class:`~trajstore.errors.BadOptionError` before any actor starts.  Credentials come
+from the actor's own machine: an AWS profile (``{"profile": "name"}``, read there from
+``~/.aws``), the node's environment (``AWS_ACCESS_KEY_ID`` ...), an instance role; or pass a
+zero-argument callable as ``storage_options``, which is called inside the actor and may read
+them there (it travels pickled: it must not hold secrets itself).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any, Callable, Mapping
+
+import gymnasium
+import numpy as np
+
+from trajstore._optional import missing
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import BadArgumentError, BadOptionError
+from trajstore.recording import EPISODE_SPACE, RecordEpisodes, step_space
+from trajstore.shards import create_shard
+
+try:
+    import ray
+except ImportError as e:  # pragma: no cover - the ray extra is installed in the test env
+    raise missing("ray", "trajstore.ray") from e
+
+__all__ = ["ShardWriter", "ShardWriterActor", "start_actors", "run_actors", "check_storage_options"]
+
+#: storage_options keys (at any depth) that name a secret: refused, never pickled into an actor.
+_SECRET = re.compile(r"secret|token|passw|credential|(^|_)key$|access_key|session|signature|auth", re.I)
+
+StorageOptions = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
+
+
+def check_storage_options(storage_options: StorageOptions) -> None:
+    """Refuse ``storage_options`` that would pickle a secret into Ray's stores.
+
+    Parameters
+    ----------
+    storage_options : dict, zero-argument callable or None
+        A dict may hold non-secret fsspec settings only (``profile``, ``endpoint_url``, ``anon``,
+        ``client_kwargs`` without keys...); a callable is resolved inside the actor.
+
+    Raises
+    ------
+    BadOptionError
+        A key (at any depth) names a secret, or the value is neither a mapping, a callable nor None.
+    """
+    if storage_options is None or callable(storage_options):
+        return
+    if not isinstance(storage_options, Mapping):
+        raise BadOptionError("storage_options must be a dict of non-secret settings, a zero-argument callable "
+                             f"resolved in the actor, or None; got {type(storage_options).__name__}")
+    bad = _secret_keys(storage_options, "")
+    if bad:
+        raise BadOptionError(f"storage_options hold credentials ({', '.join(bad)}); Ray would pickle them into its "
+                             "object store with the actor's arguments. Pass a profile ({'profile': name}), set them "
+                             "in the actors' environment, or pass a callable that reads them inside the actor")
+
+
+def _secret_keys(options: Mapping[str, Any], prefix: str) -> list[str]:
+    out = []
+    for k, v in options.items():
+        name = f"{prefix}{k}"
+        if _SECRET.search(str(k)):
+            out.append(name)
+        elif isinstance(v, Mapping):
+            out.extend(_secret_keys(v, name + "."))
+    return out
+
+
+def _random_policy(env: gymnasium.Env, seed: int | None) -> Callable[[Any], Any]:
+    env.action_space.seed(seed)
+    return lambda obs: env.action_space.sample()
+
+
+class ShardWriter:
+    """One actor's writer: an env recorded into a shard of its own (a plain class; Ray runs it as
+    :data:`ShardWriterActor`, and it works without Ray too).
+
+    Parameters
+    ----------
+    path : str
+        The sharded dataset's root (local folder or fsspec URL), as for ``create_shard``.
+    env_fn : callable
+        ``env_fn() -> gymnasium.Env``, called in the actor (pickled by Ray: a module-level function
+        or ``functools.partial(gymnasium.make, "CartPole-v1")``).
+    policy_fn : callable, optional
+        ``policy_fn(env) -> act`` with ``act(obs) -> action``, called once in the actor.  Default:
+        uniform random actions (the action space seeded with ``seed``).
+    shard : str, optional
+        The shard's name; default a unique one (host, pid, random suffix).
+    seed : int, optional
+        Seeds the first reset (later resets continue the env's generator) and the default policy.
+    record_next_obs : bool
+        Store ``next_obs`` with each step (default True: transitions sample in one read).
+    flush_every : int
+        Commit after every this many steps (and at the end of each :meth:`collect`); a learner
+        sees an actor's steps once they are committed.
+    storage_options : dict, callable or None
+        Non-secret fsspec settings, or a zero-argument callable returning the options, called in
+        the actor (see the module docstring: credentials never travel pickled).
+    **create_kwargs
+        Passed to ``create_shard`` (``chunk_rows``, ``compressor``, ``commit_interval``...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], env_fn: Callable[[], gymnasium.Env], *,
+                 policy_fn: Callable[[gymnasium.Env], Callable[[Any], Any]] | None = None, shard: str | None = None,
+                 seed: int | None = None, record_next_obs: bool = True, flush_every: int = 1000,
+                 storage_options: StorageOptions = None, **create_kwargs: Any) -> None:
+        check_storage_options(storage_options)
+        if not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
+            raise BadOptionError(f"flush_every must be an int >= 1; got {flush_every!r}")
+        opts = storage_options() if callable(storage_options) else storage_options
+        if opts is not None:
+            create_kwargs["storage_options"] = dict(opts)
+        env = env_fn()
+        if not isinstance(env, gymnasium.Env):
+            raise BadArgumentError(f"env_fn must return a gymnasium.Env; got {type(env).__name__}")
+        space = step_space(env.observation_space, env.action_space, next_obs=record_next_obs)
+        buf = create_shard(path, space, shard=shard, episode_data_instance_space=EPISODE_SPACE, **create_kwargs)
+        assert isinstance(buf, TrajectoryReplayBuffer)  # kind="trajectory"
+        self.shard = os.path.basename(str(buf.cache_path).rstrip("/"))
+        self._buffer = buf
+        self._env = RecordEpisodes(env, buf, record_next_obs=record_next_obs)
+        self._act = policy_fn(env) if policy_fn is not None else _random_policy(env, seed)
+        self._seed = seed
+        self._flush_every = int(flush_every)
+        self._obs: Any = None
+        # what this actor has committed: steps per episode id, in order (the last may be unfinished)
+        self._ids: list[int] = []
+        self._lengths: list[int] = []
+        self._committed = (0, 0)  # (episodes, rows) as of the last flush
+
+    def collect(self, steps: int) -> dict[str, Any]:
+        """Step the env ``steps`` times, recording every step; commit every ``flush_every`` steps
+        and at the end.
+
+        Parameters
+        ----------
+        steps : int
+            Env steps to take (episodes continue across calls).
+
+        Returns
+        -------
+        dict
+            :meth:`stats` after the final commit, plus ``"step_seconds"``: (steps,) float64, the
+            time of each step (env step, policy and recording; a commit is counted in the step
+            that triggered it), and ``"seconds"``: the whole call, final commit included.
+        """
+        if not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise BadOptionError(f"steps must be an int >= 0; got {steps!r}")
+        times = np.empty(int(steps), np.float64)
+        buf = self._buffer
+        start = time.perf_counter()
+        for i in range(int(steps)):
+            t = time.perf_counter()
+            if self._obs is None:
+                self._obs, _ = self._env.reset(seed=self._seed)
+                self._seed = None  # later resets continue the env's generator
+            eid = buf.current_episode_id
+            if not self._ids or self._ids[-1] != eid:
+                self._ids.append(eid)
+                self._lengths.append(0)
+            obs, _, terminated, truncated, _ = self._env.step(self._act(self._obs))
+            self._lengths[-1] += 1
+            self._obs = None if terminated or truncated else obs
+            if (i + 1) % self._flush_every == 0:
+                self._flush()
+            times[i] = time.perf_counter() - t
+        self._flush()
+        return {**self.stats(), "step_seconds": times, "seconds": time.perf_counter() - start}
+
+    def _flush(self) -> None:
+        self._buffer.flush()
+        self._committed = (len(self._ids), sum(self._lengths))
+
+    def stats(self) -> dict[str, Any]:
+        """What this actor has committed so far.
+
+        Returns
+        -------
+        dict
+            ``shard`` (str), ``rows`` (int, steps committed), ``episode_ids`` and ``lengths``
+            ((E,) int64 each: the shard's own episode ids in row order and their committed steps;
+            the last episode may still be running), ``pid`` (the actor's process).
+        """
+        n, rows = self._committed
+        return {"shard": self.shard, "rows": rows, "episode_ids": np.asarray(self._ids[:n], np.int64),
+                "lengths": np.asarray(self._lengths[:n], np.int64), "pid": os.getpid()}
+
+    def close(self) -> dict[str, Any]:
+        """Commit, end the running episode (its data records its steps so far), close the env.
+
+        Returns
+        -------
+        dict
+            :meth:`stats` after the final commit.
+        """
+        self._env.close()  # ends the episode and flushes; the buffer is the caller's: close it too
+        self._buffer.close()
+        self._committed = (len(self._ids), sum(self._lengths))
+        return self.stats()
+
+
+#: :class:`ShardWriter` as a Ray actor class (``ShardWriterActor.options(...).remote(path, env_fn, ...)``).
+ShardWriterActor = ray.remote(ShardWriter)
+
+
+def start_actors(path: str | os.PathLike[str], env_fn: Callable[[], gymnasium.Env], num_actors: int, *,
+                 seed: int | None = 0, shards: list[str] | None = None, actor_options: dict[str, Any] | None = None,
+                 storage_options: StorageOptions = None, **kwargs: Any) -> list[Any]:
+    """Start ``num_actors`` :class:`ShardWriter` actors on the running Ray cluster.
+
+    Parameters
+    ----------
+    path, env_fn, storage_options, **kwargs
+        As for :class:`ShardWriter` (``policy_fn``, ``flush_every``, ``record_next_obs``, create
+        options).  ``storage_options`` are checked here, before any actor starts.
+    num_actors : int
+        Actors to start, one shard each.
+    seed : int or None
+        Actor ``i`` gets ``seed + i`` (None: unseeded).
+    shards : list of str, optional
+        The shards' names (``num_actors`` of them); default unique names.
+    actor_options : dict, optional
+        Ray's ``.options(...)`` for each actor (``num_cpus``, ``resources``, ``runtime_env``...).
+
+    Returns
+    -------
+    list of ray.actor.ActorHandle
+        Call ``collect.remote(steps)``, ``stats.remote()``, ``close.remote()`` on them.
+    """
+    check_storage_options(storage_options)
+    if not isinstance(num_actors, (int, np.integer)) or num_actors < 1:
+        raise BadOptionError(f"num_actors must be an int >= 1; got {num_actors!r}")
+    if shards is not None and len(shards) != num_actors:
+        raise BadOptionError(f"shards must name {num_actors} shards (one per actor); got {len(shards)}")
+    cls = ShardWriterActor.options(**(actor_options or {}))
+    return [cls.remote(os.fspath(path), env_fn, shard=None if shards is None else shards[i],
+                       seed=None if seed is None else seed + i, storage_options=storage_options, **kwargs)
+            for i in range(num_actors)]
+
+
+def run_actors(path: str | os.PathLike[str], env_fn: Callable[[], gymnasium.Env],
+               policy_fn: Callable[[gymnasium.Env], Callable[[Any], Any]] | None = None, num_actors: int = 2,
+               steps: int = 1000, **kwargs: Any) -> list[dict[str, Any]]:
+    """Start ``num_actors`` actors, let each record ``steps`` env steps into its own shard, close them.
+
+    Parameters
+    ----------
+    path, env_fn, policy_fn
+        As for :class:`ShardWriter`.
+    num_actors : int
+        Actors (shards).
+    steps : int
+        Env steps per actor.
+    **kwargs
+        As for :func:`start_actors`.
+
+    Returns
+    -------
+    list of dict
+        Per actor, :meth:`ShardWriter.collect`'s result: ``shard``, ``rows``, ``episode_ids``,
+        ``lengths``, ``pid``, ``step_seconds``, ``seconds``.
+    """
+    actors = start_actors(path, env_fn, num_actors, policy_fn=policy_fn, **kwargs)
+    try:
+        ray.get([a.stats.remote() for a in actors])  # every actor created its shard
+        refs = [a.collect.remote(steps) for a in actors]
+        out = ray.get(refs)
+        ray.get([a.close.remote() for a in actors])
+        return out
+    finally:
+        for a in actors:
+            ray.kill(a)
