@@ -585,8 +585,9 @@ def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any]
 
     The consolidated entries in ``root`` are always checked (zarr readers use them); each array's
     own ``zarr.json`` is read and checked too when ``fresh`` or when there are no consolidated
-    entries (then its rows count: it is what a writer resizes first).  Group ``zarr.json`` files on
-    the way to the arrays are checked to be group metadata (zarr reads them when it consolidates).
+    entries (then its rows count: a writer publishes it before the consolidated copy).  Group
+    ``zarr.json`` files on the way to the arrays are checked to be group metadata (zarr reads
+    them when it consolidates).
     """
     where = str(loc.url)
     entries = _consolidated(root, where)
