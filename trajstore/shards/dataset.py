@@ -10,6 +10,7 @@ read; the list of shards at most every :data:`DISCOVER_INTERVAL_S` seconds).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -119,7 +120,7 @@ class ShardedDataset(BatchBase):
         self.single_space = self._space(spaces)
         self._plan = ValuePlan(self.single_space)
         self._rows = ShardedRows(str(loc.url), self._discover, (_reopen_rows, (path, storage_options)))
-        self.refresh()
+        self._rows.refresh_all()
 
     def _space(self, spaces: dict[str, Any]) -> Any:
         return spaces["step_data"]
@@ -158,7 +159,7 @@ class ShardedDataset(BatchBase):
         Reads do this automatically (each shard's commit record before every read, the shard
         list at most every :data:`DISCOVER_INTERVAL_S` seconds); call it to see a new shard at once.
         """
-        return self._rows.refresh()
+        return self._rows.refresh_all()
 
     @property
     def shards(self) -> dict[str, np.ndarray]:
@@ -296,7 +297,9 @@ class ShardedTrajectories(EpisodeWindows, ShardedDataset):
         row of its first step), ``length`` and ``live`` (its shard's writer is still recording it)."""
         rows = self._rows
         rows.sync()
-        with rows.pinned():
+        with contextlib.ExitStack() as stack:
+            for s in rows.sources:  # each shard's table as of the view (episode_table syncs its source)
+                stack.enter_context(s.pinned())
             tables = [_seq.episode_table(s) for s in rows.sources]
         cols: dict[str, list[np.ndarray]] = {k: [] for k in
                                              ("episode_id", "shard", "shard_episode_id", "start", "length", "live")}

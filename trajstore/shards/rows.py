@@ -75,6 +75,8 @@ class ShardedRows(EpisodeSource):
         self.step_leaves: list[int] = []
         self.episode_leaves: list[int] = []
         self._pinned = 0
+        self._touched: set[int] = set()  # shards a pinned read used: the only ones its check refreshes
+        self._index: dict[str, int] = {}
         self._epoch = 0
         self._generation = 0
         self._cum = np.zeros(1, np.int64)
@@ -84,6 +86,7 @@ class ShardedRows(EpisodeSource):
     def set_shards(self, names: list[str], sources: list[Any]) -> None:
         """The shards now open (``discover`` calls this): names in order, and their row sources."""
         self.names, self.sources = names, sources
+        self._index = {n: i for i, n in enumerate(names)}
         if sources:
             self.step_leaves = list(getattr(sources[0], "step_leaves", []))
             self.episode_leaves = list(getattr(sources[0], "episode_leaves", []))
@@ -100,8 +103,8 @@ class ShardedRows(EpisodeSource):
         # Rows of a shard survive as long as the shard says so; a shard gone, renamed or inserted
         # in front moves global rows: a new epoch tells readers to draw again.
         before = dict(zip(old.names, old.parts))
-        intact = all(n in before for n in names) and set(names) >= set(old.names) and all(
-            s.rows_intact(before[n]) for n, s in zip(names, self.sources) if n in before)
+        intact = set(names) >= set(old.names) and all(
+            before[n] is p or s.rows_intact(before[n]) for n, s, p in zip(names, self.sources, parts) if n in before)
         order_kept = [n for n in names if n in before] == list(old.names)
         if not (intact and order_kept):
             self._epoch += 1
@@ -149,34 +152,55 @@ class ShardedRows(EpisodeSource):
     def sync(self) -> None:
         if self._pinned:
             return
-        self._discover(False)
-        for s in self.sources:
-            s.sync()
-        self.adopt()
+        found = self._discover(False)
+        changed = False
+        for s in self.sources:  # each shard's commit record, as a single store checks its own
+            changed = s.refresh() or changed
+        if changed or found:
+            self.adopt()
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[None]:
+        # Shards are refreshed only by sync / refresh / refresh_all, never by a read, so pinning
+        # the view pins every shard (episodes() pins the shards themselves: their episode tables sync).
+        if not self._pinned:
+            self._touched = set()
         self._pinned += 1
         try:
-            with contextlib.ExitStack() as stack:
-                for s in self.sources:
-                    stack.enter_context(s.pinned())
-                yield
+            yield
         finally:
             self._pinned -= 1
 
     def refresh(self) -> bool:
+        """After a pinned read: adopt the newest commit of the shards that read used (the others'
+        rows were not read, so whether they changed does not matter to it); True when the view
+        changed.  :meth:`refresh_all` adopts everything."""
+        changed = False
+        for k in self._touched:
+            changed = self.sources[k].refresh() or changed
+        return self.adopt() if changed else False
+
+    def refresh_all(self) -> bool:
         """Adopt new shards and every shard's newest commit; True when the view changed."""
-        self._discover(True)
+        found = self._discover(True)
         for s in self.sources:
             s.refresh()
-        return self.adopt()
+        return self.adopt() or found
 
     def rows_intact(self, before: Head) -> bool:
         if not isinstance(before, ShardedHead):
             return False
-        now = dict(zip(self.names, self.sources))
-        return all(n in now and now[n].rows_intact(part) for n, part in zip(before.names, before.parts))
+        if before is self._record:
+            return True
+        now = self._record
+        current = dict(zip(now.names, now.parts))
+        for n, part in zip(before.names, before.parts):
+            cur = current.get(n)
+            if cur is None:
+                return False
+            if cur is not part and not self.sources[self._index[n]].rows_intact(part):
+                return False
+        return True
 
     # -- rows to shards --------------------------------------------------------------------------
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,10 +217,12 @@ class ShardedRows(EpisodeSource):
             raise DamagedStoreError(f"{self.name}: rows were asked of a dataset without shards")
         k, local = self.locate(rows)
         if rows.size == 0 or (k == k[0]).all():
+            self._touched.add(int(k[0]) if rows.size else 0)
             return read(int(k[0]) if rows.size else 0, local)
         order = np.argsort(k, kind="stable")
         ks = k[order]
         bounds = np.flatnonzero(np.diff(ks)) + 1
+        self._touched.update(ks[np.concatenate([[0], bounds])].tolist())
         out: list[np.ndarray] | None = None
         for sel in np.split(order, bounds):
             got = read(int(k[sel[0]]), local[sel])
@@ -248,12 +274,15 @@ class ShardedRows(EpisodeSource):
         k, local = self.locate(first)
         ok = (first + span < self._cum[k + 1]) & (first >= 0)
         out = np.zeros(len(first), bool)
-        for shard in np.unique(k[ok]).tolist():
+        shards = np.unique(k[ok]).tolist()
+        self._touched.update(shards)
+        for shard in shards:
             sel = ok & (k == shard)
             out[sel] = self.sources[shard].one_run(local[sel], span)
         return out
 
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self._touched.update(range(len(self.sources)))
         parts = [s.runs() for s in self.sources]
         if not parts:
             empty = np.zeros(0, np.int64)
