@@ -20,6 +20,7 @@ from trajstore.errors import DamagedStoreError, NotATrajstoreError, TrajstoreErr
 from trajstore.interop._common import box_for, source_file
 from trajstore.interop.diffusion_policy import check_layout
 from trajstore.spaces import ValuePlan
+from trajstore.storage.confined import read_limit
 from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.foreign import EpisodeIdField, ForeignField, foreign_spec
 from trajstore.storage.location import Location, resolve_location
@@ -91,6 +92,12 @@ def open_diffusion_policy(path: Any, *, backend: str = "numpy", device: Any = No
     """
     src = source_file(path, f"{_WHAT}: path")
     loc = resolve_location(src, read_only=True, must_exist=True)
+    if not loc.is_local:
+        try:
+            _check_zip_entries(src)
+        except BaseException:
+            loc.close()
+            raise
     try:
         space, fields, ends = _layout_in_place(loc, src)
         store = InPlaceStore(loc, fields, int(ends[-1]) if len(ends) else 0, len(ends), closer=loc.close)
@@ -122,6 +129,19 @@ def _layout_in_place(loc: Location, src: str) -> tuple[Dict, list[Field], np.nda
     fields: list[Field] = [ForeignField(loc, specs[key], lay["arrays"][key]) for key in order]
     fields.append(EpisodeIdField(loc, "meta/episode_ends", lay["ends"], max(f.C for f in fields)))
     return space, fields, lay["ends"]
+
+
+def _check_zip_entries(src: str) -> None:
+    """Every entry of the zip ``src`` expands to at most what a folder read takes of such a file
+    (:func:`~trajstore.storage.confined.read_limit`: 16 MiB of ``*.json``, 1 GiB of anything else):
+    zarr reads an entry whole, so an entry claiming more (a deflate bomb) is refused before it is."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zf:
+        for info in zf.infolist():
+            if info.file_size > read_limit(info.filename):
+                raise DamagedStoreError(f"{src}: zip entry {info.filename[:200]!r} expands to {info.file_size} bytes; "
+                                        f"at most {read_limit(info.filename)} are read from one file")
 
 
 def _open_root(zstore: Any, src: str) -> Any:
