@@ -33,10 +33,13 @@ def episode_rows(w: int, e: int) -> dict[str, np.ndarray]:
 
 
 def write_shard(root: str, name: str, w: int, episodes: int | None, log: str, ready: str,
-                storage_options: Any = None) -> None:
-    """Write episodes ``0 ..`` of writer ``w`` into shard ``name``, flushing every 3 episodes and
-    logging what each flush committed; ``episodes=None`` writes until killed."""
-    kwargs = {"storage_options": storage_options} if storage_options else {}
+                storage_options: Any = None, capacity: int | None = None) -> None:
+    """Write episodes ``0 ..`` of writer ``w`` into shard ``name`` (a ring of ``capacity`` steps
+    when given), flushing every 3 episodes and logging what each flush committed;
+    ``episodes=None`` writes until killed."""
+    kwargs: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+    if capacity is not None:
+        kwargs["step_data_capacity"] = kwargs["episode_data_capacity"] = capacity
     buf = create_shard(root, SPACE, shard=name, episode_data_instance_space=EPISODE_SPACE, chunk_rows=64,
                        commit_interval=0.05, **kwargs)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

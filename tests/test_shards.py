@@ -299,6 +299,42 @@ def test_concurrent_writers_while_a_reader_samples(tmp_path, procs, monkeypatch)
     ds.close()
 
 
+def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch):
+    """Shards that are rings, filled and overwritten while the reader samples: every row and window
+    read is whole (the retry loop redraws rows a shard evicted meanwhile)."""
+    monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
+    root = str(tmp_path / "ds")
+    _write(root, "w0", 0, 1, step_data_capacity=128, episode_data_capacity=128).close()
+    ds = open_sharded(root)
+    children = []
+    for w in (1, 2):
+        p = W.start(SW.write_shard, root, f"w{w}", w, 250, str(tmp_path / f"log{w}"), str(tmp_path / f"r{w}"),
+                    None, 128)
+        procs.append(p)
+        children.append(p)
+    reads = 0
+    while any(p.is_alive() for p in children):
+        batch = ds.sample(128)
+        o, ret = batch["step_data"]["obs"], batch["episode_data"]["ret"]
+        assert (o[:, 2] < o[:, 3]).all() and (o[:, 3] == [SW.episode_length(int(w), int(e)) for w, e in o[:, :2]]).all()
+        assert ((ret == 0) | (ret == o[:, 0] * 1000 + o[:, 1])).all()  # 0: the episode's data not set yet
+        data, mask = ds.sample_sequences(32, 3, within_episode=True)
+        o = data["step_data"]["obs"]
+        assert mask.all() and (np.diff(o[:, :, 2], axis=1) == 1).all() and (o[:, :, :2] == o[:, :1, :2]).all()
+        reads += 1
+    for p in children:
+        p.join(30)
+        assert p.exitcode == 0
+    assert reads > 10
+    ds.refresh()
+    assert list(ds.shards["rows"]) == [len(SW.episode_rows(0, 0)["obs"]), 128, 128]  # full rings
+    ep = ds.episodes()
+    for w, name in ((1, "w1"), (2, "w2")):  # the newest episodes are whole, the oldest may be cut
+        mine = ep["shard"] == name
+        assert ep["shard_episode_id"][mine][-1] == 249 and ep["length"][mine][-1] == SW.episode_length(w, 249)
+    ds.close()
+
+
 def test_killed_shard_writer_keeps_committed_rows(tmp_path, procs):
     root = str(tmp_path / "ds")
     _write(root, "a", 0, 2).close()
