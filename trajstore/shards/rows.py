@@ -77,6 +77,7 @@ class ShardedRows(EpisodeSource):
         self._pinned = 0
         self._touched: set[int] = set()  # shards a pinned read used: the only ones its check refreshes
         self._index: dict[str, int] = {}
+        self._plans: dict[tuple[int, ...], list[int] | None] = {}
         self._epoch = 0
         self._generation = 0
         self._cum = np.zeros(1, np.int64)
@@ -87,6 +88,7 @@ class ShardedRows(EpisodeSource):
         """The shards now open (``discover`` calls this): names in order, and their row sources."""
         self.names, self.sources = names, sources
         self._index = {n: i for i, n in enumerate(names)}
+        self._plans = {}
         if sources:
             self.step_leaves = list(getattr(sources[0], "step_leaves", []))
             self.episode_leaves = list(getattr(sources[0], "episode_leaves", []))
@@ -233,7 +235,21 @@ class ShardedRows(EpisodeSource):
         assert out is not None
         return out
 
+    def _table_fields(self, leaves: Sequence[int]) -> list[int] | None:
+        """The step table's field numbers of per-row ``leaves`` (the same in every shard: one space,
+        one layout), or None when one is not stored per row (episode data)."""
+        key = tuple(leaves)
+        if key not in self._plans:
+            src = self.sources[0]
+            stored = [src.leaf_field(j) for j in leaves]
+            self._plans[key] = (None if any(f is None for f in stored)
+                                else [src.table.fields.index(f) for f in stored])
+        return self._plans[key]
+
     def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        fields = self._table_fields(leaves) if self.sources else None
+        if fields is not None:  # per-row leaves: straight from each shard's table (a batch touches many shards)
+            return self._per_shard(rows, lambda k, r: self.sources[k].table.gather(r, fields))
         return self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, leaves))
 
     def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
