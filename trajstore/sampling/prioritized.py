@@ -6,42 +6,10 @@ probability ``P(i) = p_i ** alpha / sum_k p_k ** alpha`` (``p_i = priority_i + e
 tree in RAM (:class:`~trajstore.sampling.sumtree.SumTree`), and returns importance weights
 ``(N * P(i)) ** -beta``, divided by their largest value in the batch.
 
-Where the priorities live (the storage decision)
-------------------------------------------------
-In a *sidecar store*: an ordinary trajstore ReplayBuffer store (one float32 row per row of the
-buffer, space ``Box(0, inf, (), float32)``) in the folder ``trajstore.priorities/`` inside the
-buffer's own folder (or under its URL).  Its rows are numbered with the buffer's absolute row
-numbers (for a ring buffer, a ring 1/8 larger than the buffer's, so that its early evictions
-never drop a row the buffer still holds), and its commit record's state holds
-``{"main_epoch", "max_priority"}``.  Why a store of its own
-rather than a field of the buffer's table:
-
-- the buffer's format, its commit record, ``trajstore verify``/``repair`` and every reader of old
-  stores stay exactly as they are (a buffer without the folder has no priorities stored, and
-  readers that do not know about priorities never look at it);
-- it inherits the commit protocol and its crash safety unchanged: the sidecar is written with
-  the same data-first/record-last commits, priority changes of committed rows with the staged,
-  crash-atomic rewrite of ``set_at``, so a SIGKILL at any instant leaves both stores opening,
-  each with its last commit (``trajstore verify <store>/trajstore.priorities`` checks it);
-- ``dumps`` to another folder and ``trajstore copy`` copy it with the buffer (byte copies of the
-  folder); a ``.zip`` export does not carry priorities.
-
-Rules that follow from it:
-
-- Only a sampler over a *writable* buffer writes the sidecar (it takes the sidecar's writer lock,
-  so one such sampler per store at a time; another raises ``LockedError``).  Priority changes
-  live in RAM and are written every ``flush_interval`` seconds during :meth:`update_priorities`,
-  and by :meth:`PrioritizedSampler.flush` / :meth:`PrioritizedSampler.close`; the buffer is
-  flushed first, so the sidecar never names rows the buffer has not committed.
-- A row without a stored priority (appended after the last sidecar commit, or any row of a store
-  that never had a sampler) counts as the largest priority seen so far (``max_priority`` of the
-  sidecar's record; 1.0 before any).
-- Readers (``load_from(..., read_only=True)``, other processes) open the sidecar read-only and
-  re-read it whenever its commit record changes, so they sample with the writer's last flushed
-  priorities.  A reader may call :meth:`update_priorities` too: those changes stay in its RAM.
-- Operations that rewrite rows in place (``set_at``, ``remove_at``, ``clear``, rewriting episode
-  data of a trajectory buffer) change the buffer's epoch; rows may have been renumbered, so every
-  priority returns to ``max_priority`` (the sidecar is reset at the next flush).
+Priorities persist in a *sidecar store* inside the buffer's folder (``trajstore.priorities/``):
+the storage decision and the rules that follow from it are in
+:mod:`trajstore.sampling.priority_store`; the priorities of the live rows and their sum tree, kept
+in step with the buffer, in :mod:`trajstore.sampling.priority_rows`.
 
 Indices
 -------
@@ -76,16 +44,12 @@ from trajstore.errors import (
 )
 from trajstore.sampling import prioritized_checks as check
 from trajstore.sampling.prioritized_windows import ACCEPT_ROUNDS, draw_accepted, inside_one_run, window_offsets
+from trajstore.sampling.priority_rows import REBUILD_FRACTION, LiveRows
 from trajstore.sampling.priority_store import PriorityStore
 from trajstore.sampling.source import SAMPLE_ATTEMPTS, EpisodeSource, RowSource
-from trajstore.sampling.sumtree import SumTree
 from trajstore.storage.keys import PRIORITIES_DIR
 
-__all__ = ["PrioritizedSampler", "PRIORITIES_DIR", "ACCEPT_ROUNDS"]
-
-#: Rows added or evicted at once beyond this fraction of the tree rebuild it (O(n)) instead of
-#: updating row by row (O(k log n)).
-REBUILD_FRACTION = 0.125
+__all__ = ["PrioritizedSampler", "PRIORITIES_DIR", "ACCEPT_ROUNDS", "REBUILD_FRACTION"]
 
 _OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
 
@@ -159,27 +123,19 @@ class PrioritizedSampler:
         self.buffer = buffer
         self._src: RowSource = buffer.row_source()
         self._writable = not buffer.read_only
+        self._torch = getattr(buffer, "backend", "numpy") == "torch"
         self._rng = np.random.default_rng()
         self._pid = os.getpid()
         self._closed = True  # until built
-        self.max_priority = 1.0
         self.last_start: int | None = None
         self._last_count = 0
         self._last_epoch: int | None = None
-        cap = self._src.capacity
-        self._cap = cap
-        n = cap if cap is not None else max(1024, self._src.start + self._src.count)
-        self._tree = SumTree(n)
-        self._p = np.zeros(self._tree.size, np.float32)  # raw priority per slot (live slots only)
-        self._dirty = np.zeros(self._tree.size, bool)  # changed since the sidecar last stored it
-        # The rows the tree holds: absolute [start, end) under buffer epoch `epoch`.
-        self._start = self._end = 0
-        self._epoch: int | None = None
-        self._side = PriorityStore(buffer, self._writable, cap, self._side_state)
+        self._side = PriorityStore(buffer, self._writable, self._src.capacity, self._side_state)
+        self._live = LiveRows(self._src, self._side, self._alpha, self._eps)
         self._last_flush = time.monotonic()
         try:
             self._side.open(create=False)
-            self._follow()
+            self._live.follow()
         except BaseException:
             self._release()
             raise
@@ -199,100 +155,21 @@ class PrioritizedSampler:
 
     def __len__(self) -> int:
         """Rows the sampler draws from (the buffer's rows as of the last sample or update)."""
-        return self._end - self._start
+        return self._live.end - self._live.start
+
+    @property
+    def max_priority(self) -> float:
+        """The largest priority seen so far (what new rows get)."""
+        return self._live.max_priority
+
+    @max_priority.setter
+    def max_priority(self, value: float) -> None:
+        self._live.max_priority = float(value)
 
     # -- the sidecar store -------------------------------------------------------------------
     def _side_state(self) -> dict[str, Any]:
         """The sidecar's commit-record state: which numbering of rows its priorities follow."""
-        return {"main_epoch": self._epoch, "max_priority": float(self.max_priority)}
-
-    def _adopt_side_max(self) -> None:
-        m = self._side.max_priority()
-        if m is not None:
-            self.max_priority = max(self.max_priority, m)
-
-    def _stored(self, lo: int, hi: int) -> np.ndarray:
-        """Priorities of absolute rows ``[lo, hi)`` (``max_priority`` where none is stored)."""
-        return self._side.read(lo, hi, self._epoch, self.max_priority)
-
-    # -- following the buffer ----------------------------------------------------------------
-    def _slots(self, rows: np.ndarray) -> np.ndarray:
-        return rows % self._cap if self._cap is not None else rows
-
-    def _weights(self, p: np.ndarray) -> np.ndarray:
-        return np.power(p.astype(np.float64) + self._eps, self._alpha)
-
-    def _ensure_room(self, end: int) -> None:
-        if self._cap is None and end > self._tree.size:
-            self._tree.grow(end)
-            size = self._tree.size
-            self._p = np.concatenate([self._p, np.zeros(size - len(self._p), np.float32)])
-            self._dirty = np.concatenate([self._dirty, np.zeros(size - len(self._dirty), bool)])
-
-    def _rebuild(self) -> None:
-        """Tree weights from ``_p`` for the live rows [start, end), O(n)."""
-        w = np.zeros(self._tree.size, np.float64)
-        if self._end > self._start:
-            slots = self._slots(np.arange(self._start, self._end, dtype=np.int64))
-            w[slots] = self._weights(self._p[slots])
-        self._tree.build(w)
-
-    def _reload(self) -> None:
-        """Every live row's priority from the sidecar again (its record changed), keeping this
-        process's own unwritten changes."""
-        self._adopt_side_max()
-        if self._end > self._start:
-            slots = self._slots(np.arange(self._start, self._end, dtype=np.int64))
-            stored = self._stored(self._start, self._end)
-            mine = self._dirty[slots]
-            self._p[slots] = np.where(mine, self._p[slots], stored)
-        self._rebuild()
-
-    def _follow(self) -> None:
-        """Catch the tree up with the buffer (rows added and evicted, a new epoch) and with the
-        sidecar (a newer record written by the writer's sampler)."""
-        src = self._src
-        src.sync()
-        side_changed = self._side.changed()
-        epoch = src.record.epoch
-        start, end = src.start, src.start + src.count
-        if epoch != self._epoch or start < self._start or end < self._end:
-            # Rows were rewritten, removed or cleared (or this is the first look): renumbered.
-            self._epoch = epoch
-            self._start, self._end = start, end
-            self._ensure_room(end)
-            self._dirty[:] = False
-            self._adopt_side_max()
-            if end > start:
-                self._p[self._slots(np.arange(start, end, dtype=np.int64))] = self._stored(start, end)
-            self._rebuild()
-            return
-        moved = start != self._start or end != self._end
-        if not moved and not side_changed:
-            return
-        self._ensure_room(end)
-        gone = np.arange(self._start, min(start, self._end), dtype=np.int64)
-        new = np.arange(max(self._end, start), end, dtype=np.int64)
-        self._start, self._end = start, end
-        gs, ns = self._slots(gone), self._slots(new)
-        self._dirty[gs] = False
-        self._dirty[ns] = False
-        if side_changed:
-            self._reload()
-            return
-        if new.size:
-            self._p[ns] = self._stored(int(new[0]), end)
-        if gone.size + new.size > REBUILD_FRACTION * self._tree.size:
-            self._rebuild()
-            return
-        # A ring's new row in a freed slot: its weight comes last and wins.
-        self._tree.update(np.concatenate([gs, ns]),
-                          np.concatenate([np.zeros(gone.size), self._weights(self._p[ns])]))
-
-    def _logical(self, slots: np.ndarray) -> np.ndarray:
-        if self._cap is None:
-            return slots - self._start
-        return (slots - self._start) % self._cap
+        return {"main_epoch": self._live.epoch, "max_priority": float(self._live.max_priority)}
 
     # -- sampling ------------------------------------------------------------------------------
     def sample(self, batch_size: int, rng: np.random.Generator | int | None = None) -> tuple[Any, np.ndarray, Any]:
@@ -393,18 +270,19 @@ class PrioritizedSampler:
         if self._closed:
             raise ClosedError(f"{what}: the PrioritizedSampler was closed")
         gen = rng if isinstance(rng, np.random.Generator) else (self._rng if rng is None else np.random.default_rng(rng))
-        src = self._src
+        src, live = self._src, self._live
         for _ in range(SAMPLE_ATTEMPTS):
-            self._follow()
-            total = self._tree.total
-            if self._end <= self._start:
+            live.follow()
+            total = live.tree.total
+            n = live.end - live.start
+            if n <= 0:
                 raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
             if total <= 0:
-                raise BadValueError(f"{what}: every one of the {self._end - self._start} rows has priority 0 and eps "
-                                    "is 0, so no row can be drawn; give some rows a priority > 0 or use eps > 0")
-            start, epoch = self._start, self._epoch
-            slots = self._draw(k, gen, total, accept, what)
-            idx = self._logical(slots)
+                raise BadValueError(f"{what}: every one of the {n} rows has priority 0 and eps is 0, so no row can "
+                                    "be drawn; give some rows a priority > 0 or use eps > 0")
+            start, epoch = live.start, live.epoch
+            slots, leaf = self._draw(k, gen, total, accept, what)
+            idx = live.logical(slots)
             if not src.live:
                 out = read(idx)
                 break
@@ -416,26 +294,29 @@ class PrioritizedSampler:
                 break
         else:
             raise ConcurrentWriteError(f"{src.name}: the writer evicts rows faster than this reader can sample them")
-        n = self._end - self._start
         # (N P(i)) ** -beta / max_j (N P(j)) ** -beta == (min_j P(j) / P(i)) ** beta: P's common
         # factors (N, the total) cancel, so the tree's weights give it directly.
-        leaf = self._tree.get(slots)
-        w = np.power(leaf.min() / leaf, self.beta).astype(np.float32)
+        w = leaf.min() / leaf
+        w = np.power(w, self.beta, out=w).astype(np.float32)
         self.last_start, self._last_count, self._last_epoch = start, n, epoch
         weights: Any = w
-        if getattr(self.buffer, "backend", "numpy") == "torch":
+        if self._torch:
             import torch
 
             weights = torch.as_tensor(w, device=self.buffer.device)
         return out, idx.astype(np.int64, copy=False), weights
 
     def _draw(self, k: int, gen: np.random.Generator, total: float,
-              accept: Callable[[np.ndarray], np.ndarray] | None, what: str) -> np.ndarray:
-        """``k`` slots drawn by priority; with ``accept``, only slots whose logical rows it approves
-        (drawn again in rounds, up to :data:`ACCEPT_ROUNDS`)."""
+              accept: Callable[[np.ndarray], np.ndarray] | None, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """``k`` slots drawn by priority and their tree weights; with ``accept``, only slots whose
+        logical rows it approves (drawn again in rounds, up to :data:`ACCEPT_ROUNDS`)."""
+        tree = self._live.tree
         if accept is None:
-            return self._tree.find(gen.random(k) * total)
-        return draw_accepted(lambda n: self._tree.find(gen.random(n) * total), self._logical, k, accept, what)
+            mass = gen.random(k)
+            mass *= total
+            return tree.find_weighted(mass)
+        slots = draw_accepted(lambda n: tree.find(gen.random(n) * total), self._live.logical, k, accept, what)
+        return slots, tree.get(slots)
 
     def probabilities(self, indices: Any) -> np.ndarray:
         """``P(i)`` of logical rows ``indices`` now: (B,) float64.
@@ -445,10 +326,11 @@ class PrioritizedSampler:
         IndexOutOfRangeError
             An index outside ``[0, len)``.
         """
-        self._follow()
-        idx = check.indices(indices, self._end - self._start, "probabilities")
-        total = self._tree.total
-        return self._tree.get(self._slots(idx + self._start)) / total if total > 0 else np.zeros(len(idx))
+        live = self._live
+        live.follow()
+        idx = check.indices(indices, live.end - live.start, "probabilities")
+        total = live.tree.total
+        return live.tree.get(live.slots(idx + live.start)) / total if total > 0 else np.zeros(len(idx))
 
     def priorities(self, indices: Any) -> np.ndarray:
         """Priorities (as given to :meth:`update_priorities`, before ``eps``) of logical rows
@@ -459,9 +341,10 @@ class PrioritizedSampler:
         IndexOutOfRangeError
             An index outside ``[0, len)``.
         """
-        self._follow()
-        idx = check.indices(indices, self._end - self._start, "priorities")
-        return self._p[self._slots(idx + self._start)].copy()
+        live = self._live
+        live.follow()
+        idx = check.indices(indices, live.end - live.start, "priorities")
+        return live.p[live.slots(idx + live.start)].copy()
 
     # -- priorities ----------------------------------------------------------------------------
     def update_priorities(self, indices: Any, priorities: Any, *, start: int | None = None) -> None:
@@ -495,27 +378,20 @@ class PrioritizedSampler:
         """
         if self._closed:
             raise ClosedError("update_priorities: the PrioritizedSampler was closed")
+        live = self._live
         if start is None and self.last_start is None:
-            self._follow()
-            base, count, epoch = self._start, self._end - self._start, self._epoch
+            live.follow()
+            base, count, epoch = live.start, live.end - live.start, live.epoch
         elif start is None:
             base, count, epoch = int(self.last_start or 0), self._last_count, self._last_epoch
         else:
-            base, count, epoch = int(start), self._end - int(start), self._epoch
+            base, count, epoch = int(start), live.end - int(start), live.epoch
         idx = check.indices(indices, count, "update_priorities")
         p = check.priorities(priorities, idx.size)
-        self._follow()
-        if epoch != self._epoch:
+        live.follow()
+        if epoch != live.epoch:
             return  # rows were renumbered since the sample: the indices name other rows now
-        rows = idx + base
-        live = (rows >= self._start) & (rows < self._end)
-        rows, p = rows[live], p[live]
-        if rows.size:
-            slots = self._slots(rows)
-            self._p[slots] = p
-            self._dirty[slots] = True
-            self._tree.update(slots, self._weights(self._p[slots]))
-            self.max_priority = max(self.max_priority, float(p.max()))
+        live.set(idx + base, p)
         if (self._writable and self.flush_interval is not None
                 and time.monotonic() - self._last_flush >= self.flush_interval):
             self.flush()
@@ -534,30 +410,17 @@ class PrioritizedSampler:
         self._last_flush = time.monotonic()
         if not self._writable or self._side.url is None or self._closed:
             return
+        live = self._live
         try:
             self.buffer.flush(fsync)
-            self._follow()
+            live.follow()
         except ClosedError:
             pass  # the buffer was closed first: its last commit stands; write priorities up to it
         main_start, main_end = self._src.committed
-        slots = np.flatnonzero(self._dirty)
-        self._side.write(self._epoch, (main_start, min(main_end, self._end)), max(main_start, self._start),
-                         self._rows_of(slots), self._p[slots].astype(np.float32), self._tail, fsync)
-        self._dirty[slots] = False
-
-    def _tail(self, new: np.ndarray) -> np.ndarray:
-        """Priorities of absolute rows ``new`` the sidecar does not hold yet, (K,) float32."""
-        vals = np.full(new.size, self.max_priority, np.float32)
-        alive = new >= self._start
-        vals[alive] = self._p[self._slots(new[alive])]
-        return vals
-
-    def _rows_of(self, slots: np.ndarray) -> np.ndarray:
-        """Absolute rows of live ``slots``."""
-        if self._cap is None:
-            return slots.astype(np.int64)
-        first = self._start % self._cap
-        return self._start + (slots - first) % self._cap
+        slots = np.flatnonzero(live.dirty)
+        self._side.write(live.epoch, (main_start, min(main_end, live.end)), max(main_start, live.start),
+                         live.rows_of(slots), live.p[slots].astype(np.float32), live.tail, fsync)
+        live.dirty[slots] = False
 
     def close(self) -> None:
         """Flush (writers) and release the sidecar store and its writer lock.  The buffer stays

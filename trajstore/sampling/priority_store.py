@@ -1,11 +1,47 @@
 """Where a :class:`~trajstore.sampling.prioritized.PrioritizedSampler` keeps its priorities: a
-*sidecar store* inside the buffer's folder (``trajstore.priorities/``), an ordinary trajstore
-ReplayBuffer store of one float32 row per buffer row, numbered with the buffer's absolute row
-numbers; its commit record's state says which numbering (``main_epoch``) and the largest priority
-(``max_priority``).  The decision and its rules are in the sampler module's docstring; this module
-opens, reads and writes that store, and treats it as input like any store: a link or a non-folder
-in its place is refused, damaged contents are replaced by a writer and ignored by a reader, and
-stored values that are not finite and >= 0 are never used.
+*sidecar store* inside the buffer's folder (``trajstore.priorities/``).  This module opens, reads
+and writes that store, checks it for ``trajstore verify`` (:func:`check_sidecar`), and treats it
+as input like any store: a link or a non-folder in its place is refused, damaged contents are
+replaced by a writer and ignored by a reader, and stored values that are not finite and >= 0 are
+never used.
+
+Where the priorities live (the storage decision)
+------------------------------------------------
+In a *sidecar store*: an ordinary trajstore ReplayBuffer store (one float32 row per row of the
+buffer, space ``Box(0, inf, (), float32)``) in the folder ``trajstore.priorities/`` inside the
+buffer's own folder (or under its URL).  Its rows are numbered with the buffer's absolute row
+numbers (for a ring buffer, a ring 1/8 larger than the buffer's, so that its early evictions
+never drop a row the buffer still holds), and its commit record's state holds
+``{"main_epoch", "max_priority"}``.  Why a store of its own rather than a field of the buffer's
+table:
+
+- the buffer's format, its commit record, ``trajstore verify``/``repair`` and every reader of old
+  stores stay exactly as they are (a buffer without the folder has no priorities stored, and
+  readers that do not know about priorities never look at it);
+- it inherits the commit protocol and its crash safety unchanged: the sidecar is written with
+  the same data-first/record-last commits, priority changes of committed rows with the staged,
+  crash-atomic rewrite of ``set_at``, so a SIGKILL at any instant leaves both stores opening,
+  each with its last commit (``trajstore verify <store>`` checks the sidecar too:
+  :func:`check_sidecar`);
+- ``dumps`` to another folder and ``trajstore copy`` copy it with the buffer (byte copies of the
+  folder); a ``.zip`` export does not carry priorities.
+
+Rules that follow from it:
+
+- Only a sampler over a *writable* buffer writes the sidecar (it takes the sidecar's writer lock,
+  so one such sampler per store at a time; another raises ``LockedError``).  Priority changes
+  live in RAM and are written every ``flush_interval`` seconds during the sampler's
+  ``update_priorities``, and by its ``flush`` and ``close``; the buffer is flushed first, so the
+  sidecar never names rows the buffer has not committed.
+- A row without a stored priority (appended after the last sidecar commit, or any row of a store
+  that never had a sampler) counts as the largest priority seen so far (``max_priority`` of the
+  sidecar's record; 1.0 before any).
+- Readers (``load_from(..., read_only=True)``, other processes) open the sidecar read-only and
+  re-read it whenever its commit record changes, so they sample with the writer's last flushed
+  priorities.  A reader may call ``update_priorities`` too: those changes stay in its RAM.
+- Operations that rewrite rows in place (``set_at``, ``remove_at``, ``clear``, rewriting episode
+  data of a trajectory buffer) change the buffer's epoch; rows may have been renumbered, so every
+  priority returns to ``max_priority`` (the sidecar is reset at the next flush).
 """
 
 from __future__ import annotations
@@ -302,7 +338,8 @@ def check_sidecar(loc: Location, head: Head | None, storage_options: dict[str, A
             return faults, notes
         refused = _not_a_folder(url)
         if refused is not None:
-            fault(f"{refused}; samplers ignore it (readers) or refuse to store priorities (writers) until it is removed")
+            fault(f"{refused}; samplers ignore it (readers) or refuse to store priorities (writers) until it is "
+                  "removed")
             return faults, notes
     else:
         url = str(loc.url).rstrip("/") + "/" + PRIORITIES_DIR
@@ -356,8 +393,8 @@ def _check_rows(side: Store, head: Head | None, fault: Callable[..., None], note
     same = head is not None and state.get("main_epoch") == head.epoch
     if head is not None and not same:
         notes.append(f"{PRIORITIES_DIR}: the priorities follow an earlier numbering of the buffer's rows (epoch "
-                     f"{state.get('main_epoch')!r:.20}, the buffer's is {head.epoch}); every row counts as max_priority "
-                     "until a writer's sampler stores them anew")
+                     f"{state.get('main_epoch')!r:.20}, the buffer's is {head.epoch}); every row counts as "
+                     "max_priority until a writer's sampler stores them anew")
     s, e = (main.start, main.end) if main is not None and same else (a, b)
     if b > e:
         fault(f"holds priorities of rows up to {b}, but the buffer commits rows only up to {e} (the buffer must be "
@@ -366,8 +403,8 @@ def _check_rows(side: Store, head: Head | None, fault: Callable[..., None], note
         fault(f"the buffer's rows {s}..{min(a, e) - 1} have no stored priority, although later ones have (the "
               "sidecar must start at or before the buffer's first row)", rows=(0, min(a, e) - s))
     elif b < e:
-        notes.append(f"{PRIORITIES_DIR}: the buffer's last {e - max(b, s)} row(s) have no stored priority yet (committed "
-                     "after the sampler's last flush); they count as max_priority")
+        notes.append(f"{PRIORITIES_DIR}: the buffer's last {e - max(b, s)} row(s) have no stored priority yet "
+                     "(committed after the sampler's last flush); they count as max_priority")
     bad, first, last = 0, None, 0
     for lo in range(a, b, CHECK_BLOCK_ROWS):
         hi = min(b, lo + CHECK_BLOCK_ROWS)

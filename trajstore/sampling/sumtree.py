@@ -1,36 +1,53 @@
 """A sum tree over float64 weights, in RAM, with vectorized (numpy) build, update and sampling.
 
-Layout: a binary heap in one array.  The children of node ``i`` are ``2i`` and ``2i + 1``, and
-leaf ``j`` (``0 <= j < size``) is ``tree[size + j]``, where ``size`` is the capacity rounded up
-to a power of two (so every leaf has the same depth and one descent serves every sample at
-once).  Memory: ``16 * size`` bytes (1e7 leaves: 256 MiB).
+Layout: a :data:`ARITY`-ary tree (16 children per node) kept as one array per level, leaves
+first.  Level ``L + 1`` holds the sums of level ``L``'s groups of ``ARITY`` nodes; the levels are
+built up to the first one of at most :data:`TOP_NODES` nodes, the *top row* (nothing above it is
+kept).  Every level below the top also keeps, per node, the *exclusive prefix sum* of the nodes
+before it in its group, so one descent step needs no arithmetic over the group: it reads the
+group's ``ARITY`` prefix sums (one contiguous 128-byte row per sample), counts those not above
+the remaining mass, and subtracts the chosen child's prefix sum.  Above the top row, numpy's
+``searchsorted`` over the row's cumulative sums picks the first node.  Memory: about
+``16 * n`` bytes (1e7 leaves: 160 MiB).
 
-Only the levels from the *top row* down are kept: the row of ``M = 2 ** TOP_LEVELS`` nodes (or
-the leaves, for smaller trees).  Above it, numpy's ``searchsorted`` over the row's cumulative sums
-replaces the top ``TOP_LEVELS`` steps of the descent (each step is a handful of numpy calls on
-B-element arrays, ~6 µs here); those sums are recomputed (O(M)) on the first search after a
-change.
+Why 16-ary: a descent step costs a handful of numpy calls on (B,) or (B, ARITY) arrays, whatever
+the arity, so fewer levels make a faster search.  Measured at 1e6 leaves and B = 256 (a 4,096-node
+top row, then 2 levels of 16 instead of 8 binary levels) ``find`` took about half the time of a
+binary descent; wider groups (32) made each step's gather and compare dearer than the level
+saved.  The count per row is a byte sum: the (B, 16) bool comparison viewed as two uint64 words
+per row, added, and summed bytewise by one multiplication (each byte is 0 or 1, at most 16 in all).
 
 Costs (n leaves, B samples or updates, vectorized over B; no Python loop per sample):
 
-- :meth:`SumTree.build`: O(n), one numpy add per level.
-- :meth:`SumTree.update`: O(B log(n / M)): one gather, add and scatter per level below the row.
-- :meth:`SumTree.find`: O(B log n): ``searchsorted`` over the M sums, then ``log2(n / M)``
-  descent steps (plus O(M) once after a change).
+- :meth:`SumTree.build`: O(n), one cumulative sum per level.
+- :meth:`SumTree.update`: O(B ARITY log(n) / log(ARITY)): per level, the changed groups' prefix
+  sums and their parents' sums recomputed.
+- :meth:`SumTree.find`: O(B ARITY log(n) / log(ARITY)): ``searchsorted`` over the top row's sums,
+  then one step per level below it (plus O(TOP_NODES) once after a change, for those sums).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SumTree"]
+__all__ = ["SumTree", "ARITY", "TOP_NODES"]
 
-#: The top row holds ``2 ** TOP_LEVELS`` nodes (4,096: its cumulative sums take a few µs to
-#: recompute after a change, and replace twelve ~6 µs steps of the descent).  Measured at 1e6
-#: leaves, find(256) cost the same with top rows of 2 ** 12 to 2 ** 16 nodes (a longer
-#: ``searchsorted`` over more memory makes up for the steps saved), while a sample + update
-#: cycle cost 200 µs with 2 ** 12, 230 µs with 2 ** 14 and 400 µs with 2 ** 16.
-TOP_LEVELS = 12
+#: Children per node.  16 makes the comparison of one group exactly two uint64 words of bool bytes.
+ARITY = 16
+#: The top row has at most this many nodes: their cumulative sums take a few µs to recompute after
+#: a change, and ``searchsorted`` over them replaces three levels of descent.
+TOP_NODES = 4096
+#: Sums the eight bytes of a uint64 into its top byte (each byte 0 or 1 here, so no carry is lost).
+_BYTE_SUM = np.uint64(0x0101010101010101)
+_SHIFT = np.uint64(56)
+
+
+def _last_of_runs(x: np.ndarray) -> np.ndarray:
+    """(n,) bool: the last element of each run of equal values of ``x`` ((n,), n >= 1)."""
+    last = np.empty(x.size, bool)
+    last[-1] = True
+    np.not_equal(x[1:], x[:-1], out=last[:-1])
+    return last
 
 
 class SumTree:
@@ -45,64 +62,89 @@ class SumTree:
     Attributes
     ----------
     size : int
-        Leaves allocated: ``capacity`` rounded up to a power of two (at least 1).
-    tree : np.ndarray
-        (2 * size,) float64 heap: leaves at ``tree[size:]``, the top row at
-        ``tree[2 ** top : 2 ** (top + 1)]`` (nodes above it are not kept).
-    top : int
-        Level of the top row: ``min(TOP_LEVELS, log2(size))``.
+        Leaves allocated: at least ``capacity`` (a multiple of ``ARITY`` when the tree has more
+        than one level).
+    levels : int
+        Levels kept, leaves and top row included (1: the leaves are the top row).
     """
 
     def __init__(self, capacity: int) -> None:
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
-        self.size = 1 << max(0, int(capacity - 1).bit_length())
-        self.depth = self.size.bit_length() - 1
-        self.top = min(TOP_LEVELS, self.depth)
-        self.tree = np.zeros(2 * self.size, np.float64)
+        counts = [max(1, int(capacity))]  # nodes per level, leaves first
+        while counts[-1] > TOP_NODES:
+            counts.append(-(-counts[-1] // ARITY))
+        # Below the top, a level holds whole groups (padding nodes weigh 0).
+        lens = [counts[i + 1] * ARITY for i in range(len(counts) - 1)] + [counts[-1]]
+        self._w = [np.zeros(n, np.float64) for n in lens]  # node sums, per level
+        self._pre = [np.zeros(n, np.float64) for n in lens[:-1]]  # exclusive prefix in the group
+        self._pre2 = [p.reshape(-1, ARITY) for p in self._pre]
+        self.size = lens[0]
+        self.levels = len(lens)
         self._cs: np.ndarray | None = None  # cumulative sums of the top row (None: stale)
+        self._ex: np.ndarray | None = None  # the same, exclusive
 
     # -- reading ----------------------------------------------------------------------------
-    def _sums(self) -> np.ndarray:
-        if self._cs is None:
-            self._cs = np.cumsum(self.tree[1 << self.top : 2 << self.top])
-        return self._cs
+    def _sums(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._cs is None or self._ex is None:
+            top = self._w[-1]
+            cs = np.cumsum(top)
+            ex = np.empty_like(cs)
+            ex[0] = 0.0
+            ex[1:] = cs[:-1]
+            self._cs, self._ex = cs, ex
+        return self._cs, self._ex
 
     @property
     def total(self) -> float:
         """Sum of every weight."""
-        return float(self._sums()[-1])
+        return float(self._sums()[0][-1])
 
     @property
     def leaves(self) -> np.ndarray:
         """(size,) float64 view of the weights (read it; write through :meth:`update`)."""
-        return self.tree[self.size :]
+        return self._w[0]
 
     def get(self, slots: np.ndarray) -> np.ndarray:
         """Weights of ``slots`` ((B,) int64) as (B,) float64."""
-        return self.tree[self.size + np.asarray(slots, np.int64)]
+        return self._w[0].take(np.asarray(slots, np.int64))
 
     # -- writing ----------------------------------------------------------------------------
     def build(self, weights: np.ndarray) -> None:
         """Replace every weight: slot ``j`` gets ``weights[j]`` (slots past ``len(weights)`` get 0).
-        O(n): each level is one vectorized add of the level below.
+        O(n): one cumulative sum along the groups of each level.
 
         Parameters
         ----------
         weights : np.ndarray
             (m,) non-negative floats, ``m <= size``.
         """
-        t, s = self.tree, self.size
+        leaves = self._w[0]
         m = len(weights)
-        t[s : s + m] = weights
-        t[s + m :] = 0.0
-        lo = s
-        while lo > 1 << self.top:
-            half = lo >> 1
-            np.add(t[lo : 2 * lo : 2], t[lo + 1 : 2 * lo : 2], out=t[half:lo])
-            lo = half
-        self._cs = None
+        leaves[:m] = weights
+        leaves[m:] = 0.0
+        for lev in range(self.levels - 1):
+            self._regroup(lev, None)
+        self._cs = self._ex = None
+
+    def _regroup(self, lev: int, groups: np.ndarray | None) -> None:
+        """Prefix sums of ``groups`` (sorted unique (G,) int64; None: all) of level ``lev`` and
+        the sums of their parents, from the level's node sums."""
+        rows = self._w[lev].reshape(-1, ARITY)
+        pre = self._pre2[lev]
+        parent = self._w[lev + 1]
+        if groups is None:
+            # In place: prefix of the first ARITY - 1 nodes, shifted one column right.
+            np.cumsum(rows[:, :-1], axis=1, out=pre[:, 1:])
+            pre[:, 0] = 0.0
+            np.add(pre[:, -1], rows[:, -1], out=parent[: len(rows)])
+            return
+        sub = rows.take(groups, axis=0)
+        cs = np.cumsum(sub[:, :-1], axis=1)
+        pre[groups, 1:] = cs
+        # The same additions, in the same order, as a build: a parent equals its group's sum exactly.
+        parent[groups] = cs[:, -1] + sub[:, -1]
 
     def update(self, slots: np.ndarray, weights: np.ndarray) -> None:
         """Set the weights of ``slots``; when a slot repeats, its last weight counts.
@@ -118,30 +160,37 @@ class SumTree:
         if slots.size == 0:
             return
         weights = np.asarray(weights, np.float64)
-        if slots.size > 1:  # last occurrence wins (numpy leaves the order of repeated assignments open)
-            _, last = np.unique(slots[::-1], return_index=True)
-            keep = slots.size - 1 - last
-            slots, weights = slots[keep], weights[keep]
-        t = self.tree
-        idx = slots + self.size
-        t[idx] = weights
-        for _ in range(self.depth - self.top):
-            idx >>= 1
-            # Parents shared by several slots get the same (correct) sum from each.
-            t[idx] = t[2 * idx] + t[2 * idx + 1]
-        self._cs = None
+        if slots.size > 1:
+            # Sorted, the last occurrence of each slot kept (numpy leaves the order of repeated
+            # assignments open); a stable sort keeps repeats in call order.
+            order = np.argsort(slots, kind="stable")
+            slots = slots[order]
+            keep = _last_of_runs(slots)
+            slots, weights = slots[keep], weights[order[keep]]
+        self._w[0][slots] = weights
+        groups = slots
+        for lev in range(self.levels - 1):
+            groups = groups // ARITY
+            groups = groups[_last_of_runs(groups)]  # sorted: equal groups are neighbours
+            self._regroup(lev, groups)
+        self._cs = self._ex = None
 
     def grow(self, capacity: int) -> None:
-        """Make room for ``capacity`` slots, keeping every weight (O(n))."""
+        """Make room for at least ``capacity`` slots (twice the present size, if that is more, so
+        that a buffer growing row by row rebuilds O(log n) times), keeping every weight (O(n))."""
         if capacity <= self.size:
             return
         old = self.leaves.copy()
-        self._alloc(capacity)
+        self._alloc(max(capacity, 2 * self.size))
         self.build(old)
 
     # -- sampling ---------------------------------------------------------------------------
     def find(self, mass: np.ndarray) -> np.ndarray:
-        """The slot holding each cumulative ``mass``: slot ``j`` for ``mass`` in
+        """:meth:`find_weighted`'s slots alone: (B,) int64."""
+        return self.find_weighted(mass)[0]
+
+    def find_weighted(self, mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The slot holding each cumulative ``mass``, and its weight: slot ``j`` for ``mass`` in
         ``[sum(w[:j]), sum(w[:j + 1]))``, so a ``mass`` drawn uniformly in ``[0, total)`` picks
         slot ``j`` with probability ``w[j] / total``.  Never returns a slot of weight 0 while the
         total is positive (a ``mass`` that rounding carries past the end of a node's weights goes
@@ -154,27 +203,32 @@ class SumTree:
 
         Returns
         -------
-        np.ndarray
-            (B,) int64 slots.
+        slots : np.ndarray
+            (B,) int64.
+        weights : np.ndarray
+            (B,) float64: the weight of each slot (what the descent read last).
         """
-        t = self.tree
-        cs = self._sums()
-        first = 1 << self.top
-        node = np.searchsorted(cs, mass, side="right")
-        np.minimum(node, first - 1, out=node)
-        u = mass - (cs[node] - t[first + node])
-        node += first
-        for _ in range(self.depth - self.top):
-            node <<= 1
-            left = t[node]
-            go = u >= left
-            u -= left * go
-            node += go
-        slots = node - self.size
-        zero = t[node] <= 0.0
+        cs, ex = self._sums()
+        # Over every sum but the last: a mass that rounding put at or past the total picks the last node.
+        node = np.searchsorted(cs[:-1], mass, side="right")
+        # u >= 0 throughout: each step subtracts a prefix sum not above it.
+        u = mass - ex.take(node)
+        for lev in range(self.levels - 2, -1, -1):
+            pre = self._pre2[lev]
+            # How many of the group's prefix sums lie at or below u (>= 1: the first is 0).
+            below = (pre.take(node, axis=0) <= u[:, None]).view(np.uint64)
+            count = ((below[:, 0] + below[:, 1]) * _BYTE_SUM >> _SHIFT).view(np.int64)
+            node *= ARITY
+            node += count
+            node -= 1
+            if lev:  # (the leaves' prefix is not needed)
+                u -= self._pre[lev].take(node)
+        w = self._w[0].take(node)
+        zero = w <= 0.0
         if zero.any():  # rounding carried a mass past its node's last positive weight
-            slots[zero] = self._fallback(slots[zero])
-        return slots
+            node[zero] = self._fallback(node[zero])
+            w[zero] = self._w[0].take(node[zero])
+        return node, w
 
     def _fallback(self, slots: np.ndarray) -> np.ndarray:
         """For each slot of weight 0 that rounding reached: the nearest slot of positive weight
