@@ -179,6 +179,23 @@ def test_space_mismatch_writes_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path / "ds" / "shards")) == before
 
 
+def test_bad_input_writes_nothing(tmp_path):
+    from gymnasium.spaces import Text
+
+    from trajstore.errors import BadOptionError, UnsupportedSpaceError
+
+    root = tmp_path / "ds"
+    with pytest.raises(UnsupportedSpaceError):
+        create_shard(str(root), Dict({"obs": Text(5)}))
+    with pytest.raises(BadOptionError, match="plain name"):
+        create_shard(str(root), SW.SPACE, shard="../escape")
+    with pytest.raises(BadOptionError, match="kind"):
+        create_shard(str(root), SW.SPACE, kind="ring")
+    with pytest.raises(BadOptionError, match="first shard"):
+        create_shard(str(root), None)
+    assert not root.exists() or not os.listdir(root)
+
+
 def test_replay_kind(tmp_path):
     root = str(tmp_path / "ds")
     space = Box(-1, 1, (2,), np.float32)

@@ -77,6 +77,9 @@ def create_shard(path: str | os.PathLike[str], space: Any, *, shard: str | None 
     name = check_shard_name(default_shard_name() if shard is None else shard, str(path))
     if "cache_path" in create_kwargs:
         raise BadOptionError("create_shard places the shard under the dataset root: pass no cache_path")
+    for given in (space, create_kwargs.get("episode_data_instance_space")):
+        if given is not None:
+            space_to_json(given)  # an unsupported space is refused before the root is touched
     root_path = os.fspath(path)
     storage_options = create_kwargs.get("storage_options")
     loc = root_location(root_path, read_only=False, storage_options=storage_options)
