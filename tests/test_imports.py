@@ -9,7 +9,7 @@ import sys
 
 LAZY = ["trajstore.maintenance.verify", "trajstore.maintenance.repair", "trajstore.maintenance.summary", "trajstore.dask", "trajstore.cli",
         "trajstore.torch", "trajstore.sb3", "trajstore.recording", "trajstore.interop", "h5py", "minari", "dask", "torch", "stable_baselines3", "tqdm",
-        "matplotlib", "fsspec.implementations.http", "s3fs"]
+        "matplotlib", "fsspec.implementations.http", "s3fs", "trajstore.ray", "ray"]
 
 
 def _modules_after(code: str) -> set[str]:
