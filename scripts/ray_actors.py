@@ -1,0 +1,174 @@
+"""Ray actors recording CartPole into shards of one dataset while a learner samples it (issue 17).
+
+    python scripts/ray_actors.py --actors 2 --steps 2000 DIR        # actors write DIR, this process samples it
+    python scripts/ray_actors.py --bench 1,2,4 --steps 4000 DIR     # throughput with 1, 2 and 4 actors
+    python scripts/ray_actors.py --quick DIR                        # small (the docs tests run this)
+
+A local Ray cluster (127.0.0.1, ``--cpus`` CPUs, no dashboard, no usage report) is started unless
+``--address`` names a running one (``auto``: the cluster ``ray start`` made on this machine).
+
+``--bench``: per actor count, the actors' committed steps per second (from their ``collect`` calls
+starting to the last one's final commit; actor start-up excluded) and the same as a ratio to one
+recorder in this process (no Ray) recording the same steps first.  Per-step times: cold is the mean
+of the first 200 steps after a shard is created, steady of the rest.  The in-process line also
+compares a recorded step with a bare env step (``bench_core.run_blocks``: blocks of consecutive
+steps, order rotated).  Timings vary with what else runs on the machine: run it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_core import COLD, run_blocks  # noqa: E402
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+
+import ray  # noqa: E402
+
+import trajstore.ray as tray  # noqa: E402
+from trajstore.recording import EPISODE_SPACE, RecordEpisodes, step_space  # noqa: E402
+from trajstore.shards import create_shard, open_sharded  # noqa: E402
+
+ENV = functools.partial(gym.make, "CartPole-v1")
+
+
+def _cold_steady(step_seconds: list[np.ndarray]) -> tuple[float, float]:
+    """Mean µs per step over the first :data:`COLD` steps of each actor, and over the rest."""
+    cold = np.concatenate([s[:COLD] for s in step_seconds])
+    steady = np.concatenate([s[COLD:] for s in step_seconds])
+    return cold.mean() * 1e6, (steady.mean() * 1e6 if len(steady) else float("nan"))
+
+
+def learn(root: str, actors: int, steps: int, flush_every: int) -> None:
+    """Actors collect while this process samples the growing dataset; then print what it holds."""
+    handles = tray.start_actors(root, ENV, actors, flush_every=flush_every)
+    try:
+        ray.get([a.stats.remote() for a in handles])  # every shard exists
+        data = open_sharded(root)
+        t0 = time.perf_counter()
+        refs = [a.collect.remote(steps) for a in handles]
+        rng, batches = np.random.default_rng(0), 0
+        while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
+            if len(data) >= 256:
+                batch = data.sample(256, rng=rng)  # a learner's training step would use this
+                batches += 1
+            print(f"  {time.perf_counter() - t0:6.2f} s: {len(data):7,} committed steps in {len(data.shards['shard'])} shards")
+        stats = ray.get(refs)
+        wall = time.perf_counter() - t0
+        ray.get([a.close.remote() for a in handles])
+    finally:
+        for a in handles:
+            ray.kill(a)
+    data.refresh()
+    episodes = data.episodes()
+    print(f"{len(data):,} steps, {len(episodes['episode_id']):,} episodes in shards "
+          f"{', '.join(data.shards['shard'])}; {sum(s['rows'] for s in stats) / wall:,.0f} committed steps/s; "
+          f"the learner sampled {batches} batches of 256 while they wrote; last batch obs {batch['step_data']['obs'].shape}")
+    assert len(data) == sum(s["rows"] for s in stats)
+    data.close()
+
+
+def _in_process(root: str, steps: int, flush_every: int) -> dict[str, Any]:
+    """One recorder in this process (no Ray): steps/s as ShardWriter.collect runs them, and a recorded
+    step against a bare env step in blocks of consecutive steps."""
+    writer = tray.ShardWriter(root, ENV, seed=0, flush_every=flush_every)
+    res = writer.collect(steps)
+    writer.close()
+    bare, rec_env = ENV(), ENV()
+    rec = RecordEpisodes(rec_env, create_shard(root, step_space(rec_env.observation_space, rec_env.action_space,
+                                                                next_obs=True),
+                                               episode_data_instance_space=EPISODE_SPACE), record_next_obs=True)
+    bare.action_space.seed(0)
+    state = {"bare": True, "rec": True, "n": 0}
+
+    def step_bare() -> None:
+        if state["bare"]:
+            bare.reset(seed=0)
+        _, _, term, trunc, _ = bare.step(bare.action_space.sample())
+        state["bare"] = term or trunc
+
+    def step_recorded() -> None:
+        if state["rec"]:
+            rec.reset(seed=0)
+        _, _, term, trunc, _ = rec.step(rec.action_space.sample())
+        state["rec"] = term or trunc
+        state["n"] += 1
+        if state["n"] % flush_every == 0:
+            rec.buffer.flush()  # type: ignore[union-attr]
+
+    times = run_blocks({"bare env step": step_bare, "recorded step": step_recorded}, steps)
+    rec.close()
+    rec.buffer.close()  # type: ignore[union-attr]
+    return {"steps_per_s": steps / res["seconds"], "cold_steady": _cold_steady([res["step_seconds"]]), "blocks": times}
+
+
+def bench(root: str, counts: list[int], steps: int, flush_every: int) -> None:
+    """The throughput table (markdown) for each actor count."""
+    base = _in_process(os.path.join(root, "in-process"), steps, flush_every)
+    b = base["blocks"]
+    print(f"in this process, no Ray: {base['steps_per_s']:,.0f} steps/s; a recorded step costs "
+          f"{b['recorded step'][:COLD].mean() / b['bare env step'][:COLD].mean():.1f}x a bare env step cold, "
+          f"{b['recorded step'][COLD:].mean() / b['bare env step'][COLD:].mean():.1f}x steady "
+          f"({b['recorded step'][COLD:].mean() * 1e6:.0f} against {b['bare env step'][COLD:].mean() * 1e6:.0f} µs)\n")
+    print("| actors | committed steps/s (all actors) | per actor | ratio to 1 recorder in-process | "
+          "µs/step cold | µs/step steady |")
+    print("|---|---|---|---|---|---|")
+    cold, steady = base["cold_steady"]
+    print(f"| in-process, no Ray | {base['steps_per_s']:,.0f} | {base['steps_per_s']:,.0f} | 1.00 | {cold:,.0f} | "
+          f"{steady:,.0f} |")
+    for n in counts:
+        handles = tray.start_actors(os.path.join(root, f"actors-{n}"), ENV, n, flush_every=flush_every)
+        try:
+            ray.get([a.stats.remote() for a in handles])  # start-up (shard creation) is not counted
+            t0 = time.perf_counter()
+            stats = ray.get([a.collect.remote(steps) for a in handles])
+            wall = time.perf_counter() - t0
+            ray.get([a.close.remote() for a in handles])
+        finally:
+            for a in handles:
+                ray.kill(a)
+        rate = sum(s["rows"] for s in stats) / wall
+        cold, steady = _cold_steady([s["step_seconds"] for s in stats])
+        print(f"| {n} | {rate:,.0f} | {rate / n:,.0f} | {rate / base['steps_per_s']:.2f} | {cold:,.0f} | {steady:,.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", help="dataset root (created; an existing one gets new shards); --bench: a folder for its datasets")
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2000, help="env steps per actor")
+    p.add_argument("--flush-every", type=int, default=500, help="steps between an actor's commits")
+    p.add_argument("--bench", help="actor counts to measure, e.g. 1,2,4 (DIR gets one dataset per count)")
+    p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray cluster")
+    p.add_argument("--address", default="local", help="'local' (start one) or a running cluster's address ('auto')")
+    p.add_argument("--quick", action="store_true", help="small: 300 steps per actor, flush every 100")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.flush_every = min(args.steps, 300), min(args.flush_every, 100)
+    ray.init(address=args.address, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             **({"num_cpus": args.cpus, "_node_ip_address": "127.0.0.1"} if args.address == "local" else {}))
+    try:
+        if args.bench:
+            print(f"{args.steps:,} CartPole-v1 steps per actor, a commit every {args.flush_every}; Ray {ray.__version__}, "
+                  f"{args.cpus} CPUs, {os.cpu_count()} cores\n")
+            bench(os.path.abspath(args.dir), [int(n) for n in args.bench.split(",")], args.steps, args.flush_every)
+        else:
+            learn(os.path.abspath(args.dir), args.actors, args.steps, args.flush_every)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
