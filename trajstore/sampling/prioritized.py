@@ -287,7 +287,10 @@ class PrioritizedSampler:
                 out = read(idx)
                 break
             try:
-                out = read(idx)
+                # Pinned to the record follow() just read: the buffer's read need not stat it again
+                # before reading (it checks it after, and so does the test below).
+                with src.pinned():
+                    out = read(idx)
             except IndexOutOfRangeError:  # a writer shrank the ring's view meanwhile: draw again
                 continue
             if src.start == start and src.record.epoch == epoch:  # the rows read are the rows drawn
@@ -296,15 +299,15 @@ class PrioritizedSampler:
             raise ConcurrentWriteError(f"{src.name}: the writer evicts rows faster than this reader can sample them")
         # (N P(i)) ** -beta / max_j (N P(j)) ** -beta == (min_j P(j) / P(i)) ** beta: P's common
         # factors (N, the total) cancel, so the tree's weights give it directly.
-        w = leaf.min() / leaf
-        w = np.power(w, self.beta, out=w).astype(np.float32)
+        w = (leaf.min() / leaf).astype(np.float32)  # in [0, 1] (float64 first: leaf weights may pass float32's range)
+        np.power(w, np.float32(self.beta), out=w)
         self.last_start, self._last_count, self._last_epoch = start, n, epoch
         weights: Any = w
         if self._torch:
             import torch
 
             weights = torch.as_tensor(w, device=self.buffer.device)
-        return out, idx.astype(np.int64, copy=False), weights
+        return out, idx, weights
 
     def _draw(self, k: int, gen: np.random.Generator, total: float,
               accept: Callable[[np.ndarray], np.ndarray] | None, what: str) -> tuple[np.ndarray, np.ndarray]:

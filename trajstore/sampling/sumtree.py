@@ -224,8 +224,8 @@ class SumTree:
             if lev:  # (the leaves' prefix is not needed)
                 u -= self._pre[lev].take(node)
         w = self._w[0].take(node)
-        zero = w <= 0.0
-        if zero.any():  # rounding carried a mass past its node's last positive weight
+        if w.min() <= 0.0:  # rounding carried a mass past its node's last positive weight
+            zero = w <= 0.0
             node[zero] = self._fallback(node[zero])
             w[zero] = self._w[0].take(node[zero])
         return node, w
