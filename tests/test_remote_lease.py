@@ -17,8 +17,8 @@ from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
 
 from trajstore import ReplayBuffer
 from trajstore.errors import BadOptionError, LockedError
-from trajstore.storage import locks
-from trajstore.storage.locks import LEASE_KEY
+from trajstore.storage import lease
+from trajstore.storage.lease import LEASE_KEY
 
 SPACE = Box(-np.inf, np.inf, (4,), np.float32)
 
@@ -59,9 +59,9 @@ def test_commit_refused_after_another_writer_committed(remote, monkeypatch):
     a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
     a.extend(_rows(0, 10))
     a.flush()
-    monkeypatch.setattr(locks, "LEASE_TTL_S", -1.0)  # a's lease looks expired: b takes it over
+    monkeypatch.setattr(lease, "LEASE_TTL_S", -1.0)  # a's lease looks expired: b takes it over
     b = ReplayBuffer.load_from(url, storage_options=opts)
-    monkeypatch.setattr(locks, "LEASE_TTL_S", 600.0)
+    monkeypatch.setattr(lease, "LEASE_TTL_S", 600.0)
     b.extend(_rows(100, 105))
     b.flush()
     a.extend(_rows(10, 20))

@@ -26,8 +26,9 @@ from trajstore.core.table import Table
 from trajstore.errors import ClosedError, LockedError, ReadOnlyError
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, HeadWatch, TableState, read_head, write_head
+from trajstore.storage.lease import RemoteLease
 from trajstore.storage.location import STAGING_DIR, Location
-from trajstore.storage.locks import RemoteLease, WriterLock
+from trajstore.storage.locks import WriterLock
 from trajstore.storage.published import Publisher, add_dimension_names
 from trajstore.storage.schema import TableSchema, check_pending
 
@@ -44,7 +45,7 @@ class StoreCommits:
     closed: bool
     multiprocessing: bool
     lock: WriterLock | None
-    lease: RemoteLease | None = None  # a remote store's writer lease (storage.locks)
+    lease: RemoteLease | None = None  # a remote store's writer lease (storage.lease)
     opener_pid: int
     fsync: bool
     commit_interval: float
@@ -157,6 +158,11 @@ class StoreCommits:
     def buffer_state(self) -> dict[str, Any] | None:
         """The owning buffer's state for the next commit record (None: keep the last one's)."""
         return self.state_provider() if self.state_provider else None
+
+    def _close_publisher(self) -> None:
+        """Remove the temp files kept for publishing metadata (storage/published.py); at close."""
+        if self._publisher is not None:
+            self._publisher.close()
 
     def metadata_changed(self) -> None:
         """A table's allocation grew: nothing to write.  The allocation lives in the commit record

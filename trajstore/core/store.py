@@ -46,6 +46,7 @@ from trajstore.storage.head import (
     read_head,
     write_head,
 )
+from trajstore.storage.lease import LEASE_KEY, RemoteLease, needs_lease
 from trajstore.storage.location import (
     STAGING_DIR,
     TMP_DIR,
@@ -53,7 +54,7 @@ from trajstore.storage.location import (
     open_zarr_group,
     resolve_location,
 )
-from trajstore.storage.locks import LEASE_KEY, RemoteLease, WriterLock, needs_lease
+from trajstore.storage.locks import WriterLock
 from trajstore.storage.published import dimension_names
 from trajstore.storage.schema import (
     TableSchema,
@@ -395,6 +396,7 @@ class Store(StoreCommits):
         for t in self.tables.values():
             for f in t.fields:
                 f.close()
+        self._close_publisher()  # while the lock is held: its temp files are this writer's
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -30,7 +30,7 @@ from trajstore.shards.layout import (
 )
 from trajstore.spaces import space_from_json, space_to_json
 from trajstore.storage.keys import HEAD_KEY
-from trajstore.storage.locks import exclusive_put
+from trajstore.storage.lease import exclusive_put
 
 __all__ = ["create_shard"]
 

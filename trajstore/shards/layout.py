@@ -5,7 +5,7 @@
     <root>/trajstore.shards.json      the root record: kind, spaces, create options (written once)
     <root>/shards/<name>/             one ordinary trajstore store per shard (one writer each)
 
-The root record is published with exclusive-create semantics (:func:`trajstore.storage.locks.exclusive_put`),
+The root record is published with exclusive-create semantics (:func:`trajstore.storage.lease.exclusive_put`),
 so of two first shards created at once exactly one records the dataset's spaces.  Everything here
 reads the root as input (DESIGN.md 3.7): the record is a bounded regular file, checked field by field;
 a shard name read from a listing is used only when it is a plain name (no ``/``, no ``..``, nothing

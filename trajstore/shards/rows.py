@@ -102,8 +102,10 @@ class ShardedRows(EpisodeSource):
             a is b or (a.generation == b.generation and a.epoch == b.epoch) for a, b in zip(parts, old.parts))
         if same:
             return False
-        # Rows of a shard survive as long as the shard says so; a shard gone, renamed or inserted
-        # in front moves global rows: a new epoch tells readers to draw again.
+        # A new epoch whenever rows a reader may have read under the old view are gone (a shard
+        # evicted or rewrote rows, a shard vanished): the retry loop then draws the whole sample
+        # again.  Global row numbers moving (rows added to an earlier shard, a shard sorting in
+        # front) need none: a read pinned the old view and read the rows it numbered.
         before = dict(zip(old.names, old.parts))
         intact = set(names) >= set(old.names) and all(
             before[n] is p or s.rows_intact(before[n]) for n, s, p in zip(names, self.sources, parts) if n in before)
