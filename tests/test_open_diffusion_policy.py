@@ -47,9 +47,17 @@ def _copy_view(step: Any) -> dict[str, np.ndarray]:
     return {"action": step["action"], **step["obs"]}
 
 
-@pytest.mark.parametrize("zarr_format", [2, 3])
-@pytest.mark.parametrize("name", ["pusht.zarr", "pusht.zarr.zip"])
-def test_reads_equal_numpy_and_the_imported_copy(tmp_path: Path, zarr_format: int, name: str) -> None:
+@pytest.mark.parametrize("zarr_format, name, whole", [
+    (2, "pusht.zarr", True), (2, "pusht.zarr", False), (2, "pusht.zarr.zip", True),
+    (3, "pusht.zarr", True), (3, "pusht.zarr.zip", True), (3, "pusht.zarr.zip", False)])
+def test_reads_equal_numpy_and_the_imported_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zarr_format: int,
+                                                 name: str, whole: bool) -> None:
+    """``whole``: small arrays are held decoded whole (this store's are all small); False lowers the
+    bound to 0 bytes, so every array is read through the decoded-chunk cache, chunk by chunk."""
+    from trajstore.storage.fields import foreign
+
+    if not whole:
+        monkeypatch.setattr(foreign, "WHOLE_BYTES", 0)
     data, ends = pusht_like(n_eps=6, seed=zarr_format)
     src = tmp_path / name
     write_dp(src, data, ends, zarr_format, chunk=50)

@@ -28,7 +28,10 @@ from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.location import Location
 from trajstore.storage.schema import ALLOWED_DTYPES, MAX_ARRAY_BYTES, MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_ROW_ELEMENTS
 
-__all__ = ["ForeignField", "EpisodeIdField", "foreign_spec"]
+__all__ = ["ForeignField", "EpisodeIdField", "foreign_spec", "WHOLE_BYTES"]
+
+#: A foreign array of at most this many decoded bytes is held decoded whole once first read.
+WHOLE_BYTES = 16 << 20
 
 
 def _refuse(loc: Location, what: str) -> NoReturn:
@@ -91,6 +94,42 @@ class ForeignField(ChunkedField):
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any]) -> None:
         super().__init__(loc, spec, zarray, writable=False)
+        # A small array (actions, low-dimensional states) is decoded whole on first use and kept:
+        # a batch is then one fancy index instead of a lookup per chunk it touches.
+        self._whole: np.ndarray | None = None
+        self._keep_whole = self.allocated * self.spec.row_bytes <= WHOLE_BYTES
+
+    def gather(self, phys: np.ndarray) -> np.ndarray:
+        if self._keep_whole and self._whole is None:
+            try:
+                self._whole = self._gather_whole(np.arange(self.allocated), np.arange(self.allocated) // self.C)
+                self._cache.clear()  # its chunks are all in the whole copy now
+            except DamagedStoreError:
+                self._keep_whole = False  # a damaged chunk: the other chunks stay readable one by one
+        if self._whole is not None:
+            return self._whole[phys]
+        return super().gather(phys)
+
+    def _gather_whole(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """Rows ``phys`` (chunks ``ks``) from whole decoded chunks: rows sorted by chunk once, then
+        one slice per chunk (not a mask over the batch per chunk)."""
+        order = np.argsort(ks, kind="stable")
+        sk = ks[order]
+        uniq, first = np.unique(sk, return_index=True)
+        chunks = self._chunks(uniq.tolist())
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        bounds = np.append(first, len(sk)).tolist()
+        for j, k in enumerate(uniq.tolist()):
+            sel = order[bounds[j] : bounds[j + 1]]
+            out[sel] = chunks[k][phys[sel] - k * self.C]
+        return out
+
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.gather(np.arange(lo, hi))
+
+    def close(self) -> None:
+        self._whole = None
+        super().close()
 
     def _row_reads_possible(self) -> bool:
         # Decoding single rows from blosc frames assumes trajstore's chunk keys and chunks of whole
