@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -51,12 +52,12 @@ def _cold_steady(step_seconds: list[np.ndarray]) -> tuple[float, float]:
     return cold.mean() * 1e6, (steady.mean() * 1e6 if len(steady) else float("nan"))
 
 
-def learn(root: str, actors: int, steps: int, flush_every: int) -> None:
+def learn(root: str, actors: int, steps: int, flush_every: int, storage_options: dict[str, Any] | None) -> None:
     """Actors collect while this process samples the growing dataset; then print what it holds."""
-    handles = tray.start_actors(root, ENV, actors, flush_every=flush_every)
+    handles = tray.start_actors(root, ENV, actors, flush_every=flush_every, storage_options=storage_options)
     try:
         ray.get([a.stats.remote() for a in handles])  # every shard exists
-        data = open_sharded(root)
+        data = open_sharded(root, storage_options=storage_options)
         t0 = time.perf_counter()
         refs = [a.collect.remote(steps) for a in handles]
         rng, batches = np.random.default_rng(0), 0
@@ -153,6 +154,8 @@ def main() -> None:
     p.add_argument("--bench", help="actor counts to measure, e.g. 1,2,4 (DIR gets one dataset per count)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     p.add_argument("--address", default="local", help="'local' (start one) or a running cluster's address ('auto')")
+    p.add_argument("--storage-options", type=json.loads, default=None,
+                   help="fsspec settings for a URL root, JSON, no secrets (e.g. '{\"profile\": \"actors\"}')")
     p.add_argument("--quick", action="store_true", help="small: 300 steps per actor, flush every 100")
     args = p.parse_args()
     if args.quick:
@@ -165,7 +168,8 @@ def main() -> None:
                   f"{args.cpus} CPUs, {os.cpu_count()} cores\n")
             bench(os.path.abspath(args.dir), [int(n) for n in args.bench.split(",")], args.steps, args.flush_every)
         else:
-            learn(os.path.abspath(args.dir), args.actors, args.steps, args.flush_every)
+            root = args.dir if "://" in args.dir else os.path.abspath(args.dir)  # actors run in other folders
+            learn(root, args.actors, args.steps, args.flush_every, args.storage_options)
     finally:
         ray.shutdown()
 
