@@ -243,6 +243,34 @@ def test_tampered_root_record(tmp_path, raw, error):
         create_shard(root, SW.SPACE)
 
 
+def test_root_record_not_a_regular_file(tmp_path):
+    root = _dataset(tmp_path)
+    record = tmp_path / "ds" / "trajstore.shards.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(record.read_bytes())
+    record.unlink()
+    os.symlink(outside, record)  # a link to a file outside the root
+    with pytest.raises(DamagedStoreError):
+        open_sharded(root)
+    record.unlink()
+    os.mkfifo(record)  # a reader must not hang on it
+    with pytest.raises(DamagedStoreError):
+        open_sharded(root)
+
+
+def test_shard_episode_ids_beyond_the_global_range(tmp_path):
+    from trajstore.storage.head import read_head, write_head
+    from trajstore.storage.location import resolve_location
+
+    root = _dataset(tmp_path)
+    loc = resolve_location(str(tmp_path / "ds" / "shards" / "a"), read_only=False, must_exist=True)
+    head = read_head(loc)
+    head.state["next_episode_id"] = EPISODE_STRIDE
+    write_head(loc, head)
+    with pytest.raises(DamagedStoreError, match="2\\*\\*40"):
+        open_sharded(root)
+
+
 def test_tampered_shards(tmp_path):
     root = _dataset(tmp_path)
     outside = str(tmp_path / "outside")

@@ -151,6 +151,11 @@ class ShardedDataset(BatchBase):
             buf.close()
             raise DamagedStoreError(f"{self._loc.url}: shard {name!r} holds other spaces than the dataset's "
                                     "trajstore.shards.json records")
+        next_id = int(buf._store.committed.state.get("next_episode_id", 0))
+        if next_id >= EPISODE_STRIDE:  # global ids are shard * 2**40 + the shard's own id
+            buf.close()
+            raise DamagedStoreError(f"{self._loc.url}: shard {name!r} numbers its episodes up to {next_id}; a sharded "
+                                    f"dataset reads shards whose episode ids stay below 2**40")
         return buf
 
     def refresh(self) -> bool:
