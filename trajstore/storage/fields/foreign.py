@@ -190,9 +190,11 @@ class EpisodeIdField:
         return np.searchsorted(self.ends, np.asarray(phys, np.int64), side="right").astype(np.int64)
 
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
+        """Ids of ``length`` consecutive rows from each of ``phys`` (B,): (B, length) int64."""
         return gather_windows_by_rows(self, phys, length)
 
     def read_range(self, lo: int, hi: int) -> np.ndarray:
+        """Ids of rows ``[lo, hi)``: (hi - lo,) int64."""
         # One binary search per episode touched, then runs of equal ids (no search per row).
         first, last = self.gather(np.array([lo, max(hi - 1, lo)]))
         bounds = np.clip(self.ends[first:last], lo, hi)
@@ -200,18 +202,22 @@ class EpisodeIdField:
         return np.repeat(np.arange(first, last + 1, dtype=np.int64), lengths)
 
     def read_chunk(self, k: int) -> np.ndarray:
+        """Ids of the rows of (virtual) chunk ``k``: (C,) int64."""
         return self.read_range(k * self.C, (k + 1) * self.C)
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
         """Nothing to map."""
 
     def grow(self, allocated: int) -> None:
+        """Refused: raises ReadOnlyError."""
         _refuse(self.loc, "add rows")
 
     def write(self, phys_lo: int, data: np.ndarray) -> None:
+        """Refused: raises ReadOnlyError."""
         _refuse(self.loc, "write episode ids")
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        """Refused: raises ReadOnlyError."""
         _refuse(self.loc, "rewrite episode ids")
 
     def remap(self, ks: list[int], prefix: str = "") -> None:
