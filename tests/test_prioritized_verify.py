@@ -133,3 +133,25 @@ def test_cli_verify_reports_the_sidecar(tmp_path: Path, capsys: pytest.CaptureFi
     out = json.loads(capsys.readouterr().out)
     assert code != 0 and not out["ok"]
     assert [f["kind"] for f in out["faults"]] == ["priorities"] and out["faults"][0]["rows"] == [3, 4]
+
+
+def test_a_sidecar_on_an_fsspec_store_is_checked() -> None:
+    """memory:// (the remote code path: keys listed, no links): a NaN written into the sidecar's
+    raw chunk is a fault; the sound one passes."""
+    import fsspec
+
+    url = "memory://prioritized-verify/b"
+    with ReplayBuffer.create(SPACE, cache_path=url) as buf:
+        buf.extend(np.arange(40, dtype=np.float64)[:, None])
+        with PrioritizedSampler(buf) as s:
+            s.sample(1, rng=0)
+            s.update_priorities(np.arange(40), np.arange(1, 41, dtype=np.float64))
+    assert verify_store(url).ok
+    fs = fsspec.filesystem("memory")
+    chunk = f"/prioritized-verify/b/{PRIORITIES_DIR}/step_data/c/0"
+    raw = bytearray(fs.cat_file(chunk))
+    raw[3 * 4 : 4 * 4] = np.float32(np.nan).tobytes()
+    fs.pipe_file(chunk, bytes(raw))
+    faults = [f for f in verify_store(url).faults if f.key.startswith(PRIORITIES_DIR)]
+    assert len(faults) == 1 and faults[0].rows == (3, 4), faults
+    fs.rm("/prioritized-verify", recursive=True)

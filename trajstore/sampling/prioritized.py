@@ -71,8 +71,8 @@ class PrioritizedSampler:
     Row ``i`` is drawn (with replacement) with probability ``P(i) = p_i ** alpha / sum_k p_k **
     alpha``, where ``p_i`` is the row's priority plus ``eps``; a new row enters with the largest
     priority seen so far (1.0 at first) and a row evicted from a ring leaves the distribution.
-    Priorities are kept in the store (see the module docstring), so a reopened buffer, or a
-    read-only reader in another process, samples with the same ones.
+    Priorities are kept in the store (:mod:`trajstore.sampling.priority_store`), so a reopened
+    buffer, or a read-only reader in another process, samples with the same ones.
 
     Importance weights are ``w_i = (N * P(i)) ** -beta / max_j w_j`` (N: rows in the buffer) with
     the max over the *batch*, as Dopamine's Rainbow agent does (stable-baselines3 and its contrib

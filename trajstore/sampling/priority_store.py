@@ -371,7 +371,7 @@ def check_sidecar(loc: Location, head: Head | None, storage_options: dict[str, A
         return faults, notes
     try:
         _check_rows(side, head, fault, notes)
-    except TrajstoreError as e:
+    except (TrajstoreError, OSError) as e:  # (a file changed since the sidecar's own check)
         fault(f"the stored priorities cannot be read ({e})")
     finally:
         side.close()
