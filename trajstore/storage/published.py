@@ -21,11 +21,15 @@ are not there); the next commit of any writer publishes again.
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import errno
 import json
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.storage.confined import pwrite
 from trajstore.storage.location import Location
 from trajstore.storage.schema import TableSchema, load_json
 
@@ -64,7 +68,69 @@ def dimension_names(path: str, row_ndim: int) -> list[str]:
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, indent=2).encode("utf-8")
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")  # no indent: C encoder (indent is 10x slower)
+
+
+class _Replacer:
+    """Replaces small metadata files of a local store by rename, as :meth:`Location.put` does,
+    without freeing the replaced file: it is kept (hard-linked under a temp name in
+    ``.trajstore-tmp``) and its blocks take the next version of the same key.
+
+    Why: a file whose blocks are freed costs a discard on filesystems mounted with ``discard``
+    (2.5-5 ms per replaced ``zarr.json`` on this machine's ext4, against 0.13 ms this way), and a
+    commit that adds rows replaces every array's ``zarr.json`` and the root's.  Readers see the
+    old file or the new one (a reader that opened a version and reads it only after the next
+    publish sees that one: every version names committed rows only).  The kept files are removed
+    by :meth:`close` (or, after a kill, with the writer's other temp files by the next writer).
+    Elsewhere, and with ``fsync``, :meth:`Location.put`.
+    """
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._pid = os.getpid()
+        self._spares: dict[str, tuple[Path, Path]] = {}  # key -> (next version's file, name the replaced one keeps)
+
+    def put(self, key: str, data: bytes, *, fsync: bool = False) -> None:
+        if self.loc.local_root is None or fsync:
+            self.loc.put(key, data, fsync=fsync)
+            return
+        if os.getpid() != self._pid:  # a forked writer: the parent's kept files are the parent's
+            self._pid, self._spares = os.getpid(), {}
+        pair = self._spares.pop(key, None)
+        spare, keep = pair if pair is not None else (self.loc.new_tmp_path(), self.loc.new_tmp_path())
+        try:
+            fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                # Pad with JSON whitespace to the kept file's size: nothing of its old bytes remains.
+                buf = data + b" " * max(os.fstat(fd).st_size - len(data), 0)
+                if pwrite(fd, buf, 0) != len(buf):
+                    raise OSError(errno.EIO, f"short write of {spare}")
+            finally:
+                os.close(fd)
+            dest = self.loc.path(key)
+            try:
+                os.link(dest, keep, follow_symlinks=False)
+                kept = True
+            except FileNotFoundError:
+                kept = False
+            os.replace(spare, dest)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(spare)
+            self.loc.put(key, data)  # the plain way (it raises what a full disk raises)
+            return
+        if kept:
+            self._spares[key] = (keep, spare)
+
+    def close(self) -> None:
+        """Remove the kept files (this process's: a forked child leaves its parent's alone)."""
+        if os.getpid() != self._pid:
+            return
+        for pair in self._spares.values():
+            for path in pair:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self._spares = {}
 
 
 def _read_obj(loc: Location, key: str) -> dict[str, Any]:
@@ -117,11 +183,19 @@ class Publisher:
         self.schema = schema
         self._meta: dict[str, dict[str, Any]] | None = None  # array path -> its zarr.json as on disk
         self._root_ok = False  # the consolidated entries match self._meta
+        self._root: dict[str, Any] | None = None  # the root zarr.json as last written, and its file's identity
+        self._root_id: tuple[int, int, int] | None = None
+        self._files = _Replacer(loc)
+
+    def close(self) -> None:
+        """Remove the temp files kept for the next publish (:class:`_Replacer`)."""
+        self._files.close()
 
     def forget(self) -> None:
         """Read the metadata files again before the next publish."""
         self._meta = None
         self._root_ok = False
+        self._root = None
 
     def _load(self) -> dict[str, dict[str, Any]]:
         if self._meta is None:
@@ -149,10 +223,10 @@ class Publisher:
                 new = min(old, n) if lower_only and isinstance(old, int) else n
                 if old == new and m.get("dimension_names") == dims:
                     continue
-                m = copy.deepcopy(m)
+                m = dict(m)  # shape and names are replaced below, never changed in place
                 m["shape"] = [new, *f.shape]
                 m["dimension_names"] = dims
-                self.loc.put(f"{f.path}/zarr.json", _dumps(m), fsync=fsync)
+                self._files.put(f"{f.path}/zarr.json", _dumps(m), fsync=fsync)
                 meta[f.path] = m
                 changed = True
         if changed or not self._root_ok:
@@ -182,7 +256,11 @@ class Publisher:
         """Copy every array's shape and dimension names into the root's consolidated entries
         (written only when one differs)."""
         assert self._meta is not None
-        root = _read_obj(self.loc, "zarr.json")
+        # The root as this publisher last wrote it, unless the file changed since (set_dataset_info
+        # replaces it): parsing and checking a large root on every commit costs milliseconds.
+        root = self._root if self._root is not None and self._root_id == self._root_identity() else None
+        if root is None:
+            root = self._root = _read_obj(self.loc, "zarr.json")
         cons = root.get("consolidated_metadata")
         entries = cons.get("metadata") if isinstance(cons, dict) else None
         if not isinstance(entries, dict):
@@ -197,4 +275,16 @@ class Publisher:
                     e[k] = m.get(k)
                     dirty = True
         if dirty:
-            self.loc.put("zarr.json", _dumps(root), fsync=fsync)
+            self._root = None  # (if the write fails half-way, read it again next time)
+            self._files.put("zarr.json", _dumps(root), fsync=fsync)
+            self._root, self._root_id = root, self._root_identity()
+
+    def _root_identity(self) -> tuple[int, int, int] | None:
+        """(inode, mtime, size) of the local root ``zarr.json`` (None elsewhere: read every time)."""
+        if self.loc.local_root is None:
+            return None
+        try:
+            st = os.stat(self.loc.path("zarr.json"), follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
