@@ -90,6 +90,7 @@ SLOW_SECTIONS = {
     ("docs/sb3.md", "Resuming a run"),
     ("docs/sb3.md", "On-policy: PPO and A2C"),
     ("docs/sb3.md", "PPO's experience as an offline dataset"),
+    ("docs/scale.md", "Ray"),  # a local Ray cluster starts three times (10-20 s each)
 }
 
 PYTHON_LANGS = {"python", "py"}

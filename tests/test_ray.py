@@ -182,9 +182,9 @@ def test_sigkilled_actor_keeps_committed_steps(tmp_path, cluster):
     ds.close()
 
 
-def test_credentials_never_go_to_an_actor(tmp_path):
-    """A secret in storage_options is refused before any actor starts or anything is written (no
-    Ray cluster needed: the check runs first)."""
+def test_bad_input_refused_before_any_actor_starts(tmp_path):
+    """A secret in storage_options, bad shard names or counts are refused before any actor starts or
+    anything is written (no Ray cluster needed: the checks run first)."""
     root = tmp_path / "ds"
     for opts in ({"key": "AKIA", "endpoint_url": "http://127.0.0.1:1"}, {"secret": "s"}, {"token": "t"},
                  {"client_kwargs": {"aws_secret_access_key": "s"}}, {"password": "p"}, "profile=lab"):
@@ -193,6 +193,9 @@ def test_credentials_never_go_to_an_actor(tmp_path):
     assert not root.exists()
     tray.check_storage_options({"profile": "lab", "endpoint_url": "http://x", "anon": False,
                                 "client_kwargs": {"region_name": "us-east-1"}})
+    for kwargs in ({"shards": ["a", "a"]}, {"shards": ["a"]}, {"shards": ["../up", "b"]}, {"num_actors": 0}):
+        with pytest.raises(BadOptionError):
+            tray.start_actors(str(root), CARTPOLE, **{"num_actors": 2, **kwargs})
     with pytest.raises(BadOptionError):
         tray.ShardWriter(str(root), CARTPOLE, flush_every=0)
     assert not root.exists()

@@ -37,6 +37,7 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError
 from trajstore.recording import EPISODE_SPACE, RecordEpisodes, step_space
 from trajstore.shards import create_shard
+from trajstore.shards.layout import check_shard_name
 
 try:
     import ray
@@ -249,12 +250,21 @@ def start_actors(path: str | os.PathLike[str], env_fn: Callable[[], gymnasium.En
     -------
     list of ray.actor.ActorHandle
         Call ``collect.remote(steps)``, ``stats.remote()``, ``close.remote()`` on them.
+
+    Raises
+    ------
+    BadOptionError
+        Secret ``storage_options``, a bad ``num_actors``, or ``shards`` that are not ``num_actors``
+        distinct plain names: before any actor starts.
     """
     check_storage_options(storage_options)
     if not isinstance(num_actors, (int, np.integer)) or num_actors < 1:
         raise BadOptionError(f"num_actors must be an int >= 1; got {num_actors!r}")
-    if shards is not None and len(shards) != num_actors:
-        raise BadOptionError(f"shards must name {num_actors} shards (one per actor); got {len(shards)}")
+    if shards is not None:  # checked here: an actor's own error would only surface at its first call
+        if len(shards) != num_actors or len(set(shards)) != num_actors:
+            raise BadOptionError(f"shards must name {num_actors} distinct shards (one per actor); got {shards!r}")
+        for name in shards:
+            check_shard_name(name, os.fspath(path))
     cls = ShardWriterActor.options(**(actor_options or {}))
     return [cls.remote(os.fspath(path), env_fn, shard=None if shards is None else shards[i],
                        seed=None if seed is None else seed + i, storage_options=storage_options, **kwargs)
