@@ -75,3 +75,18 @@ def write_rows(url: str, storage_options: Any, log: str, ready: str) -> None:
         n += 50
         buf.flush()
         os.write(fd, f"F {n}\n".encode())
+
+
+def create_shards(root: str, first: int, log: str, ready: str) -> None:
+    """Create shards ``c<first>``, ``c<first+1>``, ... of 5 steps each (episode ``first``...) until
+    killed, logging ``S <n>`` after shard ``n`` was closed (committed)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    open(ready, "w").close()
+    deadline = time.monotonic() + _DEADLINE_S
+    n = first
+    while time.monotonic() < deadline:
+        buf = create_shard(root, SPACE, shard=f"c{n:05d}", episode_data_instance_space=EPISODE_SPACE)
+        buf.extend({"obs": np.full((5, 4), n, np.float32)})
+        buf.close()
+        os.write(fd, f"S {n}\n".encode())
+        n += 1

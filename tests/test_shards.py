@@ -193,6 +193,8 @@ def test_bad_input_writes_nothing(tmp_path):
         create_shard(str(root), SW.SPACE, kind="ring")
     with pytest.raises(BadOptionError, match="first shard"):
         create_shard(str(root), None)
+    with pytest.raises(BadOptionError):  # refused by the buffer: its options must not become the defaults
+        create_shard(str(root), SW.SPACE, chunk_rows=-5)
     assert not root.exists() or not os.listdir(root)
 
 
@@ -402,6 +404,36 @@ def test_killed_shard_writer_keeps_committed_rows(tmp_path, procs):
     buf.extend(SW.episode_rows(1, 10_000))
     buf.close()
     assert ds.refresh() and len(ds) > sum(ds.shards["rows"][:1]) + steps
+
+
+def test_killed_while_creating_shards(tmp_path, procs):
+    """A process creating shard after shard, SIGKILLed at random instants (the first time perhaps
+    while publishing the root record): the dataset opens, every shard it finished holds its rows,
+    a shard cut short is left out or empty, and new shards can still be created."""
+    root = str(tmp_path / "ds")
+    rng = np.random.default_rng(0)
+    done: list[int] = []
+    for r in range(3):
+        log, ready = str(tmp_path / f"log{r}"), str(tmp_path / f"ready{r}")
+        p = W.start(SW.create_shards, root, 1000 * r, log, ready)
+        procs.append(p)
+        W.wait_for_file(ready, p)
+        if r == 0:  # the first round kills inside the first shard's creation, the others anywhere
+            time.sleep(float(rng.uniform(0.0, 0.02)))
+        else:
+            time.sleep(float(rng.uniform(0.05, 0.6)))
+        W.kill(p)
+        done += [v for tag, v in parse_log(log) if tag == "S"]
+    ds = open_sharded(root)
+    names, rows = list(ds.shards["shard"]), ds.shards["rows"]
+    for n in done:
+        k = names.index(f"c{n:05d}")
+        assert rows[k] == 5 and (ds[int(ds.shards["start"][k])]["step_data"]["obs"] == n).all()
+    assert set(rows) <= {0, 5}
+    late = create_shard(root, SW.SPACE, shard="late", episode_data_instance_space=SW.EPISODE_SPACE)
+    late.extend({"obs": np.zeros((2, 4), np.float32)})
+    late.close()
+    assert ds.refresh() and "late" in list(ds.shards["shard"])
 
 
 # ----------------------------------------------------------------------------------------- remote

@@ -2,9 +2,9 @@
 
 The first shard records the dataset's kind, spaces and create options in the root record; every
 later shard is checked against it before a byte of the shard is written, and takes the recorded
-options as its defaults.  Two first shards created at the same instant race for the root record
-with an exclusive create: the loser compares its spaces with the winner's, and removes its own
-(still empty) shard when they differ.
+options as its defaults.  The first shard's writer publishes the record before it creates its
+shard, with an exclusive create: of two first shards created at the same instant one writes it,
+and the other is checked against it (``SpaceMismatchError`` before its shard exists).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.errors import BadOptionError, SpaceMismatchError, StoreExistsError
+from trajstore.errors import BadOptionError, DamagedStoreError, SpaceMismatchError, StoreExistsError
 from trajstore.shards.layout import (
     KINDS,
     OPTION_KEYS,
@@ -24,6 +24,7 @@ from trajstore.shards.layout import (
     RootRecord,
     check_shard_name,
     default_shard_name,
+    list_shards,
     read_root_record,
     root_location,
     shard_url,
@@ -103,16 +104,16 @@ def create_shard(path: str | os.PathLike[str], space: Any, *, shard: str | None 
         raise StoreExistsError(f"{where}: shard {name!r} exists; each writer creates a shard of its own (shard=None "
                                "picks a unique name), or reopens its shard with load_from")
     cls = TrajectoryReplayBuffer if kind == "trajectory" else ReplayBuffer
-    buf = cls.create(space, cache_path=shard_url(root_path, name), **create_kwargs)
-    if root is None:
-        try:
-            _record_root(loc, RootRecord(store_kind, spaces, _options(create_kwargs)), where)
-        except BaseException:
-            url = buf.cache_path
-            buf.close()
-            _remove_shard(loc, name, url)
-            raise
-    return buf
+    # The root record goes first: a shard is never on disk without the record that says what a
+    # shard of this dataset holds (a first writer killed between the two leaves a dataset of no
+    # shards, not a shard that a later first writer's record might contradict).
+    published = root is None and _record_root(loc, RootRecord(store_kind, spaces, _options(create_kwargs)), where)
+    try:
+        return cls.create(space, cache_path=shard_url(root_path, name), **create_kwargs)
+    except BaseException:
+        if published and not list_shards(loc):
+            loc.delete(ROOT_KEY)  # refused options: they must not become every later shard's defaults
+        raise
 
 
 def _spaces(space: Any, episode_space: Any) -> dict[str, Any]:
@@ -139,20 +140,14 @@ def _check_kind(root: RootRecord, store_kind: str, where: str) -> None:
                                  f"{store_kind}")
 
 
-def _record_root(loc: Any, record: RootRecord, where: str) -> None:
-    """Publish the root record (exclusive create); when another first shard won the race, check
-    this shard against the record it wrote."""
+def _record_root(loc: Any, record: RootRecord, where: str) -> bool:
+    """Publish the root record (exclusive create): True when this call wrote it.  When another
+    first shard won the race, this shard is checked against the record it wrote."""
     if exclusive_put(loc, ROOT_KEY, record.to_json()):
-        return
+        return True
     winner = read_root_record(loc)
-    assert winner is not None  # the exclusive create failed: it exists
+    if winner is None:
+        raise DamagedStoreError(f"{where}: {ROOT_KEY} could not be created, nor read back")
     _check_kind(winner, record.kind, where)
     winner.check_spaces(record.spaces, where)
-
-
-def _remove_shard(loc: Any, name: str, url: Any) -> None:
-    """Delete a shard created just now (empty, closed) whose dataset turned out to hold other spaces."""
-    try:
-        loc.delete_prefix(f"{SHARDS_DIR}/{name}")
-    except Exception:  # left behind: readers refuse it by its spaces
-        pass
+    return False

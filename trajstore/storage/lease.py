@@ -69,18 +69,7 @@ def exclusive_put(loc: Location, key: str, data: bytes) -> bool:
         True when this call created the key, False when it existed.
     """
     if loc.local_root is not None:
-        dest = loc.path(key)
-        tmp = loc.new_tmp_path()
-        try:
-            with open(tmp, "xb") as f:
-                f.write(data)
-            try:
-                os.link(tmp, dest)
-            except FileExistsError:
-                return False
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
+        return _link_new(loc, key, data)
     if exclusive_create_supported(loc):
         fs, full = loc.zstore.fs, f"{loc.zstore.path.rstrip('/')}/{key}"
         try:
@@ -92,6 +81,30 @@ def exclusive_put(loc: Location, key: str, data: bytes) -> bool:
         return False
     loc.put(key, data)
     return True
+
+
+def _link_new(loc: Location, key: str, data: bytes) -> bool:
+    """:func:`exclusive_put` on a local folder: a temp file hard-linked onto ``key``."""
+    dest = loc.path(key)
+    for _ in range(100):
+        tmp = loc.new_tmp_path()
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+        except FileNotFoundError:
+            continue  # another writer removed the empty temp folder just now (below): make it again
+        try:
+            os.link(tmp, dest)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+            try:
+                os.rmdir(tmp.parent)  # leave no empty temp folder behind in a dataset root
+            except OSError:
+                pass  # another writer's temp file is in it
+        return True
+    raise LockedError(f"{loc.url}: {key} could not be created: the temp folder kept vanishing")
 
 
 class RemoteLease:
