@@ -45,11 +45,12 @@ from trajstore.shards import create_shard, open_sharded  # noqa: E402
 ENV = functools.partial(gym.make, "CartPole-v1")
 
 
-def _cold_steady(step_seconds: list[np.ndarray]) -> tuple[float, float]:
-    """Mean µs per step over the first :data:`COLD` steps of each actor, and over the rest."""
-    cold = np.concatenate([s[:COLD] for s in step_seconds])
-    steady = np.concatenate([s[COLD:] for s in step_seconds])
-    return cold.mean() * 1e6, (steady.mean() * 1e6 if len(steady) else float("nan"))
+def _cold_steady(stats: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean µs per step over the first ``COLD_STEPS`` steps of each actor, and over the rest."""
+    cold = [min(s["steps"], tray.COLD_STEPS) for s in stats]
+    steady = sum(s["steps"] for s in stats) - sum(cold)
+    return (sum(s["cold_seconds"] for s in stats) / sum(cold) * 1e6,
+            sum(s["steady_seconds"] for s in stats) / steady * 1e6 if steady else float("nan"))
 
 
 def learn(root: str, actors: int, steps: int, flush_every: int, storage_options: dict[str, Any] | None) -> None:
@@ -112,7 +113,7 @@ def _in_process(root: str, steps: int, flush_every: int) -> dict[str, Any]:
     times = run_blocks({"bare env step": step_bare, "recorded step": step_recorded}, steps)
     rec.close()
     rec.buffer.close()  # type: ignore[union-attr]
-    return {"steps_per_s": steps / res["seconds"], "cold_steady": _cold_steady([res["step_seconds"]]), "blocks": times}
+    return {"steps_per_s": steps / res["seconds"], "cold_steady": _cold_steady([res]), "blocks": times}
 
 
 def bench(root: str, counts: list[int], steps: int, flush_every: int) -> None:
@@ -141,7 +142,7 @@ def bench(root: str, counts: list[int], steps: int, flush_every: int) -> None:
             for a in handles:
                 ray.kill(a)
         rate = sum(s["rows"] for s in stats) / wall
-        cold, steady = _cold_steady([s["step_seconds"] for s in stats])
+        cold, steady = _cold_steady(stats)
         print(f"| {n} | {rate:,.0f} | {rate / n:,.0f} | {rate / base['steps_per_s']:.2f} | {cold:,.0f} | {steady:,.0f} |")
 
 

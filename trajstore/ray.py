@@ -44,10 +44,13 @@ try:
 except ImportError as e:  # pragma: no cover - the ray extra is installed in the test env
     raise missing("ray", "trajstore.ray") from e
 
-__all__ = ["ShardWriter", "ShardWriterActor", "start_actors", "run_actors", "check_storage_options"]
+__all__ = ["COLD_STEPS", "ShardWriter", "ShardWriterActor", "start_actors", "run_actors", "check_storage_options"]
 
 #: storage_options keys (at any depth) that name a secret: refused, never pickled into an actor.
 _SECRET = re.compile(r"secret|token|passw|credential|(^|_)key$|access_key|session|signature|auth", re.I)
+
+#: Steps after a shard is created that count as cold in an actor's step timings (as scripts' COLD).
+COLD_STEPS = 200
 
 StorageOptions = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
 
@@ -151,6 +154,8 @@ class ShardWriter:
         self._ids: list[int] = []
         self._lengths: list[int] = []
         self._committed = (0, 0)  # (episodes, rows) as of the last flush
+        self._timing = np.zeros(2)  # seconds of the first COLD_STEPS steps, of the steps after them
+        self._steps = 0
 
     def collect(self, steps: int) -> dict[str, Any]:
         """Step the env ``steps`` times, recording every step; commit every ``flush_every`` steps
@@ -164,13 +169,11 @@ class ShardWriter:
         Returns
         -------
         dict
-            :meth:`stats` after the final commit, plus ``"step_seconds"``: (steps,) float64, the
-            time of each step (env step, policy and recording; a commit is counted in the step
-            that triggered it), and ``"seconds"``: the whole call, final commit included.
+            :meth:`stats` after the final commit, plus ``"seconds"``: the whole call, final commit
+            included.
         """
         if not isinstance(steps, (int, np.integer)) or steps < 0:
             raise BadOptionError(f"steps must be an int >= 0; got {steps!r}")
-        times = np.empty(int(steps), np.float64)
         buf = self._buffer
         start = time.perf_counter()
         for i in range(int(steps)):
@@ -184,16 +187,17 @@ class ShardWriter:
                 self._lengths.append(0)
             obs, _, terminated, truncated, _ = self._env.step(self._act(self._obs))
             self._lengths[-1] += 1
+            self._steps += 1
             self._obs = None if terminated or truncated else obs
             if (i + 1) % self._flush_every == 0:
                 self._flush()
-            times[i] = time.perf_counter() - t
+            self._timing[int(self._steps > COLD_STEPS)] += time.perf_counter() - t
         self._flush()
-        return {**self.stats(), "step_seconds": times, "seconds": time.perf_counter() - start}
+        return {**self.stats(), "seconds": time.perf_counter() - start}
 
     def _flush(self) -> None:
         self._buffer.flush()
-        self._committed = (len(self._ids), sum(self._lengths))
+        self._committed = (len(self._ids), self._steps)
 
     def stats(self) -> dict[str, Any]:
         """What this actor has committed so far.
@@ -203,11 +207,16 @@ class ShardWriter:
         dict
             ``shard`` (str), ``rows`` (int, steps committed), ``episode_ids`` and ``lengths``
             ((E,) int64 each: the shard's own episode ids in row order and their committed steps;
-            the last episode may still be running), ``pid`` (the actor's process).
+            the last episode may still be running), ``pid`` (the actor's process), ``steps`` (taken,
+            committed or not), ``cold_seconds`` and ``steady_seconds`` (time spent in the first
+            :data:`COLD_STEPS` steps and in the steps after them: env step, policy and recording; a
+            commit counts in the step that triggered it).
         """
         n, rows = self._committed
         return {"shard": self.shard, "rows": rows, "episode_ids": np.asarray(self._ids[:n], np.int64),
-                "lengths": np.asarray(self._lengths[:n], np.int64), "pid": os.getpid()}
+                "lengths": np.asarray(self._lengths[:n], np.int64), "pid": os.getpid(),
+                "steps": self._steps, "cold_seconds": float(self._timing[0]),
+                "steady_seconds": float(self._timing[1])}
 
     def close(self) -> dict[str, Any]:
         """Commit, end the running episode (its data records its steps so far), close the env.
@@ -219,7 +228,7 @@ class ShardWriter:
         """
         self._env.close()  # ends the episode and flushes; the buffer is the caller's: close it too
         self._buffer.close()
-        self._committed = (len(self._ids), sum(self._lengths))
+        self._committed = (len(self._ids), self._steps)
         return self.stats()
 
 
@@ -291,7 +300,7 @@ def run_actors(path: str | os.PathLike[str], env_fn: Callable[[], gymnasium.Env]
     -------
     list of dict
         Per actor, :meth:`ShardWriter.collect`'s result: ``shard``, ``rows``, ``episode_ids``,
-        ``lengths``, ``pid``, ``step_seconds``, ``seconds``.
+        ``lengths``, ``pid``, ``steps``, ``cold_seconds``, ``steady_seconds``, ``seconds``.
     """
     actors = start_actors(path, env_fn, num_actors, policy_fn=policy_fn, **kwargs)
     try:
