@@ -198,6 +198,28 @@ def test_bad_input_writes_nothing(tmp_path):
     assert not root.exists() or not os.listdir(root)
 
 
+def test_first_shards_race(tmp_path, procs):
+    """Four processes create the first shards of a dataset at the same instant, two with one
+    space and two with another: one space wins the root record, the other two get
+    SpaceMismatchError and leave no shard."""
+    root, go = str(tmp_path / "ds"), str(tmp_path / "go")
+    children = []
+    for i, width in enumerate((2, 3, 2, 3)):
+        p = W.start(SW.race_first_shard, root, f"s{i}", width, go, str(tmp_path / f"result{i}"))
+        procs.append(p)
+        children.append(p)
+    time.sleep(0.5)
+    open(go, "w").close()
+    for p in children:
+        p.join(60)
+    outcome = [open(tmp_path / f"result{i}").read() for i in range(4)]
+    winner = 2 if outcome[0] == "ok" else 3
+    assert outcome == (["ok", "SpaceMismatchError"] * 2 if winner == 2 else ["SpaceMismatchError", "ok"] * 2)
+    ds = open_sharded(root)
+    assert ds.single_space["step_data"]["obs"].shape == (winner,)
+    assert list(ds.shards["shard"]) == (["s0", "s2"] if winner == 2 else ["s1", "s3"]) and len(ds) == 6
+
+
 def test_replay_kind(tmp_path):
     root = str(tmp_path / "ds")
     space = Box(-1, 1, (2,), np.float32)
