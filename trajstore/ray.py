@@ -141,7 +141,11 @@ class ShardWriter:
         if not isinstance(env, gymnasium.Env):
             raise BadArgumentError(f"env_fn must return a gymnasium.Env; got {type(env).__name__}")
         space = step_space(env.observation_space, env.action_space, next_obs=record_next_obs)
-        buf = create_shard(path, space, shard=shard, episode_data_instance_space=EPISODE_SPACE, **create_kwargs)
+        try:
+            buf = create_shard(path, space, shard=shard, episode_data_instance_space=EPISODE_SPACE, **create_kwargs)
+        except BaseException:
+            env.close()
+            raise
         assert isinstance(buf, TrajectoryReplayBuffer)  # kind="trajectory"
         self.shard = os.path.basename(str(buf.cache_path).rstrip("/"))
         self._buffer = buf
