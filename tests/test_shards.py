@@ -220,6 +220,26 @@ def test_first_shards_race(tmp_path, procs):
     assert list(ds.shards["shard"]) == (["s0", "s2"] if winner == 2 else ["s1", "s3"]) and len(ds) == 6
 
 
+def test_merge_into_one_store(tmp_path):
+    from trajstore.shards import merge_shards
+
+    root = str(tmp_path / "ds")
+    spec = {"b": (1, 4), "a": (0, 3)}
+    for name, (w, n) in spec.items():
+        _write(root, name, w, n, chunk_rows=16).close()
+    dst = str(tmp_path / "merged")
+    assert merge_shards(root, dst) == len(_model(spec))
+    merged = TrajectoryReplayBuffer.load_from(dst, read_only=True)
+    np.testing.assert_array_equal(merged.get_column(["step_data", "obs"]).to_numpy(), _model(spec))
+    ds = open_sharded(root)
+    assert merged.episodes()["length"].tolist() == ds.episodes()["length"].tolist()
+    np.testing.assert_array_equal(merged[:]["episode_data"]["ret"], ds[:]["episode_data"]["ret"])
+    assert ds.options == {"chunk_rows": 16}  # what the first shard recorded (and the merge used)
+    with pytest.raises(StoreExistsError):
+        merge_shards(root, dst)
+    assert sorted(os.listdir(tmp_path)) == ["ds", "merged"]  # built beside it, renamed when whole
+
+
 def test_replay_kind(tmp_path):
     root = str(tmp_path / "ds")
     space = Box(-1, 1, (2,), np.float32)

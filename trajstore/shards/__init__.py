@@ -6,5 +6,6 @@ dataset root; :func:`open_sharded` reads every shard as one read-only buffer.  S
 
 from trajstore.shards.create import create_shard
 from trajstore.shards.dataset import ShardedDataset, ShardedTrajectories, open_sharded
+from trajstore.shards.merge import merge_shards
 
-__all__ = ["create_shard", "open_sharded", "ShardedDataset", "ShardedTrajectories"]
+__all__ = ["create_shard", "open_sharded", "merge_shards", "ShardedDataset", "ShardedTrajectories"]

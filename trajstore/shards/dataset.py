@@ -174,6 +174,23 @@ class ShardedDataset(BatchBase):
         cum = self._rows.cum
         return {"shard": np.array(self._rows.names, dtype=object), "rows": np.diff(cum), "start": cum[:-1].copy()}
 
+    def shard(self, name: str) -> Any:
+        """The read-only buffer of shard ``name`` (a ``TrajectoryReplayBuffer`` or ``ReplayBuffer``;
+        closed with this dataset).
+
+        Raises
+        ------
+        KeyError
+            No shard of that name is open (call :meth:`refresh` for one created just now).
+        """
+        self._rows.sync()
+        return self._buffers[name]
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The create options the first shard recorded (the defaults of later shards)."""
+        return dict(self._root.options)
+
     def row_source(self) -> ShardedRows:
         """Every shard's rows as one :class:`~trajstore.sampling.source.RowSource`."""
         return self._rows

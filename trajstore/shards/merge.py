@@ -1,0 +1,86 @@
+"""``merge_shards``: every shard of a sharded dataset copied into one ordinary store.
+
+The copy goes through the buffers' own ``extend_from`` (episode boundaries and episode data kept,
+episodes renumbered in the new store), shard after shard in name order, so the merged store's
+rows are the dataset's global rows.  It is built under a temporary name beside the destination
+and renamed onto it when complete (local folders), so a copy cut short never looks like a store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any
+
+from trajstore.buffers.replay import ReplayBuffer
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import StoreExistsError
+from trajstore.shards.dataset import open_sharded
+
+__all__ = ["merge_shards"]
+
+
+def merge_shards(path: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                 storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
+                 tqdm: bool | None = None) -> int:
+    """Copy every committed row of the sharded dataset at ``path`` into a new store at ``dst``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The dataset root.
+    dst : str or os.PathLike
+        A new store (local folder or URL); it must not exist.  Unbounded, with the dataset's
+        recorded ``chunk_rows`` / ``compressor``.
+    storage_options, dst_storage_options : dict, optional
+        fsspec options of the dataset and of the destination.
+    tqdm : bool, optional
+        Progress bars of the copies (``extend_from``'s).
+
+    Returns
+    -------
+    int
+        Rows copied (steps of a trajectory dataset).
+
+    Raises
+    ------
+    StoreExistsError
+        ``dst`` exists.
+    """
+    d = os.fspath(dst)
+    local = "://" not in d
+    if (local and os.path.exists(d)) or (not local and _remote_exists(d, dst_storage_options)):
+        raise StoreExistsError(f"{d}: exists; merge_shards writes a new store")
+    ds = open_sharded(path, storage_options=storage_options)
+    try:
+        opts = {k: v for k, v in ds.options.items() if k in ("chunk_rows", "compressor")}
+        build = os.path.join(os.path.dirname(os.path.abspath(d)), f".{os.path.basename(d)}.merging-{uuid.uuid4().hex[:8]}") \
+            if local else d
+        if ds.kind == "TrajectoryReplayBuffer":
+            out: Any = TrajectoryReplayBuffer.create(ds.step_space, cache_path=build,  # type: ignore[attr-defined]
+                                                     episode_data_instance_space=ds.episode_space,  # type: ignore[attr-defined]
+                                                     storage_options=dst_storage_options, **opts)
+        else:
+            out = ReplayBuffer.create(ds.single_space, cache_path=build, storage_options=dst_storage_options, **opts)
+        try:
+            for name in ds.shards["shard"]:
+                out.extend_from(ds.shard(name), tqdm=tqdm)
+            n = len(out)
+            out.close()
+        except BaseException:
+            out.close()
+            if local:
+                shutil.rmtree(build, ignore_errors=True)
+            raise
+        if local:
+            os.rename(build, d)
+        return n
+    finally:
+        ds.close()
+
+
+def _remote_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
+    from trajstore.storage.location import resolve_location
+
+    return resolve_location(url, read_only=True, storage_options=storage_options, must_exist=False).exists("zarr.json")
