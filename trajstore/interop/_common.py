@@ -30,14 +30,20 @@ from trajstore.errors import (
     UnknownFieldError,
     UnsupportedSpaceError,
 )
-from trajstore.maintenance.combine import _check_free, _local, _open, _Staged, _step_blocks, _verified
+from trajstore.maintenance.staged import (
+    BLOCK_BYTES,
+    StagedFolders,
+    block_rows,
+    check_free,
+    local_path,
+    open_source,
+    step_blocks,
+    verify_written,
+)
 from trajstore.recording import EPISODE_SPACE, step_space
 
 __all__ = ["BLOCK_BYTES", "box_for", "ImportWriter", "staged_path", "export_source", "step_leaves",
            "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space", "check_destination"]
-
-#: Steps are read and written in blocks of about this many bytes.
-BLOCK_BYTES = 8 << 20
 
 #: create_kwargs an import does not take (the import decides them).
 _RESERVED = ("cache_path", "step_data_capacity", "step_episode_id_capacity", "episode_data_capacity",
@@ -56,11 +62,6 @@ def box_for(dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> Box:
     if dt.kind == "f":
         return Box(-np.inf, np.inf, shape, dt)
     raise UnsupportedSpaceError(f"{where} has dtype {dt}; expected numbers or bools (ints, floats, bool)")
-
-
-def block_rows(row_bytes: int) -> int:
-    """Rows per block of about :data:`BLOCK_BYTES` for rows of ``row_bytes`` bytes."""
-    return max(1, BLOCK_BYTES // max(int(row_bytes), 1))
 
 
 def source_file(path: Any, what: str) -> str:
@@ -84,7 +85,7 @@ def check_destination(dst: Any, overwrite: bool, create_kwargs: dict[str, Any], 
     """The checks :class:`ImportWriter` makes of its destination and options, for an import that
     wants them before a long read."""
     _check_create_kwargs(create_kwargs, what)
-    _check_free(_local(dst, f"{what}: cache_path"), overwrite)
+    check_free(local_path(dst, f"{what}: cache_path"), overwrite)
 
 
 class ImportWriter:
@@ -102,8 +103,8 @@ class ImportWriter:
     def __init__(self, dst: Any, space: Dict, *, what: str, create_kwargs: dict[str, Any], total: int,
                  tqdm: bool | None, overwrite: bool, episode_space: Dict | None = None) -> None:
         _check_create_kwargs(create_kwargs, what)
-        self.out_path = _local(dst, f"{what}: cache_path")
-        _check_free(self.out_path, overwrite)
+        self.out_path = local_path(dst, f"{what}: cache_path")
+        check_free(self.out_path, overwrite)
         self.what, self.overwrite = what, overwrite
         self.space = space
         self.episode_space = episode_space or EPISODE_SPACE
@@ -116,7 +117,7 @@ class ImportWriter:
         self.steps = 0
         self.episodes = 0
         self.extras: dict[int, dict[str, Any]] = {}
-        self.staged = _Staged()
+        self.staged = StagedFolders()
         self.buf: TrajectoryReplayBuffer | None = None
         self.bar: Any = None
 
@@ -200,7 +201,7 @@ class ImportWriter:
             self.bar.close()
             self.bar = None
             tmp = self.staged.pairs[0][0]
-            _verified(tmp)
+            verify_written(tmp)
             check = TrajectoryReplayBuffer.load_from(tmp, read_only=True)
             try:
                 got_steps, got_eps = len(check), len(check.episodes()["episode_id"])
@@ -261,7 +262,7 @@ class staged_path:
 
 def export_source(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:
     """``(buffer, opened here)`` of an export's ``src``: a path opened read-only or a buffer."""
-    return _open(src, what)
+    return open_source(src, what)
 
 
 def step_leaves(buf: TrajectoryReplayBuffer, what: str, *, box_only: tuple[str, ...] = ("obs", "next_obs"),
@@ -308,7 +309,7 @@ class StepBlocks:
 
     def __iter__(self) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
         pending: tuple[list[np.ndarray], np.ndarray] | None = None
-        for arrays, eids in _step_blocks(self.buf, None):
+        for arrays, eids in step_blocks(self.buf, None):
             if pending is not None:
                 parr, peids = pending
                 yield parr, self._ends(peids, int(eids[0]))

@@ -3,7 +3,7 @@
 Each writes new trajectory stores from existing ones, streaming a bounded block of steps at a
 time (about 8 MiB, as ``extend_from``), and is all or nothing: a destination is built under a
 temporary name in its parent folder (``.<name>.trajstore-partial-<pid>-<random>``), verified
-(:func:`~trajstore.maintenance.verify.verify_store`), and only then renamed into place; on any
+(:mod:`trajstore.maintenance.staged`), and only then renamed into place; on any
 error every temporary folder is removed and no destination appears.  Bad input (unequal spaces,
 bad ratios, an unknown field, an existing destination) is refused before a byte is written.
 Destinations are local folders.
@@ -17,132 +17,39 @@ can be matched with the original store.
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium
 import numpy as np
 
-from trajstore.buffers.episode_edit import TABLE_COLUMNS, SelectionRows, episode_columns
+from trajstore.buffers.episode_edit import TABLE_COLUMNS, episode_columns
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.core.store import _progress
 from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
-    DamagedStoreError,
     SpaceMismatchError,
-    StoreExistsError,
     UnsupportedSpaceError,
 )
-from trajstore.maintenance.verify import verify_store
+from trajstore.maintenance.staged import (
+    StagedFolders,
+    block_rows,
+    check_free,
+    local_path,
+    not_a_source,
+    open_source,
+    step_blocks,
+    verify_written,
+)
 from trajstore.maintenance.where import compile_where, where_fields
 
 __all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space"]
 
 #: The episode field :func:`combine` adds: the index of the episode's source in ``sources``.
 SOURCE_FIELD = "source"
-#: Steps are copied in blocks of about this many bytes.
-BLOCK_BYTES = 8 << 20
 
 PathLike = str | os.PathLike[str]
-
-
-# -- destinations ------------------------------------------------------------------------------------
-def _local(path: Any, what: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise BadArgumentError(f"{what} must be a path (str or os.PathLike); got {type(path).__name__}")
-    p = os.fspath(path)
-    if "://" in p or "::" in p or p.endswith(".zip"):
-        raise BadOptionError(f"{what} {p!r}: combine, split and filter write local folders; copy the result "
-                             "elsewhere with `trajstore copy` afterwards")
-    return os.path.abspath(p)
-
-
-def _check_free(dst: str, overwrite: bool) -> None:
-    if os.path.lexists(dst) and not overwrite and (not os.path.isdir(dst) or any(os.scandir(dst))):
-        raise StoreExistsError(f"{dst}: something already exists there; pass overwrite=True (--overwrite) to replace it")
-
-
-class _Staged:
-    """Temporary folders next to their destinations, renamed into place together by :meth:`commit`
-    or removed by :meth:`discard`."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[str, str]] = []
-
-    def new(self, dst: str) -> str:
-        parent, name = os.path.split(dst)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{name}.trajstore-partial-{os.getpid()}-{secrets.token_hex(4)}")
-        self.pairs.append((tmp, dst))
-        return tmp
-
-    def commit(self, overwrite: bool) -> None:
-        for tmp, dst in self.pairs:
-            if overwrite and os.path.lexists(dst):
-                if os.path.isdir(dst) and not os.path.islink(dst):
-                    shutil.rmtree(dst)
-                else:
-                    os.unlink(dst)
-            elif os.path.isdir(dst):
-                os.rmdir(dst)  # an empty folder (checked before writing)
-            os.rename(tmp, dst)
-        self.pairs = []
-
-    def discard(self) -> None:
-        for tmp, _dst in self.pairs:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.pairs = []
-
-
-def _not_a_source(dst: str, sources: Sequence[Any]) -> None:
-    """A destination must not be one of the stores being read (``overwrite`` would delete it)."""
-    for s in sources:
-        path = s.cache_path if isinstance(s, TrajectoryReplayBuffer) else s
-        if isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)) == dst:
-            raise BadOptionError(f"{dst} is both a source and a destination; write to another folder")
-
-
-def _verified(path: str) -> None:
-    rep = verify_store(path)
-    if not rep.ok:
-        raise DamagedStoreError(f"{path}: the written store does not verify: {rep.faults[0].message}")
-
-
-# -- sources -----------------------------------------------------------------------------------------
-def _open(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:
-    """``(buffer, opened here)``: a TrajectoryReplayBuffer as it is, a path opened read-only."""
-    if isinstance(src, TrajectoryReplayBuffer):
-        return src, False
-    if not isinstance(src, (str, os.PathLike)):
-        raise BadArgumentError(f"{what} must be a path or a TrajectoryReplayBuffer; got {type(src).__name__}")
-    return TrajectoryReplayBuffer.load_from(src, read_only=True), True
-
-
-def _block_rows(buf: TrajectoryReplayBuffer) -> int:
-    return max(1, BLOCK_BYTES // max(buf._table.row_bytes, 1))
-
-
-def _step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
-    """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
-    order, a bounded block at a time."""
-    buf._sync()
-    t = buf._table
-    fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
-    step = _block_rows(buf)
-    if ids is None:
-        for lo in range(0, t.count, step):
-            *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)
-            yield arrays, eids
-        return
-    sel = SelectionRows(buf.row_source(), ids)
-    n = sel.count
-    for lo in range(0, n, step):
-        rows = sel.to_parent(np.arange(lo, min(lo + step, n)))
-        *arrays, eids = t.gather(rows, fields)
-        yield arrays, eids
 
 
 def _episode_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray,
@@ -152,7 +59,7 @@ def _episode_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray) -> Iterator[tu
     if buf._ep_plan is None:
         return
     fields = list(range(len(buf._ep_plan.leaves)))
-    step = max(1, BLOCK_BYTES // max(buf._ep_table.row_bytes if buf._ep_table is not None else 1, 1))
+    step = block_rows(buf._ep_table.row_bytes if buf._ep_table is not None else 1)
     for lo in range(0, len(ids), step):
         part = ids[lo : lo + step]
         yield part, buf._episodes.lookup(part) >= 0, buf._episode_rows(part, fields)
@@ -246,14 +153,14 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
     if isinstance(sources, (str, os.PathLike)) or not len(sources):
         raise BadArgumentError("combine: sources must be a non-empty sequence of stores (paths or buffers); got "
                                f"{sources!r}")
-    out_path = _local(dst, "combine: dst")
-    _not_a_source(out_path, sources)
-    _check_free(out_path, overwrite)
+    out_path = local_path(dst, "combine: dst")
+    not_a_source(out_path, sources)
+    check_free(out_path, overwrite)
     opened: list[tuple[TrajectoryReplayBuffer, bool]] = []
-    staged = _Staged()
+    staged = StagedFolders()
     try:
         for k, s in enumerate(sources):
-            opened.append(_open(s, f"combine: sources[{k}]"))
+            opened.append(open_source(s, f"combine: sources[{k}]"))
         bufs = [b for b, _ in opened]
         names = [b.cache_path or f"sources[{k}]" for k, b in enumerate(bufs)]
         _spaces_equal(bufs, names)
@@ -273,7 +180,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                     fresh = np.empty(len(src_ids), np.int64)
                     fresh[np.searchsorted(src_ids, table["episode_id"])] = np.arange(next_id, next_id + len(src_ids))
                     next_id += len(src_ids)
-                    for arrays, eids in _step_blocks(b, None):
+                    for arrays, eids in step_blocks(b, None):
                         ids = fresh[np.searchsorted(src_ids, eids)]
                         out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
                         bar.update(len(eids))
@@ -283,7 +190,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                 out.close()
         finally:
             bar.close()
-        _verified(tmp)
+        verify_written(tmp)
         staged.commit(overwrite)
     except BaseException:
         staged.discard()
@@ -366,7 +273,7 @@ def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar
     steps = 0
     try:
         if len(ids):
-            for arrays, eids in _step_blocks(src, ids):
+            for arrays, eids in step_blocks(src, ids):
                 out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": eids})
                 bar.update(len(eids))
                 steps += len(eids)
@@ -433,12 +340,12 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
                                    "write the splits next to")
         dst_prefix = os.fspath(where).rstrip("/\\") + "_"
     prefix = os.fspath(dst_prefix)
-    dsts = {name: _local(prefix + name, f"split: destination of {name!r}") for name in r}
+    dsts = {name: local_path(prefix + name, f"split: destination of {name!r}") for name in r}
     for d in dsts.values():
-        _not_a_source(d, [src])
-        _check_free(d, overwrite)
-    buf, own = _open(src, "split: src")
-    staged = _Staged()
+        not_a_source(d, [src])
+        check_free(d, overwrite)
+    buf, own = open_source(src, "split: src")
+    staged = StagedFolders()
     try:
         ids = buf.episodes()["episode_id"]
         perm = np.random.default_rng(seed).permutation(ids)
@@ -453,7 +360,7 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
                 lo += c
                 tmp = staged.new(dsts[name])
                 steps = _write_selection(buf, mine, tmp, bar)
-                _verified(tmp)
+                verify_written(tmp)
                 report[name] = {"destination": dsts[name], "episodes": int(c), "steps": steps,
                                 "episode_ids": mine.tolist()}
         finally:
@@ -503,11 +410,11 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
     StoreExistsError
         ``dst`` exists and ``overwrite`` is False.
     """
-    out_path = _local(dst, "filter: dst")
-    _not_a_source(out_path, [src])
-    _check_free(out_path, overwrite)
-    buf, own = _open(src, "filter: src")
-    staged = _Staged()
+    out_path = local_path(dst, "filter: dst")
+    not_a_source(out_path, [src])
+    check_free(out_path, overwrite)
+    buf, own = open_source(src, "filter: src")
+    staged = StagedFolders()
     try:
         if callable(where):
             mask = buf.filter_episodes(where).episode_ids
@@ -526,7 +433,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
             steps = _write_selection(buf, ids, tmp, bar)
         finally:
             bar.close()
-        _verified(tmp)
+        verify_written(tmp)
         staged.commit(overwrite)
         return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
                 "episodes": int(len(ids)), "of": int(len(cols["episode_id"])), "steps": steps, "verified": True}

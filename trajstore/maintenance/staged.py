@@ -1,0 +1,137 @@
+"""Building stores from other stores, all or nothing: the destinations and sources that
+:mod:`trajstore.maintenance.combine` (combine, split, filter) and :mod:`trajstore.interop` (imports,
+exports) share.
+
+A destination is a local folder built under a temporary name in its parent folder
+(``.<name>.trajstore-partial-<pid>-<random>``, :class:`StagedFolders`), verified
+(:func:`verify_written`), and only then renamed into place; on any error the temporary folders are
+removed and no destination appears.  Sources are read a bounded block of steps at a time
+(:data:`BLOCK_BYTES`, :func:`step_blocks`), so a store larger than RAM streams through.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from trajstore.buffers.episode_edit import SelectionRows
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
+from trajstore.maintenance.verify import verify_store
+
+__all__ = ["BLOCK_BYTES", "local_path", "check_free", "StagedFolders", "not_a_source", "verify_written",
+           "open_source", "block_rows", "step_blocks"]
+
+#: Steps are copied in blocks of about this many bytes.
+BLOCK_BYTES = 8 << 20
+
+
+# -- destinations ------------------------------------------------------------------------------------
+def local_path(path: Any, what: str) -> str:
+    """``path`` as an absolute local folder path; ``what`` names it in errors (a URL or a ``.zip``
+    is refused: these destinations are built by rename in their parent folder)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadArgumentError(f"{what} must be a path (str or os.PathLike); got {type(path).__name__}")
+    p = os.fspath(path)
+    if "://" in p or "::" in p or p.endswith(".zip"):
+        raise BadOptionError(f"{what} {p!r}: combine, split and filter write local folders; copy the result "
+                             "elsewhere with `trajstore copy` afterwards")
+    return os.path.abspath(p)
+
+
+def check_free(dst: str, overwrite: bool) -> None:
+    """Refuse (:class:`StoreExistsError`) a destination that exists and is not an empty folder,
+    unless ``overwrite``."""
+    if os.path.lexists(dst) and not overwrite and (not os.path.isdir(dst) or any(os.scandir(dst))):
+        raise StoreExistsError(f"{dst}: something already exists there; pass overwrite=True (--overwrite) to replace it")
+
+
+class StagedFolders:
+    """Temporary folders next to their destinations, renamed into place together by :meth:`commit`
+    or removed by :meth:`discard`."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, str]] = []
+
+    def new(self, dst: str) -> str:
+        """A fresh temporary folder name next to ``dst`` (not created), to be renamed to ``dst``."""
+        parent, name = os.path.split(dst)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.trajstore-partial-{os.getpid()}-{secrets.token_hex(4)}")
+        self.pairs.append((tmp, dst))
+        return tmp
+
+    def commit(self, overwrite: bool) -> None:
+        """Rename every temporary folder into place (replacing what is there if ``overwrite``)."""
+        for tmp, dst in self.pairs:
+            if overwrite and os.path.lexists(dst):
+                if os.path.isdir(dst) and not os.path.islink(dst):
+                    shutil.rmtree(dst)
+                else:
+                    os.unlink(dst)
+            elif os.path.isdir(dst):
+                os.rmdir(dst)  # an empty folder (checked before writing)
+            os.rename(tmp, dst)
+        self.pairs = []
+
+    def discard(self) -> None:
+        """Remove every temporary folder; no destination appears."""
+        for tmp, _dst in self.pairs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.pairs = []
+
+
+def not_a_source(dst: str, sources: Sequence[Any]) -> None:
+    """A destination must not be one of the stores being read (``overwrite`` would delete it)."""
+    for s in sources:
+        path = s.cache_path if isinstance(s, TrajectoryReplayBuffer) else s
+        if isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)) == dst:
+            raise BadOptionError(f"{dst} is both a source and a destination; write to another folder")
+
+
+def verify_written(path: str) -> None:
+    """Raise :class:`DamagedStoreError` naming the first fault if the store just written at
+    ``path`` does not verify."""
+    rep = verify_store(path)
+    if not rep.ok:
+        raise DamagedStoreError(f"{path}: the written store does not verify: {rep.faults[0].message}")
+
+
+# -- sources -----------------------------------------------------------------------------------------
+def open_source(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:
+    """``(buffer, opened here)``: a TrajectoryReplayBuffer as it is, a path opened read-only."""
+    if isinstance(src, TrajectoryReplayBuffer):
+        return src, False
+    if not isinstance(src, (str, os.PathLike)):
+        raise BadArgumentError(f"{what} must be a path or a TrajectoryReplayBuffer; got {type(src).__name__}")
+    return TrajectoryReplayBuffer.load_from(src, read_only=True), True
+
+
+def block_rows(row_bytes: int) -> int:
+    """Rows per block of about :data:`BLOCK_BYTES` for rows of ``row_bytes`` bytes (at least one)."""
+    return max(1, BLOCK_BYTES // max(int(row_bytes), 1))
+
+
+def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
+    order, a bounded block at a time."""
+    buf._sync()
+    t = buf._table
+    fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
+    step = block_rows(t.row_bytes)
+    if ids is None:
+        for lo in range(0, t.count, step):
+            *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)
+            yield arrays, eids
+        return
+    sel = SelectionRows(buf.row_source(), ids)
+    n = sel.count
+    for lo in range(0, n, step):
+        rows = sel.to_parent(np.arange(lo, min(lo + step, n)))
+        *arrays, eids = t.gather(rows, fields)
+        yield arrays, eids
