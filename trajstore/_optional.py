@@ -27,6 +27,9 @@ EXTRAS: dict[str, str] = {
     "dask": "dask",
     "h5py": "interop",
     "minari": "interop",
+    "pyarrow": "interop",
+    "xarray": "xarray",
+    "ray": "ray",
 }
 
 
