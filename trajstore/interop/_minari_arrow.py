@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore._optional import missing
 from trajstore.errors import DamagedStoreError
 
 __all__ = ["iterate_episodes", "decode_infos"]
@@ -33,7 +34,10 @@ def _arrow_episodes(ds: Any, where: str) -> Iterator[Any]:
     """Minari's ``ArrowStorage.get_episodes`` with :func:`decode_infos` for the infos: each episode
     is the folder ``<data>/<id>`` of one record batch whose columns hold T+1 rows (actions,
     rewards, terminations and truncations padded by one)."""
-    import pyarrow.dataset as pads  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    try:
+        import pyarrow.dataset as pads  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    except ImportError:
+        raise missing("pyarrow", f"{where}: Minari's arrow data format") from None
     from minari.dataset._storages.arrow_storage import _decode_space  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from minari.dataset.episode_data import EpisodeData  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
