@@ -20,6 +20,7 @@ from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import (
+    ClosedError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
@@ -123,9 +124,16 @@ def test_rows_sample_sequences_episodes(tmp_path):
     assert list(ds.shards["shard"]) == ["0-late", "a", "b", "c"]
     np.testing.assert_array_equal(ds[0]["step_data"]["obs"], SW.episode_rows(9, 0)["obs"][0])
     assert not ds.refresh()
+    import pickle
+
+    again = pickle.loads(pickle.dumps(ds))  # a small handle: the path, backend and options
+    assert len(again) == len(ds) and list(again.shards["shard"]) == list(ds.shards["shard"])
+    again.close()
     for b in [*bufs, late]:
         b.close()
     ds.close()
+    with pytest.raises(ClosedError):
+        len(ds)
 
 
 def test_automatic_refresh_and_torch_backend(tmp_path, monkeypatch):
