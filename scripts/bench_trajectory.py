@@ -147,9 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                    "0..15 (Diffusion Policy's 2 observation frames and 16 actions). The numpy gather takes "
                    "`sample_sequences(256, 32)`'s windows from arrays in RAM: its own growth between sizes is what "
                    "the memory hierarchy costs (the small store fits in the last-level cache, the large one does "
-                   "not). The large store's cold calls also map its pages into the process for the first time "
-                   "(about 1 GB, spread over 200 calls), and the first `within_episode` call builds the run index "
-                   f"of its 10 million episode ids once.\n\n{text}\n")
+                   "not). The large store's cold calls also pay what a freshly opened store costs once, in "
+                   "proportion to its size: the first call maps every chunk file (one mapping per file: a few "
+                   "hundred) and builds the run index from all 10 million episode ids (read 65,536 at a time, "
+                   "about 15 ms), and the first calls fault the store's pages into the process (about 1 GB: one "
+                   "fault per 2 MiB chunk page while the page cache holds the freshly written store in 2 MiB "
+                   "folios, one per 64 KiB otherwise: the same store an hour and much memory churn later faulted "
+                   "5x as often)."
+                   f"\n\n{text}\n")
         _replace_section(args.markdown, "## Sequence sampling", section)
     return 0
 
