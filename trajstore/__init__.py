@@ -5,6 +5,7 @@ any fsspec URL); ``create`` / ``load_from`` / ``dumps`` are metadata operations 
 are lazy.  See README.md and docs/.
 """
 
+import importlib
 from typing import Any
 
 from trajstore import errors
@@ -12,25 +13,25 @@ from trajstore.buffers.replay import ReplayBuffer, ZarrStorage
 from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
 from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
-# Maintenance (verify, repair) and the prioritized sampler are imported on first use: most programs never call them, and
-# ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split")
+# Maintenance (verify, repair, combine, split), the prioritized sampler and sharded datasets are imported on first
+# use: most programs never call them, and ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
+_LAZY = {
+    "verify_store": "trajstore.maintenance.verify",
+    "repair_store": "trajstore.maintenance.repair",
+    "PrioritizedSampler": "trajstore.sampling.prioritized",
+    "combine": "trajstore.maintenance.combine",
+    "split": "trajstore.maintenance.combine",
+    "create_shard": "trajstore.shards",
+    "open_sharded": "trajstore.shards",
+    "merge_shards": "trajstore.shards",
+}
 
 
 def __getattr__(name: str) -> Any:
-    value: Any
-    if name == "verify_store":
-        from trajstore.maintenance.verify import verify_store as value
-    elif name == "repair_store":
-        from trajstore.maintenance.repair import repair_store as value
-    elif name == "PrioritizedSampler":
-        from trajstore.sampling.prioritized import PrioritizedSampler as value
-    elif name in ("combine", "split"):
-        from trajstore.maintenance import combine as _combine
-
-        value = getattr(_combine, name)
-    else:
+    module = _LAZY.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -38,4 +39,5 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "errors"]
+__all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split",
+           "create_shard", "open_sharded", "merge_shards", "errors"]
