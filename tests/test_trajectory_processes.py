@@ -47,10 +47,13 @@ def _all_rows(buf):
 
 def _episode_table_rows(store: str) -> np.ndarray:
     """Episode ids of the committed episode-data rows, read with plain zarr and the head record
-    (documented format: unbounded tables keep absolute row = physical row)."""
+    (documented format: unbounded tables keep absolute row = physical row; a recorded shape may lag
+    the record after a kill, docs/format.md, so the array is read up to the record's end)."""
+    from trajstore.storage.fields.spec import sized_array
+
     t = W.read_head(store)["tables"]["episode_data"]
-    g = zarr.open_group(store, mode="r")
-    return np.asarray(g["episode_data/_episode_id"][t["start"]:t["end"]])
+    z = zarr.open_group(store, mode="r")["episode_data/_episode_id"]
+    return np.asarray(sized_array(z, max(z.shape[0], t["end"]))[t["start"]:t["end"]])
 
 
 # ----------------------------------------------------------------------------------------

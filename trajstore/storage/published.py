@@ -81,7 +81,9 @@ class _Replacer:
     commit that adds rows replaces every array's ``zarr.json`` and the root's.  Readers see the
     old file or the new one (a reader that opened a version and reads it only after the next
     publish sees that one: every version names committed rows only).  The kept files are removed
-    by :meth:`close` (or, after a kill, with the writer's other temp files by the next writer).
+    by :meth:`close` (or, after a kill, with the writer's other temp files by the next writer);
+    a key's first write of a session keeps nothing (a writer that opens a store and rolls a rewrite
+    forward leaves no temp file).
     Elsewhere, and with ``fsync``, :meth:`Location.put`.
     """
 
@@ -89,13 +91,18 @@ class _Replacer:
         self.loc = loc
         self._pid = os.getpid()
         self._spares: dict[str, tuple[Path, Path]] = {}  # key -> (next version's file, name the replaced one keeps)
+        self._seen: set[str] = set()  # keys written in this session
 
     def put(self, key: str, data: bytes, *, fsync: bool = False) -> None:
         if self.loc.local_root is None or fsync:
             self.loc.put(key, data, fsync=fsync)
             return
         if os.getpid() != self._pid:  # a forked writer: the parent's kept files are the parent's
-            self._pid, self._spares = os.getpid(), {}
+            self._pid, self._spares, self._seen = os.getpid(), {}, set()
+        if key not in self._seen:  # a key written once per session (a writer's open) keeps nothing
+            self._seen.add(key)
+            self.loc.put(key, data)
+            return
         pair = self._spares.pop(key, None)
         spare, keep = pair if pair is not None else (self.loc.new_tmp_path(), self.loc.new_tmp_path())
         try:
@@ -130,7 +137,7 @@ class _Replacer:
             for path in pair:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-        self._spares = {}
+        self._spares, self._seen = {}, set()
 
 
 def _read_obj(loc: Location, key: str) -> dict[str, Any]:
@@ -235,20 +242,39 @@ class Publisher:
             self._root_ok = True
         return changed
 
+    def _rows(self, head: Any) -> dict[str, int]:
+        """Rows plain readers may see under commit record ``head``: an unbounded table's ``end``, or,
+        while a rewrite is pending, only its rows before the first chunk being moved into place
+        (until then those chunks are partly old, partly new); a ring's capacity."""
+        out = {}
+        for n, st in head.tables.items():
+            t = self.schema.get(n)
+            if t is None:
+                continue
+            rows = st.end if t.capacity is None else st.allocated
+            if t.capacity is None and head.pending:
+                staged = head.pending.get("chunks") or {}
+                for f in t.fields:
+                    ks = staged.get(f.path)
+                    if ks:
+                        rows = min(rows, min(ks) * f.chunk_rows)
+            out[n] = rows
+        return out
+
     def before_commit(self, old: Any, new: Any, *, fsync: bool = False) -> None:
         """Before commit record ``new`` replaces ``old`` (:class:`trajstore.storage.head.Head`
-        objects): lower every unbounded table's shapes that would name rows ``new`` drops."""
-        self.publish({n: min(old.tables[n].end, st.end) for n, st in new.tables.items()
-                      if n in old.tables and n in self.schema and self.schema[n].capacity is None},
+        objects): lower every unbounded table's shapes that would name rows ``new`` drops, or
+        rows a rewrite it names is about to replace."""
+        before, after = self._rows(old), self._rows(new)
+        self.publish({n: min(before.get(n, r), r) for n, r in after.items() if self.schema[n].capacity is None},
                      lower_only=True, fsync=fsync)
 
     def after_commit(self, new: Any) -> None:
-        """After commit record ``new`` is in place: record its rows (an unbounded table's end, a
-        ring's capacity).  Not part of the commit: a failure (a full disk) leaves the shapes
-        lagging and is not raised; the next commit publishes again."""
+        """After commit record ``new`` is in place: record its rows (:meth:`_rows`).  Not part of
+        the commit: a failure (a full disk) leaves the shapes lagging and is not raised; the next
+        commit publishes again."""
         try:
-            self.publish({n: st.end if self.schema[n].capacity is None else st.allocated
-                          for n, st in new.tables.items() if n in self.schema})
+            self.publish(self._rows(new))
         except (OSError, TrajstoreError):
             self.forget()
 
