@@ -21,6 +21,8 @@ shard: the frame's id differs from the anchor's.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 
 from trajstore.errors import DamagedStoreError
 from trajstore.sampling.source import EpisodeSource
+from trajstore.shards.watch import ShardWatch
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, TableState
 
@@ -36,6 +39,9 @@ __all__ = ["EPISODE_STRIDE", "ShardedHead", "ShardedRows"]
 
 #: Global episode id = shard position * EPISODE_STRIDE + the shard's own episode id.
 EPISODE_STRIDE = 1 << 40
+#: Watched shards' records are also all checked at least this often (seconds), a safety net
+#: for an event the watch could not see (it is exact on the filesystems it accepts).
+SWEEP_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -82,12 +88,22 @@ class ShardedRows(EpisodeSource):
         self._generation = 0
         self._cum = np.zeros(1, np.int64)
         self._record = ShardedHead()
+        # Which shards' records to check before / after a read: watched ones only when the watch
+        # saw an event in their folder (``_dirty``), the others (``_unwatched``) every time.
+        self._watch = ShardWatch()
+        self._dirty: set[str] = set()
+        self._unwatched: set[str] = set()
+        self._swept = time.monotonic()
 
     # -- the view --------------------------------------------------------------------------------
     def set_shards(self, names: list[str], sources: list[Any]) -> None:
         """The shards now open (``discover`` calls this): names in order, and their row sources."""
+        old = set(self.names)
         self.names, self.sources = names, sources
         self._index = {n: i for i, n in enumerate(names)}
+        for n, src in zip(names, sources):
+            if n not in old:
+                self._watch_shard(n, src)
         self._plans = {}
         if sources:
             self.step_leaves = list(getattr(sources[0], "step_leaves", []))
@@ -153,13 +169,50 @@ class ShardedRows(EpisodeSource):
         """(shards + 1,) int64: global row of each shard's first row, then the total."""
         return self._cum
 
+    # -- which records to check ---------------------------------------------------------------
+    def _watch_shard(self, name: str, src: Any) -> None:
+        """Watch a shard's folder, or check its record before every read when that cannot be exact."""
+        head = getattr(getattr(getattr(src, "buffer", None), "_store", None), "loc", None)
+        head_path = getattr(head, "head_path", None)
+        if head_path is not None and self._watch.add(os.path.dirname(head_path), name):
+            self._dirty.add(name)  # a commit between its open and the watch: check it once
+        else:
+            self._unwatched.add(name)
+
+    def _to_check(self, touched: set[int] | None = None) -> list[int]:
+        """Positions of the shards whose record may have changed (among ``touched``, when given;
+        the others stay marked for the next check)."""
+        w = self._watch
+        if not w.usable:  # a forked child: its own watch, every shard checked once
+            w.close()
+            self._watch, self._dirty, self._unwatched = ShardWatch(), set(), set()
+            for n, src in zip(self.names, self.sources):
+                self._watch_shard(n, src)
+        seen = self._watch.changed()
+        now = time.monotonic()
+        if seen is None or now - self._swept >= SWEEP_INTERVAL_S:
+            self._swept = now
+            self._dirty.update(self.names)
+        else:
+            self._dirty |= seen
+        if self._watch.lost:
+            self._unwatched |= self._watch.lost
+            self._watch.lost.clear()
+        if touched is None:
+            names, self._dirty = self._dirty, set()
+        else:
+            names = {self.names[k] for k in touched} & self._dirty
+            self._dirty -= names
+        names |= self._unwatched if touched is None else {self.names[k] for k in touched} & self._unwatched
+        return [self._index[n] for n in names if n in self._index]
+
     def sync(self) -> None:
         if self._pinned:
             return
         found = self._discover(False)
         changed = False
-        for s in self.sources:  # each shard's commit record, as a single store checks its own
-            changed = s.refresh() or changed
+        for k in self._to_check():  # the shards' records that may have changed, as a single store checks its own
+            changed = self.sources[k].refresh() or changed
         if changed or found:
             self.adopt()
 
@@ -180,13 +233,14 @@ class ShardedRows(EpisodeSource):
         rows were not read, so whether they changed does not matter to it); True when the view
         changed.  :meth:`refresh_all` adopts everything."""
         changed = False
-        for k in self._touched:
+        for k in self._to_check(self._touched):
             changed = self.sources[k].refresh() or changed
         return self.adopt() if changed else False
 
     def refresh_all(self) -> bool:
         """Adopt new shards and every shard's newest commit; True when the view changed."""
         found = self._discover(True)
+        self._to_check()  # events so far are covered by the checks below
         for s in self.sources:
             s.refresh()
         return self.adopt() or found
