@@ -5,7 +5,10 @@ store's chunks (one dask chunk never spans two stored chunks), so a task reads e
 chunk once.  Tasks carry only the store path, options and row range: every worker process
 opens the store read-only itself (once per process), so the array computes on a
 ``dask.distributed`` cluster as long as the workers can reach the path (shared filesystem or
-object storage with ``storage_options``).  The arrays are built by
+object storage with ``storage_options``).  Secrets in ``storage_options`` (``key``,
+``secret``, ``token``...) are not put in the graph: a worker process takes credentials from its
+own environment (``AWS_*`` variables, an AWS ``profile`` named in the options, an instance role);
+the process that made the array keeps using the options it was given.  The arrays are built by
 :mod:`trajstore.sampling.dask_arrays` over the buffer's row source.
 """
 

@@ -25,7 +25,6 @@ them there (it travels pickled: it must not hold secrets itself).
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, Callable, Mapping
 
@@ -38,6 +37,7 @@ from trajstore.errors import BadArgumentError, BadOptionError
 from trajstore.recording import EPISODE_SPACE, RecordEpisodes, step_space
 from trajstore.shards import create_shard
 from trajstore.shards.layout import check_shard_name
+from trajstore.storage.credentials import check_storage_options
 
 try:
     import ray
@@ -46,50 +46,10 @@ except ImportError as e:  # pragma: no cover - the ray extra is installed in the
 
 __all__ = ["COLD_STEPS", "ShardWriter", "ShardWriterActor", "start_actors", "run_actors", "check_storage_options"]
 
-#: storage_options keys (at any depth) that name a secret: refused, never pickled into an actor.
-_SECRET = re.compile(r"secret|token|passw|credential|(^|_)key$|access_key|session|signature|auth", re.I)
-
 #: Steps after a shard is created that count as cold in an actor's step timings (as scripts' COLD).
 COLD_STEPS = 200
 
 StorageOptions = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
-
-
-def check_storage_options(storage_options: StorageOptions) -> None:
-    """Refuse ``storage_options`` that would pickle a secret into Ray's stores.
-
-    Parameters
-    ----------
-    storage_options : dict, zero-argument callable or None
-        A dict may hold non-secret fsspec settings only (``profile``, ``endpoint_url``, ``anon``,
-        ``client_kwargs`` without keys...); a callable is resolved inside the actor.
-
-    Raises
-    ------
-    BadOptionError
-        A key (at any depth) names a secret, or the value is neither a mapping, a callable nor None.
-    """
-    if storage_options is None or callable(storage_options):
-        return
-    if not isinstance(storage_options, Mapping):
-        raise BadOptionError("storage_options must be a dict of non-secret settings, a zero-argument callable "
-                             f"resolved in the actor, or None; got {type(storage_options).__name__}")
-    bad = _secret_keys(storage_options, "")
-    if bad:
-        raise BadOptionError(f"storage_options hold credentials ({', '.join(bad)}); Ray would pickle them into its "
-                             "object store with the actor's arguments. Pass a profile ({'profile': name}), set them "
-                             "in the actors' environment, or pass a callable that reads them inside the actor")
-
-
-def _secret_keys(options: Mapping[str, Any], prefix: str) -> list[str]:
-    out = []
-    for k, v in options.items():
-        name = f"{prefix}{k}"
-        if _SECRET.search(str(k)):
-            out.append(name)
-        elif isinstance(v, Mapping):
-            out.extend(_secret_keys(v, name + "."))
-    return out
 
 
 def _random_policy(env: gymnasium.Env, seed: int | None) -> Callable[[Any], Any]:

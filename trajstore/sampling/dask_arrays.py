@@ -5,8 +5,13 @@ dask chunk never spans two stored chunks, nor a ring's wrap point), so a task re
 chunk once.  Tasks carry only the source's reopen recipe (its path and options) and a row
 range: every worker process opens the store read-only itself (once per process), so the array
 computes on a ``dask.distributed`` cluster as long as the workers can reach the path (shared
-filesystem or object storage with ``storage_options``).  ``trajstore.dask.to_dask`` and
-``view.to_dask()`` are the public entry points.
+filesystem or object storage with ``storage_options``).  Secrets in ``storage_options``
+(``key``, ``secret``, ``token``...) never enter the graph: it carries the other settings and a
+reference (:func:`trajstore.storage.credentials.scrub`), which the process that made the graph
+resolves to the full options (threaded and synchronous schedulers) and every other process to
+the settings alone, its filesystem then taking credentials from that machine's environment,
+AWS profile or instance role.  ``trajstore.dask.to_dask`` and ``view.to_dask()`` are the public
+entry points.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 
 from trajstore.errors import BadArgumentError, ConcurrentWriteError
 from trajstore.sampling.source import RowSource
+from trajstore.storage.credentials import resolve, scrub
 
 __all__ = ["dask_arrays"]
 
@@ -50,7 +56,7 @@ def _open_cached(key: str, recipe: tuple[Callable[..., RowSource], tuple[Any, ..
         if hit is not None and hit[0] == pid:
             return hit[1]
         fn, args = recipe
-        src = fn(*args)
+        src = fn(*resolve(args))  # secrets: held by the process that made the graph, else from the environment
         _OPEN[key] = (pid, src)
         return src
 
@@ -86,6 +92,8 @@ def dask_arrays(src: RowSource, leaves: Sequence[int]) -> list[Any]:
     record = src.record
     start, end = src.committed
     recipe = src.reopen
+    if recipe is not None:  # the graph is pickled to the scheduler and workers: no secret travels in it
+        recipe = (recipe[0], scrub(recipe[1]))
     task_src: Any = src if recipe is None else (json.dumps([src.name, repr(recipe)], sort_keys=True), recipe)
     arrays = []
     for leaf in leaves:
