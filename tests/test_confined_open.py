@@ -16,7 +16,7 @@ from trajstore import ReplayBuffer
 from trajstore.storage import confined
 from trajstore.errors import DamagedStoreError
 
-SPACE = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: 256 rows per 1 MiB chunk
+SPACE = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: 512 rows per 2 MiB chunk
 CHUNK = "step_data/c/0/0/0"
 
 
