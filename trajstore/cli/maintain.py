@@ -17,6 +17,7 @@ from trajstore.cli._common import (
     print_json,
     progress,
 )
+from trajstore.cli.shards import is_sharded, merge_copy, print_sharded_verify, verify_sharded
 from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
@@ -50,6 +51,13 @@ def _print_verify(rep: VerifyReport, indent: str = "") -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    if is_sharded(args.path, args.storage_options):  # every shard, and the root record
+        out = verify_sharded(args.path, args.storage_options, args.deep, lambda n, d: progress(n, d, unit="chunk"))
+        if args.json:
+            print_json({k: v for k, v in out.items() if not k.startswith("_")})
+        else:
+            print_sharded_verify(out)
+        return 0 if out["ok"] else 1
     rep = verify_store(args.path, storage_options=args.storage_options, deep=args.deep,
                        progress=lambda n, d: progress(n, d, unit="chunk"))
     if args.json:
@@ -293,8 +301,16 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     if args.storage_options is not None:
         args.src_options = args.src_options or args.storage_options
         args.dst_options = args.dst_options or args.storage_options
-    out = copy_store(args.src, args.dst, compressor=args.compressor, chunk_rows=args.chunk_rows,
-                     src_options=args.src_options, dst_options=args.dst_options, overwrite=args.overwrite)
+    if _same(args.src, args.dst):
+        raise CLIError("SRC and DST are the same store", code=2)
+    if is_sharded(args.src, args.src_options):  # merged into one store
+        out = merge_copy(args.src, args.dst, src_options=args.src_options, dst_options=args.dst_options,
+                         overwrite=args.overwrite, compressor=args.compressor, chunk_rows=args.chunk_rows,
+                         bar=lambda n, d: progress(n, d, unit="row"), tqdm=False if args.json else None,
+                         copy_store=copy_store, exists=_exists)
+    else:
+        out = copy_store(args.src, args.dst, compressor=args.compressor, chunk_rows=args.chunk_rows,
+                         src_options=args.src_options, dst_options=args.dst_options, overwrite=args.overwrite)
     if args.json:
         print_json(out)
     else:
@@ -304,6 +320,8 @@ def _cmd_copy(args: argparse.Namespace) -> int:
             what += f", {eps['finished']} finished episodes" + (" (+1 in progress)" if eps["in_progress"] else "")
         if "episode_data" in out["table_rows"]:
             what += f", {out['table_rows']['episode_data']} episode-data rows"
+        if "shards" in out:
+            what += f" of {out['shards']} shard(s), merged"
         print(f"copied {what} from {out['source']} to {out['destination']} ({out['arrays']} arrays, {out['method']}, "
               f"{fmt_bytes(out['bytes'])}); the copy matches the source and verifies")
     return 0

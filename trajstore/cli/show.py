@@ -19,6 +19,13 @@ from trajstore.cli._common import (
     print_table,
     progress,
 )
+from trajstore.cli.shards import (
+    is_sharded,
+    print_sharded_info,
+    sharded_episodes,
+    sharded_info,
+    sharded_stats,
+)
 from trajstore.maintenance.summary import (
     episode_table,
     field_stats,
@@ -81,11 +88,12 @@ def print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    info = store_info(args.path, storage_options=args.storage_options)
+    sharded = is_sharded(args.path, args.storage_options)
+    info = (sharded_info if sharded else store_info)(args.path, storage_options=args.storage_options)
     if args.json:
         print_json({k: v for k, v in info.items() if k != "spaces_text"})
     else:
-        print_info(info)
+        (print_sharded_info if sharded else print_info)(info)
     return 0
 
 
@@ -116,6 +124,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 # -- episodes ----------------------------------------------------------------------------------------
 def _episodes(args: argparse.Namespace) -> dict[str, Any]:
+    if is_sharded(args.path, args.storage_options):  # with the columns shard and shard_episode_id
+        return sharded_episodes(args.path, args.storage_options, getattr(args, "reward_field", None))
     store = open_store(args.path, args.storage_options)
     try:
         return episode_table(store, getattr(args, "reward_field", None))
@@ -135,15 +145,19 @@ def _cmd_episodes(args: argparse.Namespace) -> int:
         order = np.argsort(-eps["return"], kind="stable")
     if args.limit is not None:
         order = order[: args.limit]
-    cols = ["episode_id", "start", "length"] + [c for c in ("return", "terminated", "truncated") if c in eps] + ["live"]
-    records = [{c: eps[c][i].item() for c in cols} for i in order.tolist()]
+    extra = [c for c in ("return", "terminated", "truncated") if c in eps] + ["live"]
+    sharded = "shard" in eps  # ids are global; the table shows each episode's shard and its id there
+    cols = ["episode_id"] + (["shard", "shard_episode_id"] if sharded else []) + ["start", "length"] + extra
+    records = [{c: eps[c][i] if c == "shard" else eps[c][i].item() for c in cols} for i in order.tolist()]
     if args.json:
         print_json({"source": eps["source"], "reward_field": eps["reward_field"], "episodes_total": n,
                     "episodes": [{("id" if c == "episode_id" else c): r[c] for c in cols} for r in records]})
         return 0
     print(f"{n} episode(s) (from {eps['source']}" + (f", returns from {eps['reward_field']}" if eps["reward_field"] else
                                                     ", no reward field") + ")")
-    headers = ["id", "first row", "length"] + [c for c in ("return", "terminated", "truncated") if c in eps] + ["live"]
+    if sharded:
+        cols = cols[1:]
+    headers = (["shard", "id"] if sharded else ["id"]) + ["first row", "length"] + extra
     print_table(headers, [[fmt_num(r[c]) for c in cols] for r in records],
                 right=("id", "first row", "length", "return"))
     if args.limit is not None and n > args.limit:
@@ -178,6 +192,9 @@ def _cmd_head(args: argparse.Namespace) -> int:
 
 # -- stats -----------------------------------------------------------------------------------------------
 def _cmd_stats(args: argparse.Namespace) -> int:
+    if is_sharded(args.path, args.storage_options):
+        stats = sharded_stats(args.path, args.storage_options, args.field, lambda n, d: progress(n, d, unit="row"))
+        return _print_stats(args, stats)
     store = open_store(args.path, args.storage_options)
     try:
         if args.field is None:
@@ -193,6 +210,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             bar.close()
     finally:
         store.close()
+    return _print_stats(args, stats)
+
+
+def _print_stats(args: argparse.Namespace, stats: list[dict[str, Any]]) -> int:
     if args.json:
         print_json(stats)
         return 0
