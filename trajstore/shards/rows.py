@@ -31,6 +31,7 @@ import numpy as np
 
 from trajstore.errors import DamagedStoreError
 from trajstore.sampling.source import EpisodeSource
+from trajstore.shards.gather import CrossShardField, cross_shard_field
 from trajstore.shards.watch import ShardWatch
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, TableState
@@ -42,6 +43,9 @@ EPISODE_STRIDE = 1 << 40
 #: Watched shards' records are also all checked at least this often (seconds), a safety net
 #: for an event the watch could not see (it is exact on the filesystems it accepts).
 SWEEP_INTERVAL_S = 1.0
+#: ``one_run`` over windows up to this many rows reads their ids across shards (one gather)
+#: instead of asking each shard's run index (a call per shard).
+ONE_RUN_READ_SPAN = 64
 
 
 @dataclass
@@ -82,6 +86,7 @@ class ShardedRows(EpisodeSource):
         self.episode_leaves: list[int] = []
         self._pinned = 0
         self._touched: set[int] = set()  # shards a pinned read used: the only ones its check refreshes
+        self._touched_all = False  # a cross-shard gather: every shard counts as used
         self._index: dict[str, int] = {}
         self._plans: dict[tuple[int, ...], list[int] | None] = {}
         self._epoch = 0
@@ -94,6 +99,13 @@ class ShardedRows(EpisodeSource):
         self._dirty: set[str] = set()
         self._unwatched: set[str] = set()
         self._swept = time.monotonic()
+        # Batch reads of per-row fields across shards (gather.py): per field tuple, the fields'
+        # cross-shard views (None: read shard by shard); each shard's first row and ring capacity
+        # (0: unbounded) under the view.
+        self._cross: dict[tuple[int, ...], list[CrossShardField] | None] = {}
+        self._starts = np.zeros(0, np.int64)
+        self._caps = np.zeros(0, np.int64)
+        self._ring = False
 
     # -- the view --------------------------------------------------------------------------------
     def set_shards(self, names: list[str], sources: list[Any]) -> None:
@@ -101,6 +113,7 @@ class ShardedRows(EpisodeSource):
         old = set(self.names)
         self.names, self.sources = names, sources
         self._index = {n: i for i, n in enumerate(names)}
+        self._cross = {}
         for n, src in zip(names, sources):
             if n not in old:
                 self._watch_shard(n, src)
@@ -130,6 +143,11 @@ class ShardedRows(EpisodeSource):
             self._epoch += 1
         self._generation += 1
         counts = np.array([s.count for s in self.sources], np.int64)
+        self._starts = np.array([s.committed[0] for s in self.sources], np.int64)
+        self._caps = np.array([s.capacity or 0 for s in self.sources], np.int64)
+        self._ring = bool(self._caps.any())
+        for s in self.sources:  # map the chunk files of the rows the view counts (a no-op when mapped)
+            s.table.prepare_reads()
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         total = int(self._cum[-1])
         self._record = ShardedHead(self._generation, self._epoch, {"rows": TableState(0, total, total)}, {}, None,
@@ -221,7 +239,7 @@ class ShardedRows(EpisodeSource):
         # Shards are refreshed only by sync / refresh / refresh_all, never by a read, so pinning
         # the view pins every shard (episodes() pins the shards themselves: their episode tables sync).
         if not self._pinned:
-            self._touched = set()
+            self._touched, self._touched_all = set(), False
         self._pinned += 1
         try:
             yield
@@ -233,7 +251,7 @@ class ShardedRows(EpisodeSource):
         rows were not read, so whether they changed does not matter to it); True when the view
         changed.  :meth:`refresh_all` adopts everything."""
         changed = False
-        for k in self._to_check(self._touched):
+        for k in self._to_check(None if self._touched_all else self._touched):
             changed = self.sources[k].refresh() or changed
         return self.adopt() if changed else False
 
@@ -304,12 +322,71 @@ class ShardedRows(EpisodeSource):
 
     def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         fields = self._table_fields(leaves) if self.sources else None
-        if fields is not None:  # per-row leaves: straight from each shard's table (a batch touches many shards)
+        if fields is not None:  # per-row leaves: straight from the shards' tables (a batch touches many shards)
+            got = self._gather(rows, fields)
+            if got is not None:
+                return got
             return self._per_shard(rows, lambda k, r: self.sources[k].table.gather(r, fields))
+        step = [j for j in leaves if j in self.step_leaves]
+        if step and len(step) < len(leaves) and len(self.sources) > 1:
+            # Step leaves across shards at once; episode leaves (one lookup per episode table) per shard.
+            ep = [j for j in leaves if j not in step]
+            got = dict(zip(step, self.read_rows(rows, step)))
+            got.update(zip(ep, self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, ep))))
+            return [got[j] for j in leaves]
         return self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, leaves))
+
+    def _cross_fields(self, fields: tuple[int, ...]) -> list[CrossShardField] | None:
+        """Cross-shard views of the step table's ``fields`` (rebuilt when a shard re-reserved one)."""
+        cross = self._cross.get(fields, False)
+        if cross is False or (cross is not None and not all(c.current() for c in cross)):
+            made = [cross_shard_field([s.table.fields[j] for s in self.sources]) for j in fields]
+            cross = None if any(c is None for c in made) else [c for c in made if c is not None]
+            self._cross[fields] = cross
+        return cross  # type: ignore[return-value]
+
+    def _gather(self, rows: np.ndarray, fields: Sequence[int]) -> list[np.ndarray] | None:
+        """Fields ``fields`` of global logical ``rows`` (any shape) with one numpy gather per field
+        across all shards, or None when the fields are not memory-mapped in every shard."""
+        got = self._gather_k(rows, fields)
+        return None if got is None else got[1]
+
+    def _gather_k(self, rows: np.ndarray, fields: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """:meth:`_gather`, and the shard of each row."""
+        if len(self.sources) < 2:
+            return None  # one shard: its table's own gather
+        cross = self._cross_fields(tuple(fields))
+        if cross is None:
+            return None
+        k, local = self.locate(rows)
+        phys = local + self._starts[k]
+        if self._ring:
+            cap = self._caps[k]
+            phys = np.where(cap > 0, phys % np.maximum(cap, 1), phys)
+        if not all(c.fits(k, phys) for c in cross):
+            # A shard's range is smaller than the view's rows (its table not grown yet): grow,
+            # rebuild, and read shard by shard if it still does not fit.
+            for s in self.sources:
+                s.table.prepare_reads()
+            self._cross.pop(tuple(fields), None)
+            cross = self._cross_fields(tuple(fields))
+            if cross is None or not all(c.fits(k, phys) for c in cross):
+                return None
+        self._touched_all = True
+        return k, [c.take(k, phys) for c in cross]
+
+    def _id_field(self) -> int | None:
+        """The step table's field of episode ids (trajectory shards; None for ReplayBuffer shards)."""
+        return getattr(getattr(self.sources[0], "buffer", None), "_id_field", None) if self.sources else None
 
     def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
         first = np.asarray(first, dtype=np.int64)
+        fields = self._table_fields(leaves) if len(self.sources) > 1 else None
+        if fields is not None:  # every frame's row gathered across shards at once
+            rows = np.minimum(first[:, None] + np.arange(length)[None, :], self.count - 1)
+            got = self._gather(rows, fields)
+            if got is not None:
+                return got
         k_first, _ = self.locate(first)
         k_last, _ = self.locate(first + length - 1)
         inside = k_first == k_last
@@ -331,6 +408,10 @@ class ShardedRows(EpisodeSource):
 
     def step_ids(self, rows: np.ndarray) -> np.ndarray:
         r = np.asarray(rows, dtype=np.int64)
+        id_field = self._id_field()
+        got = self._gather_k(r, [id_field]) if id_field is not None and r.size else None
+        if got is not None:  # all shards' ids at once
+            return got[1][0].astype(np.int64) + got[0] * EPISODE_STRIDE
 
         def read(k: int, local: np.ndarray) -> list[np.ndarray]:
             return [self.sources[k].step_ids(local) + k * EPISODE_STRIDE]
@@ -345,6 +426,15 @@ class ShardedRows(EpisodeSource):
         first = np.asarray(first, dtype=np.int64)
         k, local = self.locate(first)
         ok = (first + span < self._cum[k + 1]) & (first >= 0)
+        id_field = self._id_field()
+        if id_field is not None and span <= ONE_RUN_READ_SPAN and first.size:
+            # Short windows: read their ids across all shards at once and compare (a window that
+            # ok says lies in one shard has that shard's ids only).
+            rows = np.clip(first[:, None] + np.arange(span + 1)[None, :], 0, max(self.count - 1, 0))
+            got = self._gather(rows, [id_field])
+            if got is not None:
+                ids = got[0]
+                return ok & (ids == ids[:, :1]).all(axis=1)
         out = np.zeros(len(first), bool)
         shards = np.unique(k[ok]).tolist()
         self._touched.update(shards)
