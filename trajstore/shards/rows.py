@@ -331,19 +331,21 @@ class ShardedRows(EpisodeSource):
         if step and len(step) < len(leaves) and len(self.sources) > 1:
             # Step leaves across shards at once; episode leaves (one lookup per episode table) per shard.
             ep = [j for j in leaves if j not in step]
-            got = dict(zip(step, self.read_rows(rows, step)))
-            got.update(zip(ep, self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, ep))))
-            return [got[j] for j in leaves]
+            by_leaf = dict(zip(step, self.read_rows(rows, step)))
+            by_leaf.update(zip(ep, self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, ep))))
+            return [by_leaf[j] for j in leaves]
         return self._per_shard(rows, lambda k, r: self.sources[k].read_rows(r, leaves))
 
     def _cross_fields(self, fields: tuple[int, ...]) -> list[CrossShardField] | None:
         """Cross-shard views of the step table's ``fields`` (rebuilt when a shard re-reserved one)."""
-        cross = self._cross.get(fields, False)
-        if cross is False or (cross is not None and not all(c.current() for c in cross)):
-            made = [cross_shard_field([s.table.fields[j] for s in self.sources]) for j in fields]
-            cross = None if any(c is None for c in made) else [c for c in made if c is not None]
-            self._cross[fields] = cross
-        return cross  # type: ignore[return-value]
+        if fields in self._cross:
+            cross = self._cross[fields]
+            if cross is None or all(c.current() for c in cross):
+                return cross
+        made = [cross_shard_field([s.table.fields[j] for s in self.sources]) for j in fields]
+        cross = None if any(c is None for c in made) else [c for c in made if c is not None]
+        self._cross[fields] = cross
+        return cross
 
     def _gather(self, rows: np.ndarray, fields: Sequence[int]) -> list[np.ndarray] | None:
         """Fields ``fields`` of global logical ``rows`` (any shape) with one numpy gather per field
