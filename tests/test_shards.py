@@ -30,6 +30,8 @@ from trajstore.errors import (
 )
 from trajstore.shards import create_shard, open_sharded
 from trajstore.shards import dataset as shard_dataset
+from trajstore.shards import rows as shard_rows
+from trajstore.shards import watch as shard_watch
 from trajstore.shards.rows import EPISODE_STRIDE
 
 
@@ -396,10 +398,16 @@ def test_concurrent_writers_while_a_reader_samples(tmp_path, procs, monkeypatch)
     ds.close()
 
 
-def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch):
+@pytest.mark.parametrize("watched", [True, False])
+def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watched):
     """Shards that are rings, filled and overwritten while the reader samples: every row and window
-    read is whole (the retry loop redraws rows a shard evicted meanwhile)."""
+    read is whole (the retry loop redraws rows a shard evicted meanwhile), whether the reader learns
+    of commits from its watch of the shard folders or by stat (``watched=False``), with no periodic
+    re-check of all shards to fall back on."""
     monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
+    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
+    if not watched:
+        monkeypatch.setattr(shard_watch, "LOCAL_FS", frozenset())
     root = str(tmp_path / "ds")
     _write(root, "w0", 0, 1, step_data_capacity=128, episode_data_capacity=128).close()
     ds = open_sharded(root)
