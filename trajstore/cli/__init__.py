@@ -33,6 +33,7 @@ examples:
   trajstore episodes demo_store --sort return --limit 10
   trajstore verify runs/buffer --deep       check every committed chunk
   trajstore copy runs/buffer buffer.zip     copy (verified) into a zip
+  trajstore copy runs/apex apex-merged      merge a sharded dataset into one store (verified)
   trajstore split data --ratios train=0.9,val=0.1 data_   episodes into data_train, data_val
   trajstore filter data good --where "return > 100"       keep the episodes that match
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'

@@ -334,7 +334,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                        description="Check the commit record against the arrays, that every chunk holding a committed "
                                    "row exists and has its full size, and (trajectory stores) the episode table.  "
                                    "--deep also decodes every committed chunk.  Each fault names the key and the "
-                                   "rows it damages.  Exit status 0: no fault; 1: faults found.  Read-only.")
+                                   "rows it damages.  Of a sharded dataset's root: every shard, the root record and each shard's "
+                                   "spaces, one line per fault naming the shard.  Exit status 0: no fault; 1: faults "
+                                   "found.  Read-only.")
     add_store_args(p)
     p.add_argument("--deep", action="store_true", help="also decode every chunk that holds committed rows")
     p.set_defaults(func=_cmd_verify)
@@ -357,7 +359,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "raw arrays compressed with lz4 (--compressor none keeps them raw).  To other "
                                    "destinations, without --compressor/--chunk-rows the bytes are copied as they are; "
                                    "with them a new store with the requested layout is written.  The copy is then "
-                                   "compared row by row with the source and verified.")
+                                   "compared row by row with the source and verified.  A sharded dataset's root is merged "
+                                   "into one store (merge_shards), compared shard by shard and verified.")
     p.add_argument("src", metavar="SRC", help="source store (folder, .zip or URL)")
     p.add_argument("dst", metavar="DST", help="destination (folder, .zip or URL)")
     p.add_argument("--compressor", choices=("auto", "keep", "none", "lz4", "zstd"), default="auto",

@@ -293,7 +293,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("info", parents=[common], formatter_class=fmt, help="summarize a store",
                        description="Kind, format version, creator, spaces, capacity, rows and offset of each table, "
-                                   "episodes, size on disk and compression ratio, and the arrays.")
+                                   "episodes, size on disk and compression ratio, and the arrays.  Of a sharded dataset's root: "
+                                   "its shards (rows, episodes, size), spaces and totals.")
     add_store_args(p)
     p.set_defaults(func=_cmd_info)
 
@@ -308,7 +309,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "of the reward field, when one exists or is named) and the terminated/truncated "
                                    "flags of its last step when recorded.  TrajectoryReplayBuffer stores group steps "
                                    "by episode id; ReplayBuffer stores split after rows flagged terminated/truncated "
-                                   "(or done).")
+                                   "(or done).  Of a sharded dataset's root: every shard's episodes, with a shard column.")
     add_store_args(p)
     p.add_argument("--limit", type=non_negative_int, default=None, metavar="N", help="show at most N episodes")
     p.add_argument("--sort", choices=("length", "return"), default=None,
@@ -330,7 +331,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("stats", parents=[common], help="min, max, mean, std and NaN/inf counts of every array",
                        description="Per array, over every committed row: min, max, mean and std of the finite values "
                                    "and the NaN and inf counts.  Computed a bounded block of rows at a time, so "
-                                   "memory stays flat whatever the store's size.")
+                                   "memory stays flat whatever the store's size.  Of a sharded dataset's root: over every "
+                                   "shard, one at a time.")
     add_store_args(p)
     p.add_argument("--field", default=None, metavar="A/B", help="only this array or subtree")
     p.set_defaults(func=_cmd_stats)
