@@ -71,6 +71,10 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode("utf-8")  # no indent: C encoder (indent is 10x slower)
 
 
+#: Writes of one key per session replaced the plain way (:class:`_Replacer`).
+_PLAIN_WRITES = 3
+
+
 class _Replacer:
     """Replaces small metadata files of a local store by rename, as :meth:`Location.put` does,
     without freeing the replaced file: it is kept (hard-linked under a temp name in
@@ -82,25 +86,24 @@ class _Replacer:
     old file or the new one (a reader that opened a version and reads it only after the next
     publish sees that one: every version names committed rows only).  The kept files are removed
     by :meth:`close` (or, after a kill, with the writer's other temp files by the next writer);
-    a key's first write of a session keeps nothing (a writer that opens a store and rolls a rewrite
-    forward leaves no temp file).
-    Elsewhere, and with ``fsync``, :meth:`Location.put`.
+    a key's first :data:`_PLAIN_WRITES` writes of a session keep nothing, so that opening a store
+    (which may roll a rewrite forward and commit) leaves no temp file.  Elsewhere, and with ``fsync``, :meth:`Location.put`.
     """
 
     def __init__(self, loc: Location) -> None:
         self.loc = loc
         self._pid = os.getpid()
         self._spares: dict[str, tuple[Path, Path]] = {}  # key -> (next version's file, name the replaced one keeps)
-        self._seen: set[str] = set()  # keys written in this session
+        self._writes: dict[str, int] = {}  # key -> times written in this session
 
     def put(self, key: str, data: bytes, *, fsync: bool = False) -> None:
         if self.loc.local_root is None or fsync:
             self.loc.put(key, data, fsync=fsync)
             return
         if os.getpid() != self._pid:  # a forked writer: the parent's kept files are the parent's
-            self._pid, self._spares, self._seen = os.getpid(), {}, set()
-        if key not in self._seen:  # a key written once per session (a writer's open) keeps nothing
-            self._seen.add(key)
+            self._pid, self._spares, self._writes = os.getpid(), {}, {}
+        n = self._writes[key] = self._writes.get(key, 0) + 1
+        if n <= _PLAIN_WRITES:  # what a writer's open writes (a rewrite rolled forward) keeps nothing
             self.loc.put(key, data)
             return
         pair = self._spares.pop(key, None)
@@ -122,8 +125,9 @@ class _Replacer:
                 kept = False
             os.replace(spare, dest)
         except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(spare)
+            for path in (spare, keep):  # (keep: a link made before the rename failed)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             self.loc.put(key, data)  # the plain way (it raises what a full disk raises)
             return
         if kept:
@@ -137,7 +141,7 @@ class _Replacer:
             for path in pair:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-        self._spares, self._seen = {}, set()
+        self._spares, self._writes = {}, {}
 
 
 def _read_obj(loc: Location, key: str) -> dict[str, Any]:
