@@ -274,7 +274,7 @@ def print_sharded_verify(out: dict[str, Any]) -> None:
 
 
 # -- copy (merge) -----------------------------------------------------------------------------------------
-def _step_rows(path: str, options: Options) -> Iterator[tuple[str, Any]]:
+def _shard_stores(path: str, options: Options) -> Iterator[tuple[str, Any]]:
     """Each shard's open store (name order), closed after use."""
     for name in _root(path, options)[1]:
         store = open_store(shard_url(path, name), options)
@@ -293,7 +293,7 @@ def _compare_merged(src: str, src_options: Options, dst: str, dst_options: Optio
         dt = copy.tables[STEPS]
         dpaths = {f.spec.array_path: j for j, f in enumerate(dt.fields)}
         first = 0
-        for name, store in _step_rows(src, src_options):
+        for name, store in _shard_stores(src, src_options):
             st = store.tables[STEPS]
             which = [j for j, f in enumerate(st.fields) if f.spec.array_path != STEP_IDS]
             for lo, arrays in iter_blocks(st, which):
