@@ -381,12 +381,57 @@ class ShardedRows(EpisodeSource):
         """The step table's field of episode ids (trajectory shards; None for ReplayBuffer shards)."""
         return getattr(getattr(self.sources[0], "buffer", None), "_id_field", None) if self.sources else None
 
+    def _windows(self, first: np.ndarray, length: int, fields: Sequence[int],
+                 ids: bool = False) -> list[np.ndarray] | None:
+        """Fields ``fields`` of the blocks of ``length`` rows from global logical rows ``first``
+        (B,), across all shards at once: (B, length, ...) each; ``ids``: the one field is episode
+        ids, made global.  A block inside one shard and contiguous in its range is one ``memcpy``;
+        the others (across a shard's end or a ring's wrap point) are read row by row.  None when
+        the fields are not memory-mapped in every shard."""
+        if len(self.sources) < 2 or not first.size:
+            return None
+        cross = self._cross_fields(tuple(fields))
+        if cross is None:
+            return None
+        k, local = self.locate(first)
+        phys = local + self._starts[k]
+        ok = (local >= 0) & (local + length <= self._cum[k + 1] - self._cum[k])
+        if self._ring:
+            cap = self._caps[k]
+            wrapped = phys % np.maximum(cap, 1)
+            ok &= (cap == 0) | (wrapped + length <= cap)
+            phys = np.where(cap > 0, wrapped, phys)
+        for c in cross:
+            ok &= c.contiguous(k, phys, length)
+        stride = np.int64(EPISODE_STRIDE)
+        if ok.all():
+            out = [c.take_windows(k, phys, length) for c in cross]
+            self._touched_all = True
+            return [out[0].astype(np.int64) + (k * stride)[:, None]] if ids else out
+        rest = np.flatnonzero(~ok)
+        rows = np.minimum(first[rest, None] + np.arange(length)[None, :], self.count - 1)
+        got = self._gather_k(rows, fields)
+        if got is None:
+            return None
+        k_rest, arrays = got
+        if ids:
+            arrays = [arrays[0].astype(np.int64) + k_rest * stride]
+        good = np.flatnonzero(ok)
+        res = []
+        for c, a in zip(cross, arrays):
+            o = np.empty((len(first), length, *a.shape[2:]), a.dtype)
+            o[rest] = a
+            if good.size:
+                w = c.take_windows(k[good], phys[good], length)
+                o[good] = w.astype(np.int64) + (k[good] * stride)[:, None] if ids else w
+            res.append(o)
+        return res
+
     def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
         first = np.asarray(first, dtype=np.int64)
         fields = self._table_fields(leaves) if len(self.sources) > 1 else None
-        if fields is not None:  # every frame's row gathered across shards at once
-            rows = np.minimum(first[:, None] + np.arange(length)[None, :], self.count - 1)
-            got = self._gather(rows, fields)
+        if fields is not None:  # every block read across shards at once
+            got = self._windows(first, length, fields)
             if got is not None:
                 return got
         k_first, _ = self.locate(first)
@@ -421,6 +466,10 @@ class ShardedRows(EpisodeSource):
         return self._per_shard(r.reshape(-1), read)[0].reshape(r.shape)
 
     def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
+        id_field = self._id_field()
+        got = self._windows(np.asarray(first, dtype=np.int64), length, [id_field], ids=True) if id_field is not None else None
+        if got is not None:
+            return got[0]
         rows = np.asarray(first, dtype=np.int64)[:, None] + np.arange(length)[None, :]
         return self.step_ids(np.minimum(rows, self.count - 1))
 
@@ -432,8 +481,7 @@ class ShardedRows(EpisodeSource):
         if id_field is not None and span <= ONE_RUN_READ_SPAN and first.size:
             # Short windows: read their ids across all shards at once and compare (a window that
             # ok says lies in one shard has that shard's ids only).
-            rows = np.clip(first[:, None] + np.arange(span + 1)[None, :], 0, max(self.count - 1, 0))
-            got = self._gather(rows, [id_field])
+            got = self._windows(np.clip(first, 0, max(self.count - 1, 0)), span + 1, [id_field], ids=True)
             if got is not None:
                 ids = got[0]
                 return ok & (ids == ids[:, :1]).all(axis=1)
