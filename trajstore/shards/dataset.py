@@ -4,8 +4,9 @@ Shards are ordinary stores (one writer each) under ``<root>/shards/``; this open
 read-only and reads them as one sequence of rows through :class:`~trajstore.shards.rows.ShardedRows`,
 so uniform samples, sequence windows and episodes come from the same samplers a single store
 uses.  New shards and new rows are picked up by :meth:`ShardedDataset.refresh`, and
-automatically before reads as single read-only stores do (each shard's commit record on every
-read; the list of shards at most every :data:`DISCOVER_INTERVAL_S` seconds).
+automatically before reads as single read-only stores do (the commit record of every shard that
+committed since the last read, :mod:`trajstore.shards.watch`; the list of shards at most every
+:data:`DISCOVER_INTERVAL_S` seconds).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ __all__ = ["DISCOVER_INTERVAL_S", "ShardedDataset", "ShardedTrajectories", "open
 
 _T = TypeVar("_T")
 
-#: Between automatic refreshes, the shard list is read again at most this often (seconds); each
-#: shard's commit record is checked before every read, as a single store's is.
+#: Between automatic refreshes, the shard list is read again at most this often (seconds); a
+#: shard's new commits are seen by the next read, as a single store's are (trajstore.shards.watch).
 DISCOVER_INTERVAL_S = 1.0
 
 _CLASSES: dict[str, type[ReplayBuffer] | type[TrajectoryReplayBuffer]] = {
@@ -161,7 +162,7 @@ class ShardedDataset(BatchBase):
     def refresh(self) -> bool:
         """Adopt new shards and every shard's newest commit; True when anything changed.
 
-        Reads do this automatically (each shard's commit record before every read, the shard
+        Reads do this automatically (new commits of every shard before every read, the shard
         list at most every :data:`DISCOVER_INTERVAL_S` seconds); call it to see a new shard at once.
         """
         return self._rows.refresh_all()
