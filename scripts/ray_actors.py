@@ -61,7 +61,7 @@ def learn(root: str, actors: int, steps: int, flush_every: int, storage_options:
         data = open_sharded(root, storage_options=storage_options)
         t0 = time.perf_counter()
         refs = [a.collect.remote(steps) for a in handles]
-        rng, batches = np.random.default_rng(0), 0
+        rng, batches, batch = np.random.default_rng(0), 0, None
         while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
             if len(data) >= 256:
                 batch = data.sample(256, rng=rng)  # a learner's training step would use this
@@ -77,7 +77,8 @@ def learn(root: str, actors: int, steps: int, flush_every: int, storage_options:
     episodes = data.episodes()
     print(f"{len(data):,} steps, {len(episodes['episode_id']):,} episodes in shards "
           f"{', '.join(data.shards['shard'])}; {sum(s['rows'] for s in stats) / wall:,.0f} committed steps/s; "
-          f"the learner sampled {batches} batches of 256 while they wrote; last batch obs {batch['step_data']['obs'].shape}")
+          f"the learner sampled {batches} batches of 256 while they wrote"
+          + (f"; last batch obs {batch['step_data']['obs'].shape}" if batch is not None else " (they finished first)"))
     assert len(data) == sum(s["rows"] for s in stats)
     data.close()
 
