@@ -6,6 +6,7 @@ once (trajstore/shards/gather.py) and commit records checked only where a shard'
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import _shard_workers as SW
 import numpy as np
@@ -73,13 +74,17 @@ def test_cross_shard_reads_equal_each_shards_own(tmp_path, compressed):
     ds.close()
 
 
-@pytest.mark.parametrize("watched", [True, False])
-def test_next_read_sees_every_finished_commit(tmp_path, monkeypatch, watched):
+@pytest.mark.parametrize("mode", ["watched", "not a local filesystem", "no inotify"])
+def test_next_read_sees_every_finished_commit(tmp_path, monkeypatch, mode):
     """As a single store: a read sees every commit that finished before it, in any shard, whether
-    the shards are watched (inotify) or checked by stat (a filesystem the watch does not trust)."""
+    the shards are watched (inotify) or checked by stat (a filesystem the watch does not trust, or
+    no inotify instance to be had)."""
     monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)  # no periodic re-check to fall back on
-    if not watched:
+    watched = mode == "watched"
+    if mode == "not a local filesystem":
         monkeypatch.setattr(shard_watch, "LOCAL_FS", frozenset())
+    elif mode == "no inotify":
+        monkeypatch.setattr(shard_watch, "_inotify", lambda: False)
     root = str(tmp_path / "ds")
     bufs = [_shard(root, f"s{k}", k, 2, chunk_rows=32) for k in range(5)]
     ds = open_sharded(root)
@@ -134,4 +139,25 @@ def test_forked_reader_watches_for_itself(tmp_path, monkeypatch):
         if p.is_alive():
             p.kill()
     assert p.exitcode == 0
+    a.close(), b.close(), ds.close()
+
+
+def test_event_flood_still_sees_commits(tmp_path, monkeypatch):
+    """More events than the kernel queues (a folder flooded with files): the overflow makes the
+    next check look at every shard, so a commit made during the flood is still seen at once."""
+    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
+    root = str(tmp_path / "ds")
+    a, b = _shard(root, "a", 0, 2), _shard(root, "b", 1, 2)
+    ds = open_sharded(root)
+    n = len(ds)
+    limit = int(open("/proc/sys/fs/inotify/max_queued_events").read())
+    a_dir = str(tmp_path / "ds" / "shards" / "a")
+    for i in range(limit // 2 + 100):  # create + close-write: two events each, into a's watched folder
+        name = os.path.join(a_dir, f"flood-{i}")
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT, 0o644))
+    b.extend(SW.episode_rows(1, 7))
+    b.flush()
+    assert len(ds) == n + len(SW.episode_rows(1, 7)["obs"])
+    got = ds.sample(256, rng=0)["step_data"]["obs"]
+    assert (got[:, 3] == [SW.episode_length(int(w), int(e)) for w, e in got[:, :2]]).all()
     a.close(), b.close(), ds.close()

@@ -263,6 +263,7 @@ class ShardedDataset(BatchBase):
         if self._closed:
             return
         self._closed = True
+        self._rows.close()
         for buf in self._buffers.values():
             buf.close()
 

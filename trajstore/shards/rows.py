@@ -187,6 +187,10 @@ class ShardedRows(EpisodeSource):
         """(shards + 1,) int64: global row of each shard's first row, then the total."""
         return self._cum
 
+    def close(self) -> None:
+        """Stop watching the shard folders (the dataset closes its shards)."""
+        self._watch.close()
+
     # -- which records to check ---------------------------------------------------------------
     def _watch_shard(self, name: str, src: Any) -> None:
         """Watch a shard's folder, or check its record before every read when that cannot be exact."""
@@ -201,12 +205,13 @@ class ShardedRows(EpisodeSource):
         """Positions of the shards whose record may have changed (among ``touched``, when given;
         the others stay marked for the next check)."""
         w = self._watch
-        if not w.usable:  # a forked child: its own watch, every shard checked once
+        if w.forked:  # a forked child: its own watch, every shard checked once
             w.close()
             self._watch, self._dirty, self._unwatched = ShardWatch(), set(), set()
             for n, src in zip(self.names, self.sources):
                 self._watch_shard(n, src)
-        seen = self._watch.changed()
+        # No watch (no inotify, no free instance): every shard is in _unwatched.
+        seen = self._watch.changed() if self._watch.usable else set()
         now = time.monotonic()
         if seen is None or now - self._swept >= SWEEP_INTERVAL_S:
             self._swept = now

@@ -36,6 +36,7 @@ _MASK = (0x00000008 | 0x00000040 | 0x00000080 | 0x00000100 | 0x00000200 | 0x0000
 _IN_Q_OVERFLOW, _IN_IGNORED = 0x00004000, 0x00008000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _READ_BYTES = 64 * 1024
+_MAX_READS = 16
 
 _libc: Any = None
 
@@ -103,6 +104,11 @@ class ShardWatch:
                 self._fd = fd
 
     @property
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy (the parent's queue: never read it here)."""
+        return self._pid != os.getpid()
+
+    @property
     def usable(self) -> bool:
         """Whether this process's watch is open (not closed, not inherited through a fork)."""
         return self._fd >= 0 and self._pid == os.getpid()
@@ -124,7 +130,7 @@ class ShardWatch:
     def changed(self) -> set[Any] | None:
         """Keys of watched folders with events since the last call; None after lost events."""
         out: set[Any] = set()
-        while True:
+        for _ in range(_MAX_READS):  # bounded: writers flooding a folder with events cannot hold a reader here
             try:
                 raw = os.read(self._fd, _READ_BYTES)
             except BlockingIOError:
@@ -148,9 +154,10 @@ class ShardWatch:
                     self.lost.add(key)
             if len(raw) < _READ_BYTES - 4096:
                 return out
+        return None  # more events than a check reads: every shard is checked instead
 
     def _drain(self) -> None:
-        while True:
+        for _ in range(_MAX_READS):  # what is left is read (and answered with None) next time
             try:
                 if not os.read(self._fd, _READ_BYTES):
                     return
