@@ -406,6 +406,7 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     re-check of all shards to fall back on."""
     monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
     monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
+    monkeypatch.setattr(shard_rows, "WATCH_MIN_SHARDS", 1)  # 3 shards: watched too
     if not watched:
         monkeypatch.setattr(shard_watch, "LOCAL_FS", frozenset())
     root = str(tmp_path / "ds")
@@ -433,6 +434,7 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     assert reads > 10
     ds.refresh()
     assert list(ds.shards["rows"]) == [len(SW.episode_rows(0, 0)["obs"]), 128, 128]  # full rings
+    assert ds.row_source()._unwatched == (set() if watched else {"w0", "w1", "w2"})  # the path taken
     ep = ds.episodes()
     for w, name in ((1, "w1"), (2, "w2")):  # the newest episodes are whole, the oldest may be cut
         mine = ep["shard"] == name

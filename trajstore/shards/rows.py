@@ -43,6 +43,9 @@ EPISODE_STRIDE = 1 << 40
 #: Watched shards' records are also all checked at least this often (seconds), a safety net
 #: for an event the watch could not see (it is exact on the filesystems it accepts).
 SWEEP_INTERVAL_S = 1.0
+#: Datasets of fewer shards check every shard's record by ``stat`` (a few calls a batch) and use
+#: no inotify instance (a user has 128 by default, shared by all their processes).
+WATCH_MIN_SHARDS = 4
 #: ``one_run`` over windows up to this many rows reads their ids across shards (one gather)
 #: instead of asking each shard's run index (a call per shard).
 ONE_RUN_READ_SPAN = 64
@@ -95,7 +98,7 @@ class ShardedRows(EpisodeSource):
         self._record = ShardedHead()
         # Which shards' records to check before / after a read: watched ones only when the watch
         # saw an event in their folder (``_dirty``), the others (``_unwatched``) every time.
-        self._watch = ShardWatch()
+        self._watch: ShardWatch | None = None  # made once the dataset has WATCH_MIN_SHARDS shards
         self._dirty: set[str] = set()
         self._unwatched: set[str] = set()
         self._swept = time.monotonic()
@@ -114,9 +117,12 @@ class ShardedRows(EpisodeSource):
         self.names, self.sources = names, sources
         self._index = {n: i for i, n in enumerate(names)}
         self._cross = {}
-        for n, src in zip(names, sources):
-            if n not in old:
-                self._watch_shard(n, src)
+        if self._watch is None and len(names) >= WATCH_MIN_SHARDS:
+            self._rewatch()
+        else:
+            for n, src in zip(names, sources):
+                if n not in old:
+                    self._watch_shard(n, src)
         self._plans = {}
         if sources:
             self.step_leaves = list(getattr(sources[0], "step_leaves", []))
@@ -189,38 +195,45 @@ class ShardedRows(EpisodeSource):
 
     def close(self) -> None:
         """Stop watching the shard folders (the dataset closes its shards)."""
-        self._watch.close()
+        if self._watch is not None:
+            self._watch.close()
 
     # -- which records to check ---------------------------------------------------------------
     def _watch_shard(self, name: str, src: Any) -> None:
         """Watch a shard's folder, or check its record before every read when that cannot be exact."""
         head = getattr(getattr(getattr(src, "buffer", None), "_store", None), "loc", None)
         head_path = getattr(head, "head_path", None)
-        if head_path is not None and self._watch.add(os.path.dirname(head_path), name):
+        if head_path is not None and self._watch is not None and self._watch.add(os.path.dirname(head_path), name):
             self._dirty.add(name)  # a commit between its open and the watch: check it once
         else:
             self._unwatched.add(name)
+
+    def _rewatch(self) -> ShardWatch:
+        """A new watch over every shard (each checked once at the next read)."""
+        if self._watch is not None:
+            self._watch.close()
+        self._watch, self._dirty, self._unwatched = ShardWatch(), set(), set()
+        for n, src in zip(self.names, self.sources):
+            self._watch_shard(n, src)
+        return self._watch
 
     def _to_check(self, touched: set[int] | None = None) -> list[int]:
         """Positions of the shards whose record may have changed (among ``touched``, when given;
         the others stay marked for the next check)."""
         w = self._watch
-        if w.forked:  # a forked child: its own watch, every shard checked once
-            w.close()
-            self._watch, self._dirty, self._unwatched = ShardWatch(), set(), set()
-            for n, src in zip(self.names, self.sources):
-                self._watch_shard(n, src)
-        # No watch (no inotify, no free instance): every shard is in _unwatched.
-        seen = self._watch.changed() if self._watch.usable else set()
+        if w is not None and w.forked:  # a forked child: its own watch, every shard checked once
+            w = self._rewatch()
+        # No watch (few shards, no inotify, no free instance): every shard is in _unwatched.
+        seen = w.changed() if w is not None and w.usable else set()
         now = time.monotonic()
         if seen is None or now - self._swept >= SWEEP_INTERVAL_S:
             self._swept = now
             self._dirty.update(self.names)
         else:
             self._dirty |= seen
-        if self._watch.lost:
-            self._unwatched |= self._watch.lost
-            self._watch.lost.clear()
+        if w is not None and w.lost:
+            self._unwatched |= w.lost
+            w.lost.clear()
         if touched is None:
             names, self._dirty = self._dirty, set()
         else:
