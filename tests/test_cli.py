@@ -22,6 +22,7 @@ import pytest
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.cli import main
+from trajstore.storage.keys import FORMAT_VERSION
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)
 STEP = gym.spaces.Dict({
@@ -112,7 +113,7 @@ def test_info_json_matches_the_python_api(tmp_path: Path, capsys) -> None:
             rb.append({"obs": np.full(17, i, np.float32), "a": i % 3})
         count, offset = rb.count, rb.offset
     info = cli_json(capsys, "info", str(tmp_path / "s"))
-    assert info["kind"] == "ReplayBuffer" and info["format_version"] == 1
+    assert info["kind"] == "ReplayBuffer" and info["format_version"] == FORMAT_VERSION
     assert info["tables"]["step_data"] == {"rows": count, "capacity": 100, "offset": offset}
     assert {a["path"] for a in info["arrays"]} == {"step_data/obs", "step_data/a"}
     assert all(a["codec"] == "blosc:lz4" for a in info["arrays"])

@@ -16,6 +16,7 @@ from gymnasium.spaces import Box, Dict, Discrete, Graph, Sequence, Text, Tuple
 
 from conftest import SPACES, assert_same, box_space, changed, random_rows, ring_model, snapshot, stack
 from trajstore import ReplayBuffer
+from trajstore.storage.keys import FORMAT_VERSION
 from trajstore.errors import (
     BadValueError,
     DamagedStoreError,
@@ -101,6 +102,27 @@ def test_newer_format_version(buffers, read_only):
     path, _ = _closed_store(buffers)
     _edit_root_attrs(path, lambda a: a.update(format_version=99))
     _expect_open_error(buffers, path, FormatVersionError, read_only)
+
+
+def test_version_1_store_opens_and_is_written_as_version_2(buffers):
+    """A store of format version 1 (shapes = rows allocated, no dimension names) opens and takes
+    rows; the commit records this trajstore writes say 2 (an older trajstore then refuses the store
+    by version), its root schema keeps the version it was created with."""
+    path, rows = _closed_store(buffers)
+    _edit_root_attrs(path, lambda a: a.update(format_version=1))
+    head = json.loads((path / HEAD).read_text())
+    head["format_version"] = 1
+    (path / HEAD).write_text(json.dumps(head))
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        assert_same(ro[: len(rows)], stack(rows))
+    rb = buffers.track(ReplayBuffer.load_from(path))
+    more = random_rows(rb.single_space, 3, 1)
+    rb.extend(stack(more))
+    rb.close()
+    assert json.loads((path / HEAD).read_text())["format_version"] == FORMAT_VERSION == 2
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["trajstore"]["format_version"] == 1
+    with ReplayBuffer.load_from(path, read_only=True) as ro:
+        assert_same(ro[:], stack(rows + more))
 
 
 @pytest.mark.parametrize("read_only", [True, False])

@@ -39,6 +39,7 @@ from gymnasium.spaces import Box, Dict, Discrete
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import TrajstoreError
+from trajstore.storage.keys import FORMAT_VERSION
 
 HEAD = "trajstore.head.json"
 DEADLINE_S = 20
@@ -401,7 +402,7 @@ CASES: list[tuple[str, tuple[str, ...], Any]] = [
     ("format-version-bool", ("rb-raw",), edit_attrs(lambda a: a.update(format_version=True))),
     ("format-version-float", ("rb-raw",), edit_attrs(lambda a: a.update(format_version=1.0))),
     ("format-version-missing", ("rb-raw",), edit_attrs(lambda a: a.pop("format_version"))),
-    ("format-version-newer", ("rb-raw",), edit_attrs(lambda a: a.update(format_version=2))),
+    ("format-version-newer", ("rb-raw",), edit_attrs(lambda a: a.update(format_version=FORMAT_VERSION + 1))),
     ("root-node-array", ("rb-raw", "traj-lz4"), edit_root(lambda r: r.update(node_type="array"))),
     ("root-not-object", ("rb-raw",), edit_root(lambda r: [r], replace=True)),
     ("root-garbage", ("rb-raw",), replace_with("zarr.json", "bytes:00ff7b7b")),

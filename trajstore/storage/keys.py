@@ -18,5 +18,10 @@ DATASET_KEY = "trajstore.dataset.json"
 #: A store of its own inside a buffer's folder: the priorities a PrioritizedSampler keeps
 #: (:mod:`trajstore.sampling.prioritized`).  Not part of the buffer's rows (a ``.zip`` leaves it out).
 PRIORITIES_DIR = "trajstore.priorities"
-#: Version of the commit record's format; a newer one is refused with FormatVersionError.
-FORMAT_VERSION = 1
+#: Version of the format (root schema and commit record); a newer one is refused with
+#: FormatVersionError.  2: an unbounded table's zarr ``shape`` is its committed rows (published around
+#: each commit; the allocation lives in the commit record only) and arrays carry ``dimension_names``.
+#: Version 1 stores open and are written as ever; their commit records say 2 once this version
+#: writes them, so an older trajstore refuses them by version instead of finding a shape it
+#: cannot explain.
+FORMAT_VERSION = 2
