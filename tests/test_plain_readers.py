@@ -187,6 +187,12 @@ def test_dataset_description_in_root_attributes(tmp_path: Path) -> None:
     set_dataset_info(path, author=None, env_id="CartPole-v1")  # by path, a key removed
     assert get_dataset_info(path) == {"env_id": "CartPole-v1", "name": "demo"}
     assert xr.open_zarr(path).attrs["dataset"] == {"env_id": "CartPole-v1", "name": "demo"}
+    with ReplayBuffer.load_from(path, read_only=True) as ro:  # copies carry it: a folder and a zip
+        ro.dumps(tmp_path / "copy")
+        ro.dumps(tmp_path / "copy.zip")
+    assert zarr.open_group(str(tmp_path / "copy"), mode="r").attrs["dataset"] == {"env_id": "CartPole-v1", "name": "demo"}
+    with zarr.storage.ZipStore(tmp_path / "copy.zip", mode="r") as zs:
+        assert zarr.open_group(zs, mode="r").attrs["dataset"] == {"env_id": "CartPole-v1", "name": "demo"}
     set_dataset_info(path, replace=True)
     assert "dataset" not in zarr.open_group(str(path), mode="r").attrs
     assert verify_store(path).ok

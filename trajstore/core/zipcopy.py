@@ -43,6 +43,7 @@ from trajstore.storage.head import (
 )
 from trajstore.storage.keys import PRIORITIES_DIR
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
+from trajstore.storage.published import DATASET_ATTR, root_attribute, set_root_attribute
 from trajstore.storage.schema import check_schema
 from trajstore.storage.zipstore import ZipWriter
 
@@ -153,6 +154,10 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
                            dtype=spec.dtype, compressors=codec, filters=None,
                            fill_value=np.zeros((), spec.dtype)[()], config={"write_empty_chunks": True})
     consolidate_metadata(mem)
+    # The dataset description's mirror for plain readers (the description file itself is copied below).
+    dataset = root_attribute(store.loc, DATASET_ATTR)
+    if dataset is not None:
+        set_root_attribute(mem, DATASET_ATTR, dataset)
 
     writer = ZipWriter(target, compression=zip_compression)
     loc = Location(writer, target, None)

@@ -33,7 +33,8 @@ from trajstore.storage.confined import pwrite
 from trajstore.storage.location import Location
 from trajstore.storage.schema import TableSchema, load_json
 
-__all__ = ["ROW_AXIS", "DATASET_ATTR", "dimension_names", "Publisher", "set_root_attribute", "add_dimension_names"]
+__all__ = ["ROW_AXIS", "DATASET_ATTR", "dimension_names", "Publisher", "set_root_attribute", "root_attribute",
+           "add_dimension_names"]
 
 #: Name of axis 0 (rows) of each table's arrays.  One name per table, so every array of a table
 #: shares it (xarray aligns them); different names per table, because their row counts differ.
@@ -152,6 +153,12 @@ def _read_obj(loc: Location, key: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise DamagedStoreError(f"{loc.url}: {key} holds {type(obj).__name__}; expected a JSON object")
     return obj
+
+
+def root_attribute(loc: Location, name: str) -> Any:
+    """Attribute ``name`` of the root group of the store at ``loc`` (None when it has none)."""
+    attrs = _read_obj(loc, "zarr.json").get("attributes")
+    return attrs.get(name) if isinstance(attrs, dict) else None
 
 
 def set_root_attribute(loc: Location, name: str, value: Any, *, fsync: bool = False) -> None:
