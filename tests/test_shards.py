@@ -30,7 +30,6 @@ from trajstore.errors import (
 )
 from trajstore.shards import create_shard, open_sharded
 from trajstore.shards import dataset as shard_dataset
-from trajstore.shards import rows as shard_rows
 from trajstore.shards import watch as shard_watch
 from trajstore.shards.rows import EPISODE_STRIDE
 
@@ -405,8 +404,8 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     of commits from its watch of the shard folders or by stat (``watched=False``), with no periodic
     re-check of all shards to fall back on."""
     monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
-    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
-    monkeypatch.setattr(shard_rows, "WATCH_MIN_SHARDS", 1)  # 3 shards: watched too
+    monkeypatch.setattr(shard_watch, "SWEEP_INTERVAL_S", 1e9)
+    monkeypatch.setattr(shard_watch, "WATCH_MIN_SHARDS", 1)  # 3 shards: watched too
     if not watched:
         monkeypatch.setattr(shard_watch, "LOCAL_FS", frozenset())
     root = str(tmp_path / "ds")
@@ -434,7 +433,7 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     assert reads > 10
     ds.refresh()
     assert list(ds.shards["rows"]) == [len(SW.episode_rows(0, 0)["obs"]), 128, 128]  # full rings
-    assert ds.row_source()._unwatched == (set() if watched else {"w0", "w1", "w2"})  # the path taken
+    assert ds.row_source()._checks.unwatched == (set() if watched else {"w0", "w1", "w2"})  # the path taken
     ep = ds.episodes()
     for w, name in ((1, "w1"), (2, "w2")):  # the newest episodes are whole, the oldest may be cut
         mine = ep["shard"] == name

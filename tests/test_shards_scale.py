@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from trajstore.shards import create_shard, open_sharded
-from trajstore.shards import rows as shard_rows
 from trajstore.shards import watch as shard_watch
 from trajstore.shards.rows import EPISODE_STRIDE
 
@@ -79,20 +78,20 @@ def test_next_read_sees_every_finished_commit(tmp_path, monkeypatch, mode):
     """As a single store: a read sees every commit that finished before it, in any shard, whether
     the shards are watched (inotify) or checked by stat (a filesystem the watch does not trust, or
     no inotify instance to be had)."""
-    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)  # no periodic re-check to fall back on
+    monkeypatch.setattr(shard_watch, "SWEEP_INTERVAL_S", 1e9)  # no periodic re-check to fall back on
     watched = mode == "watched"
     if mode == "not a local filesystem":
         monkeypatch.setattr(shard_watch, "LOCAL_FS", frozenset())
     elif mode == "no inotify":
         monkeypatch.setattr(shard_watch, "_inotify", lambda: False)
     elif mode == "too few shards to watch":
-        monkeypatch.setattr(shard_rows, "WATCH_MIN_SHARDS", 6)
+        monkeypatch.setattr(shard_watch, "WATCH_MIN_SHARDS", 6)
     root = str(tmp_path / "ds")
     bufs = [_shard(root, f"s{k}", k, 2, chunk_rows=32) for k in range(5)]
     ds = open_sharded(root)
     src = ds.row_source()
-    assert (src._watch is None) == (mode == "too few shards to watch")
-    assert src._unwatched == (set() if watched else {f"s{k}" for k in range(5)})
+    assert (src._checks.watch is None) == (mode == "too few shards to watch")
+    assert src._checks.unwatched == (set() if watched else {f"s{k}" for k in range(5)})
     n = len(ds)
     for round_ in range(3):
         for k, b in enumerate(bufs):
@@ -120,8 +119,8 @@ def _forked_reader(ds, q, go):
 def test_forked_reader_watches_for_itself(tmp_path, monkeypatch):
     """A dataset used in a forked child gets its own watch (the inherited descriptor is the
     parent's queue): both processes see a commit made after the fork."""
-    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
-    monkeypatch.setattr(shard_rows, "WATCH_MIN_SHARDS", 1)
+    monkeypatch.setattr(shard_watch, "SWEEP_INTERVAL_S", 1e9)
+    monkeypatch.setattr(shard_watch, "WATCH_MIN_SHARDS", 1)
     root = str(tmp_path / "ds")
     a, b = _shard(root, "a", 0, 2), _shard(root, "b", 1, 2)
     ds = open_sharded(root)
@@ -149,8 +148,8 @@ def test_forked_reader_watches_for_itself(tmp_path, monkeypatch):
 def test_event_flood_still_sees_commits(tmp_path, monkeypatch):
     """More events than the kernel queues (a folder flooded with files): the overflow makes the
     next check look at every shard, so a commit made during the flood is still seen at once."""
-    monkeypatch.setattr(shard_rows, "SWEEP_INTERVAL_S", 1e9)
-    monkeypatch.setattr(shard_rows, "WATCH_MIN_SHARDS", 1)
+    monkeypatch.setattr(shard_watch, "SWEEP_INTERVAL_S", 1e9)
+    monkeypatch.setattr(shard_watch, "WATCH_MIN_SHARDS", 1)
     root = str(tmp_path / "ds")
     a, b = _shard(root, "a", 0, 2), _shard(root, "b", 1, 2)
     ds = open_sharded(root)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,7 @@ import numpy as np
 from trajstore.errors import DamagedStoreError
 from trajstore.sampling.source import EpisodeSource
 from trajstore.shards.gather import CrossShardField, cross_shard_field
-from trajstore.shards.watch import ShardWatch
+from trajstore.shards.watch import CommitChecks
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, TableState
 
@@ -40,12 +39,6 @@ __all__ = ["EPISODE_STRIDE", "ShardedHead", "ShardedRows"]
 
 #: Global episode id = shard position * EPISODE_STRIDE + the shard's own episode id.
 EPISODE_STRIDE = 1 << 40
-#: Watched shards' records are also all checked at least this often (seconds), a safety net
-#: for an event the watch could not see (it is exact on the filesystems it accepts).
-SWEEP_INTERVAL_S = 1.0
-#: Datasets of fewer shards check every shard's record by ``stat`` (a few calls a batch) and use
-#: no inotify instance (a user has 128 by default, shared by all their processes).
-WATCH_MIN_SHARDS = 4
 #: ``one_run`` over windows up to this many rows reads their ids across shards (one gather)
 #: instead of asking each shard's run index (a call per shard).
 ONE_RUN_READ_SPAN = 64
@@ -57,6 +50,13 @@ class ShardedHead(Head):
 
     parts: tuple[Head, ...] = field(default_factory=tuple)
     names: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _record_folder(src: Any) -> str | None:
+    """The local folder holding a shard's commit record (None for a URL)."""
+    loc = getattr(getattr(getattr(src, "buffer", None), "_store", None), "loc", None)
+    head = getattr(loc, "head_path", None)
+    return None if head is None else os.path.dirname(head)
 
 
 class ShardedRows(EpisodeSource):
@@ -96,12 +96,7 @@ class ShardedRows(EpisodeSource):
         self._generation = 0
         self._cum = np.zeros(1, np.int64)
         self._record = ShardedHead()
-        # Which shards' records to check before / after a read: watched ones only when the watch
-        # saw an event in their folder (``_dirty``), the others (``_unwatched``) every time.
-        self._watch: ShardWatch | None = None  # made once the dataset has WATCH_MIN_SHARDS shards
-        self._dirty: set[str] = set()
-        self._unwatched: set[str] = set()
-        self._swept = time.monotonic()
+        self._checks = CommitChecks()  # which shards' records to check before / after a read
         # Batch reads of per-row fields across shards (gather.py): per field tuple, the fields'
         # cross-shard views (None: read shard by shard); each shard's first row and ring capacity
         # (0: unbounded) under the view.
@@ -113,16 +108,10 @@ class ShardedRows(EpisodeSource):
     # -- the view --------------------------------------------------------------------------------
     def set_shards(self, names: list[str], sources: list[Any]) -> None:
         """The shards now open (``discover`` calls this): names in order, and their row sources."""
-        old = set(self.names)
         self.names, self.sources = names, sources
         self._index = {n: i for i, n in enumerate(names)}
         self._cross = {}
-        if self._watch is None and len(names) >= WATCH_MIN_SHARDS:
-            self._rewatch()
-        else:
-            for n, src in zip(names, sources):
-                if n not in old:
-                    self._watch_shard(n, src)
+        self._checks.update([(n, _record_folder(src)) for n, src in zip(names, sources)])
         self._plans = {}
         if sources:
             self.step_leaves = list(getattr(sources[0], "step_leaves", []))
@@ -195,51 +184,11 @@ class ShardedRows(EpisodeSource):
 
     def close(self) -> None:
         """Stop watching the shard folders (the dataset closes its shards)."""
-        if self._watch is not None:
-            self._watch.close()
-
-    # -- which records to check ---------------------------------------------------------------
-    def _watch_shard(self, name: str, src: Any) -> None:
-        """Watch a shard's folder, or check its record before every read when that cannot be exact."""
-        head = getattr(getattr(getattr(src, "buffer", None), "_store", None), "loc", None)
-        head_path = getattr(head, "head_path", None)
-        if head_path is not None and self._watch is not None and self._watch.add(os.path.dirname(head_path), name):
-            self._dirty.add(name)  # a commit between its open and the watch: check it once
-        else:
-            self._unwatched.add(name)
-
-    def _rewatch(self) -> ShardWatch:
-        """A new watch over every shard (each checked once at the next read)."""
-        if self._watch is not None:
-            self._watch.close()
-        self._watch, self._dirty, self._unwatched = ShardWatch(), set(), set()
-        for n, src in zip(self.names, self.sources):
-            self._watch_shard(n, src)
-        return self._watch
+        self._checks.close()
 
     def _to_check(self, touched: set[int] | None = None) -> list[int]:
-        """Positions of the shards whose record may have changed (among ``touched``, when given;
-        the others stay marked for the next check)."""
-        w = self._watch
-        if w is not None and w.forked:  # a forked child: its own watch, every shard checked once
-            w = self._rewatch()
-        # No watch (few shards, no inotify, no free instance): every shard is in _unwatched.
-        seen = w.changed() if w is not None and w.usable else set()
-        now = time.monotonic()
-        if seen is None or now - self._swept >= SWEEP_INTERVAL_S:
-            self._swept = now
-            self._dirty.update(self.names)
-        else:
-            self._dirty |= seen
-        if w is not None and w.lost:
-            self._unwatched |= w.lost
-            w.lost.clear()
-        if touched is None:
-            names, self._dirty = self._dirty, set()
-        else:
-            names = {self.names[k] for k in touched} & self._dirty
-            self._dirty -= names
-        names |= self._unwatched if touched is None else {self.names[k] for k in touched} & self._unwatched
+        """Positions of the shards whose record may have changed (among ``touched``, when given)."""
+        names = self._checks.due(self.names, None if touched is None else {self.names[k] for k in touched})
         return [self._index[n] for n in names if n in self._index]
 
     def sync(self) -> None:

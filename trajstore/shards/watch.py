@@ -22,9 +22,10 @@ import errno
 import os
 import struct
 import sys
+import time
 from typing import Any
 
-__all__ = ["LOCAL_FS", "ShardWatch"]
+__all__ = ["LOCAL_FS", "SWEEP_INTERVAL_S", "WATCH_MIN_SHARDS", "CommitChecks", "ShardWatch"]
 
 #: Filesystem types whose every change goes through the local kernel (inotify sees them all).
 LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "zfs", "overlay", "jfs", "reiserfs"})
@@ -37,6 +38,13 @@ _IN_Q_OVERFLOW, _IN_IGNORED = 0x00004000, 0x00008000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _READ_BYTES = 64 * 1024
 _MAX_READS = 16
+
+#: Watched shards' records are also all checked at least this often (seconds), a safety net
+#: for an event the watch could not see (it is exact on the filesystems it accepts).
+SWEEP_INTERVAL_S = 1.0
+#: Datasets of fewer shards check every shard's record by ``stat`` (a few calls a batch) and use
+#: no inotify instance (a user has 128 by default, shared by all their processes).
+WATCH_MIN_SHARDS = 4
 
 _libc: Any = None
 
@@ -173,3 +181,72 @@ class ShardWatch:
 
     def __del__(self) -> None:
         self.close()
+
+
+class CommitChecks:
+    """Which shards' commit records a reader of a sharded dataset checks before and after a read:
+    watched shards only when their folder had an event (:attr:`dirty`), the others
+    (:attr:`unwatched`: not a local filesystem, a URL, no inotify, too few shards) every time.
+
+    :meth:`update` is told every shard (name, folder of its record or None) whenever the shards
+    change; :meth:`due` answers with the names to check now.
+    """
+
+    def __init__(self) -> None:
+        self.watch: ShardWatch | None = None  # made once there are WATCH_MIN_SHARDS shards
+        self.dirty: set[str] = set()
+        self.unwatched: set[str] = set()
+        self._folders: dict[str, str | None] = {}
+        self._swept = time.monotonic()
+
+    def update(self, shards: list[tuple[str, str | None]]) -> None:
+        """The shards now open: ``(name, folder holding its commit record, or None for a URL)``."""
+        new = [(n, f) for n, f in shards if n not in self._folders]
+        self._folders.update(new)
+        if self.watch is None and len(self._folders) >= WATCH_MIN_SHARDS:
+            self._rewatch()
+        else:
+            for n, f in new:
+                self._add(n, f)
+
+    def _add(self, name: str, folder: str | None) -> None:
+        if folder is not None and self.watch is not None and self.watch.add(folder, name):
+            self.dirty.add(name)  # a commit between its open and the watch: check it once
+        else:
+            self.unwatched.add(name)
+
+    def _rewatch(self) -> None:
+        """A new watch over every shard (each checked once at the next read)."""
+        if self.watch is not None:
+            self.watch.close()
+        self.watch, self.dirty, self.unwatched = ShardWatch(), set(), set()
+        for n, f in self._folders.items():
+            self._add(n, f)
+
+    def due(self, names: list[str], touched: set[str] | None = None) -> set[str]:
+        """Names of the shards whose record may have changed, among ``touched`` when given (the
+        others stay marked for the next call); ``names``: every shard now."""
+        if self.watch is not None and self.watch.forked:  # a forked child: its own watch
+            self._rewatch()
+        w = self.watch
+        seen = w.changed() if w is not None and w.usable else set()
+        now = time.monotonic()
+        if seen is None or now - self._swept >= SWEEP_INTERVAL_S:
+            self._swept = now
+            self.dirty.update(names)
+        else:
+            self.dirty |= seen
+        if w is not None and w.lost:
+            self.unwatched |= w.lost
+            w.lost.clear()
+        if touched is None:
+            out, self.dirty = self.dirty, set()
+            return out | self.unwatched
+        out = touched & self.dirty
+        self.dirty -= out
+        return out | (touched & self.unwatched)
+
+    def close(self) -> None:
+        """Stop watching."""
+        if self.watch is not None:
+            self.watch.close()
