@@ -153,6 +153,15 @@ class _NoBar:
         pass
 
 
+def print_spaces(spaces_text: dict[str, str]) -> None:
+    """The ``spaces`` block of ``info``: each table's space as an indented tree."""
+    print("spaces")
+    for name, tree in spaces_text.items():
+        print(f"  {name}:")
+        for line in tree.splitlines():
+            print(f"    {line}")
+
+
 def progress(total: int, desc: str, unit: str = "it") -> Any:
     """A tqdm bar on stderr, silent (no output at all) when stderr is not a terminal or tqdm is missing."""
     if not sys.stderr.isatty():

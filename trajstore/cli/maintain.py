@@ -17,7 +17,7 @@ from trajstore.cli._common import (
     print_json,
     progress,
 )
-from trajstore.cli.shards import is_sharded, merge_copy, print_sharded_verify, verify_sharded
+from trajstore.cli.shards import is_sharded_root, merge_copy, print_sharded_verify, verify_sharded
 from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
@@ -51,7 +51,7 @@ def _print_verify(rep: VerifyReport, indent: str = "") -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    if is_sharded(args.path, args.storage_options):  # every shard, and the root record
+    if is_sharded_root(args.path, args.storage_options):  # every shard, and the root record
         out = verify_sharded(args.path, args.storage_options, args.deep, lambda n, d: progress(n, d, unit="chunk"))
         if args.json:
             print_json({k: v for k, v in out.items() if not k.startswith("_")})
@@ -303,7 +303,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
         args.dst_options = args.dst_options or args.storage_options
     if _same(args.src, args.dst):
         raise CLIError("SRC and DST are the same store", code=2)
-    if is_sharded(args.src, args.src_options):  # merged into one store
+    if is_sharded_root(args.src, args.src_options):  # merged into one store
         out = merge_copy(args.src, args.dst, src_options=args.src_options, dst_options=args.dst_options,
                          overwrite=args.overwrite, compressor=args.compressor, chunk_rows=args.chunk_rows,
                          bar=lambda n, d: progress(n, d, unit="row"), tqdm=False if args.json else None,

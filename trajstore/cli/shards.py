@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from trajstore.cli._common import CLIError
-from trajstore.errors import DamagedStoreError, FormatVersionError, TrajstoreError
+from trajstore.cli._common import CLIError, fmt_bytes, print_spaces, print_table
+from trajstore.errors import DamagedStoreError, FormatVersionError
 from trajstore.maintenance.summary import (
     STEP_IDS,
     STEPS,
@@ -32,6 +32,7 @@ from trajstore.maintenance.verify import Fault, VerifyReport, verify_store
 from trajstore.shards.layout import (
     ROOT_KEY,
     RootRecord,
+    is_sharded_root,
     list_shards,
     read_root_record,
     root_location,
@@ -41,25 +42,9 @@ from trajstore.shards.layout import (
 from trajstore.shards.rows import EPISODE_STRIDE
 from trajstore.spaces import space_from_json
 
-__all__ = ["is_sharded", "sharded_info", "sharded_episodes", "sharded_stats", "verify_sharded", "merge_copy"]
+__all__ = ["is_sharded_root", "sharded_info", "sharded_episodes", "sharded_stats", "verify_sharded", "merge_copy"]
 
 Options = dict[str, Any] | None
-
-
-def is_sharded(path: str, storage_options: Options) -> bool:
-    """Whether ``path`` is a sharded dataset's root (it holds a root record); False for anything
-    else (a store, a .zip, nothing), which the per-store code then opens and judges."""
-    p = os.fspath(path)
-    if "://" not in p and "::" not in p:
-        return os.path.isdir(p) and os.path.lexists(os.path.join(p, ROOT_KEY))
-    try:
-        loc = root_location(p, read_only=True, storage_options=storage_options)
-    except (TrajstoreError, OSError, ValueError):
-        return False  # not reachable as a folder-like location: the per-store open says why
-    try:
-        return loc.exists(ROOT_KEY)
-    finally:
-        loc.close()
 
 
 def _root(path: str, storage_options: Options) -> tuple[RootRecord, list[str], list[str]]:
@@ -68,7 +53,7 @@ def _root(path: str, storage_options: Options) -> tuple[RootRecord, list[str], l
     loc = root_location(path, read_only=True, storage_options=storage_options)
     try:
         root = read_root_record(loc)
-        if root is None:  # removed between is_sharded and here
+        if root is None:  # removed between is_sharded_root and here
             raise DamagedStoreError(f"{loc.url}: {ROOT_KEY} is gone")
         names = list_shards(loc)
         ready = [n for n in names if shard_ready(loc, n)]
@@ -111,8 +96,6 @@ def sharded_info(path: str, storage_options: Options) -> dict[str, Any]:
 
 def print_sharded_info(info: dict[str, Any]) -> None:
     """Print what ``trajstore info`` shows of a sharded dataset (from :func:`sharded_info`)."""
-    from trajstore.cli._common import fmt_bytes, print_table
-
     eps = info["episodes"]
     print(f"sharded dataset {info['path']}")
     print(f"kind           {info['kind']} shards")
@@ -122,11 +105,7 @@ def print_sharded_info(info: dict[str, Any]) -> None:
     print(f"size on disk   {fmt_bytes(info['stored_bytes'])}: {fmt_bytes(info['logical_bytes'])} of committed data")
     if info["options"]:
         print("options        " + ", ".join(f"{k}={v}" for k, v in sorted(info["options"].items())))
-    print("spaces")
-    for name, tree in info["spaces_text"].items():
-        print(f"  {name}:")
-        for line in tree.splitlines():
-            print(f"    {line}")
+    print_spaces(info["spaces_text"])
     print("shards")
     print_table(["shard", "rows", "episodes", "stored"],
                 [[s["name"], s["rows"], "-" if s["episodes"] is None else s["episodes"]["finished"],

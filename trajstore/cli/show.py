@@ -16,11 +16,12 @@ from trajstore.cli._common import (
     non_negative_int,
     positive_int,
     print_json,
+    print_spaces,
     print_table,
     progress,
 )
 from trajstore.cli.shards import (
-    is_sharded,
+    is_sharded_root,
     print_sharded_info,
     sharded_episodes,
     sharded_info,
@@ -76,11 +77,7 @@ def print_info(info: dict[str, Any]) -> None:
         print(f"episodes       {episode_text(eps, info['tables']['step_data']['capacity'])}")
     print(f"size on disk   {fmt_bytes(info['stored_bytes'])}: {fmt_bytes(info['logical_bytes'])} of committed data, "
           f"{ratio_text(info)}")
-    print("spaces")
-    for name, tree in info["spaces_text"].items():
-        print(f"  {name}:")
-        for line in tree.splitlines():
-            print(f"    {line}")
+    print_spaces(info["spaces_text"])
     print("arrays")
     print_table(["path", "shape", "dtype", "chunks", "codec", "stored"],
                 [[a["path"], str(tuple(a["shape"])), a["dtype"], a["chunk_rows"], a["codec"], fmt_bytes(a["stored_bytes"])]
@@ -88,7 +85,7 @@ def print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    sharded = is_sharded(args.path, args.storage_options)
+    sharded = is_sharded_root(args.path, args.storage_options)
     info = (sharded_info if sharded else store_info)(args.path, storage_options=args.storage_options)
     if args.json:
         print_json({k: v for k, v in info.items() if k != "spaces_text"})
@@ -124,7 +121,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 # -- episodes ----------------------------------------------------------------------------------------
 def _episodes(args: argparse.Namespace) -> dict[str, Any]:
-    if is_sharded(args.path, args.storage_options):  # with the columns shard and shard_episode_id
+    if is_sharded_root(args.path, args.storage_options):  # with the columns shard and shard_episode_id
         return sharded_episodes(args.path, args.storage_options, getattr(args, "reward_field", None))
     store = open_store(args.path, args.storage_options)
     try:
@@ -192,7 +189,7 @@ def _cmd_head(args: argparse.Namespace) -> int:
 
 # -- stats -----------------------------------------------------------------------------------------------
 def _cmd_stats(args: argparse.Namespace) -> int:
-    if is_sharded(args.path, args.storage_options):
+    if is_sharded_root(args.path, args.storage_options):
         stats = sharded_stats(args.path, args.storage_options, args.field, lambda n, d: progress(n, d, unit="row"))
         return _print_stats(args, stats)
     store = open_store(args.path, args.storage_options)

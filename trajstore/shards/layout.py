@@ -31,13 +31,14 @@ from trajstore.errors import (
     NotATrajstoreError,
     SpaceMismatchError,
     StoreNotFoundError,
+    TrajstoreError,
 )
 from trajstore.spaces import space_from_json
 from trajstore.storage.keys import HEAD_KEY
 from trajstore.storage.location import Location, resolve_location
 from trajstore.storage.schema import load_json
 
-__all__ = ["ROOT_KEY", "SHARDS_DIR", "MAX_SHARDS", "KINDS", "RootRecord", "default_shard_name", "check_shard_name",
+__all__ = ["is_sharded_root", "ROOT_KEY", "SHARDS_DIR", "MAX_SHARDS", "KINDS", "RootRecord", "default_shard_name", "check_shard_name",
            "root_location", "read_root_record", "list_shards", "shard_url", "shard_ready"]
 
 #: The dataset root's record (JSON object).
@@ -131,6 +132,27 @@ def root_location(path: Any, *, read_only: bool, storage_options: dict[str, Any]
     if "://" not in p and read_only and not os.path.isdir(p):
         raise StoreNotFoundError(f"no sharded dataset at {p!r}: the folder does not exist")
     return resolve_location(p, read_only=read_only, storage_options=storage_options, must_exist=False)
+
+
+def is_sharded_root(path: Any, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` (a folder or fsspec URL) is a sharded dataset's root: it holds a root
+    record.  False for anything else (a single store, a ``.zip``, nothing there, a location that
+    cannot be reached), which the per-store code then opens and judges."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    p = os.fspath(path)
+    if "://" not in p and "::" not in p:
+        return os.path.isdir(p) and os.path.lexists(os.path.join(p, ROOT_KEY))
+    try:
+        loc = root_location(p, read_only=True, storage_options=storage_options)
+    except (TrajstoreError, OSError, ValueError):
+        return False  # not reachable as a folder-like location: the per-store open says why
+    try:
+        return loc.exists(ROOT_KEY)
+    except (TrajstoreError, OSError, ValueError):
+        return False
+    finally:
+        loc.close()
 
 
 def read_root_record(loc: Location) -> RootRecord | None:

@@ -7,6 +7,7 @@ passed by the user is used as is in the process that created the dataset.
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -17,9 +18,11 @@ from trajstore.buffers.base import StoredBuffer
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, NotATrajstoreError, UnknownFieldError
+from trajstore.shards.dataset import ShardedDataset, open_sharded
+from trajstore.shards.layout import is_sharded_root
 from trajstore.spaces import ValuePlan, leaves, subspace
 
-__all__ = ["BufferSource", "FieldSelection"]
+__all__ = ["BufferSource", "ShardedSource", "make_source", "FieldSelection"]
 
 _KINDS: dict[str, type[ReplayBuffer] | type[TrajectoryReplayBuffer]] = {
     "ReplayBuffer": ReplayBuffer, "TrajectoryReplayBuffer": TrajectoryReplayBuffer}
@@ -35,65 +38,45 @@ def _store_kind(path: str, storage_options: dict[str, Any] | None) -> str:
         store.close()
 
 
-class BufferSource:
-    """Where the rows come from: a store path (opened read-only, lazily, once per process) or a buffer.
+class _LazySource(abc.ABC):
+    """Rows opened read-only, lazily, once per process: what the datasets hold.
 
-    Parameters
-    ----------
-    source : str, os.PathLike or StoredBuffer
-        A store path or URL, or an open buffer.  A writer buffer is flushed first, so worker
-        processes (which open the store read-only by path) see every row written so far.
-    storage_options : dict, optional
-        fsspec options for a URL (taken from the buffer when one is given).
+    Only ``path``, ``kind`` and ``storage_options`` (plus what a subclass adds) cross a process
+    boundary; each process (a DataLoader worker, fork or spawn) opens its own handle on first use
+    (:meth:`_open`), and a forked copy never shares memory maps, file handles or event loops with
+    its parent.  A handle the user passed is used as is in the process that made the dataset.
     """
 
-    def __init__(self, source: Any, storage_options: dict[str, Any] | None = None) -> None:
+    path: str | None
+    kind: str
+    storage_options: dict[str, Any] | None
+
+    def __init__(self, given: Any) -> None:
         self._pid = os.getpid()
-        if isinstance(source, StoredBuffer):
-            buf = source
-            if not buf.read_only:
-                buf.flush()
-            self.path = buf.cache_path
-            # A subclass (a store opened in place, open_diffusion_policy) is reopened by its own load_from.
-            self.kind = next((k for k, c in _KINDS.items() if isinstance(buf, c)), type(buf).__name__)
-            self._cls: type[StoredBuffer] | None = type(buf)
-            self.storage_options = storage_options if storage_options is not None else buf.storage_options
-            self._buf: StoredBuffer | None = buf
-            self._owned = False
-        else:
-            self.path = os.fspath(source)
-            self.storage_options = storage_options
-            self.kind = _store_kind(self.path, storage_options)
-            self._cls = None
-            self._buf = None
-            self._owned = True
-        if self.kind not in _KINDS:
-            raise NotATrajstoreError(f"{self.path!r}: unsupported store kind {self.kind!r}; the datasets read "
-                                     f"{' and '.join(_KINDS)} stores")
+        self._buf: Any = given
+        self._owned = given is None
+
+    @abc.abstractmethod
+    def _open(self) -> Any:
+        """This process's own read-only handle (called once per process)."""
 
     @property
-    def buffer(self) -> StoredBuffer:
-        """This process's read-only buffer (opened on first use, reopened after a fork)."""
+    def buffer(self) -> Any:
+        """This process's read-only handle (opened on first use, reopened after a fork)."""
         if self._buf is not None and self._pid != os.getpid():
-            # A forked copy: never share memory maps / file handles / event loops with the parent.
-            self._buf = None
-            self._owned = True
+            self._buf, self._owned = None, True
         if self._buf is None:
-            if self.path is None:
-                raise BadArgumentError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
-                                   "use num_workers=0 or a store path")
-            cls = self._cls if self._cls is not None else _KINDS[self.kind]
-            self._buf = cls.load_from(self.path, read_only=True, storage_options=self.storage_options)  # type: ignore[attr-defined]
+            self._buf = self._open()
             self._pid = os.getpid()
         return self._buf
 
     @property
     def is_trajectory(self) -> bool:
-        """Whether the rows are a :class:`~trajstore.TrajectoryReplayBuffer`'s steps."""
+        """Whether the rows are :class:`~trajstore.TrajectoryReplayBuffer` steps."""
         return self.kind == "TrajectoryReplayBuffer"
 
     def close(self) -> None:
-        """Close the buffer this source opened in this process; a buffer it was given stays open."""
+        """Close the handle this source opened in this process; one it was given stays open."""
         if self._buf is not None and self._owned and self._pid == os.getpid():
             self._buf.close()
         self._buf = None
@@ -109,6 +92,76 @@ class BufferSource:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+class BufferSource(_LazySource):
+    """Where the rows come from: a store path (opened read-only, lazily, once per process) or a buffer.
+
+    Parameters
+    ----------
+    source : str, os.PathLike or StoredBuffer
+        A store path or URL, or an open buffer.  A writer buffer is flushed first, so worker
+        processes (which open the store read-only by path) see every row written so far.
+    storage_options : dict, optional
+        fsspec options for a URL (taken from the buffer when one is given).
+    """
+
+    def __init__(self, source: Any, storage_options: dict[str, Any] | None = None) -> None:
+        if isinstance(source, StoredBuffer):
+            buf = source
+            if not buf.read_only:
+                buf.flush()
+            super().__init__(buf)
+            self.path = buf.cache_path
+            # A subclass (a store opened in place, open_diffusion_policy) is reopened by its own load_from.
+            self.kind = next((k for k, c in _KINDS.items() if isinstance(buf, c)), type(buf).__name__)
+            self._cls: type[StoredBuffer] | None = type(buf)
+            self.storage_options = storage_options if storage_options is not None else buf.storage_options
+        else:
+            super().__init__(None)
+            self.path = os.fspath(source)
+            self.storage_options = storage_options
+            self.kind = _store_kind(self.path, storage_options)
+            self._cls = None
+        if self.kind not in _KINDS:
+            raise NotATrajstoreError(f"{self.path!r}: unsupported store kind {self.kind!r}; the datasets read "
+                                     f"{' and '.join(_KINDS)} stores")
+
+    def _open(self) -> StoredBuffer:
+        if self.path is None:
+            raise BadArgumentError("an in-memory buffer (cache_path=None) cannot be opened in another process; "
+                                   "use num_workers=0 or a store path")
+        cls = self._cls if self._cls is not None else _KINDS[self.kind]
+        return cls.load_from(self.path, read_only=True, storage_options=self.storage_options)  # type: ignore[attr-defined]
+
+
+class ShardedSource(_LazySource):
+    """Where the rows come from when they are a sharded dataset: its root path, or an
+    :func:`~trajstore.shards.open_sharded` view (used as is in this process); every other process
+    opens its own view of the root."""
+
+    def __init__(self, source: Any, storage_options: dict[str, Any] | None = None) -> None:
+        if isinstance(source, ShardedDataset):
+            super().__init__(source)
+            self.path = source.path
+            self.storage_options = storage_options if storage_options is not None else source.storage_options
+        else:
+            super().__init__(None)
+            self.path = os.fspath(source)
+            self.storage_options = storage_options
+        self.kind = self.buffer.kind
+
+    def _open(self) -> ShardedDataset:
+        assert self.path is not None  # a sharded dataset always has a root
+        return open_sharded(self.path, storage_options=self.storage_options)
+
+
+def make_source(source: Any, storage_options: dict[str, Any] | None = None) -> BufferSource | ShardedSource:
+    """The source of a dataset's rows: a :class:`ShardedSource` for a sharded dataset (its root
+    path, or :func:`~trajstore.shards.open_sharded`'s view), else a :class:`BufferSource`."""
+    if isinstance(source, ShardedDataset) or is_sharded_root(source, storage_options):
+        return ShardedSource(source, storage_options)
+    return BufferSource(source, storage_options)
 
 
 class FieldSelection:

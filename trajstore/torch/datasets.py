@@ -26,8 +26,7 @@ from trajstore.errors import BadArgumentError, BadOptionError, IndexOutOfRangeEr
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
-from trajstore.shards.source import ShardedSource, is_sharded
-from trajstore.torch._source import BufferSource, FieldSelection
+from trajstore.torch._source import FieldSelection, ShardedSource, make_source
 from trajstore.torch._transfer import in_worker, pack
 
 __all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
@@ -99,8 +98,7 @@ class _Base(Dataset):
             raise BadOptionError(f"output must be one of {_OUTPUTS}; got {output!r}")
         self.output = output
         # A sharded dataset (its root path, or open_sharded's view) reads every shard as one store.
-        self._src: Any = (ShardedSource(source, storage_options) if is_sharded(source, storage_options)
-                          else BufferSource(source, storage_options))
+        self._src = make_source(source, storage_options)
         buf: Any = self._src.buffer
         self._sel = FieldSelection(buf, fields)
         self.fields = list(self._sel.names)
