@@ -18,17 +18,9 @@ import numpy as np
 import zarr
 
 from trajstore.errors import DamagedStoreError, LockedError, ReadOnlyError
-from trajstore.maintenance.verify import (
-    VerifyReport,
-    _fmt_rows,
-    _locate,
-    _parse_head,
-    _Scan,
-    _scan,
-    _scan_orphans,
-    probe_head,
-    usable_prev,
-)
+from trajstore.maintenance.pieces import Scan, fmt_rows, locate, parse_head, scan_orphans
+from trajstore.maintenance.report import VerifyReport
+from trajstore.maintenance.verify import probe_head, scan_store, usable_prev
 from trajstore.storage.confined import MAX_HEAD_BYTES
 from trajstore.storage.head import (
     HEAD_KEY,
@@ -112,7 +104,7 @@ def _intact_window(count: int, bad: list[tuple[int, int]], ring: bool) -> tuple[
     return best
 
 
-def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
+def _tmp_head_candidates(loc: Location, sc: Scan) -> list[Head]:
     """Complete commit records left in the temp folder by a commit interrupted before its rename."""
     out = []
     for key in loc.list_prefix(TMP_DIR):
@@ -123,7 +115,7 @@ def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
             obj = load_json(raw, str(loc.url), key, strict_numbers=True)
         except DamagedStoreError:
             continue
-        head, _why = _parse_head(obj, list(sc.tables))
+        head, fault_text = parse_head(obj, list(sc.tables))
         if head is not None:
             try:
                 check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
@@ -134,12 +126,12 @@ def _tmp_head_candidates(loc: Location, sc: _Scan) -> list[Head]:
     return sorted(out, key=lambda h: h.generation, reverse=True)
 
 
-def _probe(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
+def _probe(loc: Location, sc: Scan, head: Head) -> VerifyReport:
     """verify's row checks as if ``head`` were the commit record."""
     return probe_head(loc, sc, head)
 
 
-def _head_consistent(loc: Location, sc: _Scan, head: Head) -> bool:
+def _head_consistent(loc: Location, sc: Scan, head: Head) -> bool:
     """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
     return not [f for f in _probe(loc, sc, head).faults if f.kind != "stale-shape"]
 
@@ -179,7 +171,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
     if not dry_run and "://" not in p and p.endswith(".zip"):
         raise ReadOnlyError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
                          "(trajstore copy), repair that, and copy it back")
-    loc = _locate(path, storage_options, read_only=dry_run)
+    loc = locate(path, storage_options, read_only=dry_run)
     lock = None
     try:
         if not dry_run and loc.is_local:
@@ -191,7 +183,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                 raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
             if not lock.sole:
                 raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing")
-        before, sc = _scan(loc, deep, progress, storage_options)
+        before, sc = scan_store(loc, deep, progress, storage_options)
         rep = RepairReport(str(loc.url), dry_run, True, before=before)
         new_head: Head | None = None
         rolled_back = False
@@ -269,7 +261,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                 dropped += [(b, st.count)] if b < st.count else []
                 rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": name,
                                     "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
-                                    "why": f"table {name!r}: dropped damaged or missing rows {_fmt_rows(dropped)} "
+                                    "why": f"table {name!r}: dropped damaged or missing rows {fmt_rows(dropped)} "
                                            f"(logical rows before repair); kept {b - a} intact committed rows"})
         episode_faults = [f for f in before.faults if f.kind == "episodes"]
         if episode_faults and new_head is None:
@@ -294,7 +286,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                                                "with zarr; run repair again to remove them"})
             keys = loc.list_prefix("")
             orphan = VerifyReport(str(loc.url), False)
-            _scan_orphans(loc, keys, new_head, orphan)
+            scan_orphans(loc, keys, new_head, orphan)
             removable += orphan.removable
         else:
             removable = list(before.removable)
@@ -308,7 +300,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                 _resize(loc, sc)
             if new_head is not None:
                 write_head(loc, new_head)  # the record first: no committed row ever points at a deleted chunk
-            for key, _why in removable:
+            for key, fault_text in removable:
                 loc.delete(key)
             if loc.local_root is not None:
                 for folder in (TMP_DIR, STAGING_DIR):
@@ -316,7 +308,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
         for key, why in removable:
             rep.changes.append({"action": "delete", "key": key, "why": why})
         if not dry_run:
-            rep.after, _ = _scan(loc, deep, progress, storage_options)
+            rep.after, _ = scan_store(loc, deep, progress, storage_options)
             if rep.after.faults:
                 rep.recovered = False
                 rep.problems.append("faults remain after repair: " + "; ".join(f.message for f in rep.after.faults))
@@ -327,7 +319,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
         loc.close()
 
 
-def _resize(loc: Location, sc: _Scan) -> None:
+def _resize(loc: Location, sc: Scan) -> None:
     """Grow stale array shapes (metadata only: growing never touches chunks), then consolidate."""
     import warnings
 

@@ -20,15 +20,11 @@ reported as notes: they are harmless, and :func:`trajstore.maintenance.repair.re
 from __future__ import annotations
 
 import bisect
-import os
-import re
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import zarr
 
-from trajstore.core.ring import contiguous_runs
 from trajstore.core.store import ATTRS_KEY, check_attrs
 from trajstore.errors import (
     DamagedStoreError,
@@ -36,228 +32,50 @@ from trajstore.errors import (
     StoreNotFoundError,
     TrajstoreError,
 )
+from trajstore.maintenance.pieces import (
+    Scan,
+    StoredArray,
+    chunk_index,
+    committed_runs,
+    fault_text,
+    fmt_rows,
+    key_size,
+    locate,
+    parse_head,
+    read_json_key,
+    scan_orphans,
+)
+from trajstore.maintenance.report import Fault, VerifyReport
 from trajstore.sampling.priority_store import check_sidecar
 from trajstore.spaces import space_from_json
 from trajstore.storage.confined import MAX_FILE_BYTES
 from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
-from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location, resolve_location
+from trajstore.storage.location import Location
 from trajstore.storage.schema import (
-    TableSchema,
     _consolidated,
     check_allocation,
     check_array_meta,
     check_pending,
     check_schema,
-    load_json,
 )
 
-__all__ = ["Fault", "VerifyReport", "verify_store"]
+__all__ = ["Fault", "VerifyReport", "verify_store", "scan_store", "probe_head", "usable_prev"]
 
 
-@dataclass
-class Fault:
-    """One problem: ``kind`` (a short code), the ``key`` or array path, the ``table`` and logical
-    ``rows`` ``[lo, hi)`` it damages (None when not about rows), and a one-line ``message``."""
-
-    kind: str
-    key: str
-    message: str
-    table: str | None = None
-    rows: tuple[int, int] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """The fault as a JSON object: ``kind``, ``key``, ``table``, ``rows`` (``[lo, hi]`` or
-        null) and ``message``."""
-        return {"kind": self.kind, "key": self.key, "table": self.table,
-                "rows": list(self.rows) if self.rows else None, "message": self.message}
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`verify_store` found: the store is sound when :attr:`ok` (no fault).
-
-    Attributes
-    ----------
-    url : str
-        The store checked, as given.
-    deep : bool
-        Whether every committed chunk was also decoded.
-    faults : list of Fault
-        Damage: each names the key or array path and, for rows, the table and logical rows.
-    notes : list of str
-        Harmless findings, one line each (orphaned temp files, chunks beyond the committed rows,
-        a pending rewrite, whether the previous commit record could replace the current one).
-    checked : dict
-        Counts: ``arrays``, ``chunks`` and ``decoded`` (what was checked), ``rows`` (committed
-        rows of every table together) and ``table_rows`` (per table).
-    removable : list of (str, str)
-        ``(key, why)`` of the keys :func:`~trajstore.maintenance.repair.repair_store` may delete.
-    """
-
-    url: str
-    deep: bool
-    faults: list[Fault] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    #: ``arrays``, ``chunks``, ``decoded``: what was checked; ``rows``: committed rows of every table
-    #: together; ``table_rows``: of each table (step rows and episode-data rows are different things)
-    checked: dict[str, Any] = field(default_factory=lambda: {"arrays": 0, "chunks": 0, "decoded": 0, "rows": 0,
-                                                             "table_rows": {}})
-    #: keys that repair may delete (temp files, unreferenced staging, uncommitted chunks)
-    removable: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Whether no fault was found (notes do not count)."""
-        return not self.faults
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as a JSON object (what ``trajstore verify --json`` prints).
-
-        Returns
-        -------
-        dict
-            ``path``, ``ok``, ``deep``, ``faults`` (:meth:`Fault.to_json` each), ``notes``,
-            ``checked`` and ``removable`` (``{"key", "why"}`` objects).
-        """
-        return {"path": self.url, "ok": self.ok, "deep": self.deep, "faults": [f.to_json() for f in self.faults],
-                "notes": self.notes, "checked": self.checked,
-                "removable": [{"key": k, "why": w} for k, w in self.removable]}
-
-
-# -- reading the pieces ------------------------------------------------------------------------
-@dataclass
-class _Array:
-    path: str
-    table: str
-    shape: tuple[int, ...]
-    chunk_rows: int
-    dtype: np.dtype
-    raw: bool
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(np.prod((self.chunk_rows, *self.shape[1:]), dtype=np.int64)) * self.dtype.itemsize
-
-    def chunk_key(self, k: int) -> str:
-        return f"{self.path}/c/{k}" + "/0" * (len(self.shape) - 1)
-
-
-def _load_json(loc: Location, key: str) -> tuple[Any, str | None]:
-    """``(object, None)``, ``(None, None)`` when the key is missing, or ``(None, why)`` when unreadable
-    (not a regular file, too large, not JSON, nested too deep)."""
-    try:
-        raw = loc.get(key)
-        if raw is None:
-            return None, None
-        obj = load_json(raw, str(loc.url), key)
-    except DamagedStoreError as e:
-        return None, _why(e)
-    return (obj, None) if obj is not None else (None, "JSON null; expected an object")
-
-
-def _why(e: Exception) -> str:
-    """An error's message without the store's path in front (faults name their key)."""
-    msg = str(e)
-    return msg.split(": ", 1)[1] if ": " in msg else msg
-
-
-def _parse_head(obj: Any, tables: list[str]) -> tuple[Head | None, str | None]:
-    """A :class:`Head` from parsed JSON, its values type- and range-checked but without the row
-    relations (start <= end, count <= allocated), which verify reports itself."""
-    try:
-        head = Head.from_obj(obj, "", check_rows=False)
-    except DamagedStoreError as e:
-        return None, _why(e).replace(f"{HEAD_KEY}: ", "", 1)
-    missing = [t for t in tables if t not in head.tables]
-    if missing:
-        return None, f"no entry for table(s) {', '.join(missing)}"
-    return head, None
-
-
-_CHUNK_RE = re.compile(r"([0-9]{1,19})((?:/0)*)\Z")
-
-
-def _chunk_index(key: str, array_path: str, ndim: int = 1) -> int | None:
-    """Chunk number of ``key`` (``<path>/c/<k>/0/...``, exactly as zarr names it), else None."""
-    m = _CHUNK_RE.match(key[len(array_path) + 3:] if array_path else key[2:])  # after "<path>/c/"
-    if m is None or len(m.group(2)) != 2 * (ndim - 1):
-        return None
-    return int(m.group(1))
-
-
-def _size(loc: Location, key: str) -> int:
-    """Size of the chunk ``key``; locally it must be a regular file (never a link, FIFO, device).
-
-    Raises
-    ------
-    DamagedStoreError
-        Not a regular file (the message says what it is).
-    """
-    if loc.local_root is not None:
-        fd = loc.open_inside(key, os.O_RDONLY)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    from zarr.core.sync import sync
-
-    return int(sync(loc.zstore.getsize(key)))
-
-
-def _runs(st: TableState, capacity: int | None, limit: int) -> list[tuple[int, int, int]]:
-    """Physical runs ``(physical start, logical offset, n)`` of committed rows, clipped to ``limit`` rows."""
-    out = []
-    for p, off, m in contiguous_runs(st.start, st.end, capacity):
-        m = max(0, min(m, limit - p))
-        if m:
-            out.append((p, off, m))
-    return out
-
-
-def _chunk_rows_logical(runs: list[tuple[int, int, int]], C: int) -> dict[int, list[tuple[int, int]]]:
-    """Chunk number -> logical row ranges of committed rows it holds (a handful of chunks only:
-    :func:`_check_rows` walks runs of chunks, never every chunk of a table)."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for p, off, m in runs:
-        for k in range(p // C, (p + m - 1) // C + 1):
-            lo, hi = max(p, k * C), min(p + m, (k + 1) * C)
-            out.setdefault(k, []).append((off + lo - p, off + hi - p))
-    return out
-
-
-def _fmt_rows(ranges: list[tuple[int, int]]) -> str:
-    return ", ".join(f"[{a}, {b})" for a, b in ranges)
-
-
-class _Scan:
-    """Everything verify learned about a store, reused by repair."""
-
-    def __init__(self) -> None:
-        self.attrs: dict[str, Any] | None = None
-        self.schema: dict[str, TableSchema] = {}
-        self.arrays: dict[str, _Array] = {}
-        self.tables: dict[str, dict[str, Any]] = {}
-        self.head: Head | None = None
-        self.head_fault = False
-        self.chunks: dict[str, dict[int, str]] = {}  # array path -> chunk number -> key
-        self.bad_rows: dict[str, list[tuple[int, int]]] = {}  # table -> damaged logical rows
-        self.root_missing = False
-        self.stale: dict[str, int] = {}  # array path -> rows its zarr.json shape should record
-        self.unlistable: set[str] = set()  # arrays whose chunk folder is a link or special file
-
-
-def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
-          storage_options: dict[str, Any] | None = None) -> tuple[VerifyReport, _Scan]:
+def scan_store(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
+               storage_options: dict[str, Any] | None = None) -> tuple[VerifyReport, Scan]:
+    """Verify the store at ``loc``: the report, and the :class:`Scan` of what was learned (which
+    repair reuses).  ``progress`` as :func:`verify_store` takes it."""
     rep = VerifyReport(str(loc.url), deep)
-    sc = _Scan()
+    sc = Scan()
     try:
         keys = loc.list_prefix("")
     except DamagedStoreError as e:
         keys = []
-        rep.faults.append(Fault("unlistable", "", f"the store cannot be listed ({_why(e)})"))
+        rep.faults.append(Fault("unlistable", "", f"the store cannot be listed ({fault_text(e)})"))
     if not keys and not rep.faults:
         raise StoreNotFoundError(f"no store at {loc.url!r}: nothing is stored there")
-    root, why = _load_json(loc, "zarr.json")
+    root, why = read_json_key(loc, "zarr.json")
     if root is None:
         if why is not None:
             rep.faults.append(Fault("root-unreadable", "zarr.json", f"zarr.json: the root metadata is unreadable ({why}); "
@@ -268,7 +86,7 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
                                     "missing; the store cannot be opened"))
         elif not rep.faults:
             raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
-        _scan_orphans(loc, keys, None, rep)
+        scan_orphans(loc, keys, None, rep)
         return rep, sc
     attrs = (root.get("attributes") or {}).get(ATTRS_KEY) if isinstance(root, dict) and isinstance(
         root.get("attributes"), (dict, type(None))) else None
@@ -285,9 +103,9 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
             except TrajstoreError as e:
                 raise DamagedStoreError(f"{loc.url}: the space of table {name!r} does not decode ({e})") from None
     except DamagedStoreError as e:
-        rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({_why(e)}); "
+        rep.faults.append(Fault("schema", "zarr.json", f"zarr.json: the trajstore schema is malformed ({fault_text(e)}); "
                                 "the store cannot be opened"))
-        _scan_orphans(loc, keys, None, rep)
+        scan_orphans(loc, keys, None, rep)
         return rep, sc
     sc.tables = {name: {"capacity": t.capacity, "fields": [f.path for f in t.fields]} for name, t in sc.schema.items()}
     # Arrays: each one's own zarr.json, and its consolidated entry (what zarr readers use).
@@ -295,11 +113,11 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
         entries = _consolidated(root, str(loc.url))
     except DamagedStoreError as e:
         entries = None
-        rep.faults.append(Fault("array-unreadable", "zarr.json", f"zarr.json: consolidated metadata is malformed ({_why(e)})"))
+        rep.faults.append(Fault("array-unreadable", "zarr.json", f"zarr.json: consolidated metadata is malformed ({fault_text(e)})"))
     for name, t in sc.schema.items():
         for f in t.fields:
             key = f"{f.path}/zarr.json"
-            meta, why = _load_json(loc, key)
+            meta, why = read_json_key(loc, key)
             if meta is None:
                 rep.faults.append(Fault("array-missing", key, f"{key}: array metadata "
                                         f"{'is missing' if why is None else 'is unreadable (' + why + ')'}", name))
@@ -311,25 +129,25 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
                         raise DamagedStoreError(f"{loc.url}: zarr.json's consolidated metadata has no entry for {f.path}")
                     check_array_meta(entries[f.path], f, str(loc.url), f"zarr.json (consolidated entry {f.path})")
             except DamagedStoreError as e:
-                rep.faults.append(Fault("array-unreadable", key, f"{key}: malformed array metadata ({_why(e)})", name))
+                rep.faults.append(Fault("array-unreadable", key, f"{key}: malformed array metadata ({fault_text(e)})", name))
                 continue
             raw = f.layout == "raw" and len(meta["codecs"]) == 1
-            sc.arrays[f.path] = _Array(f.path, name, (rows, *f.shape), f.chunk_rows, f.dtype, raw)
+            sc.arrays[f.path] = StoredArray(f.path, name, (rows, *f.shape), f.chunk_rows, f.dtype, raw)
             rep.checked["arrays"] += 1
     # Commit record.
-    obj, why = _load_json(loc, HEAD_KEY)
+    obj, why = read_json_key(loc, HEAD_KEY)
     if obj is None:
         sc.head_fault = True
         msg = "is missing" if why is None else f"is unreadable ({why})"
         rep.faults.append(Fault("head-missing" if why is None else "head-unreadable", HEAD_KEY,
                                 f"{HEAD_KEY}: the commit record {msg}"))
     else:
-        head, why = _parse_head(obj, list(sc.tables))
+        head, why = parse_head(obj, list(sc.tables))
         if head is not None:
             try:
                 check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
             except DamagedStoreError as e:
-                head, why = None, _why(e)
+                head, why = None, fault_text(e)
         if head is None:
             sc.head_fault = True
             rep.faults.append(Fault("head-unreadable", HEAD_KEY, f"{HEAD_KEY}: the commit record is unreadable ({why})"))
@@ -342,11 +160,11 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
             listed = loc.list_prefix(f"{path}/c")
         except DamagedStoreError as e:
             listed = []
-            rep.faults.append(Fault("bad-chunk", f"{path}/c", f"{path}/c: the chunk folder cannot be read ({_why(e)}); "
+            rep.faults.append(Fault("bad-chunk", f"{path}/c", f"{path}/c: the chunk folder cannot be read ({fault_text(e)}); "
                                     f"table {a.table!r} rows are unreadable", a.table))
             sc.unlistable.add(path)
         for key in listed:
-            k = _chunk_index(key, path, len(a.shape))
+            k = chunk_index(key, path, len(a.shape))
             if k is not None:
                 found[k] = key
         sc.chunks[path] = found
@@ -354,13 +172,13 @@ def _scan(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
         _check_rows(loc, sc, rep, deep, progress)
         if not any(f.kind.startswith("head") for f in rep.faults):
             _check_episodes(loc, sc, rep, storage_options)
-    _scan_orphans(loc, keys, sc.head, rep)
+    scan_orphans(loc, keys, sc.head, rep)
     if sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in rep.faults):
         _note_prev(loc, sc, rep)
     return rep, sc
 
 
-def probe_head(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
+def probe_head(loc: Location, sc: Scan, head: Head) -> VerifyReport:
     """verify's row checks as if ``head`` were the commit record (what the scan learned is kept)."""
     probe = VerifyReport(str(loc.url), False)
     saved = sc.head, sc.bad_rows, sc.stale
@@ -372,7 +190,7 @@ def probe_head(loc: Location, sc: _Scan, head: Head) -> VerifyReport:
     return probe
 
 
-def usable_prev(loc: Location, sc: _Scan) -> tuple[Head | None, str]:
+def usable_prev(loc: Location, sc: Scan) -> tuple[Head | None, str]:
     """The previous commit record (``trajstore.head.prev.json``) when repair can use it: readable,
     an entry for each table and nothing else, a pending rewrite that fits the schema, and every row
     it names present and whole.  Otherwise ``(None, why not)``."""
@@ -384,14 +202,14 @@ def usable_prev(loc: Location, sc: _Scan) -> tuple[Head | None, str]:
     try:
         check_pending(head.pending, sc.schema, {n: st.allocated for n, st in head.tables.items()}, "")
     except DamagedStoreError as e:
-        return None, _why(e)
+        return None, fault_text(e)
     bad = [f.message for f in probe_head(loc, sc, head).faults if f.kind != "stale-shape"]
     if bad:
         return None, f"it does not fit the data either ({bad[0]})"
     return head, ""
 
 
-def _note_prev(loc: Location, sc: _Scan, rep: VerifyReport) -> None:
+def _note_prev(loc: Location, sc: Scan, rep: VerifyReport) -> None:
     """Say whether ``trajstore repair`` can recover a damaged commit record from the previous one."""
     if not sc.tables:
         return
@@ -404,7 +222,7 @@ def _note_prev(loc: Location, sc: _Scan, rep: VerifyReport) -> None:
                      f"{head.generation}; committed rows: {rows}); at most the rows of the last commit are lost")
 
 
-def _head_plausible(sc: _Scan, rep: VerifyReport, name: str, st: TableState, cap: int | None) -> bool:
+def _head_plausible(sc: Scan, rep: VerifyReport, name: str, st: TableState, cap: int | None) -> bool:
     """The record's allocation for table ``name`` fits the schema (a ring: its capacity) and the
     plausibility bounds; otherwise a ``head-impossible`` fault."""
     problem = None
@@ -415,14 +233,14 @@ def _head_plausible(sc: _Scan, rep: VerifyReport, name: str, st: TableState, cap
             for f in sc.schema[name].fields:
                 check_allocation(f, max(st.allocated, st.end if cap is None else 0), "")
         except DamagedStoreError as e:
-            problem = _why(e)
+            problem = fault_text(e)
     if problem is None:
         return True
     rep.faults.append(Fault("head-impossible", HEAD_KEY, f"{HEAD_KEY}: table {name!r} {problem}", name))
     return False
 
 
-def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progress: Callable[[int, str], Any] | None) -> None:
+def _check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool, progress: Callable[[int, str], Any] | None) -> None:
     """Committed rows against the chunks on disk.  Work grows with the chunk files that exist and
     the runs of missing ones, never with the rows a (possibly hostile) record claims."""
     head = sc.head
@@ -430,7 +248,7 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
     pending = head.pending or {}
     staged = {p: set(ks) for p, ks in (pending.get("chunks") or {}).items()}
     prefix = pending.get("prefix")
-    todo: list[tuple[_Array, int, list[tuple[int, int]]]] = []
+    todo: list[tuple[StoredArray, int, list[tuple[int, int]]]] = []
     for name, t in sc.tables.items():
         st, cap = head.tables[name], t["capacity"]
         bad: list[tuple[int, int]] = []
@@ -471,7 +289,7 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                 rep.faults.append(Fault("schema", f"{path}/zarr.json", f"{path}: holds {alloc} rows; the ring's capacity "
                                         f"is {cap}", name, (0, st.count)))
                 bad.append((0, st.count))
-            runs = _runs(st, cap, limit)
+            runs = committed_runs(st, cap, limit)
             ks_sorted = sorted(found)
             # Staged chunks (a pending rewrite) count as present while their staged file exists.
             staged_here = {k for k in staged.get(path, ()) if prefix is not None and loc.exists(f"{prefix}/{a.chunk_key(k)}")}
@@ -479,10 +297,10 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
             for k in sorted(staged_here):  # a writer moves these into place: they must be plain files
                 key = f"{prefix}/{a.chunk_key(k)}"
                 try:
-                    _size(loc, key)
+                    key_size(loc, key)
                 except (DamagedStoreError, FileNotFoundError) as e:
                     rep.faults.append(Fault("bad-chunk", key, f"{key}: staged chunk of the pending rewrite: "
-                                            f"{_why(e) if isinstance(e, DamagedStoreError) else 'not a file'}", name))
+                                            f"{fault_text(e) if isinstance(e, DamagedStoreError) else 'not a file'}", name))
                     bad.append((0, st.count))
             wanted: list[tuple[int, int]] = []
             for p, off, m in runs:
@@ -519,28 +337,28 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
                         what = f"{a.chunk_key(g0)}: chunk missing" if g0 == g1 else \
                             f"{a.chunk_key(g0)}: {g1 - g0 + 1} chunks missing (to {a.chunk_key(g1)})"
                         rep.faults.append(Fault("missing-chunk", a.chunk_key(g0), f"{what}; table {name!r} rows "
-                                                f"{_fmt_rows([(lo, hi)])} are lost", name, (lo, hi)))
+                                                f"{fmt_rows([(lo, hi)])} are lost", name, (lo, hi)))
                         bad.append((lo, hi))
                 for k in here:
                     ranges = [rows_of(k)]
                     key = a.chunk_key(k) if k in found else f"{prefix}/{a.chunk_key(k)}"
                     try:
-                        size = _size(loc, key)
+                        size = key_size(loc, key)
                     except (DamagedStoreError, FileNotFoundError) as e:
-                        rep.faults.append(Fault("bad-chunk", key, f"{key}: {_why(e) if isinstance(e, DamagedStoreError) else 'not a file'}"
-                                                f"; table {name!r} rows {_fmt_rows(ranges)} are unreadable", name, ranges[0]))
+                        rep.faults.append(Fault("bad-chunk", key, f"{key}: {fault_text(e) if isinstance(e, DamagedStoreError) else 'not a file'}"
+                                                f"; table {name!r} rows {fmt_rows(ranges)} are unreadable", name, ranges[0]))
                         bad.extend(ranges)
                         continue
                     if size > MAX_FILE_BYTES:
                         rep.faults.append(Fault("bad-chunk", key, f"{key}: holds {size} bytes, more than a chunk may "
-                                                f"({MAX_FILE_BYTES}); table {name!r} rows {_fmt_rows(ranges)} are "
+                                                f"({MAX_FILE_BYTES}); table {name!r} rows {fmt_rows(ranges)} are "
                                                 "unreadable", name, ranges[0]))
                         bad.extend(ranges)
                         continue
                     if (a.raw and size != a.chunk_bytes) or size == 0:
                         what = f"{size} of {a.chunk_bytes} bytes" if a.raw else "0 bytes"
                         rep.faults.append(Fault("truncated-chunk", key, f"{key}: truncated chunk file ({what}); table "
-                                                f"{name!r} rows {_fmt_rows(ranges)} are damaged", name, ranges[0]))
+                                                f"{name!r} rows {fmt_rows(ranges)} are damaged", name, ranges[0]))
                         bad.extend(ranges)
                         continue
                     if deep:
@@ -553,7 +371,7 @@ def _check_rows(loc: Location, sc: _Scan, rep: VerifyReport, deep: bool, progres
         _decode(loc, sc, rep, todo, progress)
 
 
-def _decode(loc: Location, sc: _Scan, rep: VerifyReport, todo: list[tuple[_Array, int, list[tuple[int, int]]]],
+def _decode(loc: Location, sc: Scan, rep: VerifyReport, todo: list[tuple[StoredArray, int, list[tuple[int, int]]]],
             progress: Callable[[int, str], Any] | None) -> None:
     bar = progress(len(todo), "decode chunks") if progress else None
     opened: dict[str, Any] = {}
@@ -571,7 +389,7 @@ def _decode(loc: Location, sc: _Scan, rep: VerifyReport, todo: list[tuple[_Array
                 key = a.chunk_key(k)
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 rep.faults.append(Fault("undecodable-chunk", key, f"{key}: chunk does not decode ({msg}); table "
-                                        f"{a.table!r} rows {_fmt_rows(ranges)} are damaged", a.table,
+                                        f"{a.table!r} rows {fmt_rows(ranges)} are damaged", a.table,
                                         (ranges[0][0], ranges[-1][1])))
                 sc.bad_rows[a.table].extend(ranges)
             if bar is not None:
@@ -581,7 +399,7 @@ def _decode(loc: Location, sc: _Scan, rep: VerifyReport, todo: list[tuple[_Array
             bar.close()
 
 
-def _check_opens(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> Any:
+def _check_opens(loc: Location, sc: Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> Any:
     """Open the store read-only, as a reader would; a store that does not open is a fault.
     Returns the open store (the caller closes it) or None."""
     from trajstore.maintenance.summary import open_store
@@ -591,11 +409,11 @@ def _check_opens(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: d
     try:
         return open_store(loc.url, storage_options)
     except TrajstoreError as e:
-        rep.faults.append(Fault("open", str(loc.url), f"the store does not open: {_why(e)}"))
+        rep.faults.append(Fault("open", str(loc.url), f"the store does not open: {fault_text(e)}"))
     return None
 
 
-def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> None:
+def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options: dict[str, Any] | None) -> None:
     """The store opens (as a reader would), and trajectory stores' episode ids are consistent with
     the commit record's state."""
     if sc.attrs is None or sc.head is None or any(f.kind not in ("missing-chunk", "truncated-chunk", "bad-chunk",
@@ -634,39 +452,9 @@ def _check_episodes(loc: Location, sc: _Scan, rep: VerifyReport, storage_options
                 rep.faults.append(Fault("episodes", "episode_data/_episode_id", f"episode_data/_episode_id: episode-data "
                                         f"rows carry ids at or above next_episode_id {nxt}", "episode_data", (0, et.count)))
     except TrajstoreError as e:
-        rep.faults.append(Fault("open", str(loc.url), f"the store's rows cannot be read: {_why(e)}"))
+        rep.faults.append(Fault("open", str(loc.url), f"the store's rows cannot be read: {fault_text(e)}"))
     finally:
         store.close()
-
-
-def _scan_orphans(loc: Location, keys: list[str], head: Head | None, rep: VerifyReport) -> None:
-    keep = (head.pending or {}).get("prefix") if head is not None else None
-    for key in keys:
-        if key.startswith(TMP_DIR + "/"):
-            rep.removable.append((key, "temp file of a writer"))
-        elif key.startswith(STAGING_DIR + "/"):
-            parts = key.split("/")
-            if keep is None or f"{parts[0]}/{parts[1]}" != keep:
-                rep.removable.append((key, "staged chunk of an unfinished rewrite that was never committed"))
-        elif key.endswith(".partial"):
-            rep.removable.append((key, "partial file of an interrupted zarr write"))
-    if head is not None and head.pending:
-        rep.notes.append(f"a rewrite is pending ({head.pending.get('prefix')}); the next writer that opens the store "
-                         "finishes it")
-    if rep.removable:
-        n_chunks = sum(1 for _k, w in rep.removable if w.startswith("uncommitted"))
-        n_tmp = len(rep.removable) - n_chunks
-        if n_tmp:
-            rep.notes.append(f"{n_tmp} orphaned temp/staging file(s) (removed by repair or by the next writer)")
-        if n_chunks:
-            rep.notes.append(f"{n_chunks} chunk(s) hold no committed row (removed by repair)")
-
-
-def _locate(path: Any, storage_options: dict[str, Any] | None, read_only: bool) -> Location:
-    p = os.fspath(path)
-    url = "://" in p or "::" in p
-    # A URL store whose zarr.json was removed must still be reachable (to report that).
-    return resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=not url)
 
 
 def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, deep: bool = False,
@@ -681,14 +469,14 @@ def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, de
     StoreNotFoundError, NotATrajstoreError, FormatVersionError
         Nothing to verify at ``path`` (these are not faults of a store).
     """
-    loc = _locate(path, storage_options, read_only=True)
+    loc = locate(path, storage_options, read_only=True)
     try:
-        rep, sc = _scan(loc, deep, progress, storage_options)
+        rep, sc = scan_store(loc, deep, progress, storage_options)
         faults, notes = check_sidecar(loc, sc.head, storage_options, deep, verify_store)  # prioritized replay's
         rep.faults += [Fault(*f) for f in faults]
         rep.notes += notes
     except DamagedStoreError as e:  # whatever the scan could not turn into a finer fault
-        rep = VerifyReport(str(loc.url), deep, [Fault("damaged", "", _why(e))])
+        rep = VerifyReport(str(loc.url), deep, [Fault("damaged", "", fault_text(e))])
     finally:
         loc.close()
     return rep
