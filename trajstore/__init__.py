@@ -5,7 +5,6 @@ any fsspec URL); ``create`` / ``load_from`` / ``dumps`` are metadata operations 
 are lazy.  See README.md and docs/.
 """
 
-import importlib
 from typing import Any
 
 from trajstore import errors
@@ -15,23 +14,29 @@ from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
 # Maintenance (verify, repair, combine, split), the prioritized sampler and sharded datasets are imported on first
 # use: most programs never call them, and ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = {
-    "verify_store": "trajstore.maintenance.verify",
-    "repair_store": "trajstore.maintenance.repair",
-    "PrioritizedSampler": "trajstore.sampling.prioritized",
-    "combine": "trajstore.maintenance.combine",
-    "split": "trajstore.maintenance.combine",
-    "create_shard": "trajstore.shards",
-    "open_sharded": "trajstore.shards",
-    "merge_shards": "trajstore.shards",
-}
+_LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "create_shard", "open_sharded",
+         "merge_shards")
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    # Explicit imports of this package's own modules: no module is ever imported by a computed name.
+    value: Any
+    if name == "verify_store":
+        from trajstore.maintenance.verify import verify_store as value
+    elif name == "repair_store":
+        from trajstore.maintenance.repair import repair_store as value
+    elif name == "PrioritizedSampler":
+        from trajstore.sampling.prioritized import PrioritizedSampler as value
+    elif name in ("combine", "split"):
+        from trajstore.maintenance import combine as _combine
+
+        value = getattr(_combine, name)
+    elif name in ("create_shard", "open_sharded", "merge_shards"):
+        from trajstore import shards as _shards
+
+        value = getattr(_shards, name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -17,7 +17,7 @@ from trajstore.cli._common import (
     print_json,
     progress,
 )
-from trajstore.cli.shards import is_sharded_root, merge_copy, print_sharded_verify, verify_sharded
+from trajstore.cli.shards import is_sharded_root, merge_copy, print_sharded_verify, verify_copy, verify_sharded
 from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
@@ -226,9 +226,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
             copy.close()
     finally:
         source.close()
-    rep = verify_store(dst, storage_options=dst_options)
-    if not rep.ok:
-        raise CLIError(f"copy verification failed: {rep.faults[0].message}")
+    verify_copy(dst, dst_options)
     if to_zip:
         stored = os.path.getsize(dst)
     return {"source": src, "destination": dst, "kind": kind, "method": method, "rows": table_rows[STEPS],

@@ -42,7 +42,8 @@ from trajstore.shards.layout import (
 from trajstore.shards.rows import EPISODE_STRIDE
 from trajstore.spaces import space_from_json
 
-__all__ = ["is_sharded_root", "sharded_info", "sharded_episodes", "sharded_stats", "verify_sharded", "merge_copy"]
+__all__ = ["is_sharded_root", "sharded_info", "sharded_episodes", "sharded_stats", "verify_sharded", "merge_copy",
+           "verify_copy"]
 
 Options = dict[str, Any] | None
 
@@ -322,9 +323,7 @@ def merge_copy(src: str, dst: str, *, src_options: Options, dst_options: Options
             _compare_merged(src, src_options, target, target_options, b)
         finally:
             b.close()
-        rep = verify_store(target, storage_options=target_options)
-        if not rep.ok:
-            raise CLIError(f"copy verification failed: {rep.faults[0].message}")
+        verify_copy(target, target_options)
         if direct:
             store = open_store(dst, dst_options)
             try:
@@ -341,3 +340,10 @@ def merge_copy(src: str, dst: str, *, src_options: Options, dst_options: Options
     return {"source": src, "destination": dst, "kind": info["kind"], "method": method, "shards": len(info["shards"]),
             "rows": rows, "table_rows": table_rows, "episodes": info["episodes"], "arrays": n_arrays, "bytes": stored,
             "verified": True}
+
+
+def verify_copy(path: str, storage_options: Options) -> None:
+    """Raise :class:`CLIError` naming the first fault if the copy written at ``path`` does not verify."""
+    rep = verify_store(path, storage_options=storage_options)
+    if not rep.ok:
+        raise CLIError(f"copy verification failed: {rep.faults[0].message}")
