@@ -248,10 +248,19 @@ class _Boundaries:
     def mark(self, rows: np.ndarray, on: bool) -> None:
         """Set (``on``) or clear the bits of absolute ``rows`` (all inside the covered range)."""
         pos = np.asarray(rows, np.int64) - self.base
+        if len(pos) > 1 and not (pos[1:] > pos[:-1]).all():
+            pos = np.unique(pos)
+        if not len(pos):
+            return
+        # Bits of rows sharing a byte are merged first (ufunc.at, which merges them itself, took
+        # 2.4 ms for the 20,000 runs of a 10 M-row store; reduceat over sorted rows 0.2 ms).
+        at = pos >> 3
+        first = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+        bits = np.bitwise_or.reduceat((1 << (pos & 7)).astype(np.uint8), first)
         if on:
-            np.bitwise_or.at(self._bytes, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+            self._bytes[at[first]] |= bits
         else:
-            np.bitwise_and.at(self._bytes, pos >> 3, ~(1 << (pos & 7)).astype(np.uint8))
+            self._bytes[at[first]] &= ~bits
 
     def none_in(self, lo: np.ndarray, span: int) -> np.ndarray:
         """Whether no run starts in rows ``(lo[b], lo[b] + span]``, (B,) bool; ``span <= MAX_SPAN``."""
@@ -361,10 +370,14 @@ class RunIndex:
         starts: list[np.ndarray] = []
         ids: list[np.ndarray] = []
         prev = before
+        flags = np.empty(self._SCAN_ROWS - 1, bool)
         for a in range(lo, hi, self._SCAN_ROWS):
+            # A view of the mapped ids where the block lies in one chunk: copying every block
+            # took about 4 of the 19 ms a 10 M-row scan took.
             block = self.steps.read_contiguous(a - st.start, min(a + self._SCAN_ROWS, hi) - st.start,
-                                               [self.id_field])[0]
-            new = np.flatnonzero(block[1:] != block[:-1]) + 1
+                                               [self.id_field], copy=False)[0]
+            ne = np.not_equal(block[1:], block[:-1], out=flags[: len(block) - 1])
+            new = np.flatnonzero(ne) + 1
             if prev is None or int(block[0]) != prev:
                 new = np.concatenate([[0], new])
             starts.append(new + a)

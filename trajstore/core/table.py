@@ -242,8 +242,9 @@ class Table:
         p = self.physical(i)
         return [self.fields[j].read_range(p, p + 1)[0, ...] for j in which]  # [0, ...]: 0-d arrays, not scalars
 
-    def read_contiguous(self, lo: int, hi: int, which: Sequence[int]) -> list[np.ndarray]:
-        """Copies of logical rows ``[lo, hi)`` without building an index array."""
+    def read_contiguous(self, lo: int, hi: int, which: Sequence[int], copy: bool = True) -> list[np.ndarray]:
+        """Copies of logical rows ``[lo, hi)`` without building an index array; ``copy=False``:
+        read-only views of mapped files where the rows lie in one chunk (see ``Field.read_range``)."""
         self.prepare_reads()
         runs = contiguous_runs(self.state.start + lo, self.state.start + hi, self.capacity)
         out = []
@@ -252,7 +253,7 @@ class Table:
             if not runs:
                 out.append(np.zeros((0, *f.spec.row_shape), f.spec.dtype))
                 continue
-            parts = [f.read_range(p, p + m) for p, _o, m in runs]
+            parts = [f.read_range(p, p + m, copy) for p, _o, m in runs]
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
         return out
 

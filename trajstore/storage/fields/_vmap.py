@@ -283,8 +283,15 @@ class VirtualArray:
         k, r = np.divmod(phys, self.chunk_rows)
         return self.chunks[k, r]
 
-    def rows(self, lo: int, hi: int) -> np.ndarray:
-        """A copy of rows ``[lo, hi)``."""
+    def rows(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
+        """A copy of rows ``[lo, hi)``; ``copy=False``: a read-only view where they lie in one
+        chunk (or the range is contiguous), else a copy."""
+        if not copy and (self.array is not None or lo // self.chunk_rows == (hi - 1) // self.chunk_rows):
+            k = lo // self.chunk_rows
+            view = self.array[lo:hi] if self.array is not None else \
+                self.chunks[k, lo - k * self.chunk_rows : hi - k * self.chunk_rows]
+            view.flags.writeable = False  # a view of a writer's mapping: reads only
+            return view
         if self.array is not None:
             return self.array[lo:hi].copy()
         out = np.empty((hi - lo, *self.row_shape), self.dtype)

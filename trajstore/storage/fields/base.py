@@ -65,8 +65,12 @@ class Field(Protocol):
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
         """``length`` consecutive physical rows from each of ``phys`` (B,): (B, length, *row_shape)."""
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        """A copy of physical rows ``[lo, hi)``: (hi - lo, *row_shape)."""
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
+        """Physical rows ``[lo, hi)``: (hi - lo, *row_shape).
+
+        A copy; with ``copy=False`` a read-only view of the mapped file where the engine can
+        give one (a scan that reads each block once and keeps nothing), valid until the field is
+        remapped or closed.  Engines that decode always copy."""
 
     def read_chunk(self, k: int) -> np.ndarray:
         """A copy of chunk ``k``: (C, *row_shape)."""

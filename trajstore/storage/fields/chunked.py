@@ -349,7 +349,7 @@ class ChunkedField:
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
         return gather_windows_by_rows(self, phys, length)
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:  # decoded: always a copy
         if not self._partial or hi - lo <= 0 or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
             return self.gather(np.arange(lo, hi))
         # A scan of a big field: each chunk decoded straight into the result from its encoded

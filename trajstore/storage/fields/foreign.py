@@ -124,7 +124,7 @@ class ForeignField(ChunkedField):
             out[sel] = chunks[k][phys[sel] - k * self.C]
         return out
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
         return self.gather(np.arange(lo, hi))
 
     def close(self) -> None:
@@ -193,8 +193,8 @@ class EpisodeIdField:
         """Ids of ``length`` consecutive rows from each of ``phys`` (B,): (B, length) int64."""
         return gather_windows_by_rows(self, phys, length)
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        """Ids of rows ``[lo, hi)``: (hi - lo,) int64."""
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
+        """Ids of rows ``[lo, hi)``: (hi - lo,) int64 (always computed afresh)."""
         # One binary search per episode touched, then runs of equal ids (no search per row).
         first, last = self.gather(np.array([lo, max(hi - 1, lo)]))
         bounds = np.clip(self.ends[first:last], lo, hi)

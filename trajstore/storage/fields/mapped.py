@@ -205,8 +205,8 @@ class MappedField:
         (one ``memcpy`` per window: :meth:`trajstore.storage.fields._vmap.VirtualArray.windows`)."""
         return self._va.windows(phys, length)
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self._va.rows(lo, hi)
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
+        return self._va.rows(lo, hi, copy)
 
     def read_chunk(self, k: int) -> np.ndarray:
         return self._va.chunks[k].copy()
