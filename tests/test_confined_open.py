@@ -84,3 +84,14 @@ def test_tampered_chunk_is_refused_on_both_paths(tmp_path: Path, fast_path: bool
         finally:
             rb.close()
     assert {p.name: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+def test_mapping_a_store_leaves_no_descriptor_open(tmp_path: Path, fast_path: bool) -> None:
+    """Chunk files are mapped with the root held open for the batch (openat2 path); the held
+    descriptor and every chunk file's are closed again."""
+    path = _store(tmp_path)
+    before = set(os.listdir("/proc/self/fd"))
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        rb[np.arange(600)]
+        assert len(set(os.listdir("/proc/self/fd")) - before) <= 2  # the head / lock files at most
+    assert set(os.listdir("/proc/self/fd")) - before == set()

@@ -38,3 +38,26 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         trajstore.nope  # noqa: B018
+
+
+def test_first_batches_of_a_fresh_reader_do_not_import_numpy_ma(tmp_path) -> None:
+    """A process's first plain ``np.unique`` imports numpy.ma (40-60 ms); the read paths of a fresh
+    reader (a DataLoader worker's first batch) use ``trajstore.core.ring.distinct`` instead."""
+    import gymnasium as gym
+    import numpy as np
+
+    from trajstore import TrajectoryReplayBuffer
+
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(-1, 1, (3,), np.float32), "action": gym.spaces.Discrete(4)})
+    path = tmp_path / "t"
+    with TrajectoryReplayBuffer.create(space, cache_path=path) as tb:
+        ids = np.repeat(np.arange(10), 30)
+        tb.extend({"step_data": {"obs": np.zeros((300, 3), np.float32), "action": np.arange(300) % 4},
+                   "episode_ids": ids})
+    loaded = _modules_after(
+        "import numpy as np\nfrom trajstore import TrajectoryReplayBuffer\n"
+        f"tb = TrajectoryReplayBuffer.load_from({str(path)!r}, read_only=True)\ng = np.random.default_rng(0)\n"
+        "tb.sample(8, rng=g)\ntb.sample_sequences(8, 4, rng=g, within_episode=True)\n"
+        "d, m = tb.sample_sequences(8, offsets={'obs': [-1, 0], 'action': range(4)}, rng=g, within_episode=True)\n"
+        "assert m['action'].all()")
+    assert "numpy.ma" not in loaded

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from trajstore.core.ring import distinct
 from trajstore.core.table import Table
 
 if TYPE_CHECKING:
@@ -249,7 +250,7 @@ class _Boundaries:
         """Set (``on``) or clear the bits of absolute ``rows`` (all inside the covered range)."""
         pos = np.asarray(rows, np.int64) - self.base
         if len(pos) > 1 and not (pos[1:] > pos[:-1]).all():
-            pos = np.unique(pos)
+            pos = distinct(pos)
         if not len(pos):
             return
         # Bits of rows sharing a byte are merged first (ufunc.at, which merges them itself, took

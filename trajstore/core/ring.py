@@ -16,7 +16,7 @@ import numpy as np
 from trajstore._optional import to_numpy
 from trajstore.errors import BadIndexError, IndexOutOfRangeError
 
-__all__ = ["normalize_index", "physical", "contiguous_runs", "IndexLike"]
+__all__ = ["normalize_index", "physical", "contiguous_runs", "distinct", "IndexLike"]
 
 IndexLike = Any  # int | slice | Ellipsis | sequence/array/tensor of ints or bools
 
@@ -99,3 +99,13 @@ def contiguous_runs(abs_lo: int, abs_hi: int, capacity: int | None) -> list[tupl
     if first < n:
         runs.append((0, first, n - first))
     return runs
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, sorted: ``np.unique(values)`` (1-D).
+
+    For read paths: a process's first plain ``np.unique`` imports ``numpy.ma`` (40-60 ms), which
+    landed in the first batch a DataLoader worker or a fresh reader served.
+    """
+    a = np.sort(np.asarray(values).reshape(-1))
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a

@@ -207,7 +207,9 @@ class _Span(NamedTuple):
 
 
 def _span(fields: list[FieldWindow]) -> _Span:
-    every = np.unique(np.concatenate([f.offsets for f in fields] + [np.zeros(1, np.int64)]))
+    # A sorted set, not np.unique: a process's first np.unique imports numpy.ma (40-60 ms, which
+    # landed in the first batch of every DataLoader worker).
+    every = np.array(sorted({0, *(int(o) for f in fields for o in f.offsets.tolist())}), np.int64)
     lo, hi = int(every[0]), int(every[-1])
     if hi - lo + 1 <= max(DENSE_SPAN, 4 * len(every)):
         return _Span(np.arange(lo, hi + 1, dtype=np.int64), True)

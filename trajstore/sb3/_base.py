@@ -15,6 +15,7 @@ import numpy as np
 from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.buffers.views import ColumnView
+from trajstore.core.ring import distinct
 from trajstore.errors import (
     ClosedError,
     DamagedStoreError,
@@ -196,7 +197,7 @@ class ZarrBufferMixin:
         if lay.n_envs == 1 or env_indices is None:
             return {k: self._column(lay.leaf(prefix, 0, k))[logical] for k in lay.keys}
         out = lay.empty(len(logical))
-        for e in np.unique(env_indices).tolist():
+        for e in distinct(env_indices).tolist():
             sel = np.flatnonzero(env_indices == e)
             rows = logical[sel]
             for k in lay.keys:

@@ -28,6 +28,7 @@ from stable_baselines3.common.type_aliases import (
 from stable_baselines3.common.vec_env import VecNormalize
 
 from trajstore._optional import to_numpy
+from trajstore.core.ring import distinct
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.sb3 import _root
 from trajstore.sb3._base import concat, take
@@ -360,7 +361,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         """Observations at env-major flat indices, read from each env's sub-buffer (in the thread
         pool with ``use_threads``) and scattered into batch order."""
         env_of, step = np.divmod(batch_inds, self.buffer_size)
-        envs = np.unique(env_of).tolist()
+        envs = distinct(env_of).tolist()
         sels = {e: np.flatnonzero(env_of == e) for e in envs}
         parts = dict(zip(envs, self._each(lambda i, sub: _sub_obs(sub, self._layout, step[sels[i]]), envs)))
         out: dict[str | None, np.ndarray] = {}

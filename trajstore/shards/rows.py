@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.core.ring import distinct
 from trajstore.errors import DamagedStoreError
 from trajstore.sampling.source import EpisodeSource
 from trajstore.shards.gather import CrossShardField, cross_shard_field
@@ -453,7 +454,7 @@ class ShardedRows(EpisodeSource):
                 ids = got[0]
                 return ok & (ids == ids[:, :1]).all(axis=1)
         out = np.zeros(len(first), bool)
-        shards = np.unique(k[ok]).tolist()
+        shards = distinct(k[ok]).tolist()
         self._touched.update(shards)
         for shard in shards:
             sel = ok & (k == shard)

@@ -12,14 +12,16 @@ builds every local :class:`~trajstore.storage.location.Location` on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
 import stat
 import sys
+import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from zarr.abc.store import (
     ByteRequest,
@@ -104,10 +106,11 @@ if _openat2_ok:
         _openat2_ok = False
 
 
-def _open_beneath(root: Path, key: str, flags: int) -> int | None:
+def _open_beneath(root: Path, key: str, flags: int, held: int | None = None) -> int | None:
     """An fd of ``key`` below ``root`` opened with openat2's confinement, or None when the system
     has no openat2 (or anything but a plain file or a missing one is met: the caller's slower
-    path then says precisely what is wrong).
+    path then says precisely what is wrong).  ``held``: an open ``O_PATH`` fd of ``root`` to
+    resolve from (else ``root`` is opened for this call).
 
     Raises
     ------
@@ -117,15 +120,19 @@ def _open_beneath(root: Path, key: str, flags: int) -> int | None:
     global _openat2_ok
     if not _openat2_ok:
         return None
-    try:
-        dfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
+    if held is None:
+        try:
+            dfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+    else:
+        dfd = held
     try:
         how = _OpenHow(flags | _NOFOLLOW_FLAGS, 0, _RESOLVE)
         fd = _syscall(_SYS_OPENAT2, dfd, os.fsencode(key), ctypes.byref(how), ctypes.sizeof(how))
     finally:
-        os.close(dfd)
+        if held is None:
+            os.close(dfd)
     if fd >= 0:
         return int(fd)
     err = ctypes.get_errno()
@@ -180,6 +187,27 @@ class Confinement:
         self.root = root
         self.url = url
         self._dirs: set[str] = set()
+        self._held: tuple[int, int] | None = None  # (thread id, O_PATH fd of root) inside held_root()
+
+    @contextlib.contextmanager
+    def held_root(self) -> Iterator[None]:
+        """Resolve the root once for the opens of this block (mapping a store's chunk files: a
+        fresh open of the root per file was a fifth of the cost of mapping it).  Only the calling
+        thread uses the held fd, which is closed when the block ends; nested blocks share it."""
+        if self._held is not None or not _openat2_ok:
+            yield
+            return
+        try:
+            fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            yield
+            return
+        self._held = (threading.get_ident(), fd)
+        try:
+            yield
+        finally:
+            self._held = None
+            os.close(fd)
 
     def resolve(self, key: str, *, folder: bool = False, write: bool = False) -> tuple[Path, bool]:
         """``(path, reachable)`` of ``key``: every existing folder on the way (and ``key`` itself
@@ -226,7 +254,8 @@ class Confinement:
             ``key`` is a symbolic link, a FIFO, a device or another special file.
         """
         check_key(key, self.url)
-        fd = _open_beneath(self.root, key, flags)
+        held = self._held
+        fd = _open_beneath(self.root, key, flags, held[1] if held and held[0] == threading.get_ident() else None)
         if fd is not None:
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):

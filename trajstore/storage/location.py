@@ -116,6 +116,12 @@ class Location:
         assert self._conf is not None
         return self._conf.resolve(key)[0]
 
+    def held_root(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which :meth:`open_inside` resolves keys from one open handle of the root
+        (local stores only)."""
+        assert self._conf is not None
+        return self._conf.held_root()
+
     def open_inside(self, key: str, flags: int) -> int:
         """Open the regular file ``key`` (local stores only) for ``os.open`` ``flags`` (no ``O_CREAT``),
         refusing symbolic links (the final file and every folder on the way), FIFOs and devices.

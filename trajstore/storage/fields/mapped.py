@@ -61,8 +61,9 @@ class MappedField:
         old = self._va
         self._va = self._reserve(allocated)
         try:
-            for k in np.flatnonzero(old.mapped).tolist():
-                self._map(k)  # a file gone meanwhile reads as zeros, as a missing chunk does
+            with self.loc.held_root():
+                for k in np.flatnonzero(old.mapped).tolist():
+                    self._map(k)  # a file gone meanwhile reads as zeros, as a missing chunk does
         finally:
             old.close()
         self.allocated = allocated
@@ -73,12 +74,15 @@ class MappedField:
             return
         k_lo, k_hi = phys_lo // self.C, (phys_hi - 1) // self.C + 1
         todo = np.flatnonzero(~self._va.mapped[k_lo:k_hi])
-        for k in (todo + k_lo).tolist():
-            if self._map(k) or not create:
-                continue  # a reader leaves a never-written chunk unmapped: zeros, as zarr reads it
-            self._create_chunk_file(self._path(k))
-            if not self._map(k):
-                raise DamagedStoreError(f"chunk file {self._path(k)} vanished right after it was created")
+        if not len(todo):
+            return
+        with self.loc.held_root():
+            for k in (todo + k_lo).tolist():
+                if self._map(k) or not create:
+                    continue  # a reader leaves a never-written chunk unmapped: zeros, as zarr reads it
+                self._create_chunk_file(self._path(k))
+                if not self._map(k):
+                    raise DamagedStoreError(f"chunk file {self._path(k)} vanished right after it was created")
 
     def _create_chunk_file(self, path: str) -> None:
         """Create chunk file ``path`` full size, zero-filled and with its blocks allocated.
