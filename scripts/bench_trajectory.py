@@ -10,10 +10,10 @@ Workloads, 256 windows per call:
   "action": range(16)})`` at random anchors, and ``sample_sequences(256, offsets=...,
   within_episode=True)``.
 
-How it is measured (docs/benchmarks.md): every store is opened afresh for each workload (page
-cache warm, no read pass before timing: a training loop does none); the stores' calls run in
-blocks of 25 consecutive calls, the order rotated each round; "cold" is the mean of the first 200
-calls after opening, "steady" of the calls after those.  The target is the ratio of the large
+How it is measured (docs/benchmarks.md): every store is opened afresh for each workload and
+round (page cache warm, no read pass before timing: a training loop does none); the stores' calls
+run in blocks of 25 consecutive calls, the order rotated each block; "cold" is the mean of the
+first 200 calls after opening, "steady" of the calls after those, each the median over 5 rounds.  The target is the ratio of the large
 store to the small one (<= 1.3).
 
     python scripts/bench_trajectory.py                         # 1e5 and 1e7 rows (about 3 minutes)
@@ -88,23 +88,30 @@ WORKLOADS: dict[str, Callable[[TrajectoryReplayBuffer, np.random.Generator], Any
 }
 
 
-def measure(paths: dict[int, Path], calls: int) -> list[dict[str, Any]]:
-    """Every workload on every store (opened afresh for it), blocks rotated between the stores;
-    the numpy gather of the first workload's windows runs with them."""
+def measure(paths: dict[int, Path], calls: int, rounds: int) -> list[dict[str, Any]]:
+    """Every workload on every store, ``rounds`` times: each round opens the stores afresh and
+    runs blocks rotated between them (the numpy gather of the first workload's windows runs with
+    them).  Cold and steady are the medians over rounds; ``cold_rounds`` keeps each round's."""
     rows_out: list[dict[str, Any]] = []
     for k, (what, fn) in enumerate(WORKLOADS.items()):
-        opened = {n: TrajectoryReplayBuffer.load_from(p, read_only=True) for n, p in paths.items()}
-        g = np.random.default_rng(1)
-        systems: dict[str, Call] = {str(n): (lambda tb=tb: fn(tb, g)) for n, tb in opened.items()}
-        if k == 0:
-            systems.update({f"numpy {n}": numpy_gather(n) for n in paths})
-        times = run_blocks(systems, calls)
-        for tb in opened.values():
-            tb.close()
-        for name, t in times.items():
+        per: dict[str, list[np.ndarray]] = {}
+        for r in range(rounds):
+            opened = {n: TrajectoryReplayBuffer.load_from(p, read_only=True) for n, p in paths.items()}
+            g = np.random.default_rng(1 + r)
+            systems: dict[str, Call] = {str(n): (lambda tb=tb: fn(tb, g)) for n, tb in opened.items()}
+            if k == 0:
+                systems.update({f"numpy {n}": numpy_gather(n) for n in paths})
+            if r % 2:  # which store opens first and runs the first block alternates between rounds
+                systems = dict(reversed(list(systems.items())))
+            for name, t in run_blocks(systems, calls).items():
+                per.setdefault(name, []).append(t)
+            for tb in opened.values():
+                tb.close()
+        for name, ts in per.items():
+            cold = [t[:COLD].mean() * 1e3 for t in ts]
             rows_out.append({"what": what if name.isdigit() else "numpy in-RAM gather of the same windows",
-                             "rows": int(name.split()[-1]), "cold": t[:COLD].mean() * 1e3,
-                             "steady": t[COLD:].mean() * 1e3})
+                             "rows": int(name.split()[-1]), "cold": float(np.median(cold)), "cold_rounds": cold,
+                             "steady": float(np.median([t[COLD:].mean() * 1e3 for t in ts]))})
     return rows_out
 
 
@@ -112,12 +119,14 @@ def table(results: list[dict[str, Any]], small: int, large: int) -> str:
     lines = ["| workload | store rows | cold ms/call | steady ms/call |", "|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['what']} | {r['rows']:,} | {r['cold']:.3f} | {r['steady']:.3f} |")
-    lines += ["", f"Ratio {large:,} rows / {small:,} rows (target <= 1.3):", "",
-              "| workload | cold | steady |", "|---|---|---|"]
+    lines += ["", f"Ratio {large:,} rows / {small:,} rows (target <= 1.3); cold: the ratio of the medians, then "
+              "each round's own ratio:", "",
+              "| workload | cold | cold, each round | steady |", "|---|---|---|---|"]
     by = {(r["what"], r["rows"]): r for r in results}
     for what in dict.fromkeys(r["what"] for r in results):
         hi, lo = by[(what, large)], by[(what, small)]
-        lines.append(f"| {what} | {hi['cold'] / lo['cold']:.2f} | {hi['steady'] / lo['steady']:.2f} |")
+        each = ", ".join(f"{a / b:.2f}" for a, b in zip(hi["cold_rounds"], lo["cold_rounds"]))
+        lines.append(f"| {what} | {hi['cold'] / lo['cold']:.2f} | {each} | {hi['steady'] / lo['steady']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="fresh opens per workload (default 5; --quick 2)")
     args = p.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 5)
     small, large = (10_000, 100_000) if args.quick else (100_000, 10_000_000)
     calls = COLD + (50 if args.quick else 400)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         paths = {n: Path(d) / f"t{n}" for n in (small, large)}
         for n, path in paths.items():
             build(path, n)
-        results = measure(paths, calls)
+        results = measure(paths, calls, rounds)
     text = table(results, small, large)
     print(text)
     if args.markdown:
@@ -141,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
                    f"Windows of {B} anchors from read-only TrajectoryReplayBuffer stores of {small:,} and {large:,} "
                    "steps ({\"obs\": (17,), \"action\": (6,)} float32, episodes of 250-750 steps), each store "
-                   f"opened afresh per workload, page cache warm, no read pass before timing; blocks of 25 "
-                   f"consecutive calls rotated between the stores; cold = the first {COLD} calls after opening, "
-                   "steady = the calls after those. Per-field windows read obs at offsets -1, 0 and action at "
+                   f"opened afresh per workload and round ({rounds} rounds, the opening order alternating), page "
+                   "cache warm, no read pass before timing; blocks of 25 consecutive calls rotated between the "
+                   f"stores; cold = the first {COLD} calls after opening, steady = the calls after those; medians "
+                   "over the rounds (one round's cold phase is 200 calls, a fifth of a second: another process "
+                   "waking up moves it by 10-30%). Per-field windows read obs at offsets -1, 0 and action at "
                    "0..15 (Diffusion Policy's 2 observation frames and 16 actions). The numpy gather takes "
                    "`sample_sequences(256, 32)`'s windows from arrays in RAM: its own growth between sizes is what "
                    "the memory hierarchy costs (the small store fits in the last-level cache, the large one does "
