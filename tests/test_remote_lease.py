@@ -108,3 +108,47 @@ def test_killed_s3_writer_lease_taken_over(s3_options, tmp_path, procs):  # noqa
     buf.extend(_rows(n, n + 5))
     buf.close()
     assert not fs.exists(f"{url[5:]}/{LEASE_KEY}")
+
+
+@pytest.mark.parametrize("bad", ['"pid": 1' + "0" * 400, '"pid": -1', '"pid": true', '"renewed": 1' + "0" * 400,
+                                 '"renewed": NaN', '"renewed": Infinity', '"renewed": -5'],
+                         ids=["huge-pid", "negative-pid", "bool-pid", "huge-time", "nan-time", "inf-time", "negative-time"])
+def test_hostile_lease_is_a_damaged_store(bad):
+    """A lease is input: out-of-range numbers raise DamagedStoreError (not OverflowError from
+    float() or os.kill), and NaN, which JSON allows and which would never be stale, is refused."""
+    import fsspec
+
+    from trajstore.errors import DamagedStoreError
+
+    url = f"memory://lease-hostile-{os.getpid()}-{time.monotonic_ns()}/store"
+    ReplayBuffer.create(SPACE, cache_path=url).close()
+    fields = {"owner": '"x"', "host": '"elsewhere"', "pid": "1", "renewed": str(time.time())}
+    key, value = bad.split(": ", 1)
+    fields[key.strip('"')] = value
+    with fsspec.open(f"{url}/{LEASE_KEY}", "wb") as f:
+        f.write(("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}").encode())
+    with pytest.raises(DamagedStoreError, match="not a writer lease"):
+        ReplayBuffer.load_from(url)
+    assert len(ReplayBuffer.load_from(url, read_only=True)) == 0  # readers never look at the lease
+
+
+def test_unreadable_record_names_its_cause():
+    """A commit whose generation check cannot read the record is refused with LockedError that
+    says why (here the record was deleted under the writer)."""
+    import fsspec
+
+    from trajstore.storage.head import HEAD_KEY
+
+    url = f"memory://lease-cause-{os.getpid()}-{time.monotonic_ns()}/store"
+    a = ReplayBuffer.create(SPACE, cache_path=url)
+    a.extend(_rows(0, 3))
+    a.flush()
+    fs, path = fsspec.core.url_to_fs(f"{url}/{HEAD_KEY}")
+    record = fs.cat_file(path)
+    fs.rm(path)
+    a.extend(_rows(3, 5))
+    with pytest.raises(LockedError, match="could not be read.*DamagedStoreError.*missing"):
+        a.flush()
+    fs.pipe_file(path, record)
+    a.close()
+    np.testing.assert_array_equal(ReplayBuffer.load_from(url, read_only=True)[:], _rows(0, 5))

@@ -11,6 +11,7 @@ replaces another writer's.  docs/scale.md lists the guarantee per backend.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -31,6 +32,8 @@ LEASE_KEY = "trajstore.lease.json"
 LEASE_TTL_S = 600.0
 #: Bound on the lease object read back (it is input like every file of a store).
 _MAX_LEASE_BYTES = 4096
+_MAX_PID = 1 << 22  # Linux's pid_max limit; larger is not a process id
+_MAX_TIME = 1e11  # seconds since the epoch (year 5138): anything later is not a clock reading
 #: fsspec protocols whose ``pipe_file(..., mode="create")`` is an atomic exclusive create
 #: (s3fs sends ``If-None-Match: *``; the memory filesystem opens with ``"xb"``).  Others are
 #: written after an existence check: a race of two writers opening at the same instant is then
@@ -168,8 +171,9 @@ class RemoteLease:
         loc = self.loc
         try:
             on_store = read_head(loc).generation
-        except Exception:
-            on_store = None
+        except Exception as e:  # unreadable (any backend's error) or damaged: refuse, saying why
+            raise LockedError(f"{loc.url}: the commit record could not be read to check that no other writer "
+                              f"committed ({type(e).__name__}: {e}); refusing to commit") from e
         if on_store != generation:
             raise LockedError(f"{loc.url}: another writer committed to this store (its commit record is generation "
                               f"{on_store}, this writer's last was {generation}); refusing to overwrite it. Reopen "
@@ -204,10 +208,15 @@ def _read_lease(loc: Location) -> dict[str, Any] | None:
         obj = json.loads(raw)
     except ValueError:
         obj = None
-    if not (isinstance(obj, dict) and isinstance(obj.get("owner"), str) and type(obj.get("pid")) is int
-            and isinstance(obj.get("renewed"), (int, float)) and isinstance(obj.get("host"), str)):
+    if not (isinstance(obj, dict) and isinstance(obj.get("owner"), str) and isinstance(obj.get("host"), str)
+            and type(obj.get("pid")) is int and 0 <= obj["pid"] < _MAX_PID
+            and type(obj.get("renewed")) in (int, float) and 0 <= obj["renewed"] < _MAX_TIME
+            and math.isfinite(obj["renewed"])):
+        # (A lease is input: an integer of hundreds of digits would overflow float() or os.kill,
+        # and NaN, which JSON allows, would never be stale.)
         raise DamagedStoreError(f"{loc.url}: {LEASE_KEY} is not a writer lease (expected a JSON object with owner, "
-                                "host, pid, renewed); if no writer is running, delete it")
+                                f"host, pid in [0, {_MAX_PID}), renewed in [0, {_MAX_TIME:.0e}) seconds since the "
+                                "epoch); if no writer is running, delete it")
     return obj
 
 
