@@ -214,7 +214,8 @@ def test_copy_merges_into_one_verified_store(dataset, capsys, tmp_path: Path) ->
 
 def test_copy_sigkilled_midway_leaves_no_partial_store(tmp_path: Path) -> None:
     """A ``trajstore copy`` of a sharded dataset SIGKILLed mid-way: the destination is absent or a
-    whole verified store (never a partial one), the dataset is intact, and a new copy succeeds."""
+    whole verified store (never a partial one), the dataset is intact, and a new copy succeeds and
+    removes what the killed one left."""
     root = str(tmp_path / "big")
     n = 150_000
     for name in ("a", "b"):
@@ -224,7 +225,7 @@ def test_copy_sigkilled_midway_leaves_no_partial_store(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "trajstore", "copy", root, str(dst)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
-    while not any(p.startswith(".merged.merging-") for p in os.listdir(tmp_path)):  # merge_shards' build folder
+    while not any(p.startswith(".merged.trajstore-partial-") for p in os.listdir(tmp_path)):  # the build folder
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline, "the copy never started its build folder"
         time.sleep(0.002)
@@ -241,3 +242,5 @@ def test_copy_sigkilled_midway_leaves_no_partial_store(tmp_path: Path) -> None:
     out = run_cli("copy", root, str(dst), "--overwrite", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == 2 * n
+    # the killed copy's build folder was removed by the new one (its process is gone)
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".merged.")] == []

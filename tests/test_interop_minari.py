@@ -259,6 +259,8 @@ def test_export_killed_midway_leaves_no_dataset(tmp_path: Path, datasets_root: P
         import_minari("toy/killed-v0", tmp_path / "never")
     assert verify_store(tmp_path / "s").ok
     export_minari(tmp_path / "s", "toy/killed-v0", data_format="arrow")
+    # the killed export's temporary folder was removed by the new one (its process is gone)
+    assert not [p for p in (datasets_root / "toy").iterdir() if "trajstore-partial" in p.name]
     again = minari.load_dataset("toy/killed-v0")
     assert [len(e.rewards) for e in again.iterate_episodes()] == [len(e["rewards"]) for e in episodes]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +36,7 @@ from trajstore.maintenance.staged import (
     check_free,
     local_path,
     open_source,
+    partial_path,
     step_blocks,
     verify_written,
 )
@@ -219,8 +219,8 @@ class ImportWriter:
 
 # -- exports -----------------------------------------------------------------------------------------
 class staged_path:
-    """A destination file or folder written under ``.<name>.trajstore-partial-<pid>-<random>`` next
-    to it: ``with staged_path(dst, overwrite) as tmp: ...`` renames ``tmp`` to ``dst`` when the
+    """A destination file or folder written under a temporary name next to it
+    (:func:`~trajstore.maintenance.staged.partial_path`): ``with staged_path(dst, overwrite) as tmp: ...`` renames ``tmp`` to ``dst`` when the
     block ends without error (after :meth:`check` passed, if set) and removes it otherwise."""
 
     def __init__(self, dst: Any, what: str, overwrite: bool) -> None:
@@ -234,8 +234,7 @@ class staged_path:
         if os.path.lexists(self.dst) and not overwrite:
             raise StoreExistsError(f"{self.dst}: something already exists there; pass overwrite=True (--overwrite) "
                                    "to replace it")
-        parent, name = os.path.split(self.dst)
-        self.tmp = os.path.join(parent, f".{name}.trajstore-partial-{os.getpid()}-{secrets.token_hex(4)}")
+        self.tmp = partial_path(self.dst)
 
     def __enter__(self) -> str:
         os.makedirs(os.path.dirname(self.dst), exist_ok=True)

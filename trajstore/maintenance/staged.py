@@ -3,7 +3,7 @@
 exports) share.
 
 A destination is a local folder built under a temporary name in its parent folder
-(``.<name>.trajstore-partial-<pid>-<random>``, :class:`StagedFolders`), verified
+(``.<name>.trajstore-partial-<host>-<pid>-<random>``, :func:`partial_path`, :class:`StagedFolders`), verified
 (:func:`verify_written`), and only then renamed into place; on any error the temporary folders are
 removed and no destination appears.  Sources are read a bounded block of steps at a time
 (:data:`BLOCK_BYTES`, :func:`step_blocks`), so a store larger than RAM streams through.
@@ -11,9 +11,13 @@ removed and no destination appears.  Sources are read a bounded block of steps a
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,8 +28,8 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
 
-__all__ = ["BLOCK_BYTES", "local_path", "check_free", "StagedFolders", "not_a_source", "verify_written",
-           "open_source", "block_rows", "step_blocks"]
+__all__ = ["BLOCK_BYTES", "local_path", "check_free", "partial_path", "StagedFolders", "not_a_source",
+           "verify_written", "open_source", "block_rows", "step_blocks"]
 
 #: Steps are copied in blocks of about this many bytes.
 BLOCK_BYTES = 8 << 20
@@ -51,6 +55,50 @@ def check_free(dst: str, overwrite: bool) -> None:
         raise StoreExistsError(f"{dst}: something already exists there; pass overwrite=True (--overwrite) to replace it")
 
 
+#: This machine in temporary names (a hash: host names may hold any character).
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def partial_path(dst: str) -> str:
+    """A fresh temporary name next to ``dst`` (nothing is created), to be renamed to ``dst``:
+    ``.<name>.trajstore-partial-<host>-<pid>-<random>``.
+
+    What a killed operation on this machine left for the same ``dst`` (a temporary name whose
+    process is gone) is removed first, so a rerun does not leave two copies on disk.  Names from
+    other machines (a shared folder) and from live processes are left alone.
+    """
+    parent, name = os.path.split(dst)
+    _remove_dead_partials(parent, name)
+    return os.path.join(parent, f".{name}.trajstore-partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _remove_dead_partials(parent: str, name: str) -> None:
+    pattern = re.compile(rf"\.{re.escape(name)}\.trajstore-partial-{_HOST}-(\d{{1,7}})-[0-9a-f]{{8}}")
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return  # no parent yet: nothing left there
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)  # never follows a link inside
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(e.path)  # a file, or a link (never followed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True
+
+
 class StagedFolders:
     """Temporary folders next to their destinations, renamed into place together by :meth:`commit`
     or removed by :meth:`discard`."""
@@ -60,9 +108,8 @@ class StagedFolders:
 
     def new(self, dst: str) -> str:
         """A fresh temporary folder name next to ``dst`` (not created), to be renamed to ``dst``."""
-        parent, name = os.path.split(dst)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{name}.trajstore-partial-{os.getpid()}-{secrets.token_hex(4)}")
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        tmp = partial_path(dst)
         self.pairs.append((tmp, dst))
         return tmp
 

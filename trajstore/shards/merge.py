@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from typing import Any
 
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import StoreExistsError
+from trajstore.maintenance.staged import partial_path
 from trajstore.shards.dataset import open_sharded
 
 __all__ = ["merge_shards"]
@@ -55,8 +55,7 @@ def merge_shards(path: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     ds = open_sharded(path, storage_options=storage_options)
     try:
         opts = {k: v for k, v in ds.options.items() if k in ("chunk_rows", "compressor")}
-        build = os.path.join(os.path.dirname(os.path.abspath(d)), f".{os.path.basename(d)}.merging-{uuid.uuid4().hex[:8]}") \
-            if local else d
+        build = partial_path(os.path.abspath(d)) if local else d
         if ds.kind == "TrajectoryReplayBuffer":
             out: Any = TrajectoryReplayBuffer.create(ds.step_space, cache_path=build,  # type: ignore[attr-defined]
                                                      episode_data_instance_space=ds.episode_space,  # type: ignore[attr-defined]
