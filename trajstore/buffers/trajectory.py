@@ -15,7 +15,7 @@ rows are evicted once the last step of their episode has left the step ring.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Sequence, TypedDict, cast
+from typing import Any, Sequence, TypedDict, cast
 
 import gymnasium
 import numpy as np
@@ -27,12 +27,11 @@ from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.episode_windows import EpisodeWindows
 from trajstore.buffers.replay import (
     ZarrStorage,
-    _copy_steps,
     _is_remote,
     _storage_cls_check,
 )
 from trajstore.buffers.rows import TrajectoryRows
-from trajstore.buffers.views import BatchBase
+from trajstore.buffers.trajectory_edits import TrajectoryEdits, check_episode_ids
 from trajstore.core.episodes import EpisodeIndex, RunIndex
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.core.stager import RowStager
@@ -45,9 +44,7 @@ from trajstore.errors import (
     UnsupportedSpaceError,
 )
 from trajstore.spaces import ValuePlan, space_to_json
-from trajstore.storage.fields.base import Field
 from trajstore.storage.fields.layout import make_field_spec
-from trajstore.storage.schema import MAX_INT
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
 
@@ -77,24 +74,7 @@ def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: 
             for p, s, d in shapes]
 
 
-#: Episode ids are int64 and the commit record holds ``next_episode_id`` (one past the largest),
-#: which must stay below the bound of every integer in a commit record (schema.MAX_INT).
-MAX_EPISODE_ID = MAX_INT - 1
-
-
-def _check_episode_ids(ids: Any) -> np.ndarray:
-    """``ids`` as int64, checked to be episode ids: integers in ``[0, MAX_EPISODE_ID)``."""
-    raw = np.asarray(ids)
-    if raw.dtype.kind not in "iu" or raw.dtype.itemsize > 8:
-        raise BadValueError(f"episode ids must be integers; got {raw.dtype}")
-    if raw.size:
-        lo, hi = int(raw.min()), int(raw.max())
-        if lo < 0 or hi >= MAX_EPISODE_ID:
-            raise BadValueError(f"episode ids must be in [0, {MAX_EPISODE_ID}); got {lo if lo < 0 else hi}")
-    return raw.astype(np.int64)
-
-
-class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, StoredBuffer):
+class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, StoredBuffer):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
@@ -440,7 +420,7 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, StoredBuffer):
             if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
                 raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
                                     f"got {raw.dtype} {raw.shape}")
-            ids = _check_episode_ids(raw).reshape(n)  # range checked before the cast to int64
+            ids = check_episode_ids(raw).reshape(n)  # range checked before the cast to int64
         ep_arrays = None
         if ep is not None:
             if self._ep_plan is None:
@@ -523,147 +503,6 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, StoredBuffer):
         uniq, last = np.unique(ids[::-1], return_index=True)
         for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
             self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
-
-    def set_episode_data_at(self, episode_id: int, value: Any) -> None:
-        """Set the data of episode ``episode_id`` (overwritten in place if it already has some)."""
-        if self._ep_plan is None:
-            raise SpaceMismatchError("this buffer has no episode_data space")
-        arrays, _ = self._ep_plan.to_arrays(value, batched=False)
-        eid = int(_check_episode_ids(np.array([episode_id]))[0])
-        with self._store.write_op():
-            self._drain()
-            self._next_id = max(self._next_id, eid + 1)  # fresh ids must never collide with it
-            self._episodes.set_row(eid, arrays)
-
-    def set_current_episode_data(self, value: Any) -> None:
-        """Set the data of the episode being recorded (``current_episode_id``)."""
-        self.set_episode_data_at(self.current_episode_id, value)
-
-    def set_at(self, idx: IndexLike, value: Any) -> None:
-        """Overwrite step rows ``idx`` (bare step data or ``{"step_data", "episode_ids"?,
-        "episode_data"?}``, as ``extend`` takes; the last row of each episode sets its data);
-        crash-atomic."""
-        self._sync()
-        i = normalize_index(idx, self._table.count)
-        single = isinstance(i, int)
-        if isinstance(value, dict) and "step_data" in value and "episode_data" in value:
-            value = {k: v for k, v in value.items() if k != "episode_data"} if value["episode_data"] is None else value
-        arrays, n, ids, ep = self._split(value, batched=not single)
-        rows = np.atleast_1d(np.asarray(i, dtype=np.int64))
-        if not single and n != len(rows):
-            raise BadValueError(f"set_at got {n} rows for {len(rows)} indices")
-        fields = list(range(len(arrays))) + ([self._id_field] if ids is not None else [])
-        data = arrays + ([ids] if ids is not None else [])
-        with self._store.write_op():
-            if ids is not None:
-                self._claim_ids(ids)
-            self._store.rewrite(self._table.rewrite_plan_set(rows, data, fields), self._episodes.forget)
-            if ep is not None:
-                self._set_episode_rows(np.atleast_1d(self._step_ids(rows)), ep)
-
-    def remove_at(self, idx: IndexLike) -> None:
-        """Delete steps ``idx`` (later steps move up); episodes left without steps lose their
-        episode data.  One crash-atomic rewrite covers both."""
-        self._sync()
-        rows = np.unique(np.atleast_1d(np.asarray(normalize_index(idx, self._table.count), dtype=np.int64)))
-        if rows.size == 0:
-            return
-        t, et = self._table, self._ep_table
-        ids = t.read_contiguous(0, t.count, [self._id_field])[0]
-        keep = np.ones(len(ids), bool)
-        keep[rows] = False
-        gone = np.setdiff1d(np.unique(ids[rows]), np.unique(ids[keep]))
-        ep_rows = self._episodes.lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
-        ep_rows = np.unique(ep_rows[ep_rows >= 0])
-
-        def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
-            yield from t.rewrite_plan_remove(rows)
-            if et is not None and ep_rows.size:
-                yield from et.rewrite_plan_remove(ep_rows)
-
-        def shrink() -> None:
-            t.state.end -= int(rows.size)
-            if et is not None:
-                et.state.end -= int(ep_rows.size)
-            self._episodes.forget()
-
-        with self._store.write_op():
-            self._store.rewrite(changes(), shrink)
-
-    def clear(self) -> None:
-        """Remove every step and episode; ids are never reused (a fresh episode starts)."""
-        with self._store.write_op():
-            self._stager.discard()
-            for tab in (self._table, self._ep_table):
-                if tab is not None:
-                    tab.state.start = tab.state.end = 0
-            self._episodes.forget()
-            self._new_episode()
-            head = self._store._current_head()
-            head.epoch += 1
-            head.state = self._state()
-            self._store._write_head(head)
-
-    def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
-        """Append every step of ``other``.
-
-        From a trajectory buffer, episode boundaries and episode data are kept; its episodes get
-        fresh ids here.  From any other batch whose space equals ``step_space`` (a ReplayBuffer,
-        a view), the steps join the current episode.
-
-        ``chunk_size`` steps are copied at a time; ``None`` (default) sizes steps by bytes, about
-        8 MiB of step data each.  ``tqdm``: ``True``/``False`` force the progress bar on/off;
-        ``None`` (default) shows it on a terminal for copies of at least 64 MiB, when tqdm is
-        installed.  Steps and episode data are checked against this buffer's spaces a step at a
-        time, like ``extend``: a refused row stops the copy, with the steps before it appended.
-        """
-        src_traj = isinstance(other, TrajectoryReplayBuffer)
-        src_space = other.step_space if src_traj else other.single_space  # type: ignore[attr-defined]
-        if src_space != self.step_space:
-            raise SpaceMismatchError(f"extend_from: step spaces differ: {src_space} vs {self.step_space}")
-        copy_episodes = src_traj and self._ep_plan is not None and other.episode_space == self.episode_space  # type: ignore[attr-defined]
-        n = len(other)
-        n_step = len(self._step_plan.leaves)
-        fresh: dict[int, int] = {}
-        step, bar = _copy_steps(n, self._table.row_bytes, chunk_size, tqdm)
-        try:
-            for lo in range(0, n, step):
-                hi = min(lo + step, n)
-                if src_traj:
-                    # Equal step spaces: other's step fields come in this buffer's leaf order, its ids last.
-                    *step_arrays, src_ids = other._table.read_contiguous(  # type: ignore[attr-defined]
-                        lo, hi, list(range(n_step)) + [other._id_field])  # type: ignore[attr-defined]
-                    self._step_plan.check(step_arrays, first_row=lo)
-                    uniq, inverse = np.unique(src_ids, return_inverse=True)
-                    for eid in uniq.tolist():
-                        if eid not in fresh:
-                            fresh[eid] = self._next_id
-                            self._next_id += 1
-                    ids = np.array([fresh[e] for e in uniq.tolist()], np.int64)[inverse.reshape(-1)]
-                    self._extend(step_arrays, hi - lo, ids, None)
-                else:
-                    arrays = other._read_slice(slice(lo, hi), other._all_leaves)
-                    self._step_plan.check(arrays, first_row=lo)
-                    self._extend(arrays, hi - lo, None, None)
-                bar.update(hi - lo)
-        finally:
-            bar.close()
-        if not fresh:
-            return
-        with self._store.write_op():
-            if copy_episodes:
-                src = np.array(list(fresh), np.int64)
-                rows = other._episodes.lookup(src)  # type: ignore[attr-defined]
-                # Only episodes that still have steps here (a small ring may have dropped some).
-                last, start = self._episodes.last_rows(), self._table.state.start
-                alive = np.array([last.get(fresh[e], -1) >= start for e in src.tolist()], bool)
-                have = (rows >= 0) & alive
-                if have.any():
-                    data = other._ep_table.gather(rows[have], list(range(len(other._ep_plan.leaves))))  # type: ignore[attr-defined]
-                    self._ep_plan.check(data)  # type: ignore[union-attr]
-                    for k, eid in enumerate(src[have].tolist()):
-                        self._episodes.set_row(fresh[eid], [a[k : k + 1] for a in data])
-            self._new_episode()
 
     def row_source(self) -> "TrajectoryRows":
         """This buffer's step rows as an :class:`~trajstore.sampling.source.EpisodeSource`."""
