@@ -11,7 +11,7 @@ since the copy into the page cache is the bottleneck either way and the thread a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +34,17 @@ class RowStager:
 
     Writers call :meth:`room`, fill ``bufs[*][n]`` and call :meth:`added`; owners call
     :meth:`drain` before every read and commit (``pending`` says whether it is needed).
+
+    An owner that keeps some leaves' values itself (the SB3 buffers hold actions, rewards and
+    dones in RAM arrays anyway) may leave them unstaged and set :attr:`fill`: ``fill(bufs, n)``
+    is called by every :meth:`drain` before the rows are handed over and must write rows
+    ``[0, n)`` of those leaves, which are always the owner's last ``n`` appended rows (a drain
+    that failed part-way keeps the newest rows staged, so this stays true).  A per-step copy
+    per small leaf becomes one gather per leaf and block.
     """
+
+    #: See the class docstring; None: every leaf is staged by the writer.
+    fill: Callable[[list[np.ndarray], int], None] | None = None
 
     def __init__(self, table: Table, leaves: Sequence[tuple[tuple[int, ...], np.dtype]]) -> None:
         self.table = table
@@ -70,6 +80,8 @@ class RowStager:
         if self.n:
             n, end = self.n, self.table.state.end
             try:
+                if self.fill is not None:
+                    self.fill(self.bufs, n)
                 self.table.extend([b[:n] for b in self.bufs], n)
             except BaseException:
                 done = min(max(self.table.state.end - end, 0), n)  # rows written and counted

@@ -29,6 +29,8 @@ from stable_baselines3.common.type_aliases import (
 )
 from stable_baselines3.common.vec_env import VecNormalize
 
+from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
+from trajstore.core.stager import RowStager
 from trajstore.errors import UnsupportedSpaceError
 from trajstore.sb3._base import PositionView, ZarrBufferMixin
 from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
@@ -90,6 +92,10 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._count = 0  # rows held (== buffer_size when full)
         self._steps = 0  # transitions ever added (the ``step`` of the next row)
         self._step = np.zeros((), np.int64)
+        self._obs_slots = [(k, e) for e in range(n) for k in self._layout.keys]  # obs leaves, in order
+        self._one_obs_leaf = len(self._obs_slots) == 1
+        self._stage: RowStager | None = None
+        self._stage_chosen = False  # _stage is chosen at the first add (HER wraps the store after __init__)
         self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
         self._pending_saved = -1
         self._last_done = b""  # dones of the last stored row, as stored
@@ -184,37 +190,85 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             ``info["TimeLimit.truncated"]`` sets the timeout flag (``handle_timeout_termination``).
         """
         self._check_open()
-        lay, p = self._layout, self.pos
-        if self._count and self.dones[(p - 1) % self.buffer_size].tobytes() != self._last_done:
+        lay, p, size = self._layout, self.pos, self.buffer_size
+        if self._count and self.dones[(p - 1) % size].tobytes() != self._last_done:
             # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
-            self._persist_edits(np.array([(p - 1) % self.buffer_size]))
+            self._persist_edits(np.array([(p - 1) % size]))
         o, no = lay.batch(obs), lay.batch(next_obs)
+        st = self._stage if self._stage_chosen else self._adopt_stager()
+        if st is not None and st.n == st.rows:
+            st.drain()  # a block left full by a failed drain (a full disk) is written first
         self.actions[p] = np.asarray(action).reshape((self.n_envs, self.action_dim))
         self.rewards[p] = reward  # assignment casts as SB3's np.array(...) then assignment does
         self.dones[p] = done
         if self.handle_timeout_termination:
             self.timeouts[p] = [info.get("TimeLimit.truncated", False) for info in infos]
-        # The row, leaf by leaf in the order of _row_space: obs, next_obs, action, reward, done, timeout, step.
-        values = lay.row_values(o)
+        if st is not None:
+            # Only the observations are staged; the other leaves come from the RAM arrays above
+            # when the block is handed over (_fill_staged), so the row is counted below before
+            # any hand-over (a hand-over that fails keeps it staged and counted).
+            j, bufs = st.n, st.bufs
+            if self._one_obs_leaf:  # one env, one key: the common case, without a loop
+                k = self._obs_slots[0][0]
+                bufs[0][j] = o[k][0]
+                if not self.optimize_memory_usage:
+                    bufs[1][j] = no[k][0]
+            else:
+                for b, (k, e) in enumerate(self._obs_slots):
+                    bufs[b][j] = o[k][e]
+                if not self.optimize_memory_usage:
+                    m = len(self._obs_slots)
+                    for b, (k, e) in enumerate(self._obs_slots):
+                        bufs[m + b][j] = no[k][e]
+        else:
+            # The row, leaf by leaf in the order of _row_space: obs, next_obs, action, reward, done, timeout, step.
+            values = lay.row_values(o)
+            if not self.optimize_memory_usage:
+                values += lay.row_values(no)
+            self._step[...] = self._steps
+            values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
+            self._rb._append_leaves(values)
         if self.optimize_memory_usage:
             for k in lay.keys:
                 self._pending[k][:] = no[k]
-        else:
-            values += lay.row_values(no)
-        self._step[...] = self._steps
-        values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
-        self._rb._append_leaves(values)
+        self._last_done = self.dones[p].tobytes()
+        self._steps += 1
+        self._count = min(self._count + 1, size)
+        self.full = self._count == size
+        self.pos = (p + 1) % size
+        if st is not None:
+            st.n = j + 1
+            if st.n == st.rows:
+                st.drain()
         now = time.monotonic()
         if now - self._last_commit >= self._commit_interval:
             # trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer
             # only when they are handed over; commit here so a crash loses at most commit_interval.
             self._rb.flush()
             self._last_commit = now
-        self._last_done = self.dones[p].tobytes()
-        self._steps += 1
-        self._count = min(self._count + 1, self.buffer_size)
-        self.full = self._count == self.buffer_size
-        self.pos = (p + 1) % self.buffer_size
+
+    def _adopt_stager(self) -> RowStager | None:
+        """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
+        directly and leave the other leaves to :meth:`_fill_staged`; None where rows go through
+        ``_append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own)."""
+        rb = self._rb
+        st = getattr(rb, "_stager", None) if type(rb) is StoreBuffer else None
+        n_obs = len(self._obs_slots) * (1 if self.optimize_memory_usage else 2)
+        if st is None or rb.multiprocessing or rb.read_only or len(st.bufs) != n_obs + len(SMALL) + 1:
+            st = None
+        else:
+            st.fill = self._fill_staged
+        self._stage, self._stage_chosen = st, True
+        return st
+
+    def _fill_staged(self, bufs: list[np.ndarray], n: int) -> None:
+        """Rows ``[0, n)`` of the staged leaves after the observations (action, reward, done,
+        timeout: (n, n_envs, ...) from the RAM arrays; step: (n,) int64) for the last ``n`` adds."""
+        at = (self.pos - n + np.arange(n)) % self.buffer_size
+        first = len(bufs) - len(SMALL) - 1
+        for b, arr in zip(bufs[first:], self._small().values()):
+            np.take(arr, at, axis=0, out=b[:n])
+        bufs[-1][:n] = np.arange(self._steps - n, self._steps)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
         """``batch_size`` transitions; draws ``np.random`` exactly as SB3's ``sample``.
