@@ -32,6 +32,7 @@ from trajstore.errors import (
     TrajstoreError,
 )
 from trajstore.spaces import space_from_json
+from trajstore.storage.array_meta import array_rows, read_root
 from trajstore.storage.confined import OPEN_FLAGS
 from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
 from trajstore.storage.head import (
@@ -58,11 +59,8 @@ from trajstore.storage.locks import WriterLock
 from trajstore.storage.published import dimension_names
 from trajstore.storage.schema import (
     TableSchema,
-    array_rows,
     check_head_tables,
-    check_rows_fit,
     check_schema,
-    read_root,
 )
 
 __all__ = ["Store", "TableSpec"]
@@ -287,8 +285,9 @@ class Store(StoreCommits):
         if kinds is not None and attrs.get("kind") not in kinds:
             raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
         schema = check_schema(attrs, where)
-        # Local arrays' own zarr.json files are read too (cheap; zarr reads them when a writer grows).
-        rows = array_rows(loc, schema, root, fresh=loc.is_local or not read_only)
+        # Every array's metadata is checked (local arrays' own zarr.json files too: cheap, and zarr
+        # reads them when a writer grows); the rows they record are not used (see below).
+        array_rows(loc, schema, root, fresh=loc.is_local or not read_only)
         try:
             group = open_zarr_group(loc, mode="r" if read_only else "r+")
         except TrajstoreError:
@@ -303,7 +302,9 @@ class Store(StoreCommits):
                 lease = RemoteLease.acquire(loc, multiprocessing=multiprocessing)
             head = read_head(loc)
             check_head_tables(head, schema, where)
-            check_rows_fit(loc, schema, head, rows, root)
+            # (Array shapes need not match the record: trajstore sizes its arrays from the record's
+            # allocation; a shape that lags it, a writer killed between record and metadata, is
+            # harmless. array_rows checked each one is plausible.)
             if lock is not None and lock.sole:
                 # Temp files are only removed when no other writer can be using them.
                 if lock.previous_unclean:

@@ -48,13 +48,12 @@ from trajstore.maintenance.pieces import (
 from trajstore.maintenance.report import Fault, VerifyReport
 from trajstore.sampling.priority_store import check_sidecar
 from trajstore.spaces import space_from_json
+from trajstore.storage.array_meta import check_array_meta, consolidated
 from trajstore.storage.confined import MAX_FILE_BYTES
 from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
 from trajstore.storage.location import Location
 from trajstore.storage.schema import (
-    _consolidated,
     check_allocation,
-    check_array_meta,
     check_pending,
     check_schema,
 )
@@ -110,7 +109,7 @@ def scan_store(loc: Location, deep: bool, progress: Callable[[int, str], Any] | 
     sc.tables = {name: {"capacity": t.capacity, "fields": [f.path for f in t.fields]} for name, t in sc.schema.items()}
     # Arrays: each one's own zarr.json, and its consolidated entry (what zarr readers use).
     try:
-        entries = _consolidated(root, str(loc.url))
+        entries = consolidated(root, str(loc.url))
     except DamagedStoreError as e:
         entries = None
         rep.faults.append(Fault("array-unreadable", "zarr.json", f"zarr.json: consolidated metadata is malformed ({fault_text(e)})"))

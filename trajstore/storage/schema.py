@@ -10,7 +10,7 @@ file outside the store, allocating without bound, or failing deep inside numpy o
 - :func:`load_json`: a metadata file's bytes as JSON (bounded nesting, strict numbers);
 - :func:`check_schema`: the ``trajstore`` root attributes, down to every field, checked against
   the spaces they were derived from;
-- :func:`check_array_meta`: an array's zarr metadata against its field;
+- (:mod:`trajstore.storage.array_meta`: each array's zarr metadata against its field;)
 - :func:`check_head_tables` / :func:`check_pending`: a commit record against the schema.
 """
 
@@ -29,8 +29,8 @@ from trajstore.storage.keys import FORMAT_VERSION, HEAD_KEY
 
 __all__ = [
     "MAX_INT", "MAX_ROW_ELEMENTS", "MAX_CHUNK_BYTES", "MAX_CHUNKS", "MAX_ARRAY_BYTES", "MAX_FIELDS", "MAX_DEPTH",
-    "FieldSchema", "TableSchema", "load_json", "check_schema", "check_array_meta", "check_head_tables",
-    "check_pending", "ALLOWED_DTYPES",
+    "FieldSchema", "TableSchema", "load_json", "check_schema", "check_head_tables", "check_pending", "check_int",
+    "check_allocation", "as_dict", "as_list", "name_value", "ALLOWED_DTYPES", "DTYPE_NAMES",
 ]
 
 # -- plausibility bounds ------------------------------------------------------------------------
@@ -53,14 +53,15 @@ MAX_DEPTH = 64
 #: The plain numeric and boolean dtypes a field may have (as the schema and zarr spell them).
 ALLOWED_DTYPES = {np.dtype(t) for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                         "uint64", "float16", "float32", "float64")}
-_DTYPE_NAMES = {n: d for d in ALLOWED_DTYPES for n in (d.name, d.str.lstrip("<>|="), d.str)}
+DTYPE_NAMES = {n: d for d in ALLOWED_DTYPES for n in (d.name, d.str.lstrip("<>|="), d.str)}
 
 _KINDS = {"ReplayBuffer": ("step_data",), "TrajectoryReplayBuffer": ("step_data", "episode_data")}
 _STAGING_PREFIX = re.compile(r"\.trajstore-staging/([0-9]{1,19})\Z")
 _BAD_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
-def _name_value(v: Any) -> str:
+def name_value(v: Any) -> str:
+    """``repr(v)`` cut to 80 characters, for messages quoting what a store holds."""
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -73,21 +74,23 @@ def _type_name(v: Any) -> str:
 def check_int(v: Any, what: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
     """``v`` as an int in ``[lo, hi)``; a bool, float or string is refused (JSON says what it is)."""
     if type(v) is not int:
-        raise DamagedStoreError(f"{where}: {what} is {_name_value(v)} ({_type_name(v)}); expected an integer")
+        raise DamagedStoreError(f"{where}: {what} is {name_value(v)} ({_type_name(v)}); expected an integer")
     if not lo <= v < hi:
-        raise DamagedStoreError(f"{where}: {what} is {_name_value(v)}; expected an integer in [{lo}, {hi})")
+        raise DamagedStoreError(f"{where}: {what} is {name_value(v)}; expected an integer in [{lo}, {hi})")
     return v
 
 
-def _dict(v: Any, what: str, where: str) -> dict[str, Any]:
+def as_dict(v: Any, what: str, where: str) -> dict[str, Any]:
+    """``v``, checked to be a JSON object (DamagedStoreError naming ``what`` at ``where``)."""
     if not isinstance(v, dict):
-        raise DamagedStoreError(f"{where}: {what} is {_name_value(v)} ({_type_name(v)}); expected a JSON object")
+        raise DamagedStoreError(f"{where}: {what} is {name_value(v)} ({_type_name(v)}); expected a JSON object")
     return v
 
 
-def _list(v: Any, what: str, where: str, max_len: int) -> list[Any]:
+def as_list(v: Any, what: str, where: str, max_len: int) -> list[Any]:
+    """``v``, checked to be a JSON list of at most ``max_len`` entries."""
     if not isinstance(v, list):
-        raise DamagedStoreError(f"{where}: {what} is {_name_value(v)} ({_type_name(v)}); expected a JSON list")
+        raise DamagedStoreError(f"{where}: {what} is {name_value(v)} ({_type_name(v)}); expected a JSON list")
     if len(v) > max_len:
         raise DamagedStoreError(f"{where}: {what} has {len(v)} entries; at most {max_len} are plausible")
     return v
@@ -173,15 +176,15 @@ def check_dtype(v: Any, what: str, where: str) -> np.dtype:
     DamagedStoreError
         ``v`` names no allowed dtype; the message names ``where`` and ``what``.
     """
-    if not isinstance(v, str) or v not in _DTYPE_NAMES:
-        raise DamagedStoreError(f"{where}: {what} is {_name_value(v)}; expected one of the plain dtypes "
+    if not isinstance(v, str) or v not in DTYPE_NAMES:
+        raise DamagedStoreError(f"{where}: {what} is {name_value(v)}; expected one of the plain dtypes "
                                 f"{sorted(d.name for d in ALLOWED_DTYPES)}")
-    return _DTYPE_NAMES[v]
+    return DTYPE_NAMES[v]
 
 
 def check_shape(v: Any, what: str, where: str) -> tuple[int, ...]:
     """A row shape: a list of at most 31 non-negative ints whose product is plausible."""
-    dims = tuple(check_int(d, f"{what}[{i}]", where) for i, d in enumerate(_list(v, what, where, 31)))
+    dims = tuple(check_int(d, f"{what}[{i}]", where) for i, d in enumerate(as_list(v, what, where, 31)))
     n = 1
     for d in dims:
         n *= d
@@ -195,7 +198,7 @@ def check_field_path(path: Any, table: str, kind: str, where: str) -> str:
     """A field's array path: inside the table's own folder, no empty/``.``/``..`` parts, no hidden or
     reserved names (``.``/``__`` prefixes, ``zarr.json``), no control characters."""
     if not isinstance(path, str) or not path or len(path) > 1024:
-        raise DamagedStoreError(f"{where}: field path {_name_value(path)} of table {table!r} is not a non-empty string")
+        raise DamagedStoreError(f"{where}: field path {name_value(path)} of table {table!r} is not a non-empty string")
     parts = path.split("/")
     bad = [p for p in parts if not p or p in (".", "..") or p.startswith((".", "__")) or p == "zarr.json"
            or _BAD_CHARS.search(p) or len(p) > 255]
@@ -210,7 +213,7 @@ def check_field_path(path: Any, table: str, kind: str, where: str) -> str:
 
 def _check_field(fj: Any, table: str, kind: str, capacity: int | None, where: str, i: int) -> FieldSchema:
     what = f"table {table!r} field {i}"
-    fj = _dict(fj, what, where)
+    fj = as_dict(fj, what, where)
     for k in ("path", "shape", "dtype", "chunk_rows", "layout"):
         if k not in fj:
             raise DamagedStoreError(f"{where}: {what} has no {k!r}")
@@ -221,7 +224,7 @@ def _check_field(fj: Any, table: str, kind: str, capacity: int | None, where: st
     chunk_rows = check_int(fj["chunk_rows"], f"{what} chunk_rows", where, 1)
     layout = fj["layout"]
     if layout not in ("raw", "compressed"):
-        raise DamagedStoreError(f"{where}: {what} layout is {_name_value(layout)}; expected 'raw' or 'compressed'")
+        raise DamagedStoreError(f"{where}: {what} layout is {name_value(layout)}; expected 'raw' or 'compressed'")
     f = FieldSchema(path, shape, dtype, chunk_rows, layout)
     if chunk_rows * max(f.row_bytes, 1) > MAX_CHUNK_BYTES:
         raise DamagedStoreError(f"{where}: {what} chunks of {chunk_rows} rows x {f.row_bytes} bytes exceed "
@@ -244,7 +247,7 @@ def _check_version(attrs: dict[str, Any], where: str) -> None:
         raise DamagedStoreError(f"{where}: the trajstore attributes have no format_version")
     version = attrs["format_version"]
     if type(version) is not int:
-        raise DamagedStoreError(f"{where}: format_version is {_name_value(version)} ({_type_name(version)}); "
+        raise DamagedStoreError(f"{where}: format_version is {name_value(version)} ({_type_name(version)}); "
                                 "expected an integer")
     if version > FORMAT_VERSION:
         raise FormatVersionError(f"{where}: format version {version} is newer than this trajstore reads "
@@ -278,20 +281,20 @@ def check_schema(attrs: Any, where: str) -> dict[str, TableSchema]:
         raise DamagedStoreError(f"{where}: the trajstore attributes nest deeper than {MAX_DEPTH} levels")
     kind = attrs.get("kind")
     if not isinstance(kind, str) or kind not in _KINDS:
-        raise DamagedStoreError(f"{where}: kind is {_name_value(kind)}; expected one of {', '.join(_KINDS)}")
-    tables_j = _dict(attrs.get("tables"), "tables", where)
+        raise DamagedStoreError(f"{where}: kind is {name_value(kind)}; expected one of {', '.join(_KINDS)}")
+    tables_j = as_dict(attrs.get("tables"), "tables", where)
     if "step_data" not in tables_j or any(t not in _KINDS[kind] for t in tables_j):
         raise DamagedStoreError(f"{where}: a {kind} has tables {' and '.join(_KINDS[kind])} (step_data required); "
                                 f"the schema names {sorted(map(str, tables_j))}")
     tables: dict[str, TableSchema] = {}
     n_fields = 0
     for name, tj in tables_j.items():
-        tj = _dict(tj, f"table {name!r}", where)
+        tj = as_dict(tj, f"table {name!r}", where)
         if "capacity" not in tj or "fields" not in tj:
             raise DamagedStoreError(f"{where}: table {name!r} needs 'capacity' and 'fields'")
         cap = tj["capacity"]
         capacity = None if cap is None else check_int(cap, f"table {name!r} capacity", where, 1)
-        fields_j = _list(tj["fields"], f"table {name!r} fields", where, MAX_FIELDS)
+        fields_j = as_list(tj["fields"], f"table {name!r} fields", where, MAX_FIELDS)
         if not fields_j:
             raise DamagedStoreError(f"{where}: table {name!r} has no fields")
         n_fields += len(fields_j)
@@ -315,9 +318,9 @@ def _space_dtype(o: dict[str, Any], kinds: str, what: str, where: str, default: 
         dt = np.dtype(name) if isinstance(name, str) and len(name) <= 16 else None
     except TypeError:
         dt = None
-    plain = None if dt is None or dt.kind not in kinds else _DTYPE_NAMES.get(dt.str.lstrip("<>|="))
+    plain = None if dt is None or dt.kind not in kinds else DTYPE_NAMES.get(dt.str.lstrip("<>|="))
     if plain is None:
-        raise DamagedStoreError(f"{where}: {what} dtype is {_name_value(name)}; expected a plain dtype of kind {kinds!r}")
+        raise DamagedStoreError(f"{where}: {what} dtype is {name_value(name)}; expected a plain dtype of kind {kinds!r}")
     return plain
 
 
@@ -329,7 +332,7 @@ def _positive_ints(v: Any, what: str, where: str) -> None:
         if isinstance(x, list):
             stack.extend(x)
         elif type(x) is not int or x < 1:
-            raise DamagedStoreError(f"{where}: {what} holds {_name_value(x)}; expected integers >= 1")
+            raise DamagedStoreError(f"{where}: {what} holds {name_value(x)}; expected integers >= 1")
 
 
 def _space_leaves(space: Any, where: str) -> list[tuple[str, tuple[int, ...], np.dtype]]:
@@ -342,24 +345,24 @@ def _space_leaves(space: Any, where: str) -> list[tuple[str, tuple[int, ...], np
         o, name = stack.pop()
         what = f"space {'at ' + repr(name) if name else '(root)'}"
         if not isinstance(o, dict) or not isinstance(o.get("type"), str):
-            raise DamagedStoreError(f"{where}: {what} is {_name_value(o)}; expected an object with a string 'type'")
+            raise DamagedStoreError(f"{where}: {what} is {name_value(o)}; expected an object with a string 'type'")
         t = o["type"]
         if t in ("Dict", "Tuple"):
             subs = o.get("spaces")
             if t == "Dict" and isinstance(subs, dict):
                 subs = list(subs.items())
-            subs = _list(subs, f"{what} spaces", where, MAX_FIELDS)
+            subs = as_list(subs, f"{what} spaces", where, MAX_FIELDS)
             if not subs:
                 raise DamagedStoreError(f"{where}: {what} is an empty {t}")
             children = []
             for i, sub in enumerate(subs):
                 if t == "Dict":
                     if not (isinstance(sub, (list, tuple)) and len(sub) == 2):
-                        raise DamagedStoreError(f"{where}: {what} entries must be [key, space] pairs; got {_name_value(sub)}")
+                        raise DamagedStoreError(f"{where}: {what} entries must be [key, space] pairs; got {name_value(sub)}")
                     key, sub = sub
                     if not isinstance(key, str) or not key or "/" in key or key.startswith(("__", ".")) \
                             or _BAD_CHARS.search(key) or key == "zarr.json":
-                        raise DamagedStoreError(f"{where}: {what} has Dict key {_name_value(key)}; keys are non-empty "
+                        raise DamagedStoreError(f"{where}: {what} has Dict key {name_value(key)}; keys are non-empty "
                                                 "strings without '/' that do not start with '__' or '.'")
                 else:
                     key = str(i)
@@ -381,7 +384,7 @@ def _space_leaves(space: Any, where: str) -> list[tuple[str, tuple[int, ...], np
             _positive_ints(list(shape), f"{what} n", where)
             out.append((name, shape, np.dtype(np.int8)))
         else:
-            raise DamagedStoreError(f"{where}: {what} has type {_name_value(t)}; trajstore stores Box, Discrete, "
+            raise DamagedStoreError(f"{where}: {what} has type {name_value(t)}; trajstore stores Box, Discrete, "
                                     "MultiDiscrete, MultiBinary, Dict and Tuple")
     return out
 
@@ -403,7 +406,7 @@ def _expected_fields(kind: str, table: str, space: Any, where: str) -> list[tupl
 def _check_spaces(attrs: dict[str, Any], kind: str, tables: dict[str, TableSchema], where: str) -> None:
     """The stored spaces are well formed and their leaves are exactly the tables' fields.  (The
     buffer decodes the spaces itself, bounds included: ``trajstore.spaces.space_from_json``.)"""
-    spaces = _dict(attrs.get("spaces"), "spaces", where)
+    spaces = as_dict(attrs.get("spaces"), "spaces", where)
     if set(spaces) != set(tables):
         raise DamagedStoreError(f"{where}: spaces are given for {sorted(map(str, spaces))}; the tables are "
                                 f"{sorted(tables)}")
@@ -420,83 +423,6 @@ def _fmt_field(f: Any) -> str:
     if isinstance(f, tuple) and len(f) == 3 and isinstance(f[0], str):
         return f"{f[0]} {list(f[1])} {np.dtype(f[2]).name}"
     return "nothing" if not f else ", ".join(_fmt_field(x) for x in f)
-
-
-# -- array metadata -------------------------------------------------------------------------------
-def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
-    """Check an array's zarr metadata (parsed ``zarr.json``) against its field; returns the rows
-    its shape records.
-
-    Checked: a zarr v3 array node, shape ``(rows, *row shape)`` with plausible ``rows``, a regular
-    chunk grid of ``(chunk_rows, *row shape)``, the default chunk key encoding with ``/``, the
-    field's data type, codecs (``bytes`` little-endian first; the raw layout has nothing else) and
-    ``dimension_names`` when present (one name, a string or null, per axis).
-
-    Raises
-    ------
-    DamagedStoreError
-        Naming ``key`` and what differs.
-    """
-    meta = _dict(meta, key, where)
-    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise DamagedStoreError(f"{where}: {key} is not zarr v3 array metadata (zarr_format "
-                                f"{_name_value(meta.get('zarr_format'))}, node_type {_name_value(meta.get('node_type'))})")
-    shape = _list(meta.get("shape"), f"{key} shape", where, 32)
-    if len(shape) != 1 + len(f.shape) or tuple(shape[1:]) != f.shape:
-        raise DamagedStoreError(f"{where}: {key} shape is {_name_value(shape)}; expected [rows, {', '.join(map(str, f.shape))}]"
-                                .replace(", ]", "]"))
-    rows = check_int(shape[0], f"{key} shape[0]", where)
-    check_allocation(f, rows, where, what="records")
-    grid = meta.get("chunk_grid")
-    chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(
-        grid.get("configuration"), dict) else None
-    if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks != [f.chunk_rows, *f.shape]:
-        raise DamagedStoreError(f"{where}: {key} chunk grid is {_name_value(grid)}; expected regular chunks of "
-                                f"{[f.chunk_rows, *f.shape]}")
-    enc = meta.get("chunk_key_encoding")
-    sep = enc.get("configuration", {}).get("separator", "/") if isinstance(enc, dict) and isinstance(
-        enc.get("configuration", {}), dict) else None
-    if not isinstance(enc, dict) or enc.get("name") != "default" or sep != "/":
-        raise DamagedStoreError(f"{where}: {key} chunk key encoding is {_name_value(enc)}; expected the default "
-                                "encoding with '/'")
-    dt = meta.get("data_type")
-    if not isinstance(dt, str) or _DTYPE_NAMES.get(dt) != f.dtype:
-        raise DamagedStoreError(f"{where}: {key} data type is {_name_value(dt)}; the schema says {f.dtype.name}")
-    codecs = _list(meta.get("codecs"), f"{key} codecs", where, 16)
-    names: list[Any] = [c.get("name") if isinstance(c, dict) else None for c in codecs]
-    first = codecs[0] if codecs else None
-    endian = (first.get("configuration") or {}).get("endian", "little") if isinstance(first, dict) and isinstance(
-        first.get("configuration", {}), dict) else None
-    if not names or names[0] != "bytes" or endian != "little" or any(not isinstance(n, str) for n in names) \
-            or (f.layout == "raw" and len(names) != 1):
-        raise DamagedStoreError(f"{where}: {key} codecs are {_name_value(names)}; expected 'bytes' (little-endian)"
-                                + (" alone (raw layout)" if f.layout == "raw" else " then compressors"))
-    unknown = [n for n in names[1:] if not _known_codec(n)]
-    if unknown:
-        raise DamagedStoreError(f"{where}: {key} names codec(s) {_name_value(unknown)} that zarr does not know")
-    dims = meta.get("dimension_names")
-    if dims is not None and (not isinstance(dims, list) or len(dims) != len(shape) or any(
-            not (d is None or (isinstance(d, str) and len(d) <= 1024)) for d in dims)):
-        raise DamagedStoreError(f"{where}: {key} dimension_names is {_name_value(dims)}; expected null or a list of "
-                                f"{len(shape)} names (strings or null)")
-    if meta.get("storage_transformers") not in (None, []):
-        raise DamagedStoreError(f"{where}: {key} has storage transformers; trajstore stores none")
-    fill = meta.get("fill_value")
-    if not (type(fill) in (int, float, bool) or (isinstance(fill, str) and len(fill) <= 32)):
-        raise DamagedStoreError(f"{where}: {key} fill_value is {_name_value(fill)}; expected a number")
-    return rows
-
-
-def _known_codec(name: str) -> bool:
-    """A codec zarr can instantiate (checked so that a misspelt or foreign codec is reported as
-    such, not as zarr's error while opening the group)."""
-    from zarr.registry import get_codec_class
-
-    try:
-        get_codec_class(name)
-    except Exception:  # KeyError, or an entry point that fails to load
-        return False
-    return True
 
 
 # -- commit record against the schema --------------------------------------------------------------
@@ -527,111 +453,19 @@ def check_pending(pending: Any, tables: Mapping[str, TableSchema], allocated: Ma
     if pending is None:
         return
     what = f"{HEAD_KEY} pending"
-    pending = _dict(pending, what, where)
+    pending = as_dict(pending, what, where)
     prefix = pending.get("prefix")
     if not isinstance(prefix, str) or not _STAGING_PREFIX.match(prefix):
-        raise DamagedStoreError(f"{where}: {what} prefix is {_name_value(prefix)}; expected '.trajstore-staging/<int>'")
-    chunks = _dict(pending.get("chunks"), f"{what} chunks", where)
+        raise DamagedStoreError(f"{where}: {what} prefix is {name_value(prefix)}; expected '.trajstore-staging/<int>'")
+    chunks = as_dict(pending.get("chunks"), f"{what} chunks", where)
     fields = {f.path: (t, f) for t in tables.values() for f in t.fields}
     for path, ks in chunks.items():
         if path not in fields:
-            raise DamagedStoreError(f"{where}: {what} names {_name_value(path)}, which is not a field of this store")
+            raise DamagedStoreError(f"{where}: {what} names {name_value(path)}, which is not a field of this store")
         t, f = fields[path]
         n = f.chunk_count(allocated.get(t.name, 0))
-        ks = _list(ks, f"{what} chunks of {path!r}", where, n)
+        ks = as_list(ks, f"{what} chunks of {path!r}", where, n)
         for k in ks:
             check_int(k, f"{what} chunk number of {path!r}", where, 0, n)
         if len(set(ks)) != len(ks):
             raise DamagedStoreError(f"{where}: {what} lists a chunk of {path!r} twice")
-
-
-# -- reading a store's metadata -----------------------------------------------------------------
-def read_root(loc: Any) -> dict[str, Any] | None:
-    """The root ``zarr.json`` of ``loc``, parsed and checked to be a zarr v3 group carrying
-    ``trajstore`` attributes; ``None`` when there is no root ``zarr.json``.
-
-    Raises
-    ------
-    NotATrajstoreError
-        JSON without trajstore attributes (another zarr hierarchy, or something else).
-    DamagedStoreError
-        Unreadable, not a regular file, too large, too deeply nested, or a trajstore root that is
-        not a zarr v3 group.
-    """
-    where = str(loc.url)
-    raw = loc.get("zarr.json")
-    if raw is None:
-        return None
-    obj = load_json(raw, where, "zarr.json")
-    attrs = obj.get("attributes") if isinstance(obj, dict) else None
-    if not isinstance(attrs, dict) or "trajstore" not in attrs:
-        raise NotATrajstoreError(f"{where}: not a trajstore store (zarr.json has no 'trajstore' attributes)")
-    if obj.get("zarr_format") != 3 or obj.get("node_type") != "group":
-        raise DamagedStoreError(f"{where}: zarr.json is not zarr v3 group metadata (zarr_format "
-                                f"{_name_value(obj.get('zarr_format'))}, node_type {_name_value(obj.get('node_type'))})")
-    return obj
-
-
-def _consolidated(root: dict[str, Any], where: str) -> dict[str, Any] | None:
-    cons = root.get("consolidated_metadata")
-    if cons is None:
-        return None
-    entries = _dict(cons, "zarr.json consolidated_metadata", where).get("metadata")
-    return _dict(entries, "zarr.json consolidated_metadata.metadata", where)
-
-
-def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any], *, fresh: bool) -> dict[str, int]:
-    """Rows each field's array records, after checking its metadata (:func:`check_array_meta`).
-
-    The consolidated entries in ``root`` are always checked (zarr readers use them); each array's
-    own ``zarr.json`` is read and checked too when ``fresh`` or when there are no consolidated
-    entries (then its rows count: a writer publishes it before the consolidated copy).  Group
-    ``zarr.json`` files on the way to the arrays are checked to be group metadata (zarr reads
-    them when it consolidates).
-    """
-    where = str(loc.url)
-    entries = _consolidated(root, where)
-    out: dict[str, int] = {}
-    groups: set[str] = set()
-    for t in tables.values():
-        for f in t.fields:
-            parts = f.path.split("/")
-            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-            if entries is not None:
-                if f.path not in entries:
-                    raise DamagedStoreError(f"{where}: zarr.json's consolidated metadata has no entry for {f.path}")
-                out[f.path] = check_array_meta(entries[f.path], f, where, f"zarr.json (consolidated entry {f.path})")
-            if fresh or entries is None:
-                out[f.path] = read_array_rows(loc, f)
-    if fresh:
-        for g in sorted(groups):
-            raw = loc.get(f"{g}/zarr.json")
-            if raw is None:
-                continue
-            meta = load_json(raw, where, f"{g}/zarr.json")
-            if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
-                raise DamagedStoreError(f"{where}: {g}/zarr.json is not zarr v3 group metadata")
-    return out
-
-
-def read_array_rows(loc: Any, f: FieldSchema) -> int:
-    """Rows recorded by the field's own ``zarr.json`` (read now, checked)."""
-    where = str(loc.url)
-    key = f"{f.path}/zarr.json"
-    raw = loc.get(key)
-    if raw is None:
-        raise DamagedStoreError(f"{where}: {key} is missing (or not a file): the array of field {f.path} has no metadata")
-    return check_array_meta(load_json(raw, where, key), f, where, key)
-
-
-def check_rows_fit(loc: Any, tables: Mapping[str, TableSchema], head: Any, rows: dict[str, int],
-                   root: dict[str, Any]) -> None:
-    """Array shapes against the commit record: nothing to enforce.
-
-    trajstore sizes its arrays from the allocation the commit record names (in memory); the shape
-    an array's ``zarr.json`` records is what plain zarr readers see (the committed rows of an
-    unbounded table, published after each commit: :mod:`trajstore.storage.published`; stores
-    written before that record their allocation).  A shape that lags the record (a writer
-    killed between the record and the metadata) is harmless, so any plausible shape
-    (:func:`check_array_meta`, already applied to ``rows``) is accepted.
-    """

@@ -1,0 +1,185 @@
+"""Each array's ``zarr.json`` and the root group's, read from a store and checked against the
+schema (:mod:`trajstore.storage.schema`) before any of it is used: shapes, chunk grids, key
+encodings, data types and codecs a tampered store could make trajstore trust.
+
+- :func:`check_array_meta`: one array's parsed metadata against its field;
+- :func:`read_root`: the root ``zarr.json`` (a zarr v3 group with ``trajstore`` attributes);
+- :func:`array_rows` / :func:`read_array_rows`: the rows every array records, its metadata checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from trajstore.errors import DamagedStoreError, NotATrajstoreError
+from trajstore.storage.schema import (
+    DTYPE_NAMES,
+    FieldSchema,
+    TableSchema,
+    as_dict,
+    as_list,
+    check_allocation,
+    check_int,
+    load_json,
+    name_value,
+)
+
+__all__ = ["check_array_meta", "read_root", "consolidated", "array_rows", "read_array_rows"]
+
+
+# -- array metadata -------------------------------------------------------------------------------
+def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
+    """Check an array's zarr metadata (parsed ``zarr.json``) against its field; returns the rows
+    its shape records.
+
+    Checked: a zarr v3 array node, shape ``(rows, *row shape)`` with plausible ``rows``, a regular
+    chunk grid of ``(chunk_rows, *row shape)``, the default chunk key encoding with ``/``, the
+    field's data type, codecs (``bytes`` little-endian first; the raw layout has nothing else) and
+    ``dimension_names`` when present (one name, a string or null, per axis).
+
+    Raises
+    ------
+    DamagedStoreError
+        Naming ``key`` and what differs.
+    """
+    meta = as_dict(meta, key, where)
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise DamagedStoreError(f"{where}: {key} is not zarr v3 array metadata (zarr_format "
+                                f"{name_value(meta.get('zarr_format'))}, node_type {name_value(meta.get('node_type'))})")
+    shape = as_list(meta.get("shape"), f"{key} shape", where, 32)
+    if len(shape) != 1 + len(f.shape) or tuple(shape[1:]) != f.shape:
+        raise DamagedStoreError(f"{where}: {key} shape is {name_value(shape)}; expected [rows, {', '.join(map(str, f.shape))}]"
+                                .replace(", ]", "]"))
+    rows = check_int(shape[0], f"{key} shape[0]", where)
+    check_allocation(f, rows, where, what="records")
+    grid = meta.get("chunk_grid")
+    chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(
+        grid.get("configuration"), dict) else None
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks != [f.chunk_rows, *f.shape]:
+        raise DamagedStoreError(f"{where}: {key} chunk grid is {name_value(grid)}; expected regular chunks of "
+                                f"{[f.chunk_rows, *f.shape]}")
+    enc = meta.get("chunk_key_encoding")
+    sep = enc.get("configuration", {}).get("separator", "/") if isinstance(enc, dict) and isinstance(
+        enc.get("configuration", {}), dict) else None
+    if not isinstance(enc, dict) or enc.get("name") != "default" or sep != "/":
+        raise DamagedStoreError(f"{where}: {key} chunk key encoding is {name_value(enc)}; expected the default "
+                                "encoding with '/'")
+    dt = meta.get("data_type")
+    if not isinstance(dt, str) or DTYPE_NAMES.get(dt) != f.dtype:
+        raise DamagedStoreError(f"{where}: {key} data type is {name_value(dt)}; the schema says {f.dtype.name}")
+    codecs = as_list(meta.get("codecs"), f"{key} codecs", where, 16)
+    names: list[Any] = [c.get("name") if isinstance(c, dict) else None for c in codecs]
+    first = codecs[0] if codecs else None
+    endian = (first.get("configuration") or {}).get("endian", "little") if isinstance(first, dict) and isinstance(
+        first.get("configuration", {}), dict) else None
+    if not names or names[0] != "bytes" or endian != "little" or any(not isinstance(n, str) for n in names) \
+            or (f.layout == "raw" and len(names) != 1):
+        raise DamagedStoreError(f"{where}: {key} codecs are {name_value(names)}; expected 'bytes' (little-endian)"
+                                + (" alone (raw layout)" if f.layout == "raw" else " then compressors"))
+    unknown = [n for n in names[1:] if not _known_codec(n)]
+    if unknown:
+        raise DamagedStoreError(f"{where}: {key} names codec(s) {name_value(unknown)} that zarr does not know")
+    dims = meta.get("dimension_names")
+    if dims is not None and (not isinstance(dims, list) or len(dims) != len(shape) or any(
+            not (d is None or (isinstance(d, str) and len(d) <= 1024)) for d in dims)):
+        raise DamagedStoreError(f"{where}: {key} dimension_names is {name_value(dims)}; expected null or a list of "
+                                f"{len(shape)} names (strings or null)")
+    if meta.get("storage_transformers") not in (None, []):
+        raise DamagedStoreError(f"{where}: {key} has storage transformers; trajstore stores none")
+    fill = meta.get("fill_value")
+    if not (type(fill) in (int, float, bool) or (isinstance(fill, str) and len(fill) <= 32)):
+        raise DamagedStoreError(f"{where}: {key} fill_value is {name_value(fill)}; expected a number")
+    return rows
+
+
+def _known_codec(name: str) -> bool:
+    """A codec zarr can instantiate (checked so that a misspelt or foreign codec is reported as
+    such, not as zarr's error while opening the group)."""
+    from zarr.registry import get_codec_class
+
+    try:
+        get_codec_class(name)
+    except Exception:  # KeyError, or an entry point that fails to load
+        return False
+    return True
+
+
+# -- reading a store's metadata -----------------------------------------------------------------
+def read_root(loc: Any) -> dict[str, Any] | None:
+    """The root ``zarr.json`` of ``loc``, parsed and checked to be a zarr v3 group carrying
+    ``trajstore`` attributes; ``None`` when there is no root ``zarr.json``.
+
+    Raises
+    ------
+    NotATrajstoreError
+        JSON without trajstore attributes (another zarr hierarchy, or something else).
+    DamagedStoreError
+        Unreadable, not a regular file, too large, too deeply nested, or a trajstore root that is
+        not a zarr v3 group.
+    """
+    where = str(loc.url)
+    raw = loc.get("zarr.json")
+    if raw is None:
+        return None
+    obj = load_json(raw, where, "zarr.json")
+    attrs = obj.get("attributes") if isinstance(obj, dict) else None
+    if not isinstance(attrs, dict) or "trajstore" not in attrs:
+        raise NotATrajstoreError(f"{where}: not a trajstore store (zarr.json has no 'trajstore' attributes)")
+    if obj.get("zarr_format") != 3 or obj.get("node_type") != "group":
+        raise DamagedStoreError(f"{where}: zarr.json is not zarr v3 group metadata (zarr_format "
+                                f"{name_value(obj.get('zarr_format'))}, node_type {name_value(obj.get('node_type'))})")
+    return obj
+
+
+def consolidated(root: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """The consolidated metadata entries of a parsed root ``zarr.json`` (path -> array metadata),
+    or None when it has none."""
+    cons = root.get("consolidated_metadata")
+    if cons is None:
+        return None
+    entries = as_dict(cons, "zarr.json consolidated_metadata", where).get("metadata")
+    return as_dict(entries, "zarr.json consolidated_metadata.metadata", where)
+
+
+def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any], *, fresh: bool) -> dict[str, int]:
+    """Rows each field's array records, after checking its metadata (:func:`check_array_meta`).
+
+    The consolidated entries in ``root`` are always checked (zarr readers use them); each array's
+    own ``zarr.json`` is read and checked too when ``fresh`` or when there are no consolidated
+    entries (then its rows count: a writer publishes it before the consolidated copy).  Group
+    ``zarr.json`` files on the way to the arrays are checked to be group metadata (zarr reads
+    them when it consolidates).
+    """
+    where = str(loc.url)
+    entries = consolidated(root, where)
+    out: dict[str, int] = {}
+    groups: set[str] = set()
+    for t in tables.values():
+        for f in t.fields:
+            parts = f.path.split("/")
+            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+            if entries is not None:
+                if f.path not in entries:
+                    raise DamagedStoreError(f"{where}: zarr.json's consolidated metadata has no entry for {f.path}")
+                out[f.path] = check_array_meta(entries[f.path], f, where, f"zarr.json (consolidated entry {f.path})")
+            if fresh or entries is None:
+                out[f.path] = read_array_rows(loc, f)
+    if fresh:
+        for g in sorted(groups):
+            raw = loc.get(f"{g}/zarr.json")
+            if raw is None:
+                continue
+            meta = load_json(raw, where, f"{g}/zarr.json")
+            if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+                raise DamagedStoreError(f"{where}: {g}/zarr.json is not zarr v3 group metadata")
+    return out
+
+
+def read_array_rows(loc: Any, f: FieldSchema) -> int:
+    """Rows recorded by the field's own ``zarr.json`` (read now, checked)."""
+    where = str(loc.url)
+    key = f"{f.path}/zarr.json"
+    raw = loc.get(key)
+    if raw is None:
+        raise DamagedStoreError(f"{where}: {key} is missing (or not a file): the array of field {f.path} has no metadata")
+    return check_array_meta(load_json(raw, where, key), f, where, key)
