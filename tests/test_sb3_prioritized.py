@@ -297,11 +297,16 @@ class _UntilSolved(BaseCallback):
 
 @pytest.mark.slow
 def test_prioritized_dqn_solves_cartpole_as_dqn_does(tmp_path: Path) -> None:
-    """rl-baselines3-zoo's CartPole-v1 DQN hyperparameters (net 256x256, 50k steps): plain DQN and
-    PrioritizedDQN, same seed, both reach CartPole's reward threshold (mean of 5 evaluation
-    episodes >= 475) within the zoo's step budget.  DQN's return on CartPole swings between
-    evaluations (500 then 17 for this seed), so the test compares the first return at the
-    threshold, not the last one; it stops each run there (25k to 35k steps when this was written)."""
+    """rl-baselines3-zoo's CartPole-v1 DQN hyperparameters (net 256x256, 50k steps): PrioritizedDQN
+    reaches CartPole's reward threshold (mean of 5 evaluation episodes >= 475) within the zoo's step
+    budget, as plain DQN does with them.  DQN's return on CartPole swings between evaluations (500
+    then 17 for this seed), so the test takes the first return at the threshold, not the last one; it
+    stops the run there (25k to 35k steps when this was written).
+
+    Plain DQN (same seed and settings, on ZarrReplayBuffer) trains only when PrioritizedDQN fails, to
+    tell a broken PrioritizedDQN from settings that no longer train DQN at all: it took half of this
+    test's time, and a pass does not depend on it (DQN on ZarrReplayBuffer ends with SB3's own
+    buffer's parameters, tests/test_sb3_training.py)."""
     def run(cls: Any, **kw: Any) -> list[tuple[int, float]]:
         cb = _UntilSolved()
         model = cls("MlpPolicy", "CartPole-v1", **ZOO, policy_kwargs=dict(net_arch=[256, 256]), seed=0,
@@ -310,10 +315,12 @@ def test_prioritized_dqn_solves_cartpole_as_dqn_does(tmp_path: Path) -> None:
         model.replay_buffer.close()
         return cb.returns
 
-    ref = run(DQN, replay_buffer_class=ZarrReplayBuffer, replay_buffer_kwargs=dict(cache_path=tmp_path / "d"))
     ours = run(PrioritizedDQN, replay_buffer_kwargs=dict(cache_path=tmp_path / "p", beta_final=1.0))
+    if ours and ours[-1][1] >= SOLVED:
+        return
+    ref = run(DQN, replay_buffer_class=ZarrReplayBuffer, replay_buffer_kwargs=dict(cache_path=tmp_path / "d"))
     assert ref and ref[-1][1] >= SOLVED, f"plain DQN never solved CartPole ({ref}): the settings no longer train it"
-    assert ours and ours[-1][1] >= SOLVED, f"PrioritizedDQN never solved CartPole; DQN did at {ref[-1]}: {ours}"
+    pytest.fail(f"PrioritizedDQN never solved CartPole; DQN did at {ref[-1]}: {ours}")
 
 
 KILL_CHILD = textwrap.dedent("""
