@@ -7,7 +7,7 @@
   rows of those episodes, in row order, resolved again from the parent's run index whenever the
   parent's commit changes (so a ring that evicts steps, or the live episode that grows, shows
   in the view).  It reads through the parent's :class:`~trajstore.sampling.source.EpisodeSource`
-  (:class:`SelectionRows`), so the samplers and sequence windows of :mod:`trajstore.sampling`
+  (:class:`~trajstore.buffers.rows.SelectionRows`), so the samplers and sequence windows of :mod:`trajstore.sampling`
   serve it unchanged, and a window never reaches a step outside the selection.
 - ``remove_episodes(ids)`` deletes every step of those episodes and their episode-data rows in
   one crash-atomic rewrite (the commit protocol ``remove_at`` uses: staged chunks, one commit
@@ -18,27 +18,25 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from trajstore.buffers.base import as_generator
+from trajstore.buffers.rows import SelectionRows, short_ids
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.errors import BadArgumentError, BadValueError, UnknownEpisodeError
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling import sequences as _seq
-from trajstore.sampling.source import EpisodeSource, read_consistent, sample_consistent
+from trajstore.sampling.source import read_consistent, sample_consistent
 from trajstore.storage.fields.base import Field
-from trajstore.storage.head import Head
 
 if TYPE_CHECKING:
-    from trajstore.buffers.rows import TrajectoryRows
     from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
 
-__all__ = ["EpisodeEditing", "EpisodeView", "SelectionRows", "episode_columns", "TABLE_COLUMNS"]
+__all__ = ["EpisodeEditing", "EpisodeView", "episode_columns", "TABLE_COLUMNS"]
 
 #: The columns of the episode table every :func:`episode_columns` result has.
 TABLE_COLUMNS = ("episode_id", "start", "length", "live", "has_data")
@@ -110,159 +108,6 @@ def episode_columns(buf: TrajectoryReplayBuffer, names: Sequence[str] | None = N
     cols["has_data"] = has
     cols.update(zip(wanted, arrays))
     return cols
-
-
-class SelectionRows(EpisodeSource):
-    """The steps of some episodes of a trajectory buffer as an
-    :class:`~trajstore.sampling.source.EpisodeSource`.
-
-    Logical row ``i`` of the selection is the ``i``-th step, in the parent's row order, whose
-    episode id is selected.  The rows are found from the parent's run index (O(runs)) and found
-    again whenever the parent's state changes.  Absolute rows of the selection count the
-    selected steps a ring has evicted since the view was made, so the retry loop of
-    :func:`~trajstore.sampling.source.sample_consistent` redraws exactly the evicted anchors.
-    Episodes are never merged: consecutive selected steps of different ids stay different runs.
-    """
-
-    def __init__(self, parent: TrajectoryRows, ids: np.ndarray) -> None:
-        self.parent = parent
-        self.ids = ids
-        self.name = f"{parent.name} (episodes {_short(ids)})"
-        self.last_read: Head | None = None
-        self.step_leaves = parent.step_leaves
-        self.episode_leaves = parent.episode_leaves
-        self._key: tuple[int, int, int] | None = None
-        self._abs = np.zeros(0, np.int64)  # parent absolute rows of the selected steps, increasing
-        self._vstart = 0  # absolute row (of the selection) of logical row 0
-        self._runs = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-
-    # -- the selection -------------------------------------------------------------------------
-    def _resolve(self) -> np.ndarray:
-        """Parent absolute rows of the selected steps under the parent's current state."""
-        p = self.parent
-        st = p.table.state
-        key = (p.record.epoch, st.start, st.end)
-        if key != self._key:
-            first, lengths, ids = p.runs()
-            mine = np.isin(ids, self.ids)
-            f, n, i = first[mine], lengths[mine], ids[mine]
-            total = int(n.sum())
-            # Logical parent rows of every selected run, concatenated in row order.
-            offs = np.repeat(f - np.concatenate([[0], np.cumsum(n)[:-1]]), n) if total else np.zeros(0, np.int64)
-            rows = (np.arange(total, dtype=np.int64) + offs).astype(np.int64) + p.start
-            if self._key is not None and self._key[0] == key[0]:
-                # Same epoch: only appends and evictions; evicted selected rows leave the front.
-                self._vstart += int(np.searchsorted(self._abs, p.start))
-            else:
-                self._vstart = 0
-            self._abs, self._key = rows, key
-            # The selection's runs (a parent run of equal ids stays one run; neighbours of equal
-            # id, split in the parent by unselected steps, join).
-            vfirst = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64) if total else np.zeros(0, np.int64)
-            if len(i) > 1:
-                new = np.concatenate([[True], i[1:] != i[:-1]])
-                vfirst, i = vfirst[new], i[new]
-            vlen = np.diff(np.concatenate([vfirst, [total]])).astype(np.int64)
-            self._runs = (vfirst, vlen, i.astype(np.int64))
-        return self._abs
-
-    def to_parent(self, rows: np.ndarray | int) -> Any:
-        """Parent logical rows of selection logical ``rows`` (same shape)."""
-        return self._resolve()[rows] - self.parent.start
-
-    # -- RowSource ------------------------------------------------------------------------------
-    @property
-    def count(self) -> int:
-        return len(self._resolve())
-
-    @property
-    def start(self) -> int:
-        self._resolve()
-        return self._vstart
-
-    @property
-    def capacity(self) -> int | None:
-        return None
-
-    @property
-    def live(self) -> bool:
-        return self.parent.live
-
-    @property
-    def record(self) -> Head:
-        return self.parent.record
-
-    @property
-    def committed(self) -> tuple[int, int]:
-        rows = self._resolve()  # a writer's rows past its last commit are not committed
-        return self._vstart, self._vstart + int(np.searchsorted(rows, self.parent.committed[1]))
-
-    @property
-    def reopen(self) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-        recipe = self.parent.reopen
-        return None if recipe is None else (_reopen_selection, (recipe, self.ids))
-
-    def sync(self) -> None:
-        self.parent.sync()
-
-    def pinned(self) -> contextlib.AbstractContextManager[None]:
-        return self.parent.pinned()
-
-    def refresh(self) -> bool:
-        return self.parent.refresh()
-
-    def rows_intact(self, before: Head) -> bool:
-        return self.parent.rows_intact(before)
-
-    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.parent.read_rows(self.to_parent(np.asarray(rows, np.int64)), leaves)
-
-    def gather_windows(self, first: np.ndarray, length: int, leaves: Sequence[int]) -> list[np.ndarray]:
-        rows = (np.asarray(first, np.int64)[:, None] + np.arange(length)).ravel()
-        return [a.reshape(len(first), length, *a.shape[1:]) for a in self.read_rows(rows, leaves)]
-
-    def leaf_field(self, leaf: int) -> Field | None:
-        # The parent's field: its layout (dtype, shape, chunk rows) sizes dask chunks; rows are
-        # always read through read_rows, which maps selection rows to the parent's.
-        return self.parent.leaf_field(leaf)
-
-    # -- EpisodeSource ----------------------------------------------------------------------------
-    @property
-    def current_episode_id(self) -> int:
-        return self.parent.current_episode_id
-
-    def step_ids(self, rows: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, np.int64)
-        return self.parent.step_ids(self.to_parent(rows.ravel())).reshape(rows.shape)
-
-    def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
-        return self.step_ids(np.asarray(first, np.int64)[:, None] + np.arange(length))
-
-    def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
-        self._resolve()
-        vfirst, vlen, _ = self._runs
-        first = np.asarray(first, np.int64)
-        if not len(vfirst):
-            return np.zeros(first.shape, bool)
-        k = np.clip(np.searchsorted(vfirst, first, side="right") - 1, 0, len(vfirst) - 1)
-        return (first >= vfirst[k]) & (first + span < vfirst[k] + vlen[k])
-
-    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        self._resolve()
-        return self._runs
-
-    def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.parent.read_episode_rows(self.to_parent(anchors), leaves)
-
-
-def _short(ids: np.ndarray) -> str:
-    return str(ids.tolist()) if len(ids) <= 6 else f"[{ids[0]}, {ids[1]}, ... {ids[-1]}] ({len(ids)} ids)"
-
-
-def _reopen_selection(recipe: tuple[Callable[..., Any], tuple[Any, ...]], ids: np.ndarray) -> SelectionRows:
-    """The selection ``ids`` of the rows ``recipe`` reopens (another process: dask workers)."""
-    fn, args = recipe
-    return SelectionRows(fn(*args), ids)
 
 
 class EpisodeView(BatchBase):
@@ -404,7 +249,7 @@ class EpisodeView(BatchBase):
         return self.get_at(_seq.episode_rows(self._rows, int(episode_id)))
 
     def __repr__(self) -> str:
-        return f"EpisodeView({_short(self.episode_ids)}, len={len(self)}) of {self.parent!r}"
+        return f"EpisodeView({short_ids(self.episode_ids)}, len={len(self)}) of {self.parent!r}"
 
 
 class EpisodeEditing:
@@ -532,5 +377,5 @@ def _check_known(buf: TrajectoryReplayBuffer, sel: np.ndarray, extra: np.ndarray
         known |= extra
     if not known.all():
         bad = sel[~known]
-        raise UnknownEpisodeError(f"episode id(s) {_short(bad)} have no steps in {buf.cache_path or 'the buffer'}; "
+        raise UnknownEpisodeError(f"episode id(s) {short_ids(bad)} have no steps in {buf.cache_path or 'the buffer'}; "
                                   f"expected ids of recorded episodes (see buffer.episodes()['episode_id'])")

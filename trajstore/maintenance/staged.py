@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.buffers.episode_edit import SelectionRows
+from trajstore.buffers.rows import SelectionRows
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
