@@ -25,7 +25,9 @@ names, so each section's imports are complete as a reader would paste them. Work
 
 Blocks are compiled with their file name and line numbers, so a traceback points at the doc line;
 a failing shell command is reported as ``<file>:<line>`` with its exit status and output. Any
-exception or non-zero exit fails the section.
+exception or non-zero exit fails the section, and so does a section of ``EXPECTED_OUTPUT`` that does
+not print what it names (sb3.md's resumed SAC run reports the 300 transitions the run above saved).
+docs/sb3.md runs here only (tests/test_sb3_training.py ran it a second time, uncapped, in one process).
 
 Substitutions (the only changes made to documented code before it runs):
 
@@ -91,6 +93,11 @@ SLOW_SECTIONS = {
     ("docs/sb3.md", "On-policy: PPO and A2C"),
     ("docs/sb3.md", "PPO's experience as an offline dataset"),
     ("docs/scale.md", "Ray"),  # a local Ray cluster starts three times (10-20 s each)
+}
+
+# output a section must print (its run passes only then): what a reader is told it shows
+EXPECTED_OUTPUT = {
+    ("docs/sb3.md", "Resuming a run"): "resuming with 300 transitions",  # the SAC run above saved 300
 }
 
 PYTHON_LANGS = {"python", "py"}
@@ -360,6 +367,9 @@ def _run_section(doc: str, heading: str, cwd: Path, request: pytest.FixtureReque
     if proc.returncode != 0:
         return (f"{doc} section {heading!r} failed (exit {proc.returncode}):\n"
                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    expected = EXPECTED_OUTPUT.get((doc, heading))
+    if expected is not None and expected not in proc.stdout:
+        return f"{doc} section {heading!r} did not print {expected!r}:\n{proc.stdout[-3000:]}"
     return None
 
 
@@ -412,6 +422,7 @@ def test_docs_have_examples() -> None:
     assert "Off-policy: SAC, TD3, DDPG, DQN" in SECTIONS["docs/sb3.md"]
     assert "Reproduce" in SECTIONS["docs/reliability.md"]
     assert {(d, h) for d, h in SLOW_SECTIONS if h not in SECTIONS.get(d, {})} == set(), "stale SLOW_SECTIONS"
+    assert {(d, h) for d, h in EXPECTED_OUTPUT if h not in SECTIONS.get(d, {})} == set(), "stale EXPECTED_OUTPUT"
     skips = [(d, s.line, s.skip) for d in DOCS for steps in SECTIONS[d].values() for s in steps if s.skip]
     assert len(skips) <= 2, f"keep docs-test skips rare: {skips}"
 

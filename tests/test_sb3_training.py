@@ -261,24 +261,7 @@ def test_resume_after_sigkill(tmp_path: Path) -> None:
     _load_and_continue(tmp_path, marker["n"], marker["digest"], more=True)
 
 
-# --------------------------------------------------------------------------------------------- docs
-
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "sb3.md"
-
-
-@pytest.mark.slow
-def test_docs_examples_run(tmp_path: Path) -> None:
-    """Every python block of docs/sb3.md runs, in order, in one fresh process."""
-    text = DOCS.read_text()
-    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    assert len(blocks) >= 6
-    script = "import torch\ntorch.set_num_threads(1)\n" + "\n".join(
-        f"print('--- block {i}')\n{b}" for i, b in enumerate(blocks))
-    (tmp_path / "docs_examples.py").write_text(script)
-    out = subprocess.run([sys.executable, "docs_examples.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "resuming with 300 transitions" in out.stdout
+# ------------------------------------------------------------------------------------------- bench
 
 
 @pytest.mark.slow
