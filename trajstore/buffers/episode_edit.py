@@ -18,20 +18,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from trajstore.buffers.base import as_generator
 from trajstore.buffers.rows import SelectionRows, short_ids
+from trajstore.buffers.trajectory_edits import remove_rows
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.errors import BadArgumentError, BadValueError, UnknownEpisodeError
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling import sequences as _seq
 from trajstore.sampling.source import read_consistent, sample_consistent
-from trajstore.storage.fields.base import Field
 
 if TYPE_CHECKING:
     from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
@@ -341,7 +341,7 @@ class EpisodeEditing:
 
 def _remove(buf: TrajectoryReplayBuffer, sel: np.ndarray) -> None:
     """The body of ``remove_episodes`` (inside a write operation)."""
-    t, et = buf._table, buf._ep_table
+    et = buf._ep_table
     first, lengths, run_ids = buf.row_source().runs()
     ep_rows = buf._episodes.lookup(sel) if et is not None else np.full(len(sel), -1, np.int64)
     _check_known(buf, sel, extra=ep_rows >= 0)
@@ -353,20 +353,11 @@ def _remove(buf: TrajectoryReplayBuffer, sel: np.ndarray) -> None:
     if rows.size == 0 and gone_ep.size == 0:
         return
 
-    def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
-        yield from t.rewrite_plan_remove(rows)
-        if et is not None and gone_ep.size:
-            yield from et.rewrite_plan_remove(gone_ep)
-
-    def shrink() -> None:
-        t.state.end -= int(rows.size)
-        if et is not None:
-            et.state.end -= int(gone_ep.size)
-        buf._episodes.forget()
+    def fresh_episode() -> None:
         if buf.current_episode_id in sel:  # its id is gone: later steps start a fresh episode
             buf._new_episode()
 
-    buf._store.rewrite(changes(), shrink)
+    remove_rows(buf, rows, gone_ep, fresh_episode)
 
 
 def _check_known(buf: TrajectoryReplayBuffer, sel: np.ndarray, extra: np.ndarray | None = None) -> None:

@@ -6,7 +6,7 @@ together); appends are :mod:`trajstore.buffers.trajectory`'s.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from trajstore.storage.schema import MAX_INT
 if TYPE_CHECKING:
     from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
-__all__ = ["TrajectoryEdits", "check_episode_ids", "MAX_EPISODE_ID"]
+__all__ = ["TrajectoryEdits", "check_episode_ids", "remove_rows", "MAX_EPISODE_ID"]
 
 #: Episode ids are int64 and the commit record holds ``next_episode_id`` (one past the largest),
 #: which must stay below the bound of every integer in a commit record (schema.MAX_INT).
@@ -38,6 +38,29 @@ def check_episode_ids(ids: Any) -> np.ndarray:
         if lo < 0 or hi >= MAX_EPISODE_ID:
             raise BadValueError(f"episode ids must be in [0, {MAX_EPISODE_ID}); got {lo if lo < 0 else hi}")
     return raw.astype(np.int64)
+
+
+def remove_rows(buf: TrajectoryReplayBuffer, rows: np.ndarray, ep_rows: np.ndarray,
+                then: Callable[[], None] | None = None) -> None:
+    """Delete logical step rows ``rows`` and episode-data rows ``ep_rows`` (each sorted and
+    distinct, int64) in one crash-atomic rewrite (inside a write operation); ``then`` runs with
+    the bookkeeping of the new commit (``remove_episodes`` starts a fresh episode there)."""
+    t, et = buf._table, buf._ep_table
+
+    def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
+        yield from t.rewrite_plan_remove(rows)
+        if et is not None and ep_rows.size:
+            yield from et.rewrite_plan_remove(ep_rows)
+
+    def shrink() -> None:
+        t.state.end -= int(rows.size)
+        if et is not None:
+            et.state.end -= int(ep_rows.size)
+        buf._episodes.forget()
+        if then is not None:
+            then()
+
+    buf._store.rewrite(changes(), shrink)
 
 
 class TrajectoryEdits:
@@ -97,21 +120,8 @@ class TrajectoryEdits:
         keep[rows] = False
         gone = np.setdiff1d(np.unique(ids[rows]), np.unique(ids[keep]))
         ep_rows = buf._episodes.lookup(gone) if et is not None and gone.size else np.zeros(0, np.int64)
-        ep_rows = np.unique(ep_rows[ep_rows >= 0])
-
-        def changes() -> Iterator[tuple[Field, int, np.ndarray]]:
-            yield from t.rewrite_plan_remove(rows)
-            if et is not None and ep_rows.size:
-                yield from et.rewrite_plan_remove(ep_rows)
-
-        def shrink() -> None:
-            t.state.end -= int(rows.size)
-            if et is not None:
-                et.state.end -= int(ep_rows.size)
-            buf._episodes.forget()
-
         with buf._store.write_op():
-            buf._store.rewrite(changes(), shrink)
+            remove_rows(buf, rows, np.unique(ep_rows[ep_rows >= 0]))
 
     def clear(self) -> None:
         """Remove every step and episode; ids are never reused (a fresh episode starts)."""
