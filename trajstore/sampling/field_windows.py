@@ -317,7 +317,9 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
                                  "within_episode=False") from None
 
     def read(anchors: np.ndarray) -> FieldWindows:
-        # Drawn anchors' spans lie in one run (the run index re-checks it: O(B), no id read).
+        # Drawn anchors' spans lay in one run; checked again at every read (O(B), no id read): after
+        # a live ring's eviction, sample_consistent keeps an anchor that survived, but the rows of
+        # its negative offsets may be gone (sample_sequences' windows start at the anchor).
         block = strict and span.dense and len(span.offsets) <= src.count
         all_valid = block and bool(_block_ok(src, anchors, span.offsets)[1].all())
         return _read(src, anchors, fields, span, all_valid=all_valid)
