@@ -93,7 +93,11 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._steps = 0  # transitions ever added (the ``step`` of the next row)
         self._step = np.zeros((), np.int64)
         self._obs_slots = [(k, e) for e in range(n) for k in self._layout.keys]  # obs leaves, in order
-        self._one_obs_leaf = len(self._obs_slots) == 1
+        # (shape, dtype) an add's obs has when it can be staged as it is: one Box leaf, one env's
+        # frame per row (lay.batch's as-is case); a shape no array has otherwise
+        self._frame: tuple[tuple[int, ...], np.dtype | None] = ((-1,), None)
+        if len(self._obs_slots) == 1 and not self._layout.is_dict:
+            self._frame = ((n, *self._layout.shape[None]), self._layout.dtype[None])
         self._stage: RowStager | None = None
         self._stage_chosen = False  # _stage is chosen at the first add (HER wraps the store after __init__)
         self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
@@ -191,11 +195,16 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         """
         self._check_open()
         lay, p, size = self._layout, self.pos, self.buffer_size
-        if self._count and self.dones[(p - 1) % size].tobytes() != self._last_done:
+        if self._count and self.dones[p - 1].tobytes() != self._last_done:  # (p - 1 = -1: the last position)
             # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
             self._persist_edits(np.array([(p - 1) % size]))
-        o, no = lay.batch(obs), lay.batch(next_obs)
         st = self._stage if self._stage_chosen else self._adopt_stager()
+        shape, dtype = self._frame
+        if (st is not None and type(obs) is np.ndarray and type(next_obs) is np.ndarray and obs.shape == shape
+                and next_obs.shape == shape and obs.dtype is dtype and next_obs.dtype is dtype):
+            o = no = None  # one Box leaf, arrays of its stored shape and dtype: nothing to convert or check
+        else:
+            o, no = lay.batch(obs), lay.batch(next_obs)  # checked before anything is written
         if st is not None and st.n == st.rows:
             st.drain()  # a block left full by a failed drain (a full disk) is written first
         self.actions[p] = np.asarray(action).reshape((self.n_envs, self.action_dim))
@@ -208,12 +217,12 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             # when the block is handed over (_fill_staged), so the row is counted below before
             # any hand-over (a hand-over that fails keeps it staged and counted).
             j, bufs = st.n, st.bufs
-            if self._one_obs_leaf:  # one env, one key: the common case, without a loop
-                k = self._obs_slots[0][0]
-                bufs[0][j] = o[k][0]
+            if o is None:
+                bufs[0][j] = obs[0]
                 if not self.optimize_memory_usage:
-                    bufs[1][j] = no[k][0]
+                    bufs[1][j] = next_obs[0]
             else:
+                assert no is not None
                 for b, (k, e) in enumerate(self._obs_slots):
                     bufs[b][j] = o[k][e]
                 if not self.optimize_memory_usage:
@@ -221,6 +230,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
                     for b, (k, e) in enumerate(self._obs_slots):
                         bufs[m + b][j] = no[k][e]
         else:
+            assert o is not None and no is not None
             # The row, leaf by leaf in the order of _row_space: obs, next_obs, action, reward, done, timeout, step.
             values = lay.row_values(o)
             if not self.optimize_memory_usage:
@@ -230,12 +240,13 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             self._rb._append_leaves(values)
         if self.optimize_memory_usage:
             for k in lay.keys:
-                self._pending[k][:] = no[k]
+                self._pending[k][:] = next_obs if no is None else no[k]
         self._last_done = self.dones[p].tobytes()
         self._steps += 1
-        self._count = min(self._count + 1, size)
-        self.full = self._count == size
-        self.pos = (p + 1) % size
+        if self._count < size:
+            self._count += 1
+            self.full = self._count == size
+        self.pos = p + 1 if p + 1 < size else 0
         if st is not None:
             st.n = j + 1
             if st.n == st.rows:
