@@ -24,8 +24,9 @@ __all__ = ["RowStager"]
 #: A block holds about this many bytes (16 to 256 rows).  Per-block costs (ring bookkeeping, one
 #: ``pwrite`` per large field, small fields stored into their mappings) are spread over more rows
 #: when blocks are bigger: an (84,84,4) frame pair's ``ZarrReplayBuffer.add`` took 26 us with
-#: 1 MiB blocks (18 rows) and 22.5 us with 128-row blocks (docs/benchmarks.md).
-STAGE_BYTES = 8 << 20
+#: 1 MiB blocks (18 rows) and 22.5 us with 128-row blocks (docs/benchmarks.md).  16 MiB holds a
+#: whole 256-row chunk of such pairs (see :meth:`RowStager.room` for why whole chunks matter).
+STAGE_BYTES = 16 << 20
 
 
 class RowStager:
@@ -55,6 +56,10 @@ class RowStager:
         self.bufs = [np.empty((rows, *s), d) for s, d in leaves]
         self.rows = rows
         self.n = 0
+        #: Rows at which the block being staged is handed over (set by :meth:`room` at its first row).
+        self.limit = rows
+        # Blocks end where a chunk of the field with the largest rows ends (room()).
+        self._chunk_rows = max(table.fields, key=lambda f: f.spec.row_bytes).C if table.fields else rows
 
     @property
     def pending(self) -> bool:
@@ -63,15 +68,30 @@ class RowStager:
 
     def room(self) -> None:
         """Make sure ``bufs[*][n]`` exists before a row is written there: after a failed drain (a
-        full disk) the buffers may still be full, and the write is tried again first."""
-        if self.n == self.rows:
+        full disk) the buffers may still be full, and the write is tried again first.
+
+        A block's first row sets :attr:`limit` so the block ends where a chunk (of the field with
+        the largest rows) or the ring ends: each block is then one ``pwrite`` per field, and a ring
+        written step by step fills whole chunks with whole writes.  The kernel sizes page-cache
+        folios by the writes that create them, so such a ring's chunks end up in 2 MiB folios,
+        which a reader maps with one fault each and which ``pwrite`` fills faster on the next lap
+        (blocks that straddled chunks left smaller folios at every block edge).
+        """
+        if self.n >= self.limit:
             self.drain()
+        if self.n == 0:
+            p, cap, c = self.table.state.end, self.table.capacity, self._chunk_rows
+            if cap is not None:
+                p %= cap
+                self.limit = min(self.rows, c - p % c, cap - p)
+            else:
+                self.limit = min(self.rows, c - p % c)
 
     def added(self) -> None:
         """One row was written into ``bufs[*][n]``: count it; hand the block over when it is
         full, or when the store's ``commit_interval`` says staged rows are due."""
         self.n += 1
-        if self.n == self.rows or self.table.store.commit_due():
+        if self.n >= self.limit or self.table.store.commit_due():
             self.drain()
 
     def drain(self) -> None:

@@ -205,8 +205,8 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             o = no = None  # one Box leaf, arrays of its stored shape and dtype: nothing to convert or check
         else:
             o, no = lay.batch(obs), lay.batch(next_obs)  # checked before anything is written
-        if st is not None and st.n == st.rows:
-            st.drain()  # a block left full by a failed drain (a full disk) is written first
+        if st is not None:
+            st.room()  # (a block left full by a failed drain, a full disk, is written first)
         self.actions[p] = np.asarray(action).reshape((self.n_envs, self.action_dim))
         self.rewards[p] = reward  # assignment casts as SB3's np.array(...) then assignment does
         self.dones[p] = done
@@ -249,7 +249,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self.pos = p + 1 if p + 1 < size else 0
         if st is not None:
             st.n = j + 1
-            if st.n == st.rows:
+            if st.n >= st.limit:
                 st.drain()
         now = time.monotonic()
         if now - self._last_commit >= self._commit_interval:
