@@ -55,6 +55,13 @@ Substitutions (the only changes made to documented code before it runs):
    ``Client(n_workers=2, threads_per_worker=1, dashboard_address=None)``: a local cluster of two
    worker processes.
 
+Two lanes: the tests run in document order, and meanwhile a background thread runs the selected
+sections from the last one backwards (a README section or a whole docs/ page at a time, whichever
+lane reaches it first; the other waits for its result), until the lanes meet. Each section is one
+subprocess, so on 2 cores both run at once (this module's time about halves). Sections that use the
+moto S3 server (substitution 5) and the pages holding one run in the foreground lane only: their
+buckets and keys are shared.
+
 A block is skipped only with a marker on the line right before its fence that says why:
 ``<!-- docs-test: skip (reason) -->``. No block has one today.
 """
@@ -67,7 +74,9 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+import tempfile
+import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -321,15 +330,95 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocS3]:
 
 @dataclass
 class Page:
-    """A docs/ page run as a walkthrough: one folder, sections in document order."""
+    """A docs/ page run as a walkthrough (one folder, sections in document order), or one README
+    section (a folder of its own). The lane that holds ``lock`` runs its sections."""
 
     cwd: Path
     results: dict[str, str | None]  # heading -> None (passed) or why it failed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _page_key(doc: str, heading: str) -> str:
+    return f"{doc}::{heading}" if doc == "README.md" else doc
+
+
+_PAGES_LOCK = threading.Lock()  # guards the pages dict itself (both lanes add pages)
+
+
+def _page(pages: dict[str, Page], doc: str, heading: str, base: Path) -> Page:
+    with _PAGES_LOCK:
+        key = _page_key(doc, heading)
+        if key not in pages:
+            stem = "readme" if doc == "README.md" else Path(doc).stem
+            pages[key] = Page(Path(tempfile.mkdtemp(prefix=f"{stem}-", dir=base)), {})
+        return pages[key]
+
+
+def _run_through(doc: str, heading: str, page: Page, request: pytest.FixtureRequest | None) -> list[str]:
+    """With ``page.lock`` held: run the page's sections above ``heading`` (a docs/ page) and
+    ``heading`` itself, each unless a lane ran it already; returns the headings above that failed."""
+    earlier = []
+    if doc != "README.md":
+        for h in SECTIONS[doc]:
+            if h == heading:
+                break
+            if h not in page.results:
+                page.results[h] = _run_section(doc, h, page.cwd, request)
+            if page.results[h] is not None:
+                earlier.append(h)
+    if heading not in page.results:
+        page.results[heading] = _run_section(doc, heading, page.cwd, request)
+    return earlier
 
 
 @pytest.fixture(scope="session")
 def pages() -> dict[str, Page]:
     return {}
+
+
+def _selected(session: pytest.Session) -> list[tuple[str, str]]:
+    """(doc, heading) of this session's test_doc_section_runs items, in run order."""
+    out = []
+    for item in session.items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) == "test_doc_section_runs" and spec is not None:
+            out.append((spec.params["doc"], spec.params["heading"]))
+    return out
+
+
+def _background(pages: dict[str, Page], todo: list[tuple[str, str]], base: Path, stop: threading.Event) -> None:
+    """The second lane: ``todo`` from its end, each page's selected sections; stops where the
+    foreground lane holds a page (everything before it is done or being done there)."""
+    for doc, heading in reversed(todo):
+        if stop.is_set():
+            return
+        page = _page(pages, doc, heading, base)
+        if not page.lock.acquire(blocking=False):
+            return
+        try:
+            _run_through(doc, heading, page, None)
+        finally:
+            page.lock.release()
+
+
+@pytest.fixture(scope="module")
+def _second_lane(request: pytest.FixtureRequest, pages: dict[str, Page],
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Starts the background lane over the selected sections it may run (none on a page or in a
+    README section that uses S3); joins it at the end of the module."""
+    selected = _selected(request.session)
+    s3_pages = {_page_key(d, h) for d, h in selected
+                if any(_uses_s3(SECTIONS[d][x]) for x in (SECTIONS[d] if d != "README.md" else [h]))}
+    todo = [(d, h) for d, h in selected if _page_key(d, h) not in s3_pages]
+    stop = threading.Event()
+    lane = threading.Thread(target=_background, args=(pages, todo, tmp_path_factory.getbasetemp(), stop),
+                            name="docs-second-lane", daemon=True)
+    if len(selected) > 1:
+        lane.start()
+    yield
+    stop.set()  # after a failure with -x: finish the running section only
+    if lane.is_alive():
+        lane.join(TIMEOUT_S + 60)
 
 
 def _prepare(doc: str, steps: list[Step], endpoint: str | None) -> tuple[list[Step], list[str]]:
@@ -351,10 +440,15 @@ def _prepare(doc: str, steps: list[Step], endpoint: str | None) -> tuple[list[St
     return out, notes
 
 
-def _run_section(doc: str, heading: str, cwd: Path, request: pytest.FixtureRequest) -> str | None:
-    """Run one section in cwd; None when it passed, else the failure (naming the doc line)."""
+def _run_section(doc: str, heading: str, cwd: Path, request: pytest.FixtureRequest | None) -> str | None:
+    """Run one section in cwd; None when it passed, else the failure (naming the doc line).
+    ``request`` gives the moto server to a section that uses S3 (the background lane has none and
+    never runs one)."""
     steps = SECTIONS[doc][heading]
-    endpoint = request.getfixturevalue("moto_s3").endpoint if _uses_s3(steps) else None
+    endpoint = None
+    if _uses_s3(steps):
+        assert request is not None, f"{doc}::{heading} uses S3: the foreground lane runs it"
+        endpoint = request.getfixturevalue("moto_s3").endpoint
     run, _notes = _prepare(doc, steps, endpoint)
     if not run:
         return None
@@ -387,28 +481,16 @@ def _params() -> list[Any]:
 
 @pytest.mark.parametrize(("doc", "heading"), _params())
 def test_doc_section_runs(doc: str, heading: str, tmp_path_factory: pytest.TempPathFactory,
-                          pages: dict[str, Page], request: pytest.FixtureRequest) -> None:
+                          pages: dict[str, Page], request: pytest.FixtureRequest, _second_lane: None) -> None:
     run, notes = _prepare(doc, SECTIONS[doc][heading], None)
     if not run:
         pytest.skip("; ".join(notes))
-    if doc == "README.md":
-        cwd = tmp_path_factory.mktemp("readme")
-        failure = _run_section(doc, heading, cwd, request)
-    else:
-        page = pages.setdefault(doc, Page(tmp_path_factory.mktemp(Path(doc).stem), {}))
-        earlier = []
-        for h in SECTIONS[doc]:
-            if h == heading:
-                break
-            if h not in page.results:
-                page.results[h] = _run_section(doc, h, page.cwd, request)
-            if page.results[h] is not None:
-                earlier.append(h)
-        if heading not in page.results:  # not already run for a section below it (another test order)
-            page.results[heading] = _run_section(doc, heading, page.cwd, request)
-        failure = page.results[heading]
-        if failure is not None and earlier:
-            failure += f"\n(sections above it on the page failed too: {earlier})"
+    page = _page(pages, doc, heading, tmp_path_factory.getbasetemp())
+    with page.lock:  # waits while the background lane runs this page
+        earlier = _run_through(doc, heading, page, request)
+    failure = page.results[heading]
+    if failure is not None and earlier:
+        failure += f"\n(sections above it on the page failed too: {earlier})"
     if failure is not None:
         pytest.fail(failure, pytrace=False)
 
