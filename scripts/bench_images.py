@@ -19,6 +19,7 @@ those.  Ratio = trajstore / baseline (lower is better).
     python scripts/bench_images.py                 # 50,000 frames (about 3 minutes on 2 cores)
     python scripts/bench_images.py --quick         # 3,000 frames (smoke test)
     python scripts/bench_images.py --markdown docs/benchmarks.md
+    python scripts/bench_images.py --sb3-only --sb3-sizes 100000   # only the ZarrReplayBuffer rows
 """
 
 from __future__ import annotations
@@ -214,6 +215,34 @@ Where the time went (profiled, issue 12):
   A background writer thread made it slower (42 -> 67 us on 2 cores). Staged blocks of 8 MiB
   (148 rows) instead of 1 MiB (18 rows) save 2-3.5 us. At 1e5 transitions the ring's dirty pages (5.6 GB) also exceed the kernel's
   dirty thresholds (20% of RAM), so writeback throttles `pwrite`.
+- `add`, second pass (timers around drain/pwrite/commit, line_profiler; 20,000 rows, 2 cores
+  shared with other jobs): a block's hand-over was 16-22 us per add, of which `pwrite` 9.5-12,
+  eviction commits 2.2-3.6 (one per `Table.guard` = 625 rows at 20,000; 1.5-2.6 ms each: the head
+  file written, renamed over the old one, the old one's descriptor closed), resolving chunk paths
+  with pathlib to open them 0.8; staging five small leaves per add (copies, list building) 2-3.
+  Now `add` stages only the two frames: action, reward, done, timeout and step are gathered from
+  SB3's RAM arrays once per block (`RowStager.fill`); frames already of the stored shape and dtype
+  skip `ObsLayout.batch`; chunk files are opened with one `openat2`; a block ends where a chunk
+  ends and holds a whole 256-row chunk (16 MiB staging). scripts/bench_sb3.py's add row, same
+  process and load for both versions: 2.03-2.17x before, 1.42-1.54x after.
+- Rejected, measured: storing rows straight into the mapped chunk (no staging copy, no `pwrite`)
+  costs 4 us per 28 KB row while its pages are mapped writable, but once writeback has cleaned
+  them every page faults again through ext4's `page_mkwrite`: 18-26 us per row (6.9 faults), and
+  `MADV_POPULATE_WRITE` does the same work (18-20 us). At 1e5 rows writeback never stops.
+- Folios (/proc/kpageflags of a ring written by `add`): with 148-row blocks straddling chunks,
+  2 MiB folios cover 1,024 of a chunk's 1,764 pages and mapping a chunk takes 15 faults; with
+  chunk-aligned 256-row blocks 1,536 pages and 10 faults (a chunk written in one 7.2 MB write: 7).
+  Cold `sample` at 1e5 rows still maps nearly the whole ring during its first 200 calls (51,200 of
+  100,000 rows drawn per field, each fault mapping a folio): about 60 faults per call against 2 in
+  steady state. `MADV_POPULATE_READ` on a chunk at its first read was not done: it would map every
+  page of every touched chunk at once (the first call touches 2 x 230 of 782 chunks), more page
+  table work than the faults it saves, and on a store larger than RAM it reads whole chunks from
+  disk for one row.
+- SB3's in-RAM `sample` itself swings between 3 and 23 ms from run to run: its `th.tensor` copies
+  and gathered arrays (7 MB each) come back from glibc as fresh pages when the heap top was
+  trimmed or the block was mmap'ed (600-4,500 page faults per call, depending on the process's
+  allocation history). Its floor is about 2.5-3.7 ms (no faults); compare cold ratios with that in
+  mind.
 """
 
 
@@ -232,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3,000 frames, fewer calls (a smoke test)")
     ap.add_argument("--rows", type=int, default=None, help="frames in the stores (default 50,000)")
     ap.add_argument("--sb3-sizes", type=str, default=None, help="comma-separated sizes (default 1000,10000,100000)")
+    ap.add_argument("--sb3-only", action="store_true", help="only the ZarrReplayBuffer workloads (a quick check: SB3's sample time depends on the process's allocation history, which the read workloads change; see FINDINGS)")
     ap.add_argument("--markdown", type=Path, default=None, help="also (re)write this script's section of FILE")
     ap.add_argument("--calls", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one read workload
@@ -248,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_images_") as d:
         tmp = Path(d)
         t0 = time.perf_counter()
-        rows = bench_reads(tmp, build_stores(tmp, n), n, calls)
+        rows = [] if a.sb3_only else bench_reads(tmp, build_stores(tmp, n), n, calls)
         for size in sizes:
             rows += bench_sb3(tmp, size, calls, with_add=size == sizes[-1])
         took = time.perf_counter() - t0
@@ -257,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.markdown is not None:
         text = FINDINGS + "\n" + text
     print(text)
-    if a.markdown is not None:
+    if a.markdown is not None and not a.sb3_only:
         _write_markdown(a.markdown, "bench_images.py", a.quick, "## Image rows: every read path against the memmap limit",
                         text)
     return 0

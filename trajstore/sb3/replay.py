@@ -104,7 +104,8 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._pending_saved = -1
         self._last_done = b""  # dones of the last stored row, as stored
         self._commit_interval = float(storage_kwargs.get("commit_interval", 1.0))
-        self._last_commit = time.monotonic()
+        # When the oldest add not yet committed by add's timer was made (None: none since)
+        self._oldest_add: float | None = None
         config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
                   "optimize_memory_usage": bool(optimize_memory_usage)}
         created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
@@ -252,11 +253,15 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             if st.n >= st.limit:
                 st.drain()
         now = time.monotonic()
-        if now - self._last_commit >= self._commit_interval:
+        if self._oldest_add is None:
+            self._oldest_add = now
+        elif now - self._oldest_add >= self._commit_interval:
             # trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer
-            # only when they are handed over; commit here so a crash loses at most commit_interval.
+            # only when they are handed over; commit here so a crash loses at most commit_interval
+            # of adds.  Timed from the oldest add since, not from the last commit: the first add
+            # after a pause (reopening, a long training step) commits nothing but itself otherwise.
             self._rb.flush()
-            self._last_commit = now
+            self._oldest_add = None
 
     def _adopt_stager(self) -> RowStager | None:
         """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
