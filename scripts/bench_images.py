@@ -224,7 +224,10 @@ Where the time went (profiled, issue 12):
   SB3's RAM arrays once per block (`RowStager.fill`); frames already of the stored shape and dtype
   skip `ObsLayout.batch`; chunk files are opened with one `openat2`; a block ends where a chunk
   ends and holds a whole 256-row chunk (16 MiB staging). scripts/bench_sb3.py's add row, same
-  process and load for both versions: 2.03-2.17x before, 1.42-1.54x after.
+  process and load for both versions: 2.03-2.17x before, 1.42-1.54x after; this script at 1e5
+  transitions, steady: 1.86-2.13x before, 1.18 / 1.28 / 1.43 / 1.57x in four runs after (load 2-3).
+  Cold (the first 200 adds after reopening, 62-217 us each) stays far above SB3: the first blocks
+  meet the dirty pages the fill left (writeback throttling) and the ring's first eviction commit.
 - Rejected, measured: storing rows straight into the mapped chunk (no staging copy, no `pwrite`)
   costs 4 us per 28 KB row while its pages are mapped writable, but once writeback has cleaned
   them every page faults again through ext4's `page_mkwrite`: 18-26 us per row (6.9 faults), and
