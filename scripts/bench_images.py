@@ -241,6 +241,12 @@ Where the time went (profiled, issue 12):
   page of every touched chunk at once (the first call touches 2 x 230 of 782 chunks), more page
   table work than the faults it saves, and on a store larger than RAM it reads whole chunks from
   disk for one row.
+- `add` at 1e5 transitions on a quiet machine (the lead's run of this table, nothing else running):
+  cold 18 us (0.76x SB3), steady 77 us (3.36x). The ring is 5.6 GB of frames, more than the
+  kernel's dirty-page limits, so once the fill's dirty pages meet the new ones every `pwrite` waits
+  for writeback: 56 KB per add at 77 us is about 730 MB/s written back to disk. A disk-backed
+  ring that large is bound by the disk (SB3 keeps it in RAM); at 20,000 transitions (1.1 GB,
+  rewritten in the page cache faster than writeback expires it) add is 1.42-1.54x SB3.
 - SB3's in-RAM `sample` itself swings between 3 and 23 ms from run to run: its `th.tensor` copies
   and gathered arrays (7 MB each) come back from glibc as fresh pages when the heap top was
   trimmed or the block was mmap'ed (600-4,500 page faults per call, depending on the process's
