@@ -21,6 +21,7 @@ from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import (
     ClosedError,
+    ConcurrentWriteError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
@@ -417,20 +418,26 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
                     None, 128)
         procs.append(p)
         children.append(p)
-    reads = 0
+    reads = gave_up = 0
     while any(p.is_alive() for p in children):
         batch = ds.sample(128)
         o, ret = batch["step_data"]["obs"], batch["episode_data"]["ret"]
         assert (o[:, 2] < o[:, 3]).all() and (o[:, 3] == [SW.episode_length(int(w), int(e)) for w, e in o[:, :2]]).all()
         assert ((ret == 0) | (ret == o[:, 0] * 1000 + o[:, 1])).all()  # 0: the episode's data not set yet
-        data, mask = ds.sample_sequences(32, 3, within_episode=True)
+        try:
+            data, mask = ds.sample_sequences(32, 3, within_episode=True)
+        except ConcurrentWriteError:
+            # Documented: rings of 128 rows that two writers evict block after block can outrun a
+            # reader's 100 consistent-read attempts; what matters is that what it returns is right.
+            gave_up += 1
+            continue
         o = data["step_data"]["obs"]
         assert mask.all() and (np.diff(o[:, :, 2], axis=1) == 1).all() and (o[:, :, :2] == o[:, :1, :2]).all()
         reads += 1
     for p in children:
         p.join(30)
         assert p.exitcode == 0
-    assert reads > 10
+    assert reads > 10 and reads > gave_up, (reads, gave_up)
     ds.refresh()
     assert list(ds.shards["rows"]) == [len(SW.episode_rows(0, 0)["obs"]), 128, 128]  # full rings
     assert ds.row_source()._checks.unwatched == (set() if watched else {"w0", "w1", "w2"})  # the path taken
