@@ -27,7 +27,7 @@ from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
 import _workers as W  # noqa: E402
 from trajstore import ReplayBuffer as StoreBuffer  # noqa: E402
-from trajstore.errors import StoreFullError  # noqa: E402
+from trajstore.errors import ClosedError, StoreFullError  # noqa: E402
 from trajstore.sb3 import ZarrReplayBuffer  # noqa: E402
 
 IMAGE = spaces.Box(0, 255, (84, 84, 4), np.uint8)
@@ -149,6 +149,53 @@ def test_failed_hand_over_keeps_the_row(tmp_path: Path, monkeypatch: pytest.Monk
     assert failed
     _stored_equals_sb3(tmp_path / "killed", ref, 1, 300, closed=False)
     _stored_equals_sb3(tmp_path / "rb", ref, 1, 300)
+
+
+def test_row_stager_is_handed_out_to_single_writers_only(tmp_path: Path) -> None:
+    """``ReplayBuffer.row_stager`` gives a writer the stager it stages appends in; rows written
+    through it with ``added(commit_timer=False)`` are handed over only when the block is full
+    (the store's timer, due at every row with ``commit_interval=0``, is the owner's to apply),
+    with ``added()`` at the next row.  Read-only, multiprocessing and closed handles get None."""
+    space = spaces.Box(-1, 1, (3,), np.float32)
+    rb = StoreBuffer.create(space, cache_path=tmp_path / "rb", capacity=1000, commit_interval=0)
+    st = rb.row_stager()
+    assert st is not None and len(st.bufs) == 1
+    with StoreBuffer.load_from(tmp_path / "rb", read_only=True) as reader:
+        assert reader.row_stager() is None
+        for i in range(3):
+            st.room()
+            st.bufs[0][st.n] = i
+            st.added(commit_timer=False)
+        assert st.n == 3 and len(reader) == 0  # staged, not handed over
+        st.room()
+        st.bufs[0][st.n] = 3
+        st.added()  # the store's timer is due: the block is handed over and committed
+        assert st.n == 0 and len(reader) == 4
+    np.testing.assert_array_equal(rb[np.arange(4)][:, 0], np.arange(4, dtype=np.float32))
+    rb.close()
+    assert rb.row_stager() is None
+    with pytest.raises(ClosedError):  # (it staged the row, never to be written, before row_stager)
+        rb._append_leaves([np.zeros(3, np.float32)])
+    with StoreBuffer.load_from(tmp_path / "rb", multiprocessing=True) as shared:
+        assert shared.row_stager() is None
+
+
+def test_add_after_a_pause_is_not_committed_alone(tmp_path: Path) -> None:
+    """``ZarrReplayBuffer.add`` commits once ``commit_interval`` has passed since its oldest
+    uncommitted add: the first add after a pause starts that interval and is not handed over
+    and committed by itself (the store's own timer, from the last commit, would do that)."""
+    ours = ZarrReplayBuffer(400, IMAGE, spaces.Discrete(4), "cpu", cache_path=tmp_path / "rb", commit_interval=0.05)
+    rng = np.random.default_rng(4)
+    with StoreBuffer.load_from(tmp_path / "rb" / "transitions", read_only=True) as reader:
+        for t in range(3):
+            ours.add(*_transition(IMAGE, 1, t, rng))
+        time.sleep(0.1)
+        ours.add(*_transition(IMAGE, 1, 3, rng))  # the oldest add is older than commit_interval: commit
+        assert len(reader) == 4
+        time.sleep(0.1)
+        ours.add(*_transition(IMAGE, 1, 4, rng))  # the first add after a pause: staged, not committed
+        assert len(reader) == 4
+    ours.close()
 
 
 # ------------------------------------------------------------------------------------------ SIGKILL

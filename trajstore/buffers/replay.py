@@ -258,14 +258,36 @@ class ReplayBuffer(StoredBuffer):
         return self._table.gather(np.arange(lo, hi, step, dtype=np.int64), leaf_ids)
 
     # -- writes ----------------------------------------------------------------------------
+    def row_stager(self) -> RowStager | None:
+        """Where single-row appends are staged, for a writer that fills staged rows itself.
+
+        ``ZarrReplayBuffer.add`` stages its frames here directly instead of building a row for
+        :meth:`append`.  Such a writer follows :class:`~trajstore.core.stager.RowStager`'s
+        protocol: ``room()``, write row ``n`` of ``bufs`` (one array per leaf of the space, in
+        its order; values are not checked: assignment casts or broadcasts), then ``added()``,
+        which hands the block to the store when it is full (and on the store's commit timer
+        unless ``commit_timer=False``).  This buffer drains the stager before every read and
+        commit, as for its own appends.
+
+        Returns
+        -------
+        RowStager or None
+            None when rows are not staged: the store is shared by several writer processes
+            (each append commits under the lock), read-only or closed; :meth:`append` then
+            writes through (or raises) as usual.
+        """
+        if self._store.multiprocessing or not self._store.writable or self._store.closed:
+            return None
+        return self._stager
+
     def append(self, value: Any) -> None:
         """Add one row (a value of ``single_space``)."""
-        if self._store.multiprocessing or not self._store.writable or self._store.closed:
+        st = self.row_stager()
+        if st is None:
             arrays, n = self._plan.to_arrays(value, batched=False)
             with self._store.write_op():
                 self._table.extend(arrays, n)
             return
-        st = self._stager
         st.room()
         self._plan.write_row(value, st.bufs, st.n)
         st.added()
@@ -275,10 +297,10 @@ class ReplayBuffer(StoredBuffer):
         leaves, each already of its leaf's shape and dtype (not checked: assignment would cast or
         broadcast).  For integrations that build rows themselves (the SB3 buffers): they skip the
         walk and checks of a nested value on every step."""
-        if self._store.multiprocessing or not self._store.writable:
+        st = self.row_stager()
+        if st is None:
             self.append(self._plan.from_arrays(list(arrays)))  # the checked path, as it takes a lock anyway
             return
-        st = self._stager
         st.room()
         j = st.n
         for b, a in zip(st.bufs, arrays):

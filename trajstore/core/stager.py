@@ -34,7 +34,8 @@ class RowStager:
     and handed to ``table`` a block at a time.
 
     Writers call :meth:`room`, fill ``bufs[*][n]`` and call :meth:`added`; owners call
-    :meth:`drain` before every read and commit (``pending`` says whether it is needed).
+    :meth:`drain` before every read and commit (``pending`` says whether it is needed).  A
+    writer outside the owning buffer gets the stager from it (``ReplayBuffer.row_stager``).
 
     An owner that keeps some leaves' values itself (the SB3 buffers hold actions, rewards and
     dones in RAM arrays anyway) may leave them unstaged and set :attr:`fill`: ``fill(bufs, n)``
@@ -87,11 +88,21 @@ class RowStager:
             else:
                 self.limit = min(self.rows, c - p % c)
 
-    def added(self) -> None:
+    def added(self, *, commit_timer: bool = True) -> None:
         """One row was written into ``bufs[*][n]``: count it; hand the block over when it is
-        full, or when the store's ``commit_interval`` says staged rows are due."""
+        full, or when the store's ``commit_interval`` says staged rows are due.
+
+        Parameters
+        ----------
+        commit_timer : bool
+            False: only a full block is handed over; the owner times commits itself.
+            ``ZarrReplayBuffer.add`` does: it commits once ``commit_interval`` has passed since
+            its oldest uncommitted add, where the store's timer (since the last commit) would
+            hand over and commit the first add after every pause alone (3-10 ms on a loaded
+            machine).
+        """
         self.n += 1
-        if self.n >= self.limit or self.table.store.commit_due():
+        if self.n >= self.limit or (commit_timer and self.table.store.commit_due()):
             self.drain()
 
     def drain(self) -> None:

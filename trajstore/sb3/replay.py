@@ -249,9 +249,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             self.full = self._count == size
         self.pos = p + 1 if p + 1 < size else 0
         if st is not None:
-            st.n = j + 1
-            if st.n >= st.limit:
-                st.drain()
+            st.added(commit_timer=False)  # this method's own timer below commits
         now = time.monotonic()
         if self._oldest_add is None:
             self._oldest_add = now
@@ -266,11 +264,12 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     def _adopt_stager(self) -> RowStager | None:
         """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
         directly and leave the other leaves to :meth:`_fill_staged`; None where rows go through
-        ``_append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own)."""
+        ``_append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own, or a
+        store that does not stage rows: multiprocessing, read-only)."""
         rb = self._rb
-        st = getattr(rb, "_stager", None) if type(rb) is StoreBuffer else None
+        st = rb.row_stager() if type(rb) is StoreBuffer else None
         n_obs = len(self._obs_slots) * (1 if self.optimize_memory_usage else 2)
-        if st is None or rb.multiprocessing or rb.read_only or len(st.bufs) != n_obs + len(SMALL) + 1:
+        if st is None or len(st.bufs) != n_obs + len(SMALL) + 1:
             st = None
         else:
             st.fill = self._fill_staged
