@@ -320,8 +320,14 @@ class StoredBuffer(BatchBase):
         try:
             if not self._store.forked:  # a forked child's copy: the parent commits, not us
                 self.flush()
+                if not self.read_only:
+                    self._after_last_commit()
         finally:
             self._release()
+
+    def _after_last_commit(self) -> None:
+        """A writer's close, after its last commit and before the lock is released (derived
+        files that describe the committed rows are written here)."""
 
     def _release(self) -> None:
         self._store.close()

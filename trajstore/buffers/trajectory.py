@@ -15,6 +15,7 @@ rows are evicted once the last step of their episode has left the step ring.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Sequence, TypedDict, cast
 
 import gymnasium
@@ -40,11 +41,13 @@ from trajstore.errors import (
     BadOptionError,
     BadValueError,
     SpaceMismatchError,
+    TrajstoreError,
     UnknownEpisodeError,
     UnsupportedSpaceError,
 )
 from trajstore.spaces import ValuePlan, space_to_json
 from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.runs_file import SavedRuns, load_runs, save_runs
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
 
@@ -111,7 +114,7 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, St
         self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
         self._episodes = EpisodeIndex(store, self._table, self._id_field, self._ep_table, self._ep_id_field,
                                       lambda: self.current_episode_id)
-        self._runs = RunIndex(self._table, self._id_field, lambda: store.committed.epoch)
+        self._runs = RunIndex(self._table, self._id_field, lambda: store.committed.epoch, self._saved_runs)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
         store.op_listeners.append(self._check_fork)
@@ -125,6 +128,29 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, St
                 self._new_episode()
                 if not store.multiprocessing:
                     store.commit(state=self._state())
+
+    def _saved_runs(self) -> SavedRuns | None:
+        """The run index a writer saved at close: a writer's open took it (and removed the file);
+        a reader reads it at its first windowed sample."""
+        st = self._store
+        return st.saved_runs if st.writable else load_runs(st.loc, st.committed, self._table.capacity)
+
+    def _after_last_commit(self) -> None:
+        """Save the run index for the next readers (:mod:`trajstore.storage.runs_file`).
+
+        Local single writers only: a multiprocessing writer's view may lag the others' commits,
+        and on a remote store the ids not yet scanned would be fetched just to save the scan.
+        A cache: when it cannot be written, readers scan the ids as without it."""
+        st = self._store
+        if st.multiprocessing or not st.loc.is_local:
+            return
+        try:
+            saved = self._runs.saved()
+            if saved is not None:
+                save_runs(st.loc, saved)
+        except (TrajstoreError, OSError) as e:
+            warnings.warn(f"{st.loc.url}: the run index was not saved ({e}); readers will scan the step ids",
+                          stacklevel=3)
 
     def _step_plan_index(self, path: tuple) -> int:
         return next(i for i, lf in enumerate(self._step_plan.leaves) if lf.path == path)

@@ -14,6 +14,7 @@ import numpy as np
 
 from trajstore.core.ring import distinct
 from trajstore.core.table import Table
+from trajstore.storage.runs_file import SavedRuns
 
 if TYPE_CHECKING:
     from trajstore.core.store import Store
@@ -288,7 +289,9 @@ class RunIndex:
     windows of up to 57 rows in O(1), a binary search over the run starts for longer ones.
     Extended with the ids of the rows appended since the last use; rebuilt when the commit
     record's epoch moved (rows were rewritten, removed or cleared) or the rows it covers were
-    all evicted.
+    all evicted.  The first use starts from the runs a writer saved at close
+    (:mod:`trajstore.storage.runs_file`) when they still describe the committed rows, so a fresh
+    reader scans only the rows appended since.
 
     Parameters
     ----------
@@ -296,14 +299,21 @@ class RunIndex:
         The step table; field ``id_field`` holds each step's episode id.
     epoch : callable
         Returns the current commit-record epoch.
+    saved : callable, optional
+        Returns the saved runs (or None); called once, at the first use.
     """
 
     _NONE = np.iinfo(np.int64).max
     #: Ids read and compared at a time when covering new rows (512 KiB: they stay in the cache).
     _SCAN_ROWS = 1 << 16
 
-    def __init__(self, steps: Table, id_field: int, epoch: Callable[[], int]) -> None:
+    def __init__(self, steps: Table, id_field: int, epoch: Callable[[], int],
+                 saved: Callable[[], SavedRuns | None] | None = None) -> None:
         self.steps, self.id_field, self.epoch = steps, id_field, epoch
+        self._saved = saved
+        #: Rows whose ids this index read and compared (tests and diagnostics: a reader that
+        #: started from saved runs scans only the rows after them).
+        self.scanned = 0
         # Capacity-doubling buffers: runs in [:_n]; _starts[_n] is a sentinel ("no later run").
         self._starts = np.full(1, self._NONE, np.int64)
         self._ids = np.zeros(1, np.int64)
@@ -316,6 +326,9 @@ class RunIndex:
         st = self.steps.state
         epoch = self.epoch()
         fresh = False  # the bitmap must be rebuilt from the runs
+        if self._saved is not None:
+            fresh = self._adopt_saved(self._saved(), epoch)
+            self._saved = None
         if epoch != self._epoch or st.start >= self._end or st.end < self._end:
             self._replace(np.zeros(0, np.int64), np.zeros(0, np.int64))
             self._begin = self._end = st.start
@@ -349,6 +362,22 @@ class RunIndex:
         if fresh:
             self._bounds.reset(self._begin, self._end, self._starts[: self._n])
 
+    def _adopt_saved(self, saved: SavedRuns | None, epoch: int) -> bool:
+        """Start from saved runs that describe the committed rows; whether they were taken."""
+        if saved is None or not saved.usable(epoch, self.steps.state):
+            return False
+        self._replace(saved.starts, saved.ids)
+        self._begin, self._end, self._epoch = saved.begin, saved.end, epoch
+        return True
+
+    def saved(self) -> SavedRuns | None:
+        """The runs of the rows present, to save (None: no rows)."""
+        first, lengths, ids = self.runs()
+        st = self.steps.state
+        if not len(first):
+            return None
+        return SavedRuns(int(self.epoch()), st.start, st.end, first + st.start, ids)
+
     def _scan(self, lo: int, hi: int, before: int | None) -> tuple[np.ndarray, np.ndarray, int]:
         """Runs starting in absolute rows ``[lo, hi)`` (``lo < hi``), given the id of row ``lo - 1``
         (``before``; None: row ``lo`` starts a run).
@@ -368,6 +397,7 @@ class RunIndex:
         about 12 ms (docs/sampling.md).
         """
         st = self.steps.state
+        self.scanned += hi - lo
         starts: list[np.ndarray] = []
         ids: list[np.ndarray] = []
         prev = before

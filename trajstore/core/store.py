@@ -57,6 +57,7 @@ from trajstore.storage.location import (
 )
 from trajstore.storage.locks import WriterLock
 from trajstore.storage.published import dimension_names
+from trajstore.storage.runs_file import RUNS_TABLE, SavedRuns, take_runs
 from trajstore.storage.schema import (
     TableSchema,
     check_head_tables,
@@ -130,6 +131,8 @@ class Store(StoreCommits):
         self._op = _WriteOp(self)
         self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
         self.op_listeners: list[Callable[[], None]] = []  # multiprocessing: called at the start of each write op
+        # A writer's open removes the saved run index (storage.runs_file) and hands it over here.
+        self.saved_runs: SavedRuns | None = None
         # Every name, shape and count is checked before it becomes a path, a mapping or a loop
         # (DESIGN.md 3.7); a record read later by refresh is checked against the same schema.
         self.schema = schema = check_schema(attrs, str(loc.url)) if schema is None else schema
@@ -314,6 +317,9 @@ class Store(StoreCommits):
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
                         lock=lock, options=options, schema=schema)
             store.lease = lease
+            if not read_only:
+                steps = schema.get(RUNS_TABLE)
+                store.saved_runs = take_runs(loc, head, steps.capacity if steps is not None else None)
             if lock is not None:
                 lock.share()
         except BaseException:

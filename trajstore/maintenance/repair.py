@@ -31,6 +31,7 @@ from trajstore.storage.head import (
     TableState,
     write_head,
 )
+from trajstore.storage.keys import RUNS_KEY
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
 from trajstore.storage.locks import WriterLock
 from trajstore.storage.schema import check_pending, load_json
@@ -288,6 +289,8 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
             orphan = VerifyReport(str(loc.url), False)
             scan_orphans(loc, keys, new_head, orphan)
             removable += orphan.removable
+            if RUNS_KEY in keys and RUNS_KEY not in {k for k, _w in removable}:
+                removable.append((RUNS_KEY, "saved run index of the replaced commit record"))
         else:
             removable = list(before.removable)
         removable = [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]

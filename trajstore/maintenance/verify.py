@@ -51,7 +51,9 @@ from trajstore.spaces import space_from_json
 from trajstore.storage.array_meta import check_array_meta, consolidated
 from trajstore.storage.confined import MAX_FILE_BYTES
 from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
+from trajstore.storage.keys import RUNS_KEY
 from trajstore.storage.location import Location
+from trajstore.storage.runs_file import RUNS_TABLE, decode_runs, disagreement, runs_limit
 from trajstore.storage.schema import (
     check_allocation,
     check_pending,
@@ -433,6 +435,7 @@ def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options:
         t = store.tables["step_data"]
         j = next(i for i, f in enumerate(t.fields) if f.spec.array_path == "step_episode_ids")
         ids = t.read_contiguous(0, t.count, [j])[0]
+        _check_runs(loc, sc, rep, store.committed, ids)
         over = np.flatnonzero(ids >= nxt)
         if over.size:
             rep.faults.append(Fault("episodes", "step_episode_ids", f"step_episode_ids: {over.size} step(s) carry ids at "
@@ -454,6 +457,34 @@ def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options:
         rep.faults.append(Fault("open", str(loc.url), f"the store's rows cannot be read: {fault_text(e)}"))
     finally:
         store.close()
+
+
+def _check_runs(loc: Location, sc: Scan, rep: VerifyReport, head: Head, ids: np.ndarray) -> None:
+    """The saved run index (:mod:`trajstore.storage.runs_file`), when there is one: well formed,
+    and for the committed rows it describes, the runs of ``ids``.  Readers ignore a malformed or
+    stale one, so those are notes; one that lies would make them accept windows across episodes."""
+    st = head.tables[RUNS_TABLE]
+    try:
+        raw = loc.get(RUNS_KEY, limit=runs_limit(st, sc.tables[RUNS_TABLE]["capacity"]))
+        saved = None if raw is None else decode_runs(raw, str(loc.url))
+    except DamagedStoreError as e:
+        rep.notes.append(f"{RUNS_KEY}: unusable saved run index ({fault_text(e)}); readers ignore it and scan the "
+                         "step ids (removed by repair or by the next writer)")
+        rep.removable.append((RUNS_KEY, "unusable saved run index"))
+        return
+    if saved is None:
+        return
+    if not saved.usable(head.epoch, st):
+        rep.notes.append(f"{RUNS_KEY}: saved run index of other rows (epoch {saved.epoch}, rows [{saved.begin}, "
+                         f"{saved.end})); readers ignore it (removed by repair or by the next writer)")
+        rep.removable.append((RUNS_KEY, "stale saved run index"))
+        return
+    row = disagreement(saved, ids, st.start)
+    if row is not None:
+        rep.faults.append(Fault("runs", RUNS_KEY, f"{RUNS_KEY}: the saved run index disagrees with step_episode_ids "
+                                f"at row {row - st.start} (logical): readers would take windows across episodes for "
+                                "windows inside one; repair removes it"))
+        rep.removable.append((RUNS_KEY, "saved run index that disagrees with the step ids"))
 
 
 def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, deep: bool = False,

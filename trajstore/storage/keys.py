@@ -3,7 +3,8 @@
 Everything else in a store is zarr's (``zarr.json`` files and chunk keys); see docs/format.md.
 """
 
-__all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY", "PRIORITIES_DIR"]
+__all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY", "PRIORITIES_DIR",
+           "RUNS_KEY"]
 
 #: The commit record: which rows of every table are committed (see :mod:`trajstore.storage.head`).
 HEAD_KEY = "trajstore.head.json"
@@ -15,6 +16,9 @@ LOCK_KEY = "trajstore.lock"
 MPLOCK_KEY = "trajstore.mplock"
 #: The dataset description (:mod:`trajstore.metadata`).
 DATASET_KEY = "trajstore.dataset.json"
+#: The run index of a trajectory store's step ids, saved by a writer at close so readers need not
+#: scan every id (:mod:`trajstore.storage.runs_file`).  A cache: absent, stale or damaged, it is ignored.
+RUNS_KEY = "trajstore.runs"
 #: A store of its own inside a buffer's folder: the priorities a PrioritizedSampler keeps
 #: (:mod:`trajstore.sampling.prioritized`).  Not part of the buffer's rows (a ``.zip`` leaves it out).
 PRIORITIES_DIR = "trajstore.priorities"
