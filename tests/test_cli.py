@@ -520,6 +520,35 @@ def test_copy_local_memory_zip_and_relayout(tmp_path: Path, capsys) -> None:
     src.close()
 
 
+def test_a_copy_that_does_not_verify_fails_with_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``copy`` verifies what it wrote last (``verify_copy``, the helper that combine, split,
+    filter and imports use as ``verify_written``): a copy damaged after the row comparison exits
+    with status 1 and one line naming the first fault; the library helper raises
+    DamagedStoreError naming the store for the same fault."""
+    from trajstore.cli import maintain
+    from trajstore.errors import DamagedStoreError
+    from trajstore.maintenance.staged import verify_written
+
+    make_rb(tmp_path / "r")
+    dst = tmp_path / "c"
+    real_compare = maintain._compare
+
+    def compare_then_truncate(source, copy, bar):  # the real comparison, then real damage on disk
+        n = real_compare(source, copy, bar)
+        with open(dst / "step_data" / "obs" / "c" / "2" / "0", "r+b") as f:
+            f.truncate(100)
+        return n
+
+    monkeypatch.setattr(maintain, "_compare", compare_then_truncate)
+    code, out, err = cli(capsys, "copy", str(tmp_path / "r"), str(dst))
+    fault = ("step_data/obs/c/2/0: truncated chunk file (100 of 69632 bytes); table 'step_data' rows [2048, 3000) "
+             "are damaged")
+    assert code == 1 and err == f"trajstore copy: error: copy verification failed: {fault}\n"
+    with pytest.raises(DamagedStoreError) as e:
+        verify_written(str(dst))
+    assert str(e.value) == f"{dst}: the written store does not verify: {fault}"
+
+
 def test_copy_a_replay_buffer_ring(tmp_path: Path, capsys) -> None:
     space = gym.spaces.Dict({"x": gym.spaces.Box(-1, 1, (3,), np.float32), "a": gym.spaces.Discrete(4)})
     with ReplayBuffer.create(space, cache_path=tmp_path / "s", capacity=100) as rb:

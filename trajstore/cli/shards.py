@@ -19,6 +19,7 @@ import numpy as np
 
 from trajstore.cli._common import CLIError, fmt_bytes, print_spaces, print_table
 from trajstore.errors import DamagedStoreError, FormatVersionError
+from trajstore.maintenance.staged import verify_written
 from trajstore.maintenance.summary import (
     STEP_IDS,
     STEPS,
@@ -343,7 +344,6 @@ def merge_copy(src: str, dst: str, *, src_options: Options, dst_options: Options
 
 
 def verify_copy(path: str, storage_options: Options) -> None:
-    """Raise :class:`CLIError` naming the first fault if the copy written at ``path`` does not verify."""
-    rep = verify_store(path, storage_options=storage_options)
-    if not rep.ok:
-        raise CLIError(f"copy verification failed: {rep.faults[0].message}")
+    """Raise :class:`CLIError` (``"copy verification failed: <first fault>"``, exit status 1) if the
+    copy written at ``path`` does not verify (:func:`~trajstore.maintenance.staged.verify_written`)."""
+    verify_written(path, storage_options, error=lambda fault: CLIError(f"copy verification failed: {fault}"))

@@ -18,7 +18,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -141,12 +141,32 @@ def not_a_source(dst: str, sources: Sequence[Any]) -> None:
             raise BadOptionError(f"{dst} is both a source and a destination; write to another folder")
 
 
-def verify_written(path: str) -> None:
-    """Raise :class:`DamagedStoreError` naming the first fault if the store just written at
-    ``path`` does not verify."""
-    rep = verify_store(path)
+def verify_written(path: str, storage_options: dict[str, Any] | None = None, *,
+                   error: Callable[[str], Exception] | None = None) -> None:
+    """Raise an error naming the first fault if the store just written at ``path`` does not verify
+    (:func:`~trajstore.maintenance.verify.verify_store`).
+
+    Parameters
+    ----------
+    path : str
+        The store: a local folder, or a URL with ``storage_options``.
+    storage_options : dict, optional
+        fsspec options for a URL.
+    error : callable, optional
+        Builds the exception raised from the first fault's message.  Default: a
+        :class:`DamagedStoreError` ``"<path>: the written store does not verify: <fault>"``; the
+        CLI's ``copy`` raises its own one-line error instead (``trajstore.cli.shards.verify_copy``).
+
+    Raises
+    ------
+    DamagedStoreError
+        The store has a fault (or what ``error`` builds).
+    """
+    rep = verify_store(path, storage_options=storage_options)
     if not rep.ok:
-        raise DamagedStoreError(f"{path}: the written store does not verify: {rep.faults[0].message}")
+        fault = rep.faults[0].message
+        raise (error(fault) if error is not None else
+               DamagedStoreError(f"{path}: the written store does not verify: {fault}"))
 
 
 # -- sources -----------------------------------------------------------------------------------------
