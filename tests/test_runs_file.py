@@ -116,6 +116,16 @@ def test_plain_zarr_and_verify_accept_the_file(tmp_path):
     assert rep.ok, rep.faults
 
 
+@pytest.mark.parametrize("dest", ["copy", "copy.zip"])
+def test_copies_carry_the_file(tmp_path, dest):
+    p = tmp_path / "s"
+    _record(p, LENGTHS, capacity=700)
+    tb = TrajectoryReplayBuffer.load_from(p, read_only=True)
+    tb.dumps(tmp_path / dest)
+    tb.close()
+    _assert_like_a_scan(tmp_path / dest, scanned=0)
+
+
 def test_a_writer_takes_the_file_and_saves_only_what_it_appended(tmp_path):
     p = tmp_path / "s"
     _record(p, LENGTHS)
