@@ -1,19 +1,27 @@
-"""How ``ZarrReplayBuffer.add`` stages rows (trajstore/sb3/replay.py, trajstore/core/stager.py).
+"""How ``ZarrReplayBuffer.add`` stages rows (trajstore/sb3/replay.py, trajstore/sb3/_inplace.py,
+trajstore/core/stager.py).
 
 ``add`` stages only the observations; action, reward, done, timeout and step are gathered from
 the SB3 RAM arrays when a block is handed over (``RowStager.fill``), and a block ends where a
-chunk ends.  These tests check what reaches the store: after reads that hand over part-filled
-blocks, after SB3's ``_setup_learn`` edit, after a hand-over that failed (full disk), and after a
-SIGKILL of the writer, every stored row equals what stable-baselines3's own buffer holds.
+chunk ends.  On memory-mapped fields the observations are stored straight into their rows of the
+chunk files ("in-place", ``InPlaceRows``) once the block's old rows are out of the commit record;
+elsewhere ("staged": a kernel that refuses ``MADV_POPULATE_WRITE``, ``TRAJSTORE_NO_MMAP``) they
+are staged in RAM and written at the hand-over.  These tests check what reaches the store on
+every path: after reads that hand over part-filled blocks, after SB3's ``_setup_learn`` edit,
+after a hand-over or a block start that failed (full disk), while a reader process samples,
+after a fork of the writer and after a SIGKILL of the writer, every stored row equals what
+stable-baselines3's own buffer holds.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import multiprocessing
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +35,36 @@ from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
 import _workers as W  # noqa: E402
 from trajstore import ReplayBuffer as StoreBuffer  # noqa: E402
-from trajstore.errors import ClosedError, StoreFullError  # noqa: E402
+from trajstore.errors import ClosedError, ConcurrentWriteError, LockedError, StoreFullError  # noqa: E402
 from trajstore.sb3 import ZarrReplayBuffer  # noqa: E402
+from trajstore.storage.fields import _vmap  # noqa: E402
 
 IMAGE = spaces.Box(0, 255, (84, 84, 4), np.uint8)
 VECTOR = spaces.Box(-np.inf, np.inf, (5,), np.float32)
+PATHS = ["in-place", "staged", "no-mmap"]
+
+
+@pytest.fixture(params=PATHS)
+def row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The path ``add``'s observations take: "in-place" (this kernel's), "staged" (a kernel that
+    refuses ``MADV_POPULATE_WRITE``: the advice is replaced by one no kernel knows, so the real
+    EINVAL fallback runs) or "no-mmap" (``TRAJSTORE_NO_MMAP``: no field is memory-mapped).
+    Forked children inherit it."""
+    if request.param == "in-place" and not _vmap.POPULATE_WRITE:
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
+    monkeypatch.setattr(_vmap, "POPULATE_WRITE", _vmap.POPULATE_WRITE)  # restored after the test
+    if request.param == "staged":
+        monkeypatch.setattr(_vmap, "_MADV_POPULATE_WRITE", 0x7FFF)
+    elif request.param == "no-mmap":
+        monkeypatch.setattr(_vmap, "AVAILABLE", False)
+    return str(request.param)
+
+
+def _path_taken(buf: ZarrReplayBuffer) -> str:
+    """The path ``buf.add`` took (after at least one add)."""
+    if buf._in_place is not None and buf._in_place.active:
+        return "in-place"
+    return "staged" if type(buf._rb._table.fields[0]).__name__ == "MappedField" else "no-mmap"
 
 
 def _transition(space: spaces.Box, n_envs: int, t: int, rng: np.random.Generator) -> tuple[Any, ...]:
@@ -67,7 +100,8 @@ def _stored_equals_sb3(path: Path, ref: ReplayBuffer, n_envs: int, added: int, c
 
 
 @pytest.mark.parametrize("space, n_envs", [(IMAGE, 1), (VECTOR, 2)], ids=["image-1env", "vector-2envs"])
-def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: spaces.Box, n_envs: int) -> None:
+def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: spaces.Box, n_envs: int,
+                                                        row_path: str) -> None:
     """Reads between adds hand over part-filled blocks; SB3's ``dones[pos - 1] = True`` edits a
     staged or an already stored row; the ring wraps: the store still equals SB3's buffer."""
     act = spaces.Discrete(4)
@@ -85,6 +119,7 @@ def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: s
             for buf in (ref, ours):
                 buf.dones[(buf.pos - 1) % buf.buffer_size] = True  # what SB3's _setup_learn does
     ours.sample(4)  # hand over and commit what is staged, without the RAM edits' rewrite of close
+    assert _path_taken(ours) == row_path
     shutil.copytree(tmp_path / "rb", tmp_path / "killed")  # the folder as a SIGKILL now leaves it
     ours.close()
     _stored_equals_sb3(tmp_path / "killed", ref, n_envs, t + 1, closed=False)
@@ -117,8 +152,10 @@ def test_blocks_end_at_chunk_ends(tmp_path: Path) -> None:
 
 
 def test_failed_hand_over_keeps_the_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full disk while a block is handed over raises StoreFullError from ``add``; the transition
-    stays added (SB3's position moved on) and staged, and is written once the disk has room."""
+    """A full disk while a staged block is handed over raises StoreFullError from ``add``; the
+    transition stays added (SB3's position moved on) and staged, and is written once the disk has
+    room."""
+    monkeypatch.setattr(_vmap, "POPULATE_WRITE", False)  # staged: the frames' pwrite meets the full disk
     act = spaces.Discrete(4)
     ref = ReplayBuffer(400, IMAGE, act, "cpu")
     ours = ZarrReplayBuffer(400, IMAGE, act, "cpu", cache_path=tmp_path / "rb")
@@ -149,6 +186,146 @@ def test_failed_hand_over_keeps_the_row(tmp_path: Path, monkeypatch: pytest.Monk
     assert failed
     _stored_equals_sb3(tmp_path / "killed", ref, 1, 300, closed=False)
     _stored_equals_sb3(tmp_path / "rb", ref, 1, 300)
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+               when: Callable[..., bool] = lambda *args: True) -> list[int]:
+    """Make ``module.name`` raise ENOSPC once, at its first call from now whose arguments ``when``
+    accepts; the returned list gets an entry when it did."""
+    real, failed = getattr(module, name), []
+
+    def full_once(*args: Any) -> Any:
+        if not failed and when(*args):
+            failed.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(module, name, full_once)
+    return failed
+
+
+@pytest.mark.parametrize("fails", ["chunk file", "eviction record"])
+def test_failed_block_start_adds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """In place, a block's rows are prepared before its first row is stored: a new chunk file
+    (created on a fresh ring's first lap) or the record evicting the rows of a full ring's next
+    block.  A full disk there raises StoreFullError from ``add`` before anything of the transition
+    was added (SB3's position stays); the same add succeeds once the disk has room, and the store
+    equals SB3's buffer."""
+    if not _vmap.POPULATE_WRITE:
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
+    act = spaces.Discrete(4)
+    ref = ReplayBuffer(400, IMAGE, act, "cpu")
+    ours = ZarrReplayBuffer(400, IMAGE, act, "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
+    rng = np.random.default_rng(6)
+    failed: list[int] = []
+    refused = 0
+    for t in range(700):
+        tr = _transition(IMAGE, 1, t, rng)
+        if t == 100 and fails == "chunk file":  # the ring's second chunk file is created at row 256
+            failed = _fail_once(monkeypatch, os, "posix_fallocate")
+        if t == 450:
+            ours.flush()  # a record that counts rows (none yet: commit_interval is an hour)
+        if t == 500 and fails == "eviction record":  # the ring is full: the next block evicts first
+            failed = _fail_once(monkeypatch, os, "replace", lambda src, dest: str(dest).endswith(W.HEAD))
+        before = (ours.pos, ours.size())
+        try:
+            ours.add(*tr)
+        except StoreFullError:
+            assert (ours.pos, ours.size()) == before, "a refused block start added the transition"
+            refused += 1
+            monkeypatch.undo()
+            ours.add(*tr)
+        ref.add(*tr)
+        assert ours.pos == ref.pos and ours.size() == ref.size()
+    assert failed and refused == 1 and _path_taken(ours) == "in-place"
+    ours.sample(4)
+    shutil.copytree(tmp_path / "rb", tmp_path / "killed")  # the folder as a SIGKILL now leaves it
+    ours.close()
+    _stored_equals_sb3(tmp_path / "killed", ref, 1, 700, closed=False)
+    _stored_equals_sb3(tmp_path / "rb", ref, 1, 700)
+
+
+def test_in_place_rows_are_evicted_first_and_stored_once(tmp_path: Path) -> None:
+    """In place, a frame is in its chunk file as soon as ``add`` returns (before its block is
+    handed over: no second copy at the hand-over), and every slot stored into holds a row that the
+    last commit record no longer counts; staged, the file holds the frame only after the hand-over."""
+    if not _vmap.POPULATE_WRITE:
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
+    cap = 600
+    ours = ZarrReplayBuffer(cap, IMAGE, spaces.Discrete(4), "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
+    rng = np.random.default_rng(7)
+    st, field = None, None
+    row = int(np.prod(IMAGE.shape))
+    for t in range(int(cap * 2.5)):
+        if t % 97 == 0:
+            ours.flush()  # a plain commit counts every row again, up to the ring's end
+        ours.add(*_transition(IMAGE, 1, t, rng))
+        st = st or ours._stage
+        assert st is not None and _path_taken(ours) == "in-place"
+        table = st.table
+        field = table.fields[0]
+        if st.n:  # stored, not handed over: in the file (a plain read of it, not through the buffer)
+            p = (table.state.end + st.n - 1) % cap
+            k, r = divmod(p, field.C)
+            fd = os.open(field._path(k), os.O_RDONLY)
+            try:
+                got = os.pread(fd, row, r * row)
+            finally:
+                os.close(fd)
+            assert got == bytes([t % 251]) * row, f"add {t}: the frame is not in its chunk file"
+            committed = table.store.committed.tables[table.name]
+            # the slot just stored into held absolute row end + n - 1 - cap: out of the record
+            assert committed.start > table.state.end + st.n - 1 - cap or committed.end <= committed.start, f"add {t}"
+    ours.close()
+
+
+def test_a_forked_child_never_stores_into_the_parents_files(tmp_path: Path, procs: list) -> None:
+    """A child forked while a block is open (its rows viewed in the mapping it shares with the
+    parent) adds hundreds of transitions after the parent stored, handed over and committed that
+    block: the child's are staged in its own memory and its hand-over is refused (LockedError), so
+    none lands in the parent's chunk files; the parent's rows equal SB3's."""
+    act = spaces.Discrete(4)
+    ref = ReplayBuffer(500, IMAGE, act, "cpu")
+    ours = ZarrReplayBuffer(500, IMAGE, act, "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
+    rng = np.random.default_rng(8)
+    t = -1
+
+    def add() -> None:
+        nonlocal t
+        t += 1
+        tr = _transition(IMAGE, 1, t, rng)
+        ref.add(*tr)
+        ours.add(*tr)
+
+    while t < 700 or ours._stage is None or ours._stage.n == 0:  # a full ring, a block part-filled
+        add()
+    assert _path_taken(ours) == "in-place" or not _vmap.POPULATE_WRITE
+    go, done = str(tmp_path / "go"), str(tmp_path / "child_done")
+    p = W.start(_child_adds, ours, go, done, ctx=multiprocessing.get_context("fork"))
+    procs.append(p)
+    while ours._stage.n:  # the parent fills the block the child saw open, hands it over ...
+        add()
+    ours.flush()  # ... and commits it; then the child adds
+    W.touch(go)
+    p.join(60)
+    assert p.exitcode == 0 and os.path.exists(done)
+    ours.close()
+    _stored_equals_sb3(tmp_path / "rb", ref, 1, t + 1)
+
+
+def _child_adds(buf: ZarrReplayBuffer, go: str, done: str) -> None:
+    """In a forked child of the writer, once ``go`` exists: add frames of 250 (not what the
+    parent stores at those positions)."""
+    W.wait_for_file(go, None)
+    frame = np.full((1, *IMAGE.shape), 250, np.uint8)
+    refused = 0
+    for _ in range(300):
+        try:
+            buf.add(frame, frame, np.zeros((1, 1)), np.zeros(1, np.float32), np.zeros(1), [{}])
+        except LockedError:
+            refused += 1
+    assert refused
+    W.touch(done)
 
 
 def test_row_stager_is_handed_out_to_single_writers_only(tmp_path: Path) -> None:
@@ -210,15 +387,56 @@ def _writer(store: str, ready: str, seed: int) -> None:
                           commit_interval=0.02)
     t = int(rb.rewards[(rb.pos - 1) % rb.buffer_size, 0]) + 1 if rb.size() else 0
     W.touch(ready)
-    while True:
+    for i in itertools.count():
         obs, nxt, action, _reward, done, infos = _transition(IMAGE, 1, t, rng)
         rb.add(obs, nxt, action, np.array([t], np.float32), done, infos)
         t += 1
         if rng.random() < 0.01:
             rb.sample(8)  # a part-filled block handed over
+        if i == 100:  # the path its adds take, for the test to check
+            Path(ready + ".tmp").write_text(_path_taken(rb))
+            os.replace(ready + ".tmp", ready + ".path")
 
 
-def test_sigkill_while_adding_images(tmp_path: Path, procs: list) -> None:
+@pytest.mark.parametrize("row_path", ["in-place", "staged"], indirect=True)
+def test_a_reader_samples_right_rows_while_the_writer_adds(tmp_path: Path, procs: list, row_path: str) -> None:
+    """A reader process samples the transitions store while a writer adds image rows, ring lap
+    after ring lap: every row it gets is whole (its observations, next observations, reward and
+    step belong to one transition), although the writer stores rows into the slots of rows it
+    evicted (in place: before the block is handed over)."""
+    store = str(tmp_path / "rb")
+    ZarrReplayBuffer(CAPACITY, IMAGE, spaces.Discrete(4), "cpu", cache_path=store).close()
+    ready = str(tmp_path / "ready")
+    p = W.start(_writer, store, ready, 11, ctx=multiprocessing.get_context("fork"))
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    checked = gave_up = newest = 0
+    deadline = time.monotonic() + 120  # (a guard against a writer that stopped, not a timing)
+    with StoreBuffer.load_from(tmp_path / "rb" / "transitions", read_only=True) as reader:
+        while (checked < 500 or newest < 4 * CAPACITY) and time.monotonic() < deadline:
+            if not len(reader):
+                continue
+            try:
+                rows = reader.sample(32)
+            except ConcurrentWriteError:  # evicted faster than 100 consistent attempts: allowed, counted
+                gave_up += 1
+                continue
+            t = rows["step"]
+            np.testing.assert_array_equal(rows["reward"][:, 0], t.astype(np.float32))
+            assert (rows["obs.0"] == (t % 251).astype(np.uint8)[:, None, None, None]).all(), "a damaged obs"
+            assert (rows["next_obs.0"] == ((t + 1) % 251).astype(np.uint8)[:, None, None, None]).all(), \
+                "a damaged next obs"
+            checked += 1
+            newest = max(newest, int(t.max()))
+    assert p.is_alive(), "the writer died"
+    W.kill(p)
+    procs.remove(p)
+    assert checked >= 500 and newest >= 4 * CAPACITY and checked > gave_up
+    assert Path(ready + ".path").read_text() == row_path
+
+
+@pytest.mark.parametrize("row_path", ["in-place", "staged"], indirect=True)
+def test_sigkill_while_adding_images(tmp_path: Path, procs: list, row_path: str) -> None:
     """SIGKILL at random instants while ``add`` stages image rows: the reopened buffer holds
     consecutive transitions whose observations, next observations and rewards agree."""
     store = str(tmp_path / "rb")
@@ -249,3 +467,5 @@ def test_sigkill_while_adding_images(tmp_path: Path, procs: list) -> None:
         finally:
             rb.close()
     assert end > CAPACITY, f"only {end} transitions were added: the ring did not wrap"
+    taken = {Path(f).read_text() for f in map(str, tmp_path.glob("ready*.path"))}
+    assert taken == {row_path}

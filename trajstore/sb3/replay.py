@@ -33,6 +33,7 @@ from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
 from trajstore.core.stager import RowStager
 from trajstore.errors import UnsupportedSpaceError
 from trajstore.sb3._base import PositionView, ZarrBufferMixin
+from trajstore.sb3._inplace import InPlaceRows
 from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
 from trajstore.sb3._root import announce_resume, space_config
 
@@ -99,6 +100,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         if len(self._obs_slots) == 1 and not self._layout.is_dict:
             self._frame = ((n, *self._layout.shape[None]), self._layout.dtype[None])
         self._stage: RowStager | None = None
+        self._in_place: InPlaceRows | None = None  # observations stored straight into their chunk files
         self._stage_chosen = False  # _stage is chosen at the first add (HER wraps the store after __init__)
         self._pending = self._layout.zeros(n)  # next obs of the last row (optimize_memory_usage)
         self._pending_saved = -1
@@ -208,15 +210,18 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             o, no = lay.batch(obs), lay.batch(next_obs)  # checked before anything is written
         if st is not None:
             st.room()  # (a block left full by a failed drain, a full disk, is written first)
+            if st.n == 0 and self._in_place is not None:
+                self._in_place.begin()  # a new block: its observations go straight into their rows
         self.actions[p] = np.asarray(action).reshape((self.n_envs, self.action_dim))
         self.rewards[p] = reward  # assignment casts as SB3's np.array(...) then assignment does
         self.dones[p] = done
         if self.handle_timeout_termination:
             self.timeouts[p] = [info.get("TimeLimit.truncated", False) for info in infos]
         if st is not None:
-            # Only the observations are staged; the other leaves come from the RAM arrays above
-            # when the block is handed over (_fill_staged), so the row is counted below before
-            # any hand-over (a hand-over that fails keeps it staged and counted).
+            # Only the observations are staged (with _in_place: bufs view their rows in the chunk
+            # files); the other leaves come from the RAM arrays above when the block is handed
+            # over (_fill_staged), so the row is counted below before any hand-over (a hand-over
+            # that fails keeps it staged and counted).
             j, bufs = st.n, st.bufs
             if o is None:
                 bufs[0][j] = obs[0]
@@ -273,6 +278,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             st = None
         else:
             st.fill = self._fill_staged
+            self._in_place = InPlaceRows.of(st, range(n_obs))
         self._stage, self._stage_chosen = st, True
         return st
 

@@ -159,14 +159,46 @@ class MappedField:
             if not ((prefix and self._map(k, prefix)) or self._map(k)) and self._va.mapped[k]:
                 self._va.unmap_chunk(k)
 
+    def prepare_rows(self, phys_lo: int, phys_hi: int) -> np.ndarray | None:
+        """A writable view of physical rows ``[phys_lo, phys_hi)`` in this writer's mapping, ready
+        for rows to be stored into it one at a time: their chunk file mapped (created when
+        missing) and their pages faulted in for writing in one call (``_vmap.VirtualArray.populate``).
+
+        Rows stored there are handed to the table as usual, the view itself as their data:
+        :meth:`write` then copies nothing.  The caller makes sure the rows may be overwritten
+        (a ring's eviction record committed first: ``StoreCommits.ensure_evicted``).
+
+        Returns
+        -------
+        numpy.ndarray or None
+            None where the rows cannot be written in place: a read-only field, rows in two chunks
+            that lie apart, or a kernel without ``MADV_POPULATE_WRITE`` (the caller stages them).
+        """
+        view = self._va.block(phys_lo, phys_hi) if self.writable and phys_hi > phys_lo else None
+        if view is None:
+            return None
+        self.ensure_mapped(phys_lo, phys_hi, create=True)
+        try:
+            ok = self._va.populate(phys_lo, phys_hi)
+        except OSError as e:
+            k = phys_lo // self.C
+            if e.errno == errno.EFAULT:
+                raise DamagedStoreError(f"chunk file {self._path(k)} is shorter than its mapping (changed by "
+                                        "another program?); rows are not written into it") from None
+            raise _full_disk(e, self._path(k), f"prepare rows {phys_lo}..{phys_hi - 1} of chunk {k} for writing")
+        return view if ok else None
+
     def write(self, phys_lo: int, data: np.ndarray) -> None:
-        """Copy ``data`` (n, *row_shape) into physical rows ``[phys_lo, phys_lo + n)``."""
+        """Copy ``data`` (n, *row_shape) into physical rows ``[phys_lo, phys_lo + n)`` (nothing to
+        copy when ``data`` is those rows themselves: a :meth:`prepare_rows` view)."""
         n = len(data)
         k_lo, k_hi = phys_lo // self.C, (phys_lo + n - 1) // self.C
         mapped = self._va.mapped
         if not (mapped[k_lo] and mapped[k_hi]) or (k_hi - k_lo > 1 and not mapped[k_lo : k_hi + 1].all()):
             self.ensure_mapped(phys_lo, phys_lo + n, create=True)
-        if data.nbytes >= PWRITE_BYTES:
+        if self._va.holds(phys_lo, data):
+            pass  # stored in place already
+        elif data.nbytes >= PWRITE_BYTES:
             self._pwrite(phys_lo, data)
         else:
             self._va.put(phys_lo, data)
