@@ -448,6 +448,41 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     ds.close()
 
 
+def _evict_ring(ring, first_episode, n):
+    """Episodes ``first_episode ..`` of writer 1 into the ring shard ``ring``, committed: the
+    ring evicts its oldest rows."""
+    for e in range(first_episode, first_episode + n):
+        ring.extend(SW.episode_rows(1, e))
+        ring.mark_episode_end()
+    ring.flush()
+
+
+def test_rows_are_followed_across_a_shard_eviction(tmp_path):
+    """Absolute rows (``absolute_rows``) name the same stored rows after a ring shard evicted rows
+    in front of the others (every later global row moved): ``logical_rows`` maps each to its row
+    in the new view, or to -1 exactly where the ring no longer holds it."""
+    root = str(tmp_path / "ds")
+    ring = _write(root, "a", 1, 30, step_data_capacity=128, episode_data_capacity=128)
+    ring.flush()
+    _write(root, "b", 0, 3).close()
+    ds = open_sharded(root)
+    src = ds.row_source()
+    rows = np.arange(len(ds))
+    before, absolute = src.record, src.absolute_rows(rows)
+    leaf = src.step_leaves[0]  # obs
+    obs = src.read_rows(rows, [leaf])[0]
+    _evict_ring(ring, 30, 5)
+    assert src.refresh()
+    now = src.logical_rows(absolute, before)
+    held = {tuple(r) for r in ring[:]["step_data"]["obs"].tolist()}
+    gone = np.array([r[0] == 1 and tuple(r) not in held for r in obs.tolist()])
+    assert gone.any() and not gone.all()
+    np.testing.assert_array_equal(now < 0, gone)
+    np.testing.assert_array_equal(src.read_rows(now[~gone], [leaf])[0], obs[~gone])
+    ring.close()
+    ds.close()
+
+
 def test_killed_shard_writer_keeps_committed_rows(tmp_path, procs):
     root = str(tmp_path / "ds")
     _write(root, "a", 0, 2).close()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trajstore.errors import BadArgumentError
-from trajstore.sampling.source import EpisodeSource
+from trajstore.sampling.source import EpisodeSource, rows_after_start
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
@@ -91,6 +91,12 @@ class BufferRows:
 
     def rows_intact(self, before: Head) -> bool:
         return self.buffer._store.rows_intact(before)
+
+    def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, dtype=np.int64) + self.start
+
+    def logical_rows(self, absolute: np.ndarray, before: Head) -> np.ndarray | None:
+        return rows_after_start(self, absolute, before)
 
     def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         return self.buffer._read_rows(rows, leaves)
@@ -253,6 +259,12 @@ class SelectionRows(EpisodeSource):
 
     def rows_intact(self, before: Head) -> bool:
         return self.parent.rows_intact(before)
+
+    def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, dtype=np.int64) + self.start
+
+    def logical_rows(self, absolute: np.ndarray, before: Head) -> np.ndarray | None:
+        return rows_after_start(self, absolute, before)
 
     def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         return self.parent.read_rows(self.to_parent(np.asarray(rows, np.int64)), leaves)

@@ -31,7 +31,7 @@ from trajstore.errors import ConcurrentWriteError, EmptyBufferError
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
-__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent"]
+__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent", "rows_after_start"]
 
 _T = TypeVar("_T")
 
@@ -105,6 +105,15 @@ class RowSource(Protocol):
     def rows_intact(self, before: Head) -> bool:
         """Whether every row ``before`` counted is still stored unchanged under :attr:`record`."""
 
+    def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Numbers of logical ``rows`` (B,) of the current record that keep naming the same
+        stored rows under later records, until a rewrite (what :meth:`logical_rows` maps back)."""
+
+    def logical_rows(self, absolute: np.ndarray, before: Head) -> np.ndarray | None:
+        """Logical rows, under :attr:`record`, of the rows that :meth:`absolute_rows` numbered
+        ``absolute`` under record ``before``: -1 where a row is no longer stored (a ring evicted
+        it); None when ``before``'s rows were rewritten, so none can be followed."""
+
     def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         """Leaves ``leaves`` of logical ``rows`` (B,) int64: one (B, *leaf.shape) array each."""
 
@@ -156,6 +165,17 @@ class EpisodeSource(RowSource, Protocol):
         episode has no episode data yet)."""
 
 
+def rows_after_start(src: RowSource, absolute: np.ndarray, before: Head) -> np.ndarray | None:
+    """:meth:`RowSource.logical_rows` of a source whose absolute rows are its logical rows plus
+    :attr:`~RowSource.start`, a start that only grows within an epoch (a store, a selection of
+    its episodes): what the start passed was evicted."""
+    if src.record.epoch != before.epoch:
+        return None
+    rows = np.asarray(absolute, dtype=np.int64) - src.start
+    rows[rows < 0] = -1
+    return rows
+
+
 def _until_intact(src: RowSource, read: Callable[[], _T], mend: Callable[[Head], bool] | None,
                   attempts: int, gave_up: str) -> _T:
     """``read()`` under a pinned record until the rows of the record it started under are intact
@@ -194,9 +214,12 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
 
     ``draw(k)`` returns k logical rows (anchors) of the current record; ``read`` reads the rows
     it is given.  After a read the record is checked again: anchors evicted meanwhile are redrawn
-    (all of them after a rewrite, whose epoch differs) and the read repeated until it saw only
-    intact rows.  Redrawing only the evicted anchors keeps the others' draw order, so a sample
-    stays iid.
+    (all of them after a rewrite) and the read repeated until it saw only intact rows.
+    Redrawing only the evicted anchors keeps the others' draw order, so a sample stays iid.
+
+    Anchors are followed across records by their absolute rows (:meth:`RowSource.absolute_rows`,
+    :meth:`RowSource.logical_rows`): a sharded source, whose shards evict rows in the middle of
+    the global numbering, redraws only the anchors its shards evicted, as one store does.
 
     Raises
     ------
@@ -208,26 +231,27 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
     src.sync()
     if src.count == 0:
         raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
-    idx: list[Any] = [draw(size), src.start]  # [anchors (np.ndarray), the start they were drawn at (int)]
+    anchors = draw(size)
     if not src.live:
-        return read(idx[0])
+        return read(anchors)
+    idx = [anchors, anchors]  # [anchors (logical rows), their absolute rows as of the last read]
 
     def attempt() -> _T:
-        idx[1] = src.start
+        idx[1] = src.absolute_rows(idx[0])
         return read(idx[0])
 
     def mend(before: Head) -> bool:
         if src.count == 0:
             raise EmptyBufferError(f"{src.name}: the buffer was emptied while it was sampled")
-        if src.record.epoch != before.epoch:
+        rows = src.logical_rows(idx[1], before)
+        if rows is None:  # rewritten: nothing read can be followed
             idx[0] = draw(size)
             return False
-        absolute = idx[0] + idx[1]
-        stale = absolute < src.start
-        if not stale.any():  # the start moved, but not past any row read: they are intact
+        stale = rows < 0
+        if not stale.any():  # rows were evicted, but none of those read: they are intact
             return True
-        idx[0] = absolute - src.start
-        idx[0][stale] = draw(int(stale.sum()))
+        rows[stale] = draw(int(stale.sum()))
+        idx[0] = rows
         return False
 
     return _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")

@@ -10,8 +10,13 @@ Consistency: the view (which shards, how many rows each) changes only in :meth:`
 / :meth:`ShardedRows.refresh`, never while a read is pinned; a read under a pinned view reads
 each shard under the commit record that view holds, and :meth:`ShardedRows.rows_intact` asks
 every shard whether its rows survived.  The view's record (:class:`ShardedHead`) has an
-``epoch`` that changes whenever a shard's rows were rewritten or evicted, or the shards changed,
-so the retry loop redraws a whole sample then, as it does for one store.
+``epoch`` that changes whenever a shard's rows were rewritten or evicted, or the shards changed
+(global row numbers then no longer name the rows they named).  The retry loop of
+:func:`~trajstore.sampling.source.sample_consistent` follows anchors across such changes by
+absolute rows (a shard's serial number times :data:`ROW_STRIDE` plus the shard's own absolute
+row) and redraws only those whose shard evicted or rewrote them, or left the view: shards that
+are small rings evict rows on almost every commit, and a reader that redrew its whole sample
+at every eviction of any shard gave up while two writers filled 128-row rings.
 
 Episode ids: episode ``e`` of shard ``k`` is global episode ``k * 2**40 + e``
 (:data:`EPISODE_STRIDE`), so ids of different shards never meet and a window never crosses a
@@ -36,10 +41,13 @@ from trajstore.shards.watch import CommitChecks
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head, TableState
 
-__all__ = ["EPISODE_STRIDE", "ShardedHead", "ShardedRows"]
+__all__ = ["EPISODE_STRIDE", "ROW_STRIDE", "ShardedHead", "ShardedRows"]
 
 #: Global episode id = shard position * EPISODE_STRIDE + the shard's own episode id.
 EPISODE_STRIDE = 1 << 40
+#: Absolute row of the sampling retry loop = shard serial * ROW_STRIDE + the shard's absolute row
+#: (a shard holding 2**40 rows is far beyond any store).
+ROW_STRIDE = 1 << 40
 #: ``one_run`` over windows up to this many rows reads their ids across shards (one gather)
 #: instead of asking each shard's run index (a call per shard).
 ONE_RUN_READ_SPAN = 64
@@ -105,6 +113,11 @@ class ShardedRows(EpisodeSource):
         self._starts = np.zeros(0, np.int64)
         self._caps = np.zeros(0, np.int64)
         self._ring = False
+        # Serial numbers of shard names, given in order of first sight and never reused while
+        # this view lives (absolute rows, see absolute_rows); each view shard's serial.
+        self._serials: dict[str, int] = {}
+        self._serial_names: list[str] = []
+        self._serial_of = np.zeros(0, np.int64)
 
     # -- the view --------------------------------------------------------------------------------
     def set_shards(self, names: list[str], sources: list[Any]) -> None:
@@ -142,6 +155,11 @@ class ShardedRows(EpisodeSource):
         self._starts = np.array([s.committed[0] for s in self.sources], np.int64)
         self._caps = np.array([s.capacity or 0 for s in self.sources], np.int64)
         self._ring = bool(self._caps.any())
+        for n in names:
+            if n not in self._serials:
+                self._serials[n] = len(self._serial_names)
+                self._serial_names.append(n)
+        self._serial_of = np.array([self._serials[n] for n in names], np.int64)
         for s in self.sources:  # map the chunk files of the rows the view counts (a no-op when mapped)
             s.table.prepare_reads()
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -245,6 +263,30 @@ class ShardedRows(EpisodeSource):
             if cur is not part and not self.sources[self._index[n]].rows_intact(part):
                 return False
         return True
+
+    def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
+        k, local = self.locate(rows)
+        return self._serial_of[k] * ROW_STRIDE + self._starts[k] + local
+
+    def logical_rows(self, absolute: np.ndarray, before: Head) -> np.ndarray | None:
+        if not isinstance(before, ShardedHead):
+            return None
+        serial, shard_row = np.divmod(np.asarray(absolute, dtype=np.int64), ROW_STRIDE)
+        out = np.full(serial.shape, -1, np.int64)
+        then = dict(zip(before.names, before.parts))
+        now = self._record
+        for sn in distinct(serial).tolist():
+            name = self._serial_names[sn]
+            k, part = self._index.get(name), then.get(name)
+            if k is None or part is None or k >= len(now.parts):
+                continue  # the shard left the view: its anchors are drawn again
+            cur = now.parts[k]
+            if cur.epoch != part.epoch or cur.generation < part.generation:
+                continue  # rewritten (or a new store under the old name): nothing of it is kept
+            sel = serial == sn
+            local = shard_row[sel] - self._starts[k]  # below the shard's start: evicted
+            out[sel] = np.where(local >= 0, local + self._cum[k], -1)
+        return out
 
     # -- rows to shards --------------------------------------------------------------------------
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
