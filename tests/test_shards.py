@@ -21,7 +21,6 @@ from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import (
     ClosedError,
-    ConcurrentWriteError,
     DamagedStoreError,
     FormatVersionError,
     LockedError,
@@ -403,7 +402,13 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
     """Shards that are rings, filled and overwritten while the reader samples: every row and window
     read is whole (the retry loop redraws rows a shard evicted meanwhile), whether the reader learns
     of commits from its watch of the shard folders or by stat (``watched=False``), with no periodic
-    re-check of all shards to fall back on."""
+    re-check of all shards to fall back on.
+
+    And no sample gives up (ConcurrentWriteError after 100 attempts), though the two writers turn
+    their 128-row rings over in a few reads: a retry redraws and reads again only the anchors a
+    shard evicted, keeping the others' rows.  Measured over 15 runs of this test (about 9,900
+    samples): at most 5 attempts a sample; redrawing and re-reading the whole sample at any
+    shard's eviction took up to 16-100 a run and gave up in one run of 8."""
     monkeypatch.setattr(shard_dataset, "DISCOVER_INTERVAL_S", 0.0)
     monkeypatch.setattr(shard_watch, "SWEEP_INTERVAL_S", 1e9)
     monkeypatch.setattr(shard_watch, "WATCH_MIN_SHARDS", 1)  # 3 shards: watched too
@@ -418,26 +423,20 @@ def test_ring_shards_while_a_reader_samples(tmp_path, procs, monkeypatch, watche
                     None, 128)
         procs.append(p)
         children.append(p)
-    reads = gave_up = 0
+    reads = 0
     while any(p.is_alive() for p in children):
         batch = ds.sample(128)
         o, ret = batch["step_data"]["obs"], batch["episode_data"]["ret"]
         assert (o[:, 2] < o[:, 3]).all() and (o[:, 3] == [SW.episode_length(int(w), int(e)) for w, e in o[:, :2]]).all()
         assert ((ret == 0) | (ret == o[:, 0] * 1000 + o[:, 1])).all()  # 0: the episode's data not set yet
-        try:
-            data, mask = ds.sample_sequences(32, 3, within_episode=True)
-        except ConcurrentWriteError:
-            # Documented: rings of 128 rows that two writers evict block after block can outrun a
-            # reader's 100 consistent-read attempts; what matters is that what it returns is right.
-            gave_up += 1
-            continue
+        data, mask = ds.sample_sequences(32, 3, within_episode=True)
         o = data["step_data"]["obs"]
         assert mask.all() and (np.diff(o[:, :, 2], axis=1) == 1).all() and (o[:, :, :2] == o[:, :1, :2]).all()
         reads += 1
     for p in children:
         p.join(30)
         assert p.exitcode == 0
-    assert reads > 10 and reads > gave_up, (reads, gave_up)
+    assert reads > 10
     ds.refresh()
     assert list(ds.shards["rows"]) == [len(SW.episode_rows(0, 0)["obs"]), 128, 128]  # full rings
     assert ds.row_source()._checks.unwatched == (set() if watched else {"w0", "w1", "w2"})  # the path taken
@@ -479,6 +478,44 @@ def test_rows_are_followed_across_a_shard_eviction(tmp_path):
     assert gone.any() and not gone.all()
     np.testing.assert_array_equal(now < 0, gone)
     np.testing.assert_array_equal(src.read_rows(now[~gone], [leaf])[0], obs[~gone])
+    ring.close()
+    ds.close()
+
+
+def test_a_sample_rereads_only_the_anchors_a_shard_evicted(tmp_path, monkeypatch):
+    """A ring shard evicts rows while a sample is read: the anchors on those rows, and only
+    those, are drawn again from the new record and read again; the rows read of the others are
+    kept, and no row returned is one the ring no longer holds.  (A shard's eviction once redrew
+    the whole sample: re-reading every anchor made two writers on 128-row rings outrun readers.)"""
+    root = str(tmp_path / "ds")
+    ring = _write(root, "a", 1, 30, step_data_capacity=128, episode_data_capacity=128)
+    ring.flush()
+    _write(root, "b", 0, 3).close()
+    ds = open_sharded(root)
+    src = ds.row_source()
+    real_read = src.read_rows
+    reads = []
+
+    def read_then_evict(rows, leaves):
+        out = real_read(rows, leaves)
+        if list(leaves) != ds._all_leaves:
+            return out  # (read_rows reads the step leaves through itself)
+        reads.append(out[list(leaves).index(src.step_leaves[0])].copy())  # obs
+        if len(reads) == 1:
+            _evict_ring(ring, 30, 5)  # commits while the sample is checked
+        return out
+
+    monkeypatch.setattr(src, "read_rows", read_then_evict)
+    o = ds.sample(128, rng=0)["step_data"]["obs"]
+    held = {tuple(r) for r in ring[:]["step_data"]["obs"].tolist()}
+    first = reads[0]
+    gone = np.array([r[0] == 1 and tuple(r) not in held for r in first.tolist()])
+    assert len(first) == 128 and gone.any()
+    assert len(reads) == 2 and len(reads[1]) == gone.sum()  # only the evicted anchors were read again
+    np.testing.assert_array_equal(o[~gone], first[~gone])
+    np.testing.assert_array_equal(o[gone], reads[1])
+    assert all(r[0] == 0 or tuple(r) in held for r in o.tolist())
+    assert (o[:, 2] < o[:, 3]).all() and (o[:, 3] == [SW.episode_length(int(w), int(e)) for w, e in o[:, :2]]).all()
     ring.close()
     ds.close()
 

@@ -20,7 +20,7 @@ from trajstore.core.stager import RowStager
 from trajstore.core.store import BEFORE_OPEN, Store, in_zarr_loop
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ClosedError
-from trajstore.sampling.source import read_consistent, sample_consistent
+from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
 
 _T = TypeVar("_T")
 
@@ -249,7 +249,7 @@ class StoredBuffer(BatchBase):
         gen = as_generator(rng, self._rng)
         leaves = self._all_leaves
         arrays = sample_consistent(self.row_source(), lambda k: gen.integers(0, self._table.count, size=k),
-                                   lambda idx: self._read_rows(idx, leaves), batch_size)
+                                   lambda idx: self._read_rows(idx, leaves), batch_size, put_rows)
         return self._plan.from_arrays([self._backend.out(a) for a in arrays])
 
     # -- committing ----------------------------------------------------------------------------------

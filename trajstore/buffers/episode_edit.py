@@ -31,7 +31,7 @@ from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.errors import BadArgumentError, BadValueError, UnknownEpisodeError
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling import sequences as _seq
-from trajstore.sampling.source import read_consistent, sample_consistent
+from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
 
 if TYPE_CHECKING:
     from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
@@ -195,7 +195,7 @@ class EpisodeView(BatchBase):
         gen = as_generator(rng, self.parent._rng)
         src, leaves = self._rows, self._all_leaves
         arrays = sample_consistent(src, lambda k: gen.integers(0, src.count, size=k),
-                                   lambda idx: src.read_rows(idx, leaves), batch_size)
+                                   lambda idx: src.read_rows(idx, leaves), batch_size, put_rows)
         return self.parent._wrap(self._plan.from_arrays([self._backend.out(a) for a in arrays]))
 
     def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray | Mapping[str, Any], *,

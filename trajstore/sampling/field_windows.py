@@ -29,7 +29,7 @@ import numpy as np
 from trajstore.core.ring import normalize_index
 from trajstore.errors import BadArgumentError, BadOptionError, UnknownFieldError
 from trajstore.sampling.sequences import PADS, _block_ok, _draw_anchors, _frames, pad_sources, window_rows
-from trajstore.sampling.source import EpisodeSource, read_consistent, sample_consistent
+from trajstore.sampling.source import EpisodeSource, put_rows, read_consistent, sample_consistent
 from trajstore.spaces import leaves
 
 __all__ = ["FieldWindow", "FieldWindows", "get_field_windows", "resolve_fields", "sample_field_windows",
@@ -324,4 +324,13 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         all_valid = block and bool(_block_ok(src, anchors, span.offsets)[1].all())
         return _read(src, anchors, fields, span, all_valid=all_valid)
 
-    return sample_consistent(src, draw, read, batch_size)
+    return sample_consistent(src, draw, read, batch_size, _put_field_windows)
+
+
+def _put_field_windows(out: FieldWindows, positions: np.ndarray, part: FieldWindows) -> None:
+    """The ``put`` of :func:`~trajstore.sampling.source.sample_consistent` for
+    :class:`FieldWindows`: ``part``'s windows into rows ``positions`` of ``out``."""
+    for key, arrays in out.steps.items():
+        put_rows(arrays, positions, part.steps[key])
+        out.valid[key][positions] = part.valid[key]
+    put_rows(out.episodes, positions, part.episodes)

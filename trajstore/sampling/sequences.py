@@ -12,7 +12,7 @@ import numpy as np
 
 from trajstore.core.ring import normalize_index
 from trajstore.errors import BadOptionError, UnknownEpisodeError
-from trajstore.sampling.source import EpisodeSource, read_consistent, sample_consistent
+from trajstore.sampling.source import EpisodeSource, put_rows, read_consistent, sample_consistent
 
 __all__ = ["PADS", "Windows", "block_frames", "episode_rows", "episode_table", "get_sequences", "pad_sources",
            "sample_sequences", "window_rows"]
@@ -222,7 +222,15 @@ def sample_sequences(src: EpisodeSource, batch_size: int, seq_len: int, rng: np.
         src,
         lambda k: _draw_anchors(src, k, offs, rng, within_episode),
         lambda anchors: _read_windows(src, anchors, offs, pad, all_valid=within_episode and _is_block(offs, src.count)),
-        batch_size)
+        batch_size, _put_windows)
+
+
+def _put_windows(out: Windows, positions: np.ndarray, part: Windows) -> None:
+    """The ``put`` of :func:`~trajstore.sampling.source.sample_consistent` for :class:`Windows`:
+    ``part``'s windows into rows ``positions`` of ``out``."""
+    put_rows(out.steps, positions, part.steps)
+    put_rows(out.episodes, positions, part.episodes)
+    out.valid[positions] = part.valid
 
 
 def _draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np.random.Generator,

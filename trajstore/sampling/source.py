@@ -15,15 +15,15 @@ buffer's ``ValuePlan`` numbers them.
 Readers of a live store (another process commits while they read) must not return rows a
 writer replaced meanwhile.  :func:`read_consistent` and :func:`sample_consistent` are the
 single retry loop, seqlock style: read under a pinned commit record, check the record again
-afterwards, and retry (or redraw only the samples whose rows were evicted) until the rows read
-were intact throughout.
+afterwards, and retry (or redraw and read again only the samples whose rows were evicted) until
+the rows read were intact throughout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from trajstore.errors import ConcurrentWriteError, EmptyBufferError
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
-__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent", "rows_after_start"]
+__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent", "put_rows", "rows_after_start"]
 
 _T = TypeVar("_T")
 
@@ -209,17 +209,41 @@ def read_consistent(src: RowSource, read: Callable[[], _T]) -> _T:
 
 
 def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
-                      size: int) -> _T:
+                      size: int, put: Callable[[_T, np.ndarray, _T], None] | None = None) -> _T:
     """``read(draw(size))``, consistent for readers of a live store.
 
     ``draw(k)`` returns k logical rows (anchors) of the current record; ``read`` reads the rows
-    it is given.  After a read the record is checked again: anchors evicted meanwhile are redrawn
-    (all of them after a rewrite) and the read repeated until it saw only intact rows.
-    Redrawing only the evicted anchors keeps the others' draw order, so a sample stays iid.
+    it is given.  After a read the record is checked again: anchors whose rows a writer evicted
+    meanwhile (so their slots may have been reused while they were read) are drawn again from
+    the current record, all of those read after a rewrite, and read again, until every anchor
+    was read intact.  Redrawing only the evicted anchors keeps the others' draw order, so a
+    sample stays iid.
 
     Anchors are followed across records by their absolute rows (:meth:`RowSource.absolute_rows`,
     :meth:`RowSource.logical_rows`): a sharded source, whose shards evict rows in the middle of
     the global numbering, redraws only the anchors its shards evicted, as one store does.
+
+    Parameters
+    ----------
+    src : RowSource
+        The rows sampled.
+    draw : callable
+        ``draw(k)``: k anchors (logical rows of the current record), (k,) int64.
+    read : callable
+        ``read(anchors)``: what is returned for those anchors, every array in it with one
+        leading entry per anchor.
+    size : int
+        Anchors per sample.
+    put : callable, optional
+        ``put(out, positions, part)``: write ``part`` (what ``read`` returned for the anchors at
+        ``positions`` of the sample) into those positions of ``out`` (what it returned for all).
+        Given, a retry reads only the redrawn anchors and keeps what was read intact of the
+        others, so the rows of one sample may come from successive records, each intact when
+        read.  Rings that writers turn over in a few reads need it: every check then finds
+        some anchors evicted, and a retry that read every anchor again rarely got through
+        (``test_ring_shards_while_a_reader_samples``: up to 100 attempts, then
+        ``ConcurrentWriteError``; with ``put`` at most 5).  None: every retry reads every
+        anchor, and all rows returned are rows of the last record checked.
 
     Raises
     ------
@@ -234,24 +258,48 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
     anchors = draw(size)
     if not src.live:
         return read(anchors)
-    idx = [anchors, anchors]  # [anchors (logical rows), their absolute rows as of the last read]
+    # anchors: the sample's logical rows (those of positions not yet read intact: of the current
+    # record); todo: positions the next attempt reads; absolute: their absolute rows as of that
+    # read; out: the sample with every position read intact so far (with put); got: the last read.
+    st: dict[str, Any] = {"anchors": anchors.copy(), "todo": np.arange(size), "absolute": None,
+                          "out": None, "got": None}
 
     def attempt() -> _T:
-        idx[1] = src.absolute_rows(idx[0])
-        return read(idx[0])
+        rows = st["anchors"][st["todo"]]
+        st["absolute"] = src.absolute_rows(rows)
+        st["got"] = read(rows)
+        return st["got"]
 
     def mend(before: Head) -> bool:
         if src.count == 0:
             raise EmptyBufferError(f"{src.name}: the buffer was emptied while it was sampled")
-        rows = src.logical_rows(idx[1], before)
-        if rows is None:  # rewritten: nothing read can be followed
-            idx[0] = draw(size)
-            return False
+        rows = src.logical_rows(st["absolute"], before)
+        if rows is None:  # rewritten: none of the rows just read can be followed
+            rows = np.full(len(st["absolute"]), -1, np.int64)
         stale = rows < 0
         if not stale.any():  # rows were evicted, but none of those read: they are intact
             return True
         rows[stale] = draw(int(stale.sum()))
-        idx[0] = rows
+        todo = st["todo"]
+        st["anchors"][todo] = rows
+        if put is not None:  # keep what was read intact; the next attempt reads the redrawn anchors
+            if st["out"] is None:
+                st["out"] = st["got"]  # (the first attempt read every position)
+            else:
+                put(st["out"], todo, st["got"])
+            st["todo"] = todo[stale]
         return False
 
-    return _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")
+    got = _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")
+    if st["out"] is None:
+        return got
+    assert put is not None  # out is kept only with put
+    put(st["out"], st["todo"], got)
+    return cast(_T, st["out"])
+
+
+def put_rows(out: Sequence[np.ndarray], positions: np.ndarray, part: Sequence[np.ndarray]) -> None:
+    """The ``put`` of :func:`sample_consistent` for reads that return one array per leaf, each
+    with one leading entry per anchor."""
+    for o, p in zip(out, part):
+        o[positions] = p

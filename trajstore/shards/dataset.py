@@ -28,7 +28,7 @@ from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike
 from trajstore.errors import BadArgumentError, ClosedError, DamagedStoreError, NotATrajstoreError
 from trajstore.sampling import sequences as _seq
-from trajstore.sampling.source import read_consistent, sample_consistent
+from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
 from trajstore.shards.layout import (
     RootRecord,
     list_shards,
@@ -237,7 +237,7 @@ class ShardedDataset(BatchBase):
         gen = as_generator(rng, self._rng)
         rows = self._rows
         arrays = sample_consistent(rows, lambda k: gen.integers(0, rows.count, size=k),
-                                   lambda idx: rows.read_rows(idx, self._all_leaves), batch_size)
+                                   lambda idx: rows.read_rows(idx, self._all_leaves), batch_size, put_rows)
         return self._plan.from_arrays([self._backend.out(a) for a in arrays])
 
     def dask_leaves(self, leaves: Sequence[int]) -> list[Any]:
