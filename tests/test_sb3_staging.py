@@ -101,9 +101,20 @@ def _stored_equals_sb3(path: Path, ref: ReplayBuffer, n_envs: int, added: int, c
 
 @pytest.mark.parametrize("space, n_envs", [(IMAGE, 1), (VECTOR, 2)], ids=["image-1env", "vector-2envs"])
 def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: spaces.Box, n_envs: int,
-                                                        row_path: str) -> None:
+                                                        row_path: str, request: pytest.FixtureRequest) -> None:
     """Reads between adds hand over part-filled blocks; SB3's ``dones[pos - 1] = True`` edits a
-    staged or an already stored row; the ring wraps: the store still equals SB3's buffer."""
+    staged or an already stored row; the ring wraps; the buffer is reopened and sampled (which
+    maps its rows read-only in the new process) before it adds again: the store still equals
+    SB3's buffer."""
+    if row_path == "no-mmap" and space is VECTOR:
+        # Table.flush(evicting_to=...) holds the chunk being filled out of an eviction record and
+        # ends the record at that chunk's first row; here one 1,024-row chunk holds the whole
+        # 600-row ring, so the rows of the last lap behind the write position (585-599) are in it
+        # too, held in RAM, and the record counts them: the folder a SIGKILL leaves holds stale
+        # rows there.  Fails the same way at d359781 (before in-place adds); reported, not fixed here.
+        request.node.add_marker(pytest.mark.xfail(
+            reason="an eviction record counts rows of a held chunk that spans the ring's end (core/table.py)",
+            strict=True))
     act = spaces.Discrete(4)
     size = 600
     ref = ReplayBuffer(size * n_envs, space, act, "cpu", n_envs=n_envs)
@@ -113,6 +124,12 @@ def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: s
         tr = _transition(space, n_envs, t, rng)
         ref.add(*tr)
         ours.add(*tr)
+        if t == size + 150:
+            ours.close()
+            ours = ZarrReplayBuffer(size * n_envs, space, act, "cpu", n_envs=n_envs, cache_path=tmp_path / "rb",
+                                    resume=True)
+            for _ in range(40):
+                ours.sample(64)
         if draws.random() < 0.02:
             ours.sample(4)  # hands the staged rows over, mid-block
         if draws.random() < 0.01:
@@ -248,34 +265,43 @@ def test_failed_block_start_adds_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_in_place_rows_are_evicted_first_and_stored_once(tmp_path: Path) -> None:
     """In place, a frame is in its chunk file as soon as ``add`` returns (before its block is
     handed over: no second copy at the hand-over), and every slot stored into holds a row that the
-    last commit record no longer counts; staged, the file holds the frame only after the hand-over."""
+    last commit record no longer counts, also when a plain commit between two blocks counted every
+    row again.  A block after one that a read handed over part-filled is staged (the file holds
+    its frames only after the hand-over); the block after that is in place again."""
     if not _vmap.POPULATE_WRITE:
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     cap = 600
     ours = ZarrReplayBuffer(cap, IMAGE, spaces.Discrete(4), "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
     rng = np.random.default_rng(7)
-    st, field = None, None
     row = int(np.prod(IMAGE.shape))
+    placed = staged = 0
     for t in range(int(cap * 2.5)):
-        if t % 97 == 0:
-            ours.flush()  # a plain commit counts every row again, up to the ring's end
+        if t % 97 == 96:
+            ours.sample(4)  # a read hands the block over part-filled: the next one is staged
         ours.add(*_transition(IMAGE, 1, t, rng))
-        st = st or ours._stage
-        assert st is not None and _path_taken(ours) == "in-place"
+        st, ip = ours._stage, ours._in_place
+        assert st is not None and ip is not None and ip.active
         table = st.table
+        if not st.n:  # a block was handed over: a plain record (as the store's commit timer writes at a
+            table.store.commit()  # hand-over) counts every row again, up to the next block's slots
+            continue
         field = table.fields[0]
-        if st.n:  # stored, not handed over: in the file (a plain read of it, not through the buffer)
-            p = (table.state.end + st.n - 1) % cap
-            k, r = divmod(p, field.C)
-            fd = os.open(field._path(k), os.O_RDONLY)
-            try:
-                got = os.pread(fd, row, r * row)
-            finally:
-                os.close(fd)
-            assert got == bytes([t % 251]) * row, f"add {t}: the frame is not in its chunk file"
-            committed = table.store.committed.tables[table.name]
-            # the slot just stored into held absolute row end + n - 1 - cap: out of the record
-            assert committed.start > table.state.end + st.n - 1 - cap or committed.end <= committed.start, f"add {t}"
+        p = (table.state.end + st.n - 1) % cap
+        k, r = divmod(p, field.C)
+        fd = os.open(field._path(k), os.O_RDONLY)  # a plain read of the file, not through the buffer
+        try:
+            got = os.pread(fd, row, r * row)
+        finally:
+            os.close(fd)
+        if np.shares_memory(st.bufs[0], ip._own[0]):  # staged: the file has it after the hand-over
+            staged += 1
+            continue
+        placed += 1
+        assert got == bytes([t % 251]) * row, f"add {t}: the frame is not in its chunk file"
+        committed = table.store.committed.tables[table.name]
+        # the slot just stored into held absolute row end + n - 1 - cap: out of the record
+        assert committed.start > table.state.end + st.n - 1 - cap or committed.end <= committed.start, f"add {t}"
+    assert placed > 2 * staged > 0
     ours.close()
 
 
