@@ -157,13 +157,16 @@ class Table:
         For a ring's eviction record (``evicting_to``: the start it will name), a compressed field
         keeps the chunk it is filling, so a ring that commits every ``guard`` rows writes each
         chunk once per lap instead of once per record; the record then ends at that chunk's first
-        row, unless that would leave the ring less than half full.
+        row, unless that would leave the ring less than half full.  A chunk that holds the whole
+        ring is never held: the writer never leaves it, so its file would keep rows laps old behind
+        the write position, which the record counts (a SIGKILL would leave them as committed rows).
         """
         end = self.state.end
         holds: list[int | None] = [None] * len(self.fields)
         if evicting_to is not None and self.capacity is not None:
-            p = end % self.capacity
-            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields) if f.keeps_partial_chunk and p % f.C]
+            p, cap = end % self.capacity, self.capacity
+            held = [(j, p // f.C, p % f.C) for j, f in enumerate(self.fields)
+                    if f.keeps_partial_chunk and p % f.C and f.C < cap]
             short = max((r for _j, _k, r in held), default=0)
             committed = self.store.committed.tables[self.name].end  # never named less than before
             if held and end - short >= committed and end - short - evicting_to >= self.capacity // 2:
