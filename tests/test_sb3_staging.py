@@ -51,11 +51,12 @@ def row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     refuses ``MADV_POPULATE_WRITE``: the advice is replaced by one no kernel knows, so the real
     EINVAL fallback runs) or "no-mmap" (``TRAJSTORE_NO_MMAP``: no field is memory-mapped).
     Forked children inherit it."""
-    if request.param == "in-place" and not _vmap.POPULATE_WRITE:
+    if request.param == "in-place" and not _vmap.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     monkeypatch.setattr(_vmap, "POPULATE_WRITE", _vmap.POPULATE_WRITE)  # restored after the test
     if request.param == "staged":
         monkeypatch.setattr(_vmap, "_MADV_POPULATE_WRITE", 0x7FFF)
+        monkeypatch.setattr(_vmap, "POPULATE_WRITE", None)  # tried again, with that advice
     elif request.param == "no-mmap":
         monkeypatch.setattr(_vmap, "AVAILABLE", False)
     return str(request.param)
@@ -103,20 +104,11 @@ def _stored_equals_sb3(path: Path, ref: ReplayBuffer, n_envs: int, added: int, c
 @pytest.mark.parametrize("space, n_envs", [(IMAGE, 1), (SMALL_IMAGE, 2), (VECTOR, 2)],
                          ids=["image-1env", "image-2envs", "vector-2envs"])
 def test_rows_equal_sb3_across_partial_blocks_and_edits(tmp_path: Path, space: spaces.Box, n_envs: int,
-                                                        row_path: str, request: pytest.FixtureRequest) -> None:
+                                                        row_path: str) -> None:
     """Reads between adds hand over part-filled blocks; SB3's ``dones[pos - 1] = True`` edits a
     staged or an already stored row; the ring wraps; the buffer is reopened and sampled (which
     maps its rows read-only in the new process) before it adds again: the store still equals
     SB3's buffer."""
-    if row_path == "no-mmap" and space is VECTOR:
-        # Table.flush(evicting_to=...) holds the chunk being filled out of an eviction record and
-        # ends the record at that chunk's first row; here one 1,024-row chunk holds the whole
-        # 600-row ring, so the rows of the last lap behind the write position (585-599) are in it
-        # too, held in RAM, and the record counts them: the folder a SIGKILL leaves holds stale
-        # rows there.  Fails the same way at d359781 (before in-place adds); reported, not fixed here.
-        request.node.add_marker(pytest.mark.xfail(
-            reason="an eviction record counts rows of a held chunk that spans the ring's end (core/table.py)",
-            strict=True))
     act = spaces.Discrete(4)
     size = 600
     ref = ReplayBuffer(size * n_envs, space, act, "cpu", n_envs=n_envs)
@@ -232,7 +224,7 @@ def test_failed_block_start_adds_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     block.  A full disk there raises StoreFullError from ``add`` before anything of the transition
     was added (SB3's position stays); the same add succeeds once the disk has room, and the store
     equals SB3's buffer."""
-    if not _vmap.POPULATE_WRITE:
+    if not _vmap.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     act = spaces.Discrete(4)
     ref = ReplayBuffer(400, IMAGE, act, "cpu")
@@ -272,7 +264,7 @@ def test_in_place_rows_are_evicted_first_and_stored_once(tmp_path: Path) -> None
     last commit record no longer counts, also when a plain commit between two blocks counted every
     row again.  A block after one that a read handed over part-filled is staged (the file holds
     its frames only after the hand-over); the block after that is in place again."""
-    if not _vmap.POPULATE_WRITE:
+    if not _vmap.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     cap = 600
     ours = ZarrReplayBuffer(cap, IMAGE, spaces.Discrete(4), "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
@@ -309,6 +301,50 @@ def test_in_place_rows_are_evicted_first_and_stored_once(tmp_path: Path) -> None
     ours.close()
 
 
+def _read_bytes() -> int:
+    """Bytes this process has read from disk (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def test_rows_out_of_the_page_cache_are_staged(tmp_path: Path) -> None:
+    """A block whose pages are not in the page cache (a ring larger than RAM) is staged: stored in
+    place, every page would first be read from disk only to be overwritten, where ``pwrite`` of
+    whole pages reads nothing.  The rows still equal SB3's."""
+    if not _vmap.populate_write_works() or not os.path.exists("/proc/self/io"):
+        pytest.skip("needs MADV_POPULATE_WRITE and /proc/self/io")
+    act, cap = spaces.Discrete(4), 1024
+    ref = ReplayBuffer(cap, IMAGE, act, "cpu")
+    ours = ZarrReplayBuffer(cap, IMAGE, act, "cpu", cache_path=tmp_path / "rb")
+    rng = np.random.default_rng(9)
+    t = 0
+    for t in range(cap + 100):
+        tr = _transition(IMAGE, 1, t, rng)
+        ref.add(*tr)
+        ours.add(*tr)
+    ours.close()
+    os.sync()
+    chunks = [p for p in (tmp_path / "rb" / "transitions").rglob("*") if p.is_file() and "/c/" in str(p)]
+    assert len(chunks) >= 8
+    for p in chunks:  # out of the page cache: clean and mapped by no one
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    ours = ZarrReplayBuffer(cap, IMAGE, act, "cpu", cache_path=tmp_path / "rb", resume=True)
+    before = _read_bytes()
+    for t in range(t + 1, t + 1 + 2 * 256):  # two chunks' worth of rows
+        tr = _transition(IMAGE, 1, t, rng)
+        ref.add(*tr)
+        ours.add(*tr)
+    read = _read_bytes() - before
+    assert _path_taken(ours) == "in-place"  # (on: its blocks were staged because of the page cache)
+    assert read < 2 * 256 * IMAGE.shape[0] * IMAGE.shape[1] * IMAGE.shape[2] // 4, f"{read} bytes read"
+    ours.close()
+    _stored_equals_sb3(tmp_path / "rb", ref, 1, t + 1)
+
+
 def test_a_forked_child_never_stores_into_the_parents_files(tmp_path: Path, procs: list) -> None:
     """A child forked while a block is open (its rows viewed in the mapping it shares with the
     parent) adds hundreds of transitions after the parent stored, handed over and committed that
@@ -329,7 +365,7 @@ def test_a_forked_child_never_stores_into_the_parents_files(tmp_path: Path, proc
 
     while t < 700 or ours._stage is None or ours._stage.n == 0:  # a full ring, a block part-filled
         add()
-    assert _path_taken(ours) == "in-place" or not _vmap.POPULATE_WRITE
+    assert _path_taken(ours) == "in-place" or not _vmap.populate_write_works()
     go, done = str(tmp_path / "go"), str(tmp_path / "child_done")
     p = W.start(_child_adds, ours, go, done, ctx=multiprocessing.get_context("fork"))
     procs.append(p)

@@ -66,6 +66,8 @@ def _load_libc() -> str | None:
         libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.madvise.restype = ctypes.c_int
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.restype = ctypes.c_int
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     except (OSError, AttributeError) as e:  # no loadable libc (static builds, some sandboxes)
         return f"libc cannot be loaded ({e})"
     _libc = libc
@@ -96,11 +98,27 @@ _MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno
                     getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
 
 
-#: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on); set False at its first refusal.
-POPULATE_WRITE: bool = AVAILABLE
+#: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on): None until
+#: :func:`populate_write_works` tried it; False also after a refusal by :meth:`VirtualArray.populate`.
+POPULATE_WRITE: bool | None = None if AVAILABLE else False
 
 # madvise answers that mean "this kernel does not know the advice": the caller takes another path.
 _ADVICE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
+
+
+def populate_write_works() -> bool:
+    """Whether ``madvise(MADV_POPULATE_WRITE)`` works here, tried once on a page of anonymous
+    memory (:data:`POPULATE_WRITE`)."""
+    global POPULATE_WRITE
+    if POPULATE_WRITE is None:
+        page = _libc.mmap(None, PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANON, -1, 0)
+        if page is None or page == _MAP_FAILED:
+            return False  # (no memory now: ask again next time)
+        try:
+            POPULATE_WRITE = _libc.madvise(page, PAGE, _MADV_POPULATE_WRITE) == 0
+        finally:
+            _libc.munmap(page, PAGE)
+    return POPULATE_WRITE
 
 
 def disable(reason: str) -> None:
@@ -273,7 +291,6 @@ class VirtualArray:
         self._reserved_at = _check(_libc.mmap(None, self._reserved, _PROT_READ, flags, -1, 0), "reserve address range")
         self.base = -(-self._reserved_at // align) * align
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
-        self._populated = np.zeros(self.n_chunks, dtype=bool)  # populate()d since mapped
         buf = memoryview((ctypes.c_char * self.nbytes).from_address(self.base)).cast("B")
         # Writes must only ever reach rows of mapped, writable chunk files: anything else is
         # a read-only zero page and would crash the process, so only the writer's views are writable.
@@ -339,14 +356,41 @@ class VirtualArray:
         return (ai["data"][0] == self._address(lo) and data.dtype == self.dtype and data.shape[1:] == self.row_shape
                 and data.flags.c_contiguous and self.block(lo, lo + len(data)) is not None)
 
+    def _page_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """Addresses of the first and past the last page holding rows ``[lo, hi)`` (one chunk)."""
+        return self._address(lo) & ~(PAGE - 1), -(-(self._address(hi - 1) + self.row_bytes) // PAGE) * PAGE
+
+    def resident(self, lo: int, hi: int) -> bool:
+        """Every page of rows ``[lo, hi)`` (one chunk, mapped) is in the page cache (``mincore``).
+
+        Why: a store into a page that is not faults it in by reading it from disk, only to
+        overwrite it; ``pwrite`` of whole pages reads nothing.  A ring larger than the page cache
+        (the reason to keep it on disk) would read as much as it writes (measured with the ring's
+        pages dropped: add 1.8x SB3 staged, 2.4-2.9x stored in place).
+        """
+        start, end = self._page_range(lo, hi)
+        vec = np.empty((end - start) // PAGE, np.uint8)
+        if _libc.mincore(start, end - start, vec.ctypes.data) != 0:
+            return False  # (nothing is known: take the path that reads nothing)
+        return bool((vec & 1).all())  # (the other bits are reserved)
+
     def populate(self, lo: int, hi: int) -> bool:
         """Fault in the pages of rows ``[lo, hi)`` (one chunk, mapped writable) ready for writing,
         in one ``madvise(MADV_POPULATE_WRITE)`` call; False where the kernel does not support it.
 
         Why: the first store into each page of a shared file mapping faults, and so does the first
         store after writeback cleaned the page (ext4's ``page_mkwrite``): row by row that was
-        18-26 us per (84,84,4) row, populated ahead in one call a block of rows costs a few us per
-        row, fewer still where the page cache holds 2 MiB folios (see :meth:`map_chunk`).
+        18-26 us per (84,84,4) row.  Populated ahead in one call, 256 such rows take 0.3-0.6 ms
+        where the page cache holds HUGE folios (see :meth:`map_chunk`).
+
+        The pages are unmapped first (``MADV_DONTNEED``: a shared file mapping keeps its data in
+        the page cache, nothing is lost).  A HUGE folio mapped read-only (by this process's reads,
+        or write-protected by writeback) takes a write fault by splitting its mapping and faulting
+        each page on its own (1.2-1.6 ms per 256 rows); from nothing it is mapped writable whole.
+        Pages still mapped writable (a ring rewritten before writeback reached it) lose by it:
+        0.04 -> 0.4 ms.  Measured, tight loop over a 20,000-row ring, add / SB3: 1.05x without
+        unmapping and 1.25x with while the ring stays dirty; after writeback 1.52-1.55x without
+        and 1.22-1.26x with.  A training loop laps a ring slower than writeback cleans it.
 
         Raises
         ------
@@ -355,20 +399,11 @@ class VirtualArray:
             a store there would have been ``SIGBUS``), ``ENOMEM``, ``EIO``.
         """
         global POPULATE_WRITE
-        if not POPULATE_WRITE:
+        if not populate_write_works():
             return False
-        start = self._address(lo) & ~(PAGE - 1)
-        end = -(-(self._address(hi - 1) + self.row_bytes) // PAGE) * PAGE
-        k = lo // self.chunk_rows
-        if self.stride % HUGE == 0 and not self._populated[k]:
-            # The chunk's first rows written here since it was mapped: reads of this process
-            # (sampling after reopening) mapped its HUGE folios read-only, and a write fault on such
-            # a mapping splits it and faults each page on its own (1.3 ms per 256 (84,84,4) rows,
-            # against 0.4 ms from nothing).  So unmap the rest of the chunk first (a shared file
-            # mapping keeps its data in the page cache: nothing is lost).  Once written here the
-            # pages stay mapped writable until writeback, which this does not help.
-            _libc.madvise(start, self.base + k * self.stride + self.chunk_bytes - start, _MADV_DONTNEED)
-            self._populated[k] = True
+        start, end = self._page_range(lo, hi)
+        if self.stride % HUGE == 0:
+            _libc.madvise(start, end - start, _MADV_DONTNEED)
         while _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:
@@ -463,14 +498,12 @@ class VirtualArray:
             # that refuses it leaves small folios, as before.
             _libc.madvise(at, self.stride, _MADV_HUGEPAGE)
         self.mapped[k] = True
-        self._populated[k] = False
 
     def unmap_chunk(self, k: int) -> None:
         """Put zero pages back at chunk ``k``."""
         flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
         _check(_libc.mmap(self.base + k * self.stride, self.stride, _PROT_READ, flags, -1, 0), "unmap chunk")
         self.mapped[k] = False
-        self._populated[k] = False
 
     def sync(self, k: int) -> None:
         """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error

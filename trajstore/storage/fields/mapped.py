@@ -171,13 +171,16 @@ class MappedField:
         Returns
         -------
         numpy.ndarray or None
-            None where the rows cannot be written in place: a read-only field, rows in two chunks
-            that lie apart, or a kernel without ``MADV_POPULATE_WRITE`` (the caller stages them).
+            None where the rows are better staged (the caller's ``pwrite`` reads nothing): pages not
+            all in the page cache (``_vmap.VirtualArray.resident``), a read-only field, rows in two
+            chunks that lie apart, or a kernel without ``MADV_POPULATE_WRITE``.
         """
         view = self._va.block(phys_lo, phys_hi) if self.writable and phys_hi > phys_lo else None
         if view is None:
             return None
         self.ensure_mapped(phys_lo, phys_hi, create=True)
+        if not self._va.resident(phys_lo, phys_hi):
+            return None  # stores would read the pages from disk first (a new chunk file, or a ring larger than RAM)
         try:
             ok = self._va.populate(phys_lo, phys_hi)
         except OSError as e:
