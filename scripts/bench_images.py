@@ -228,10 +228,26 @@ Where the time went (profiled, issue 12):
   transitions, steady: 1.86-2.13x before, 1.18 / 1.28 / 1.43 / 1.57x in four runs after (load 2-3).
   Cold (the first 200 adds after reopening, 62-217 us each) stays far above SB3: the first blocks
   meet the dirty pages the fill left (writeback throttling) and the ring's first eviction commit.
-- Rejected, measured: storing rows straight into the mapped chunk (no staging copy, no `pwrite`)
-  costs 4 us per 28 KB row while its pages are mapped writable, but once writeback has cleaned
-  them every page faults again through ext4's `page_mkwrite`: 18-26 us per row (6.9 faults), and
-  `MADV_POPULATE_WRITE` does the same work (18-20 us). At 1e5 rows writeback never stops.
+- Stored in place since (trajstore/sb3/_inplace.py): `add` writes each frame once, into the writer's
+  mapping of its chunk file, and the hand-over copies nothing for it. Rejected at first: once
+  writeback has cleaned the pages every page faults again through ext4's `page_mkwrite`, 18-26 us
+  per 28 KB row (6.9 faults), and `MADV_POPULATE_WRITE` page by page did the same work. What
+  changed: a block (a whole 256-row chunk) is prepared at once, after a committed record evicted
+  its old rows: one `MADV_POPULATE_WRITE` call; the writer maps chunks `MADV_HUGEPAGE`, so the page
+  cache holds 2 MiB folios, each mapped writable on one fault; and the block's pages are unmapped
+  first (`MADV_DONTNEED`), because a 2 MiB folio mapped read-only (by the writer's own sampling,
+  or write-protected by writeback) takes a write fault by splitting the mapping and faulting each
+  4 KiB page: 1.2-1.6 ms per 256 rows against 0.3-0.6 ms. A block stays staged where in place
+  loses: pages not all in the page cache (a ring larger than RAM: stores read each page from disk
+  first, `pwrite` of whole pages reads nothing; with the ring's pages dropped, 2.4-2.9x SB3 in place
+  against 1.8x staged), the block after one that a read handed over part-filled (a training loop
+  sampling after every add hands over 1-row blocks: preparing each in place cost 470 us per add
+  against 73-96 us staged), and observation rows under 4 KiB (little to copy). This script,
+  `--sb3-only`, load 1.2-1.6, same runs: 20,000 transitions steady 1.23 / 1.25x (staged 1.65 /
+  1.88x), cold 1.87 / 1.63x (staged 1.56 / 5.53x); 1e5 steady 1.32x (1.83x), cold 1.90x (5.15x).
+  Cold includes the first block's eviction commit and preparation at the first add; the staged
+  path's first hand-over comes at the 256th add, after the cold window. A training loop (add, then
+  `sample(256)`) adds as before: 0.66-0.97x SB3 per add, in CPU time.
 - Folios (/proc/kpageflags of a ring written by `add`): with 148-row blocks straddling chunks,
   2 MiB folios cover 1,024 of a chunk's 1,764 pages and mapping a chunk takes 15 faults; with
   chunk-aligned 256-row blocks 1,536 pages and 10 faults (a chunk written in one 7.2 MB write: 7).
@@ -246,7 +262,9 @@ Where the time went (profiled, issue 12):
   kernel's dirty-page limits, so once the fill's dirty pages meet the new ones every `pwrite` waits
   for writeback: 56 KB per add at 77 us is about 730 MB/s written back to disk. A disk-backed
   ring that large is bound by the disk (SB3 keeps it in RAM); at 20,000 transitions (1.1 GB,
-  rewritten in the page cache faster than writeback expires it) add is 1.42-1.54x SB3.
+  rewritten in the page cache faster than writeback expires it) add is 1.42-1.54x SB3. Runs with
+  `--sb3-only` (only this ring dirty) did not meet writeback: steady 31-32 us staged, 22-28 us in
+  place (load 1.2-1.6).
 - SB3's in-RAM `sample` itself swings between 3 and 23 ms from run to run: its `th.tensor` copies
   and gathered arrays (7 MB each) come back from glibc as fresh pages when the heap top was
   trimmed or the block was mmap'ed (600-4,500 page faults per call, depending on the process's
