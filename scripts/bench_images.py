@@ -233,21 +233,27 @@ Where the time went (profiled, issue 12):
   writeback has cleaned the pages every page faults again through ext4's `page_mkwrite`, 18-26 us
   per 28 KB row (6.9 faults), and `MADV_POPULATE_WRITE` page by page did the same work. What
   changed: a block (a whole 256-row chunk) is prepared at once, after a committed record evicted
-  its old rows: one `MADV_POPULATE_WRITE` call; the writer maps chunks `MADV_HUGEPAGE`, so the page
-  cache holds 2 MiB folios, each mapped writable on one fault; and the block's pages are unmapped
-  first (`MADV_DONTNEED`), because a 2 MiB folio mapped read-only (by the writer's own sampling,
-  or write-protected by writeback) takes a write fault by splitting the mapping and faulting each
-  4 KiB page: 1.2-1.6 ms per 256 rows against 0.3-0.6 ms. A block stays staged where in place
-  loses: pages not all in the page cache (a ring larger than RAM: stores read each page from disk
-  first, `pwrite` of whole pages reads nothing; with the ring's pages dropped, 2.4-2.9x SB3 in place
-  against 1.8x staged), the block after one that a read handed over part-filled (a training loop
+  its old rows: one `MADV_POPULATE_WRITE` call, which maps each 2 MiB page-cache folio (`pwrite`
+  of whole blocks makes them) writable on one fault; and the block's pages are unmapped first
+  (`MADV_DONTNEED`), because a 2 MiB folio mapped read-only (by the writer's own sampling, or
+  write-protected by writeback) takes a write fault by splitting the mapping and faulting each
+  4 KiB page: 1.2-1.6 ms per 256 rows against 0.3-0.6 ms. `MADV_HUGEPAGE` on the writer's
+  mappings was tried and left out: no difference to add (1.23-1.28x with, 1.27-1.44x without, same
+  runs, noise), and it makes every fault on an uncached page read 2-4 MiB whatever the readahead
+  settings (200 random 28 KB rows of a cold file mapped `MADV_RANDOM`: 5.7 MB read, 312 MB with
+  it), which a writer sampling a ring larger than RAM would pay per row. A block stays staged
+  where in place loses: pages not all in the page cache (a ring larger than RAM: stores read each
+  page from disk first, `pwrite` of whole pages reads nothing; with the ring's pages dropped,
+  2.4-2.9x SB3 in place against 1.8x staged), the block after one that a read handed over part-filled (a training loop
   sampling after every add hands over 1-row blocks: preparing each in place cost 470 us per add
   against 73-96 us staged), and observation rows under 4 KiB (little to copy). This script,
-  `--sb3-only`, load 1.2-1.6, same runs: 20,000 transitions steady 1.23 / 1.25x (staged 1.65 /
-  1.88x), cold 1.87 / 1.63x (staged 1.56 / 5.53x); 1e5 steady 1.32x (1.83x), cold 1.90x (5.15x).
-  Cold includes the first block's eviction commit and preparation at the first add; the staged
-  path's first hand-over comes at the 256th add, after the cold window. A training loop (add, then
-  `sample(256)`) adds as before: 0.66-0.97x SB3 per add, in CPU time.
+  `--sb3-only`, load 0.9-2.7, runs alternating with the staged code: 20,000 transitions steady
+  1.17-1.45x, median 1.25 (staged 1.66-2.21x), cold 1.59-2.43x (staged 1.56-5.89x); 1e5 steady
+  1.21x (1.63x), cold 1.76x (5.28x). Cold includes the first block's eviction commit and
+  preparation at the first add; the staged path's first hand-over comes at the 256th add, after
+  the cold window. 2 of 13 runs in place and 1 of 13 staged stalled for the whole add phase
+  (0.1-0.8 ms per add), not seen again in 12 instrumented runs (no add over 8 ms, nothing read).
+  A training loop (add, then `sample(256)`) adds as before: 0.66-0.97x SB3 per add, in CPU time.
 - Folios (/proc/kpageflags of a ring written by `add`): with 148-row blocks straddling chunks,
   2 MiB folios cover 1,024 of a chunk's 1,764 pages and mapping a chunk takes 15 faults; with
   chunk-aligned 256-row blocks 1,536 pages and 10 faults (a chunk written in one 7.2 MB write: 7).

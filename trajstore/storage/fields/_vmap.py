@@ -45,7 +45,7 @@ NO_MMAP_ENV = "TRAJSTORE_NO_MMAP"
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
+_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
 
 _libc: Any = None
 _fallocate: Any = None
@@ -98,11 +98,9 @@ _MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno
                     getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
 
 
-#: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on): None until
-#: :func:`populate_write_works` tried it; False also after a refusal by :meth:`VirtualArray.populate`.
+#: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on); None: not tried yet
+#: (:func:`populate_write_works`).  madvise answers that say it does not:
 POPULATE_WRITE: bool | None = None if AVAILABLE else False
-
-# madvise answers that mean "this kernel does not know the advice": the caller takes another path.
 _ADVICE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
 
 
@@ -361,13 +359,9 @@ class VirtualArray:
         return self._address(lo) & ~(PAGE - 1), -(-(self._address(hi - 1) + self.row_bytes) // PAGE) * PAGE
 
     def resident(self, lo: int, hi: int) -> bool:
-        """Every page of rows ``[lo, hi)`` (one chunk, mapped) is in the page cache (``mincore``).
-
-        Why: a store into a page that is not faults it in by reading it from disk, only to
-        overwrite it; ``pwrite`` of whole pages reads nothing.  A ring larger than the page cache
-        (the reason to keep it on disk) would read as much as it writes (measured with the ring's
-        pages dropped: add 1.8x SB3 staged, 2.4-2.9x stored in place).
-        """
+        """Every page of rows ``[lo, hi)`` (one chunk, mapped) is in the page cache (``mincore``):
+        a store into one that is not reads it from disk first, where ``pwrite`` of whole pages
+        reads nothing (a ring larger than RAM would read as much as it writes)."""
         start, end = self._page_range(lo, hi)
         vec = np.empty((end - start) // PAGE, np.uint8)
         if _libc.mincore(start, end - start, vec.ctypes.data) != 0:
@@ -378,19 +372,14 @@ class VirtualArray:
         """Fault in the pages of rows ``[lo, hi)`` (one chunk, mapped writable) ready for writing,
         in one ``madvise(MADV_POPULATE_WRITE)`` call; False where the kernel does not support it.
 
-        Why: the first store into each page of a shared file mapping faults, and so does the first
-        store after writeback cleaned the page (ext4's ``page_mkwrite``): row by row that was
-        18-26 us per (84,84,4) row.  Populated ahead in one call, 256 such rows take 0.3-0.6 ms
-        where the page cache holds HUGE folios (see :meth:`map_chunk`).
-
-        The pages are unmapped first (``MADV_DONTNEED``: a shared file mapping keeps its data in
-        the page cache, nothing is lost).  A HUGE folio mapped read-only (by this process's reads,
-        or write-protected by writeback) takes a write fault by splitting its mapping and faulting
-        each page on its own (1.2-1.6 ms per 256 rows); from nothing it is mapped writable whole.
-        Pages still mapped writable (a ring rewritten before writeback reached it) lose by it:
-        0.04 -> 0.4 ms.  Measured, tight loop over a 20,000-row ring, add / SB3: 1.05x without
-        unmapping and 1.25x with while the ring stays dirty; after writeback 1.52-1.55x without
-        and 1.22-1.26x with.  A training loop laps a ring slower than writeback cleans it.
+        Why: the first store into each page of a shared file mapping faults, also after writeback
+        cleaned it (ext4's ``page_mkwrite``): 18-26 us per (84,84,4) row, row by row; 256 rows
+        populated in one call take 0.3-0.6 ms where the page cache holds HUGE folios.  The pages
+        are unmapped first (``MADV_DONTNEED``; the data stays in the page cache): a HUGE folio
+        mapped read-only (by this process's reads, or by writeback) takes a write fault by
+        splitting its mapping and faulting each page (1.2-1.6 ms per 256 rows); from nothing it is
+        mapped writable whole.  Pages still mapped writable lose by it (0.04 -> 0.4 ms), but a
+        training loop laps a ring slower than writeback cleans it (scripts/bench_images.py FINDINGS).
 
         Raises
         ------
@@ -489,14 +478,10 @@ class VirtualArray:
         prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
         # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
         # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).
-        at = _check(_libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0),
-                    f"map {name}")
-        if self.writable and self.stride % HUGE == 0:
-            # The writer's faults then allocate HUGE page-cache folios (on a slot that starts on a
-            # HUGE boundary): a folio takes one write fault after writeback where 512 pages took
-            # 512 (see populate), and a reader maps it with one fault.  Advice only: a kernel
-            # that refuses it leaves small folios, as before.
-            _libc.madvise(at, self.stride, _MADV_HUGEPAGE)
+        # (No MADV_HUGEPAGE: no gain for adds, and a fault on an uncached page then reads 2-4 MiB
+        # whatever the readahead settings; see scripts/bench_images.py FINDINGS.)
+        _check(_libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0),
+               f"map {name}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:
