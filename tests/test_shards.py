@@ -456,15 +456,21 @@ def _evict_ring(ring, first_episode, n):
     ring.flush()
 
 
-def test_rows_are_followed_across_a_shard_eviction(tmp_path):
-    """Absolute rows (``absolute_rows``) name the same stored rows after a ring shard evicted rows
-    in front of the others (every later global row moved): ``logical_rows`` maps each to its row
-    in the new view, or to -1 exactly where the ring no longer holds it."""
+def _ring_beside_a_shard(tmp_path):
+    """A 128-row ring shard "a" (writer 1, 30 episodes, open and committed) beside a closed shard
+    "b", and the sharded view of both."""
     root = str(tmp_path / "ds")
     ring = _write(root, "a", 1, 30, step_data_capacity=128, episode_data_capacity=128)
     ring.flush()
     _write(root, "b", 0, 3).close()
-    ds = open_sharded(root)
+    return ring, open_sharded(root)
+
+
+def test_rows_are_followed_across_a_shard_eviction(tmp_path):
+    """Absolute rows (``absolute_rows``) name the same stored rows after a ring shard evicted rows
+    in front of the others (every later global row moved): ``logical_rows`` maps each to its row
+    in the new view, or to -1 exactly where the ring no longer holds it."""
+    ring, ds = _ring_beside_a_shard(tmp_path)
     src = ds.row_source()
     rows = np.arange(len(ds))
     before, absolute = src.record, src.absolute_rows(rows)
@@ -487,11 +493,7 @@ def test_a_sample_rereads_only_the_anchors_a_shard_evicted(tmp_path, monkeypatch
     those, are drawn again from the new record and read again; the rows read of the others are
     kept, and no row returned is one the ring no longer holds.  (A shard's eviction once redrew
     the whole sample: re-reading every anchor made two writers on 128-row rings outrun readers.)"""
-    root = str(tmp_path / "ds")
-    ring = _write(root, "a", 1, 30, step_data_capacity=128, episode_data_capacity=128)
-    ring.flush()
-    _write(root, "b", 0, 3).close()
-    ds = open_sharded(root)
+    ring, ds = _ring_beside_a_shard(tmp_path)
     src = ds.row_source()
     real_read = src.read_rows
     reads = []
