@@ -191,6 +191,23 @@ def test_rings_save_the_rows_present(tmp_path):
     _assert_like_a_scan(p, scanned=120)
 
 
+def test_a_file_from_before_the_rings_start_keeps_only_the_rows_present(tmp_path):
+    """A file whose rows begin far before the ring's start (a ring's absolute rows grow without
+    bound; a hostile file may name row 0) is cut to the rows present: what the reader keeps, its
+    bitmap of run starts included, is sized by the rows present, and its answers are a scan's."""
+    p = tmp_path / "s"
+    _record(p, LENGTHS * 3, capacity=500)
+    s = decode_runs((p / RUNS_KEY).read_bytes(), "t")
+    assert s.begin > 1000
+    early = SavedRuns(s.epoch, 0, s.end, np.concatenate([[0], s.starts]), np.concatenate([[-7], s.ids]))
+    (p / RUNS_KEY).write_bytes(encode_runs(early))
+    tb = TrajectoryReplayBuffer.load_from(p, read_only=True)
+    tb.row_source().runs()
+    assert tb._runs._begin == s.begin and tb._runs.scanned == 0
+    tb.close()
+    _assert_like_a_scan(p, scanned=0)
+
+
 def test_short_runs_are_not_saved(tmp_path):
     p = tmp_path / "s"
     _record(p, [3, 2, 4] * 40)

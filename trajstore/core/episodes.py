@@ -366,6 +366,7 @@ class RunIndex:
         """Start from saved runs that describe the committed rows; whether they were taken."""
         if saved is None or not saved.usable(epoch, self.steps.state):
             return False
+        saved = saved.from_row(self.steps.state.start)  # the bitmap covers only rows present
         self._replace(saved.starts, saved.ids)
         self._begin, self._end, self._epoch = saved.begin, saved.end, epoch
         return True

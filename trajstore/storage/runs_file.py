@@ -69,6 +69,17 @@ class SavedRuns:
         same epoch, rows all committed or since evicted, some of them still present."""
         return self.epoch == epoch and self.end <= st.end and self.end > st.start and self.end > self.begin
 
+    def from_row(self, start: int) -> "SavedRuns":
+        """The runs of rows from ``start`` on (the first one cut to begin there): rows a ring has
+        evicted are dropped, so what a reader keeps is bounded by the rows present, whatever
+        ``begin`` the file names (a ring's absolute rows grow without bound)."""
+        if start <= self.begin:
+            return self
+        k = max(int(np.searchsorted(self.starts, start, side="right")) - 1, 0)
+        starts = self.starts[k:].copy()
+        starts[0] = start
+        return SavedRuns(self.epoch, start, self.end, starts, self.ids[k:].copy())
+
 
 def worth_saving(n_runs: int, rows: int) -> bool:
     """Whether ``n_runs`` runs over ``rows`` rows are saved (see :data:`MIN_MEAN_RUN`)."""
@@ -158,15 +169,13 @@ def disagreement(saved: SavedRuns, ids: np.ndarray, start: int) -> int | None:
     """The first absolute row where ``saved`` disagrees with the step ids, or None when its runs
     are exactly the runs of ``ids`` (the committed ids, logical row 0 being absolute row ``start``)
     over the rows both cover.  ``saved`` must be usable for the same commit record."""
-    lo = max(saved.begin, start)
+    saved = saved.from_row(start)  # the first run may begin before the rows still present
+    lo = saved.begin
     seg = np.asarray(ids[lo - start : saved.end - start])
     if not len(seg):
         return None
     exp = np.concatenate([[0], np.flatnonzero(seg[1:] != seg[:-1]) + 1]) + lo
-    k = max(int(np.searchsorted(saved.starts, lo, side="right")) - 1, 0)
-    got = saved.starts[k:].copy()
-    got[0] = lo  # the first run may begin before the rows still present
-    got_ids, exp_ids = saved.ids[k:], seg[exp - lo]
+    got, got_ids, exp_ids = saved.starts, saved.ids, seg[exp - lo]
     n = min(len(got), len(exp))
     differ = np.flatnonzero((got[:n] != exp[:n]) | (got_ids[:n] != exp_ids[:n]))
     i = int(differ[0]) if len(differ) else n  # the first run that differs (n: one list is longer)
