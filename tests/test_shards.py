@@ -229,6 +229,37 @@ def test_first_shards_race(tmp_path, procs):
     assert list(ds.shards["shard"]) == (["s0", "s2"] if winner == 2 else ["s1", "s3"]) and len(ds) == 6
 
 
+def test_exclusive_creates_race_on_the_temp_folder(tmp_path):
+    """The root record's exclusive create goes through a temp folder that each creator removes
+    when empty.  Creators racing in one root (threads here: the race is between one creator's
+    mkdir and another's rmdir) each get True or False, never a raw ``FileExistsError`` from a
+    folder that vanished between mkdir's EEXIST and pathlib's check (seen in
+    test_first_shards_race)."""
+    import threading
+
+    from trajstore.storage.lease import exclusive_put
+    from trajstore.storage.location import resolve_location
+
+    loc = resolve_location(str(tmp_path / "root"), read_only=False, storage_options=None, must_exist=False)
+    errors: list[BaseException] = []
+
+    def create(t):
+        try:
+            for i in range(1500):
+                assert exclusive_put(loc, f"k{t}-{i}", b"x")
+                assert not exclusive_put(loc, f"k{t}-{i}", b"y")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=create, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert sorted(os.listdir(tmp_path / "root")) == sorted(f"k{t}-{i}" for t in range(4) for i in range(1500))
+
+
 def test_merge_into_one_store(tmp_path):
     from trajstore.shards import merge_shards
 

@@ -351,7 +351,17 @@ class Confinement:
     def makedirs(self, key: str) -> Path:
         """Create the folders of ``key`` (its parents); none of them may be a link. Returns the path."""
         path, _ok = self.resolve(key, write=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                break
+            except FileExistsError:
+                # mkdir saw the folder, and it was gone when pathlib checked it: another writer
+                # removed an empty temp folder in between (exclusive_put).  Make it again.
+                continue
+        else:
+            raise DamagedStoreError(f"{self.url}: {key!r}: something that is not a folder stands where its "
+                                    "folder belongs")
         self.resolve(key, write=True)  # what was just created is a real folder (a race would show here)
         return path
 
