@@ -712,3 +712,24 @@ def test_cli_subprocess_reports_hostile_store_in_one_line(bases: dict[str, Path]
         assert p.returncode == 1, (cmd, p.returncode, p.stdout, p.stderr)
         text = p.stderr if cmd == "info" else p.stdout + p.stderr
         assert "Traceback" not in text and "FIFO" in text, (cmd, text)
+
+
+@pytest.mark.parametrize("wrap", ["[{}]", '{{"a": {}}}'])
+def test_metadata_nesting_limit_is_exact(wrap):
+    """``load_json`` accepts nesting of exactly MAX_DEPTH levels and refuses one more, for lists and
+    objects, and a file whose strings hold many brackets is parsed as usual (the bracket count
+    only decides whether the nesting is walked)."""
+    from trajstore.errors import DamagedStoreError
+    from trajstore.storage.schema import MAX_DEPTH, load_json
+
+    def nested(levels: int) -> str:
+        text = "0"
+        for _ in range(levels):
+            text = wrap.format(text)
+        return text
+
+    assert load_json(nested(MAX_DEPTH).encode(), "w", "k") is not None
+    with pytest.raises(DamagedStoreError, match="deeper than"):
+        load_json(nested(MAX_DEPTH + 1).encode(), "w", "k")
+    many = json.dumps({"s": "[{" * 500, "t": [[1]]}).encode()
+    assert load_json(many, "w", "k")["t"] == [[1]]
