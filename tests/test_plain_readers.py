@@ -124,6 +124,32 @@ def test_unbounded_store_grows_and_shrinks_for_plain_readers(tmp_path: Path, lay
     assert W.orphans(str(path)) == []  # the files kept for publishing are gone with the writer
 
 
+def test_metadata_changed_after_a_writer_opened_is_read_again(tmp_path: Path) -> None:
+    """A writer's open reads every array's zarr.json before it takes the lock, and its first
+    publish reuses what it read (``Publisher.seed``) only while each file is still the one read.
+    Here an array's file is replaced between the open and the first commit (as a writer that
+    published in that window would): it now names rows that are not committed.  The commit at
+    close must see that and publish the committed rows again; with the stale copy it would skip
+    the file, and plain readers would see 99 rows of which 10 exist."""
+    path = tmp_path / "rb"
+    with ReplayBuffer.create(SPACE, cache_path=path, chunk_rows=64) as rb:
+        rb.extend(_batch(np.arange(10)))
+    key = path / "step_data" / "vec" / "zarr.json"
+    rb = ReplayBuffer.load_from(path)
+    try:
+        meta = json.loads(key.read_text())
+        assert meta["shape"][0] == 10
+        meta["shape"][0] = 99
+        tmp = key.with_name("zarr.json.new")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, key)
+    finally:
+        rb.close()
+    assert json.loads(key.read_text())["shape"][0] == 10
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        _check_plain(path, _arrays(rb[:], "step_data"))
+
+
 def test_ring_reads_in_physical_order(tmp_path: Path) -> None:
     """A wrapped ring: arrays keep their capacity; rows are physical; ``offset`` and ``count`` of
     the commit record (docs/format.md) put them in logical order."""

@@ -85,12 +85,18 @@ class StoreCommits:
             self.lease.check(self.committed.generation)
         head.generation = self.committed.generation + 1
         # Plain zarr readers' view (storage/published.py): shapes drop rows before the record, gain them after.
-        pub = self._publisher = self._publisher or Publisher(self.loc, self.schema)
+        pub = self.publisher()
         pub.before_commit(self.committed, head, fsync=self.fsync)
         write_head(self.loc, head, fsync=self.fsync)
         self.committed = head
         self._watch.wrote()
         pub.after_commit(head)
+
+    def publisher(self) -> Publisher:
+        """The :class:`~trajstore.storage.published.Publisher` of this writer's commits."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.loc, self.schema)
+        return self._publisher
 
     def _current_head(self) -> Head:
         head = self.committed.copy()

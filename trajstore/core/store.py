@@ -56,7 +56,7 @@ from trajstore.storage.location import (
     resolve_location,
 )
 from trajstore.storage.locks import WriterLock
-from trajstore.storage.published import dimension_names
+from trajstore.storage.published import dimension_names, file_identity
 from trajstore.storage.runs_file import RUNS_TABLE, SavedRuns, take_runs
 from trajstore.storage.schema import (
     TableSchema,
@@ -278,6 +278,7 @@ class Store(StoreCommits):
         _before_open()
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
         where = str(loc.url)
+        root_id = None if read_only else file_identity(loc, "zarr.json")  # before the read: see Publisher.seed
         root = read_root(loc)
         if root is None:
             if loc.local_root is not None and not any(loc.local_root.iterdir()):
@@ -290,7 +291,8 @@ class Store(StoreCommits):
         schema = check_schema(attrs, where)
         # Every array's metadata is checked (local arrays' own zarr.json files too: cheap, and zarr
         # reads them when a writer grows); the rows they record are not used (see below).
-        array_rows(loc, schema, root, fresh=loc.is_local or not read_only)
+        seen: dict[str, Any] | None = None if read_only else {}
+        array_rows(loc, schema, root, fresh=loc.is_local or not read_only, seen=seen)
         try:
             group = open_zarr_group(loc, mode="r" if read_only else "r+")
         except TrajstoreError:
@@ -318,6 +320,9 @@ class Store(StoreCommits):
                         lock=lock, options=options, schema=schema)
             store.lease = lease
             if not read_only:
+                # The metadata just read and checked serves the first commit's publish (it reads
+                # nothing while each file is the one read here).
+                store.publisher().seed(root, seen or {}, root_id)
                 steps = schema.get(RUNS_TABLE)
                 store.saved_runs = take_runs(loc, head, steps.capacity if steps is not None else None)
             if lock is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from trajstore.errors import DamagedStoreError, NotATrajstoreError
+from trajstore.storage.published import FileIdentity, file_identity
 from trajstore.storage.schema import (
     DTYPE_NAMES,
     FieldSchema,
@@ -141,14 +142,16 @@ def consolidated(root: dict[str, Any], where: str) -> dict[str, Any] | None:
     return as_dict(entries, "zarr.json consolidated_metadata.metadata", where)
 
 
-def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any], *, fresh: bool) -> dict[str, int]:
+def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any], *, fresh: bool,
+               seen: dict[str, tuple[dict[str, Any], FileIdentity]] | None = None) -> dict[str, int]:
     """Rows each field's array records, after checking its metadata (:func:`check_array_meta`).
 
     The consolidated entries in ``root`` are always checked (zarr readers use them); each array's
     own ``zarr.json`` is read and checked too when ``fresh`` or when there are no consolidated
     entries (then its rows count: a writer publishes it before the consolidated copy).  Group
     ``zarr.json`` files on the way to the arrays are checked to be group metadata (zarr reads
-    them when it consolidates).
+    them when it consolidates).  ``seen`` (fresh reads only) receives each array's parsed
+    ``zarr.json`` with the file's identity taken before it was read (``Publisher.seed``).
     """
     where = str(loc.url)
     entries = consolidated(root, where)
@@ -163,7 +166,7 @@ def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any]
                     raise DamagedStoreError(f"{where}: zarr.json's consolidated metadata has no entry for {f.path}")
                 out[f.path] = check_array_meta(entries[f.path], f, where, f"zarr.json (consolidated entry {f.path})")
             if fresh or entries is None:
-                out[f.path] = read_array_rows(loc, f)
+                out[f.path] = read_array_rows(loc, f, seen)
     if fresh:
         for g in sorted(groups):
             raw = loc.get(f"{g}/zarr.json")
@@ -175,11 +178,16 @@ def array_rows(loc: Any, tables: Mapping[str, TableSchema], root: dict[str, Any]
     return out
 
 
-def read_array_rows(loc: Any, f: FieldSchema) -> int:
-    """Rows recorded by the field's own ``zarr.json`` (read now, checked)."""
+def read_array_rows(loc: Any, f: FieldSchema, seen: dict[str, tuple[dict[str, Any], FileIdentity]] | None = None) -> int:
+    """Rows recorded by the field's own ``zarr.json`` (read now, checked); ``seen``: see :func:`array_rows`."""
     where = str(loc.url)
     key = f"{f.path}/zarr.json"
+    ident = file_identity(loc, key) if seen is not None else None
     raw = loc.get(key)
     if raw is None:
         raise DamagedStoreError(f"{where}: {key} is missing (or not a file): the array of field {f.path} has no metadata")
-    return check_array_meta(load_json(raw, where, key), f, where, key)
+    meta = load_json(raw, where, key)
+    rows = check_array_meta(meta, f, where, key)
+    if seen is not None:
+        seen[f.path] = (meta, ident)
+    return rows

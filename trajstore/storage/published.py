@@ -33,7 +33,7 @@ from trajstore.storage.confined import pwrite
 from trajstore.storage.location import Location
 from trajstore.storage.schema import TableSchema, load_json
 
-__all__ = ["ROW_AXIS", "DATASET_ATTR", "dimension_names", "Publisher", "set_root_attribute", "root_attribute",
+__all__ = ["ROW_AXIS", "DATASET_ATTR", "dimension_names", "Publisher", "FileIdentity", "file_identity", "set_root_attribute", "root_attribute",
            "add_dimension_names"]
 
 #: Name of axis 0 (rows) of each table's arrays.  One name per table, so every array of a table
@@ -188,6 +188,25 @@ def add_dimension_names(loc: Location) -> None:
                 loc.put(key, _dumps(meta))
 
 
+#: (inode, mtime, ctime, size) of a local file; None elsewhere or when it cannot be read.
+FileIdentity = tuple[int, int, int, int] | None
+
+
+def file_identity(loc: Location, key: str) -> FileIdentity:
+    """The identity of the local file ``key`` (the link itself, never followed): a metadata file
+    replaced by rename has a new inode, one rewritten in place a new mtime and ctime.  None on
+    a remote store (nothing is cached there: it is read every time) or when there is no file."""
+    if loc.local_root is None:
+        return None
+    try:
+        # (A stat opens nothing: the joined path needs none of Location.path's folder checks,
+        # which cost 20 us a key; the files are read through the confinement.)
+        st = os.stat(os.path.join(loc.local_root, key), follow_symlinks=False)
+    except (OSError, ValueError):
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
+
+
 class Publisher:
     """Keeps the arrays' ``zarr.json`` (and the consolidated copies) of one open store in step
     with its commit records.
@@ -202,7 +221,8 @@ class Publisher:
         self._meta: dict[str, dict[str, Any]] | None = None  # array path -> its zarr.json as on disk
         self._root_ok = False  # the consolidated entries match self._meta
         self._root: dict[str, Any] | None = None  # the root zarr.json as last written, and its file's identity
-        self._root_id: tuple[int, int, int] | None = None
+        self._root_id: FileIdentity = None
+        self._seeded: tuple[dict[str, Any], dict[str, tuple[dict[str, Any], FileIdentity]], FileIdentity] | None = None
         self._files = _Replacer(loc)
 
     def close(self) -> None:
@@ -214,8 +234,28 @@ class Publisher:
         self._meta = None
         self._root_ok = False
         self._root = None
+        self._seeded = None
+
+    def seed(self, root: dict[str, Any], arrays: Mapping[str, tuple[dict[str, Any], FileIdentity]],
+             root_id: FileIdentity) -> None:
+        """Adopt the metadata a writer's open just read and checked (the root ``zarr.json`` and each
+        array's own), with each file's identity taken before it was read: the first publish
+        then reads nothing as long as every identity still holds (:meth:`_load`).  The open reads
+        before it takes the writer's lock, so a writer that published in between changed an
+        identity, and the files are read again."""
+        self._seeded = (root, dict(arrays), root_id)
 
     def _load(self) -> dict[str, dict[str, Any]]:
+        if self._meta is None:
+            seeded, self._seeded = self._seeded, None
+            if seeded is not None:
+                root, arrays, root_id = seeded
+                paths = [f.path for t in self.schema.values() for f in t.fields]
+                if all(p in arrays and arrays[p][1] is not None
+                       and file_identity(self.loc, f"{p}/zarr.json") == arrays[p][1] for p in paths):
+                    self._meta = {p: arrays[p][0] for p in paths}
+                if root_id is not None and self._root_identity() == root_id:
+                    self._root, self._root_id = root, root_id
         if self._meta is None:
             self._meta = {f.path: _read_obj(self.loc, f"{f.path}/zarr.json")
                           for t in self.schema.values() for f in t.fields}
@@ -316,12 +356,5 @@ class Publisher:
             self._files.put("zarr.json", _dumps(root), fsync=fsync)
             self._root, self._root_id = root, self._root_identity()
 
-    def _root_identity(self) -> tuple[int, int, int] | None:
-        """(inode, mtime, size) of the local root ``zarr.json`` (None elsewhere: read every time)."""
-        if self.loc.local_root is None:
-            return None
-        try:
-            st = os.stat(self.loc.path("zarr.json"), follow_symlinks=False)
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
+    def _root_identity(self) -> FileIdentity:
+        return file_identity(self.loc, "zarr.json")
