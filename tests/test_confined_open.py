@@ -95,3 +95,63 @@ def test_mapping_a_store_leaves_no_descriptor_open(tmp_path: Path, fast_path: bo
         rb[np.arange(600)]
         assert len(set(os.listdir("/proc/self/fd")) - before) <= 2  # the head / lock files at most
     assert set(os.listdir("/proc/self/fd")) - before == set()
+
+
+def _short(store: Path, outside: Path) -> None:
+    with open(store / CHUNK, "r+b") as f:
+        f.truncate(100)
+
+
+# What a reader's first read says of each tampered chunk file, on both open paths: the check that
+# fires and its words stay the same whichever step (open or map) makes it.
+FIRST_READ_ERRORS = [
+    (_link_file, "is a symbolic link, not a regular file"),
+    (_fifo, "is a FIFO, not a regular file"),
+    (_folder, "is a folder, not a regular file; not mapped"),
+    (_short, f"holds 100 bytes; expected {512 * 64 * 64}"),
+]
+
+
+@pytest.mark.parametrize("tamper,words", FIRST_READ_ERRORS, ids=lambda x: getattr(x, "__name__", "").strip("_"))
+def test_first_read_of_a_reader_names_the_tampered_chunk(tmp_path: Path, fast_path: bool, tamper, words: str) -> None:
+    path = _store(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tamper(path, outside)
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        with pytest.raises(DamagedStoreError) as err:
+            rb[np.arange(600)]
+    assert words in str(err.value)
+    assert CHUNK in str(err.value)
+
+
+def test_mapping_asks_fstat_once_per_chunk_file(tmp_path: Path, fast_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The open's fstat (which shows the file regular) also gives the map its size: mapping a
+    large store's hundreds of chunk files on a first read pays one fstat each, not two."""
+    path = _store(tmp_path)
+    asked: list[str] = []
+    real = os.fstat
+
+    def counting(fd: int) -> os.stat_result:
+        asked.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        monkeypatch.setattr(os, "fstat", counting)
+        rb[np.arange(600)]  # 600 rows: chunk files 0 and 1
+        monkeypatch.setattr(os, "fstat", real)
+    chunks = sorted(a[len(str(path)) + 1:] for a in asked if a.startswith(f"{path}/step_data/"))
+    assert chunks == ["step_data/c/0/0/0", "step_data/c/1/0/0"]
+
+
+@pytest.mark.parametrize("key", ["", "/a", "a/", "a//b", ".", "..", "./a", "a/.", "a/./b", "../a", "a/..", "a/../b",
+                                 "a\x00b", "/", "//", "\x00", None, b"a"])
+def test_check_key_refuses(key) -> None:
+    with pytest.raises(DamagedStoreError):
+        confined.check_key(key, "store")
+
+
+@pytest.mark.parametrize("key", ["a", "a/b", "...", "a/.../b", ".a", "a.", "a/.b/c", "..a", "a..", "a\n", "\n",
+                                 "a/\n", "a b/c", "é/ß"])
+def test_check_key_takes(key) -> None:
+    confined.check_key(key, "store")

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import stat
 import sys
@@ -97,6 +98,15 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
+# One open_how per flags value (a reference to it, ready to pass), built on first use: building
+# the struct and its reference per open was a tenth of the cost of mapping a chunk file.  The
+# kernel only reads it, so threads share it; two threads racing to build one build equal ones.
+_HOWS: dict[int, Any] = {}
+# os.fsencode's encoding, without its per-call lookups (keys are str here).
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 _openat2_ok = sys.platform.startswith("linux") and hasattr(os, "O_PATH")
 if _openat2_ok:
     try:  # a libc that ctypes cannot load (static builds, sandboxes): the portable path below
@@ -120,18 +130,20 @@ def _open_beneath(root: Path, key: str, flags: int, held: int | None = None) -> 
     global _openat2_ok
     if not _openat2_ok:
         return None
-    if held is None:
+    how = _HOWS.get(flags)
+    if how is None:
+        how = _HOWS[flags] = ctypes.byref(_OpenHow(flags | _NOFOLLOW_FLAGS, 0, _RESOLVE))
+    name = key.encode(_FS_ENCODING, _FS_ERRORS)
+    if held is not None:
+        fd = _syscall(_SYS_OPENAT2, held, name, how, _HOW_SIZE)
+    else:
         try:
             dfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             return None
-    else:
-        dfd = held
-    try:
-        how = _OpenHow(flags | _NOFOLLOW_FLAGS, 0, _RESOLVE)
-        fd = _syscall(_SYS_OPENAT2, dfd, os.fsencode(key), ctypes.byref(how), ctypes.sizeof(how))
-    finally:
-        if held is None:
+        try:
+            fd = _syscall(_SYS_OPENAT2, dfd, name, how, _HOW_SIZE)
+        finally:
             os.close(dfd)
     if fd >= 0:
         return int(fd)
@@ -153,6 +165,11 @@ def read_limit(key: str) -> int:
     return MAX_FILE_BYTES
 
 
+# A part of a key that is empty (an empty key, a leading "/", "//", a trailing "/"), "." or "..", or a
+# NUL anywhere: one search instead of splitting the key (checked on every open of a chunk file).
+_BAD_KEY = re.compile(r"(?:\A|/)\.{0,2}(?:/|\Z)|\x00")  # \Z: "$" would also match before a final newline
+
+
 def check_key(key: str, where: Any = None) -> None:
     """Refuse a key that could name something outside the store (absolute, ``..``, empty parts).
 
@@ -161,8 +178,7 @@ def check_key(key: str, where: Any = None) -> None:
     DamagedStoreError
         Naming ``where`` (the store) and the key.
     """
-    if not isinstance(key, str) or not key or key.startswith("/") or "\x00" in key \
-            or any(p in ("", ".", "..") for p in key.split("/")):
+    if not isinstance(key, str) or _BAD_KEY.search(key):
         raise DamagedStoreError(f"{where}: key {key!r} is not a relative path inside the store (empty parts, '.', "
                                 "'..' and absolute paths are refused)")
 
@@ -253,16 +269,30 @@ class Confinement:
         DamagedStoreError
             ``key`` is a symbolic link, a FIFO, a device or another special file.
         """
+        return self.open_stat(key, flags)[0]
+
+    def open_stat(self, key: str, flags: int) -> tuple[int, os.stat_result]:
+        """:meth:`open`, with the ``fstat`` of the open file that showed it to be a regular file
+        (a caller that needs the size asks the system once, not twice: mapping a chunk file).
+
+        Raises
+        ------
+        FileNotFoundError
+            Nothing (or a folder, when reading) is at ``key``.
+        DamagedStoreError
+            ``key`` is a symbolic link, a FIFO, a device or another special file.
+        """
         check_key(key, self.url)
         held = self._held
         fd = _open_beneath(self.root, key, flags, held[1] if held and held[0] == threading.get_ident() else None)
         if fd is not None:
             try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    return fd
+                st = os.fstat(fd)
             except BaseException:
                 os.close(fd)
                 raise
+            if stat.S_ISREG(st.st_mode):
+                return fd, st
             os.close(fd)  # a folder or a special file: the checks below name it
         path, ok = self.resolve(key, write=bool(flags & (os.O_WRONLY | os.O_RDWR)))
         if not ok:
@@ -289,17 +319,18 @@ class Confinement:
                                         "never follows links or opens special files inside a store") from None
             raise
         try:
-            mode = os.fstat(fd).st_mode
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             if stat.S_ISDIR(mode):
                 raise FileNotFoundError(errno.ENOENT, "a folder, not a file", str(path))
             raise DamagedStoreError(f"{self.url}: {key} is a {file_kind(mode)}, not a regular file; trajstore "
                                     "never opens special files inside a store")
-        return fd
+        return fd, st
 
     def read(self, key: str, limit: int | None = None, byte_range: ByteRequest | None = None) -> bytes | None:
         """Bytes of ``key`` (or of ``byte_range`` of it); ``None`` when nothing is there.

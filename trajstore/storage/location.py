@@ -16,7 +16,7 @@ import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, overload
 
 import zarr
 from zarr.core.buffer import default_buffer_prototype
@@ -122,11 +122,16 @@ class Location:
         assert self._conf is not None
         return self._conf.held_root()
 
-    def open_inside(self, key: str, flags: int) -> int:
+    @overload
+    def open_inside(self, key: str, flags: int) -> int: ...
+    @overload
+    def open_inside(self, key: str, flags: int, *, with_stat: Literal[True]) -> tuple[int, os.stat_result]: ...
+    def open_inside(self, key: str, flags: int, *, with_stat: bool = False) -> int | tuple[int, os.stat_result]:
         """Open the regular file ``key`` (local stores only) for ``os.open`` ``flags`` (no ``O_CREAT``),
         refusing symbolic links (the final file and every folder on the way), FIFOs and devices.
 
-        Returns a file descriptor the caller closes.
+        Returns a file descriptor the caller closes; ``with_stat``: ``(fd, its fstat)``, the stat
+        that showed it a regular file (so a caller needing its size asks the system once).
 
         Raises
         ------
@@ -136,7 +141,7 @@ class Location:
             ``key`` leaves the store, is a link or a special file.
         """
         assert self._conf is not None
-        return self._conf.open(key, flags)
+        return self._conf.open_stat(key, flags) if with_stat else self._conf.open(key, flags)
 
     # -- key/value --------------------------------------------------------------------
     def get(self, key: str, *, limit: int | None = None) -> bytes | None:

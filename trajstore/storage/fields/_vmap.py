@@ -31,7 +31,7 @@ import mmap as _mmap
 import os
 import stat
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -208,6 +208,11 @@ def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
 def allocated_bytes(st: os.stat_result) -> int:
     """Bytes of a file the filesystem has blocks for (less than its size when it has holes)."""
     return st.st_blocks * 512
+
+
+def _named(name: str | Callable[[], str]) -> str:
+    """A file's name for an error of :meth:`VirtualArray.map_chunk`, given or built now."""
+    return name if isinstance(name, str) else name()
 
 
 def _check(addr: int | None, what: str) -> int:
@@ -449,10 +454,12 @@ class VirtualArray:
             out[across] = self.take(rows.ravel()).reshape(len(across), length, *self.row_shape)
         return out
 
-    def map_chunk(self, k: int, fd: int, name: str) -> None:
-        """Map the open chunk file ``fd`` (named ``name`` in errors) as chunk ``k``, replacing
-        whatever was mapped there.  The caller opened it without following links and keeps
-        ownership of ``fd`` (a mapping outlives its descriptor).
+    def map_chunk(self, k: int, fd: int, name: str | Callable[[], str], st: os.stat_result | None = None) -> None:
+        """Map the open chunk file ``fd`` as chunk ``k``, replacing whatever was mapped there.  The
+        caller opened it without following links and keeps ownership of ``fd`` (a mapping
+        outlives its descriptor).  ``name``: the file's name in errors, or a function giving it
+        (built only for an error: a store's first read maps hundreds of files).  ``st``: the
+        caller's ``fstat`` of ``fd`` if it has one (else it is asked here).
 
         Raises
         ------
@@ -462,11 +469,12 @@ class VirtualArray:
         OSError
             Space for a sparse file could not be reserved, or ``mmap`` failed.
         """
-        st = os.fstat(fd)
+        if st is None:
+            st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise EOFError(f"chunk file {name!r} is not a regular file; not mapped")
+            raise EOFError(f"chunk file {_named(name)!r} is not a regular file; not mapped")
         if st.st_size < self.chunk_bytes:
-            raise EOFError(f"chunk file {name!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
+            raise EOFError(f"chunk file {_named(name)!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
         if self.writable and allocated_bytes(st) < self.chunk_bytes:
             # A file with holes (created sparse by an older trajstore): a store into a hole on
             # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
@@ -474,14 +482,15 @@ class VirtualArray:
             try:
                 reserve(fd, self.chunk_bytes, fresh=False)
             except OSError as e:
-                raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", name) from None
+                raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", _named(name)) from None
         prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
         # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
         # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).
         # (No MADV_HUGEPAGE: no gain for adds, and a fault on an uncached page then reads 2-4 MiB
         # whatever the readahead settings; see scripts/bench_images.py FINDINGS.)
-        _check(_libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0),
-               f"map {name}")
+        addr = _libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            _check(addr, f"map {_named(name)}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:

@@ -110,6 +110,10 @@ class MappedField:
                     pass
             raise _full_disk(e, path, f"create chunk file ({self._va.chunk_bytes} bytes)")
 
+    def _file_name(self, key: str) -> str:
+        """Chunk file ``key`` as errors name it (built only for one: not per file mapped)."""
+        return f"{self.loc.local_root}/{key}"
+
     def _map(self, k: int, prefix: str = "") -> bool:
         """Map chunk file ``k`` (under the staging ``prefix`` if given); False when there is none.
 
@@ -119,19 +123,20 @@ class MappedField:
         key = chunk_key(self.spec.array_path, k, self._ndim)
         key = f"{prefix}/{key}" if prefix else key
         try:
-            fd = self.loc.open_inside(key, os.O_RDWR if self.writable else os.O_RDONLY)
+            # The fstat that showed it a regular file also gives map_chunk its size: one per chunk file.
+            fd, st = self.loc.open_inside(key, os.O_RDWR if self.writable else os.O_RDONLY, with_stat=True)
         except FileNotFoundError:
-            name = f"{self.loc.local_root}/{key}"
+            name = self._file_name(key)
             with contextlib.suppress(OSError):  # only metadata is looked at: nothing is followed or opened
                 if stat.S_ISDIR(os.lstat(name).st_mode):
                     raise DamagedStoreError(f"chunk file {name!r} is a folder, not a regular file; not mapped")
             return False
-        name = f"{self.loc.local_root}/{key}"
         try:
-            self._va.map_chunk(k, fd, name)
+            self._va.map_chunk(k, fd, lambda: self._file_name(key), st)
         except EOFError as e:
             raise DamagedStoreError(str(e)) from None
         except OSError as e:
+            name = self._file_name(key)
             if e.errno == errno.ENOMEM:
                 raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
                                         "reached its limit of memory mappings (vm.max_map_count; see "
