@@ -4,8 +4,10 @@ ratios measured in one run (runs alternate, so machine load drifts hit both side
 - SAC on Pendulum-v1 (20,000 steps) with ZarrReplayBuffer vs SB3's ReplayBuffer (target <= 1.05);
 - PPO on CartPole-v1 with 8 envs (65,536 steps) with DummyVecRolloutBuffer and with
   ZarrRolloutBuffer vs SB3's RolloutBuffer (target <= 1.10);
-- ``add`` and ``sample(256)`` of (84,84,4) uint8 observations (Atari frames), ZarrReplayBuffer vs
-  SB3's ReplayBuffer.
+
+``ZarrReplayBuffer.add`` and ``sample(256)`` of (84,84,4) uint8 frames against SB3's ReplayBuffer are
+measured in scripts/bench_images.py (cold and steady, blocks of consecutive calls, at 1e3-1e5
+transitions).
 
     python scripts/bench_sb3.py                                  # full sizes (about 15 minutes on 2 cores)
     python scripts/bench_sb3.py --quick                          # small sizes (smoke test)
@@ -25,15 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _median_time, _replace_section, _reproduce  # noqa: E402
+from bench_core import _replace_section, _reproduce  # noqa: E402
 
 import torch as th  # noqa: E402
-from gymnasium import spaces  # noqa: E402
 from stable_baselines3 import PPO, SAC  # noqa: E402
-from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 
 from trajstore.sb3 import DummyVecRolloutBuffer, ZarrReplayBuffer, ZarrRolloutBuffer  # noqa: E402
@@ -96,40 +95,6 @@ def bench_ppo(tmp: Path, steps: int, n_steps: int, repeats: int) -> list[Row]:
             {"what": f"{label} (ZarrRolloutBuffer)", "unit": "s", "ours": t["zarr"], "sb3": t["sb3"], "target": 1.10}]
 
 
-def bench_images(tmp: Path, rows: int, repeats: int) -> list[Row]:
-    """add (steady state, after the ring wrapped) and sample(256) of (84,84,4) uint8 frames."""
-    obs_space, act_space = spaces.Box(0, 255, (84, 84, 4), np.uint8), spaces.Discrete(4)
-    ref = ReplayBuffer(rows, obs_space, act_space, "cpu")
-    ours = ZarrReplayBuffer(rows, obs_space, act_space, "cpu", cache_path=tmp / "img", overwrite=True)
-    rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, size=(64, 1, 84, 84, 4), dtype=np.uint8)
-    act, rew, done, infos = np.zeros((1, 1), np.int64), np.zeros(1, np.float32), np.zeros(1, bool), [{}]
-    k = [0]
-
-    def add(buf: Any) -> Callable[[], None]:
-        def go() -> None:
-            i = k[0] = (k[0] + 1) % 63
-            buf.add(frames[i], frames[i + 1], act, rew, done, infos)
-        return go
-
-    for buf in (ref, ours):
-        for _ in range(rows + rows // 4):  # wrap: steady state, pages resident
-            add(buf)()
-    # No read pass before timing (a training loop does none): the medians are steady state; the
-    # first calls after opening (cold) are in scripts/bench_images.py.
-
-    def timed(fn: Callable[[], Any], inner: int) -> Callable[[], float]:
-        return lambda: _median_time(fn, 1, inner)
-
-    t_add = _alternate({"sb3": timed(add(ref), 200), "ours": timed(add(ours), 200)}, repeats)
-    t_smp = _alternate({"sb3": timed(lambda: ref.sample(256), 10), "ours": timed(lambda: ours.sample(256), 10)},
-                       repeats)
-    ours.close()
-    label = f"(84,84,4) uint8, {rows:,} transitions"
-    return [{"what": f"add, {label}", "unit": "µs", "ours": t_add["ours"] * 1e6, "sb3": t_add["sb3"] * 1e6},
-            {"what": f"sample(256), {label}", "unit": "ms", "ours": t_smp["ours"] * 1e3, "sb3": t_smp["sb3"] * 1e3}]
-
-
 def table(rows: list[Row]) -> str:
     lines = ["| measurement | unit | trajstore | SB3 default | ratio | target |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -147,21 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     th.set_num_threads(1)
     if args.quick:
-        sac_steps, ppo_steps, n_steps, img_rows, repeats = 150, 8 * 32 * 3, 32, 1_000, 2
+        sac_steps, ppo_steps, n_steps, repeats = 150, 8 * 32 * 3, 32, 2
     else:
-        sac_steps, ppo_steps, n_steps, img_rows, repeats = 20_000, 65_536, 2048, 20_000, 2
+        sac_steps, ppo_steps, n_steps, repeats = 20_000, 65_536, 2048, 2
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         tmp = Path(d)
-        rows = bench_images(tmp, img_rows, 5 if args.quick else 9)
-        rows += bench_ppo(tmp, ppo_steps, n_steps, repeats)
+        rows = bench_ppo(tmp, ppo_steps, n_steps, repeats)
         rows += bench_sac(tmp, sac_steps, repeats)
     text = table(rows)
     print(text)
     if args.markdown:
         cmd, env = _reproduce("bench_sb3.py", args.quick, f"torch {th.__version__} (1 thread, CPU)")
         section = (f"## stable-baselines3 (scripts/bench_sb3.py)\n\nReproduce: `{cmd}` ({env}). Training: wall-clock "
-                   "of `learn`, medians of alternating runs, same seed on both sides (identical policies). add / "
-                   "sample: medians, page cache warm. Ratio = trajstore / SB3 default (lower is better).\n\n"
+                   "of `learn`, medians of alternating runs, same seed on both sides (identical policies). "
+                   "Ratio = trajstore / SB3 default (lower is better). ZarrReplayBuffer's add and sample of image "
+                   "frames: the image section (scripts/bench_images.py).\n\n"
                    f"{text}\n")
         _replace_section(args.markdown, "## stable-baselines3", section)
     return 0
