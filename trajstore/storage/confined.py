@@ -99,9 +99,9 @@ class _OpenHow(ctypes.Structure):
 
 
 _HOW_SIZE = ctypes.sizeof(_OpenHow)
-# One open_how per flags value (a reference to it, ready to pass), built on first use: building
-# the struct and its reference per open was a tenth of the cost of mapping a chunk file.  The
-# kernel only reads it, so threads share it; two threads racing to build one build equal ones.
+# One open_how per flags value (a reference to it, ready to pass), built on first use rather than
+# per open: a store's first read opens hundreds of chunk files.  The kernel only reads it, so
+# threads share it; two threads racing to build one build equal ones.
 _HOWS: dict[int, Any] = {}
 # os.fsencode's encoding, without its per-call lookups (keys are str here).
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
@@ -179,7 +179,7 @@ def check_key(key: str, where: Any = None) -> None:
     """
     # Checked on every open of a chunk file: string tests (an empty part is an empty key, a "/" at
     # either end or "//"), the search for dot parts only where there is a dot; splitting the key
-    # and testing each part cost five times as much.
+    # and testing each part cost three times as much (0.36 against 1.04 us).
     if not isinstance(key, str) or not key or key[0] == "/" or key[-1] == "/" or "//" in key or "\x00" in key \
             or ("." in key and _DOT_PART.search(key)):
         raise DamagedStoreError(f"{where}: key {key!r} is not a relative path inside the store (empty parts, '.', "
