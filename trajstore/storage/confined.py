@@ -344,11 +344,11 @@ class Confinement:
             Not a regular file, or more than ``limit`` bytes (default :func:`read_limit`) to read.
         """
         try:
-            fd = self.open(key, os.O_RDONLY)
+            fd, st = self.open_stat(key, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             lo, hi = 0, size
             if isinstance(byte_range, RangeByteRequest):
                 lo, hi = byte_range.start, min(byte_range.end, size)
