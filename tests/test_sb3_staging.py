@@ -345,6 +345,41 @@ def test_rows_out_of_the_page_cache_are_staged(tmp_path: Path) -> None:
     _stored_equals_sb3(tmp_path / "rb", ref, 1, t + 1)
 
 
+@pytest.mark.parametrize("dropped", ["none", "middle", "end"])
+def test_residency_probe_sees_a_range_out_of_the_page_cache(tmp_path: Path, dropped: str) -> None:
+    """``VirtualArray.resident`` probes one page per PROBE_BYTES of a block (and its last page),
+    not every page: a block with 1 MiB of its middle or of its end out of the page cache is still
+    seen as not resident (staged), a block wholly in it as resident.  (Pages leave the page cache
+    in whole folios: a single page of a large folio cannot be dropped alone.)"""
+    with StoreBuffer.create(IMAGE, cache_path=tmp_path / "rb", capacity=512) as rb:
+        rb.extend(np.zeros((512, *IMAGE.shape), np.uint8))
+    os.sync()
+    rb = StoreBuffer.load_from(tmp_path / "rb")
+    try:
+        field = rb._table.fields[0]
+        va, C = field._va, field.C
+        field.ensure_mapped(0, C, create=False)
+        lo, hi = 0, min(C, 256)
+        path = field._path(0)
+        row = int(np.prod(IMAGE.shape))
+        assert (hi - lo) * row > 4 * _vmap.PROBE_BYTES
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.pread(fd, (hi - lo) * row, 0)  # all in the page cache
+            assert va.resident(lo, hi)
+            start, end = va._page_range(lo, hi)
+            if dropped == "middle":
+                at = ((start + end) // 2 - va.base) & ~(_vmap.PAGE - 1)
+                os.posix_fadvise(fd, at, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+            elif dropped == "end":
+                os.posix_fadvise(fd, end - va.base - _vmap.PROBE_BYTES, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert va.resident(lo, hi) == (dropped == "none")
+    finally:
+        rb.close()
+
+
 def test_a_forked_child_never_stores_into_the_parents_files(tmp_path: Path, procs: list) -> None:
     """A child forked while a block is open (its rows viewed in the mapping it shares with the
     parent) adds hundreds of transitions after the parent stored, handed over and committed that
