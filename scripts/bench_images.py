@@ -254,6 +254,28 @@ Where the time went (profiled, issue 12):
   the cold window. 2 of 13 runs in place and 1 of 13 staged stalled for the whole add phase
   (0.1-0.8 ms per add), not seen again in 12 instrumented runs (no add over 8 ms, nothing read).
   A training loop (add, then `sample(256)`) adds as before: 0.66-0.97x SB3 per add, in CPU time.
+- Cold `add` (the first 200 adds after reopening a full 20,000-transition ring, timed add by
+  add): all of its excess over steady state is the first add, which prepares the first 256-row
+  block and commits the record that evicts its slots' rows: 4.2-4.7 ms, of which the commit
+  2.7-3.0 ms against 1.6-1.7 ms for later ones. The first commit's publish read every array's
+  `zarr.json` and the root again (0.8-1.1 ms) although the writer's open had just read them, and
+  parsing checked JSON nesting with a walk costing 4x the parse (236 us for the root). Now the
+  open's reads serve the first publish while each file's identity holds (`Publisher.seed`:
+  0.17 ms) and the walk goes level by level (54 us); the block's residency check probes one page
+  per MiB (`mincore` of every page cost 0.13-0.25 ms per field while the pages are unmapped:
+  67 us). The first add now takes 2.5-3.8 ms: the commit 1.5-2.1 ms (the temp file and its folder,
+  the rename that frees the old record's inode, 0.4-0.5 ms of it, the previous copy, the publish)
+  and the block's `MADV_POPULATE_WRITE` 0.3-0.5 ms per field. That is the price of a durable ring
+  (the rows it overwrites leave the record before they are overwritten): over 200 adds, 12-19 us
+  per add against SB3's in-RAM add of 15-25 us (SB3's own time moves that much between runs with
+  its allocation history). `--sb3-only --sb3-sizes 20000`, three quiet runs before: cold
+  1.59 / 1.91 / 1.68x, steady 1.23 / 1.37 / 1.24x; after: cold 1.43 / 1.53 / 1.58x, steady
+  1.16 / 1.18 / 1.26x. At 1e5 (`--sb3-only --sb3-sizes 100000`): cold 1.54x, steady 1.11x; in
+  the full run (this table) 1.89x and 1.17x. One full run before it stalled: 2.8 ms per cold add
+  (557 ms over 200 adds) after the read workloads had filled the page cache and SB3 held 5.6 GB
+  (reclaim; not seen with `--sb3-only`, which fills the same ring). One instrumented 20,000 run
+  of three stalled in the filesystem (a 73 ms commit, a 1.2 s block start) while the fill's
+  1.1 GB of dirty frames were written back: the stalls of the last rewrite.
 - Folios (/proc/kpageflags of a ring written by `add`): with 148-row blocks straddling chunks,
   2 MiB folios cover 1,024 of a chunk's 1,764 pages and mapping a chunk takes 15 faults; with
   chunk-aligned 256-row blocks 1,536 pages and 10 faults (a chunk written in one 7.2 MB write: 7).
@@ -263,8 +285,8 @@ Where the time went (profiled, issue 12):
   page of every touched chunk at once (the first call touches 2 x 230 of 782 chunks), more page
   table work than the faults it saves, and on a store larger than RAM it reads whole chunks from
   disk for one row.
-- `add` at 1e5 transitions on a quiet machine (the lead's run of this table, nothing else running):
-  cold 18 us (0.76x SB3), steady 77 us (3.36x). The ring is 5.6 GB of frames, more than the
+- `add` at 1e5 transitions on a quiet machine, staged (before in-place adds; the table of that
+  time): cold 18 us (0.76x SB3), steady 77 us (3.36x). The ring is 5.6 GB of frames, more than the
   kernel's dirty-page limits, so once the fill's dirty pages meet the new ones every `pwrite` waits
   for writeback: 56 KB per add at 77 us is about 730 MB/s written back to disk. A disk-backed
   ring that large is bound by the disk (SB3 keeps it in RAM); at 20,000 transitions (1.1 GB,
