@@ -368,17 +368,10 @@ class VirtualArray:
         return self._address(lo) & ~(PAGE - 1), -(-(self._address(hi - 1) + self.row_bytes) // PAGE) * PAGE
 
     def resident(self, lo: int, hi: int) -> bool:
-        """The pages of rows ``[lo, hi)`` (one chunk, mapped) are in the page cache, judged by a
-        ``mincore`` probe of one page per :data:`PROBE_BYTES` (the first and the last page
-        always): a store into a page that is not reads it from disk first, where ``pwrite`` of
-        whole pages reads nothing (a ring larger than RAM would read as much as it writes).
-
-        A probe, not every page: ``mincore`` looks up each page that is not mapped in the page
-        cache (about 75 ns a page: 0.13-0.25 ms for a 7 MB block, once per block and field),
-        and pages leave the page cache in folios and regions (reclaim, writeback, DAMON), not one
-        by one.  A page missed by the probe costs one read from disk when the block is
-        prepared; the rows are the same either way.
-        """
+        """The pages of rows ``[lo, hi)`` (one chunk, mapped) are in the page cache, judged by
+        ``mincore`` of one page per :data:`PROBE_BYTES` and the last: a store into a page that is
+        not reads it from disk first, where ``pwrite`` of whole pages reads nothing.  (Pages leave
+        the page cache in folios and regions; every page's lookup cost 0.13-0.25 ms a block.)"""
         start, end = self._page_range(lo, hi)
         vec, out = self._probe_vec, self._probe_at
         last = end - PAGE
