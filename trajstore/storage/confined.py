@@ -277,14 +277,7 @@ class Confinement:
     def open_stat(self, key: str, flags: int) -> tuple[int, os.stat_result]:
         """:meth:`open`, with the ``fstat`` of the open file that showed it to be a regular file
         (a caller that needs the size asks the system once, not twice: mapping a chunk file).
-
-        Raises
-        ------
-        FileNotFoundError
-            Nothing (or a folder, when reading) is at ``key``.
-        DamagedStoreError
-            ``key`` is a symbolic link, a FIFO, a device or another special file.
-        """
+        Raises what :meth:`open` raises."""
         check_key(key, self.url)
         held = self._held
         fd = _open_beneath(self.root, key, flags, held[1] if held and held[0] == threading.get_ident() else None)
