@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import mmap as _mmap
 import os
 import stat
@@ -522,7 +523,38 @@ class VirtualArray:
             self.array = self.chunks = self._bytes = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
+        if _collecting[0] and self.base:
+            _finalized.append(self)  # unmapped when the collection is over (see _after_collection)
+            return
         try:
             self.close()
         except Exception:
             pass
+
+
+# The cyclic collector finalizes a cycle's objects in no particular order.  A buffer dropped
+# without close() sits in a cycle with its store, tables and fields, and its __del__ closes it:
+# the staged rows are written through these mappings and committed.  Were an array of that cycle
+# unmapped by its own __del__ first, those rows would be lost.  So an array finalized while the
+# collector runs stays mapped until the collection is over, and is unmapped then unless something
+# still holds it (a buffer kept for a later commit, base.py's _DEFERRED): that one is unmapped by
+# its owner's close, or at a later collection.
+_collecting = [False]
+_finalized: list[VirtualArray] = []
+
+
+def _after_collection(phase: str, info: dict[str, Any]) -> None:
+    _collecting[0] = phase == "start"
+    if phase != "stop" or not _finalized:
+        return
+    pending, _finalized[:] = list(_finalized), []
+    for va in pending:
+        # Held by `pending`, `va` and getrefcount's argument only: nothing else can reach it.
+        if va.base and sys.getrefcount(va) > 3:
+            _finalized.append(va)
+        else:
+            va.close()
+    del pending
+
+
+gc.callbacks.append(_after_collection)

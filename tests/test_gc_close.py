@@ -1,0 +1,60 @@
+"""A writer dropped without ``close()`` is committed when it is collected, also when the cyclic
+collector frees it: its mappings outlive its own ``__del__`` (``_vmap._after_collection``), and
+are unmapped once the collection is over.
+
+Real stores on disk; the buffers sit in reference cycles (store listeners hold their methods), so
+``gc.collect()`` finalizes them together with the arrays they write through.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+
+STEP = spaces.Box(-1, 1, (2,), np.float32)
+EPISODE = spaces.Box(0, 1, (1,), np.float32)
+
+
+def _mapped(path: Path) -> list[str]:
+    """Lines of /proc/self/maps naming a file under ``path``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if str(path) in line]
+
+
+def _write_and_drop(kind: str, path: Path, n: int) -> None:
+    """Create a writer, write ``n`` rows and one more, and drop it without closing it."""
+    if kind == "replay":
+        buf = ReplayBuffer.create(STEP, cache_path=path)
+    elif kind == "ring":
+        buf = ReplayBuffer.create(STEP, cache_path=path, capacity=64)
+    else:
+        buf = TrajectoryReplayBuffer.create(STEP, cache_path=path, episode_data_instance_space=EPISODE)
+        buf.set_current_episode_data(np.array([0.75], np.float32))
+    buf.extend(np.full((n, 2), 0.5, np.float32))
+    buf.append(np.full(2, 0.25, np.float32))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kind", ["replay", "ring", "trajectory"])
+@pytest.mark.parametrize("n", [3, 5000])
+def test_dropped_writer_is_committed_when_collected(tmp_path: Path, kind: str, n: int) -> None:
+    path = tmp_path / "store"
+    gc.collect()
+    _write_and_drop(kind, path, n)
+    gc.collect()
+    assert _mapped(path) == []  # unmapped once the collection is over
+    cls = TrajectoryReplayBuffer if kind == "trajectory" else ReplayBuffer
+    with cls.load_from(path, read_only=True) as r:
+        rows = min(n + 1, 64) if kind == "ring" else n + 1
+        assert len(r) == rows
+        got = r[:]["step_data"] if kind == "trajectory" else r[:]
+        np.testing.assert_array_equal(got[-1], np.full(2, 0.25, np.float32))
+        np.testing.assert_array_equal(got[:-1], np.full((rows - 1, 2), 0.5, np.float32))
+        if kind == "trajectory":
+            np.testing.assert_array_equal(r[-1]["episode_data"], np.array([0.75], np.float32))
