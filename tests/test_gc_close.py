@@ -9,6 +9,7 @@ Real stores on disk; the buffers sit in reference cycles (store listeners hold t
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +59,27 @@ def test_dropped_writer_is_committed_when_collected(tmp_path: Path, kind: str, n
         np.testing.assert_array_equal(got[:-1], np.full((rows - 1, 2), 0.5, np.float32))
         if kind == "trajectory":
             np.testing.assert_array_equal(r[-1]["episode_data"], np.array([0.75], np.float32))
+
+
+def test_a_closed_mapping_maps_nothing(tmp_path: Path) -> None:
+    """Once a VirtualArray is closed (its range unmapped, ``base`` 0) mapping or unmapping a
+    chunk raises ClosedError: a ``MAP_FIXED`` call at ``0 + k * stride`` would map over whatever
+    the process has at that low address."""
+    from trajstore.errors import ClosedError
+    from trajstore.storage.fields import _vmap
+
+    if not _vmap.AVAILABLE:
+        pytest.skip("no memory-mapped engine on this system")
+    va = _vmap.VirtualArray(4, _vmap.PAGE, (1,), np.dtype(np.uint8), False)
+    chunk = tmp_path / "chunk"
+    chunk.write_bytes(bytes(_vmap.PAGE))
+    fd = os.open(chunk, os.O_RDONLY)
+    try:
+        va.map_chunk(1, fd, str(chunk))  # open: maps
+        va.close()
+        with pytest.raises(ClosedError):
+            va.map_chunk(2, fd, str(chunk))
+        with pytest.raises(ClosedError):
+            va.unmap_chunk(1)
+    finally:
+        os.close(fd)

@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from trajstore.errors import ClosedError
+
 PAGE = _mmap.PAGESIZE
 
 #: Environment variable that turns the memory-mapped engine off (``1``): raw fields then go
@@ -477,6 +479,7 @@ class VirtualArray:
         OSError
             Space for a sparse file could not be reserved, or ``mmap`` failed.
         """
+        self._check_open()
         if st is None:
             st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -503,6 +506,7 @@ class VirtualArray:
 
     def unmap_chunk(self, k: int) -> None:
         """Put zero pages back at chunk ``k``."""
+        self._check_open()
         flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
         _check(_libc.mmap(self.base + k * self.stride, self.stride, _PROT_READ, flags, -1, 0), "unmap chunk")
         self.mapped[k] = False
@@ -514,6 +518,12 @@ class VirtualArray:
         if _libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
             err = ctypes.get_errno()
             raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
+
+    def _check_open(self) -> None:
+        """Refuse a ``MAP_FIXED`` call once the range is unmapped: with ``base`` 0 it would map
+        over whatever the process has at that low address."""
+        if not self.base:
+            raise ClosedError("the field's mapping was closed (its store was closed)")
 
     def close(self) -> None:
         """Unmap the whole range (idempotent): arrays viewing it must not be touched afterwards."""
