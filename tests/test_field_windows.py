@@ -385,3 +385,42 @@ def test_sequence_dataset_per_field(tmp_path):
     rb.close()
     with pytest.raises(BadArgumentError, match="needs a TrajectoryReplayBuffer store"):
         SequenceDataset(tmp_path / "rb", offsets={"x": [0]})
+
+
+@pytest.mark.parametrize("how", [{"within_episode": True}, {"within_episode": True, "allow_pad": True}])
+@pytest.mark.parametrize("overwritten", [16, 40])
+def test_reader_of_a_live_ring_never_keeps_overwritten_earlier_frames(tmp_path, monkeypatch, how, overwritten):
+    """A writer evicts the oldest rows of a ring and overwrites their slots while a reader reads a
+    sample's windows (injected between the draw and the read, so it happens every time).  Anchors
+    that survived at the new ring start have frames at offset -1 in the evicted rows: the reader
+    must draw those anchors again, not keep frames it read from reused slots (the check used to
+    follow the anchor row only, and returned rows ``overwritten + 63`` and up as their frame -1)."""
+    store = tmp_path / "s"
+    w = TrajectoryReplayBuffer.create(STEP, step_data_capacity=64, cache_path=store, chunk_rows=16)
+    write(w, [64])  # one episode, still open: every frame of a surviving anchor is valid
+    w.flush()
+    ro = TrajectoryReplayBuffer.load_from(store, read_only=True)
+    real_read, writes = field_windows._read, []
+
+    def read_while_writing(src, anchors, *args, **kwargs):
+        if not writes:  # the first read: the writer evicts rows 0 .. overwritten - 1 and reuses their slots
+            writes.append(anchors.copy())  # logical rows of the old record, which are its absolute rows
+            write(w, [overwritten], row=64)
+            w.flush()
+        return real_read(src, anchors, *args, **kwargs)
+
+    monkeypatch.setattr(field_windows, "_read", read_while_writing)
+    offsets = {"obs/state": [-1, 0], "action": [0, 1]}
+    data, mask = ro.sample_sequences(256, offsets=offsets, rng=0, **how)
+    assert ro._store.committed.tables["step_data"].start == overwritten  # the reader saw the eviction
+    assert overwritten in writes[0]  # the first read had an anchor at the new start, its frame -1 evicted
+    state = np.asarray(data["step_data"]["obs"]["state"])[:, :, 0].astype(np.int64)
+    anchors = state[:, 1]
+    assert (anchors >= overwritten).all()  # anchors evicted meanwhile were drawn again
+    valid = np.asarray(mask["obs/state"])
+    assert valid[:, 1].all()
+    np.testing.assert_array_equal(state[valid[:, 0], 0], anchors[valid[:, 0]] - 1)  # no frame from a reused slot
+    action, act_ok = np.asarray(data["step_data"]["action"])[:, :, 0], np.asarray(mask["action"])
+    np.testing.assert_array_equal(action[act_ok], (anchors[:, None] + [0.5, 1.5])[act_ok])
+    ro.close()
+    w.close()

@@ -324,7 +324,8 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         all_valid = block and bool(_block_ok(src, anchors, span.offsets)[1].all())
         return _read(src, anchors, fields, span, all_valid=all_valid)
 
-    return sample_consistent(src, draw, read, batch_size, _put_field_windows)
+    # Frames before the anchor are read too: the eviction check follows the earliest of them.
+    return sample_consistent(src, draw, read, batch_size, _put_field_windows, reach_back=-int(span.offsets[0]))
 
 
 def _put_field_windows(out: FieldWindows, positions: np.ndarray, part: FieldWindows) -> None:

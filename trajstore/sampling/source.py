@@ -209,7 +209,8 @@ def read_consistent(src: RowSource, read: Callable[[], _T]) -> _T:
 
 
 def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T],
-                      size: int, put: Callable[[_T, np.ndarray, _T], None] | None = None) -> _T:
+                      size: int, put: Callable[[_T, np.ndarray, _T], None] | None = None, *,
+                      reach_back: int = 0) -> _T:
     """``read(draw(size))``, consistent for readers of a live store.
 
     ``draw(k)`` returns k logical rows (anchors) of the current record; ``read`` reads the rows
@@ -244,6 +245,12 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
         (``test_ring_shards_while_a_reader_samples``: up to 100 attempts, then
         ``ConcurrentWriteError``; with ``put`` at most 5).  None: every retry reads every
         anchor, and all rows returned are rows of the last record checked.
+    reach_back : int, optional
+        How many rows before its anchor ``read`` may read (windows with negative offsets).  A
+        ring evicts its oldest rows first, so an anchor is intact when the earliest row read
+        for it is: with ``reach_back`` > 0 that row, ``max(anchor - reach_back, 0)``, is the one
+        checked.  Checking the anchor alone would keep windows whose earlier frames a writer
+        overwrote while they were read.
 
     Raises
     ------
@@ -260,23 +267,32 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
         return read(anchors)
     # anchors: the sample's logical rows (those of positions not yet read intact: of the current
     # record); todo: positions the next attempt reads; absolute: their absolute rows as of that
-    # read; out: the sample with every position read intact so far (with put); got: the last read.
+    # read; earliest: those of the earliest rows read for them (reach_back); out: the sample with
+    # every position read intact so far (with put); got: the last read.
     st: dict[str, Any] = {"anchors": anchors.copy(), "todo": np.arange(size), "absolute": None,
-                          "out": None, "got": None}
+                          "earliest": None, "out": None, "got": None}
 
     def attempt() -> _T:
         rows = st["anchors"][st["todo"]]
         st["absolute"] = src.absolute_rows(rows)
+        if reach_back > 0:
+            st["earliest"] = src.absolute_rows(np.maximum(rows - reach_back, 0))
         st["got"] = read(rows)
         return st["got"]
+
+    def followed(absolute: np.ndarray, before: Head) -> np.ndarray:
+        rows = src.logical_rows(absolute, before)
+        if rows is None:  # rewritten: none of the rows just read can be followed
+            return np.full(len(absolute), -1, np.int64)
+        return rows
 
     def mend(before: Head) -> bool:
         if src.count == 0:
             raise EmptyBufferError(f"{src.name}: the buffer was emptied while it was sampled")
-        rows = src.logical_rows(st["absolute"], before)
-        if rows is None:  # rewritten: none of the rows just read can be followed
-            rows = np.full(len(st["absolute"]), -1, np.int64)
+        rows = followed(st["absolute"], before)
         stale = rows < 0
+        if reach_back > 0:
+            stale |= followed(st["earliest"], before) < 0
         if not stale.any():  # rows were evicted, but none of those read: they are intact
             return True
         rows[stale] = draw(int(stale.sum()))
