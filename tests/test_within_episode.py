@@ -244,3 +244,27 @@ def test_reader_of_a_live_ring(tmp_path):
         np.testing.assert_array_equal(x[mask], rows[mask])
         np.testing.assert_array_equal(d[mask], rows[mask] % 7 == 6)
     w.close()
+
+
+def test_batch_sizes_zero_and_bad(tmp_path):
+    """A batch of 0 is an empty batch on every sampler (within_episode included: its rejection loop
+    raised a raw ValueError); a negative, fractional or bool batch size is a BadOptionError (numpy's
+    ValueError before)."""
+    space = gym.spaces.Dict({"obs": gym.spaces.Box(0, 1, (2,), np.float32)})
+    tb = TrajectoryReplayBuffer.create(space, cache_path=tmp_path / "t")
+    tb.extend({"obs": np.zeros((10, 2), np.float32)})
+    rb = ReplayBuffer.create(space, cache_path=tmp_path / "r")
+    rb.extend({"obs": np.zeros((10, 2), np.float32)})
+    for within in (False, True):
+        data, mask = tb.sample_sequences(0, 3, within_episode=within)
+        assert data["step_data"]["obs"].shape == (0, 3, 2) and mask.shape == (0, 3)
+        data, mask = tb.sample_sequences(0, offsets={"obs": [-1, 0]}, within_episode=within)
+        assert data["step_data"]["obs"].shape == (0, 2, 2) and mask["obs"].shape == (0, 2)
+    assert rb.sample(0)["obs"].shape == (0, 2) and tb.sample(0)["step_data"]["obs"].shape == (0, 2)
+    for bad in (-1, 2.5, True, "4"):
+        for call in (lambda: rb.sample(bad), lambda: tb.sample(bad), lambda: tb.sample_sequences(bad, 2),
+                     lambda: tb.sample_sequences(bad, offsets={"obs": [0]}, within_episode=True)):
+            with pytest.raises(errors.BadOptionError, match="batch_size must be an int >= 0"):
+                call()
+    tb.close()
+    rb.close()

@@ -243,6 +243,8 @@ class StoredBuffer(BatchBase):
 
         Raises
         ------
+        BadOptionError
+            ``batch_size`` is not an int >= 0.
         EmptyBufferError
             The buffer holds no rows (or a writer emptied it meanwhile).
         """

@@ -79,7 +79,8 @@ class EpisodeWindows:
         BadArgumentError
             Both or neither of ``seq_len`` and ``offsets``; bad ``offsets`` as :meth:`get_sequences`.
         BadOptionError
-            A bad ``seq_len`` or ``pad``; no window lies inside one episode with ``within_episode``.
+            A bad ``batch_size`` (not an int >= 0), ``seq_len`` or ``pad``; no window lies inside
+            one episode with ``within_episode``.
         """
         buf = cast("TrajectoryReplayBuffer", self)
         _fw.seq_len_or_offsets(seq_len, offsets)

@@ -157,6 +157,27 @@ class TrajectoryRows(BufferRows):
     def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         return self.buffer._read_rows(anchors, leaves)
 
+    def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
+        """(B,) bool: which logical ``rows`` (stored under the current record) may have read their
+        episode's data, under record ``before``, from an episode-data slot that was reused since.
+
+        An episode-data ring evicts its oldest rows, then reuses their slots, while the steps of
+        those episodes may stay in the step ring.  The rows' step data is then intact but their
+        episode data may be another episode's.  When the episode-data ring evicted rows after
+        ``before``, the rows whose episode has no data row now are answered True: they may have
+        had one then.  (Rows whose episode never had one are read again too: this happens only
+        while an eviction overlaps a read.)  An epoch change is not looked at: ``logical_rows``
+        already follows no row across it.
+        """
+        rows = np.asarray(rows, np.int64)
+        et = self.buffer._ep_table
+        if et is None or et.capacity is None or not len(rows):
+            return np.zeros(rows.shape, bool)
+        then, now = before.tables.get(et.name), self.record.tables.get(et.name)
+        if then is None or now is None or now.start <= then.start:
+            return np.zeros(rows.shape, bool)
+        return self.buffer._episodes.lookup(self.step_ids(rows)) < 0
+
 
 class SelectionRows(EpisodeSource):
     """The steps of some episodes of a trajectory buffer as an
@@ -305,6 +326,10 @@ class SelectionRows(EpisodeSource):
 
     def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         return self.parent.read_episode_rows(self.to_parent(anchors), leaves)
+
+    def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        return self.parent.episode_data_stale(self.to_parent(rows), before)
 
 
 def short_ids(ids: np.ndarray) -> str:

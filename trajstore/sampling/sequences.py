@@ -238,7 +238,7 @@ def _draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np
     """First rows of ``batch_size`` windows drawn uniformly (``within_episode``: uniformly among
     the windows wholly inside one episode), (B,) int64 logical rows."""
     n = src.count
-    if not within_episode:
+    if not within_episode or batch_size == 0:
         return rng.integers(0, n, size=batch_size)
     # Rejection sampling, keeping accepted candidates in draw order (so anchors stay iid uniform
     # over valid windows); each round draws enough candidates for the acceptance rate seen so

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
-from trajstore.errors import ConcurrentWriteError, EmptyBufferError
+from trajstore.errors import BadOptionError, ConcurrentWriteError, EmptyBufferError
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
@@ -254,11 +254,15 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
 
     Raises
     ------
+    BadOptionError
+        ``size`` is not an int >= 0.
     EmptyBufferError
         The source holds no rows (or a writer emptied it meanwhile).
     ConcurrentWriteError
         A writer evicts rows faster than this reader can sample them.
     """
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise BadOptionError(f"batch_size must be an int >= 0; got {size!r}")
     src.sync()
     if src.count == 0:
         raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")
@@ -280,6 +284,9 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
         st["got"] = read(rows)
         return st["got"]
 
+    # Only sources with episode data answer it (TrajectoryRows and the views over it).
+    episode_data_stale = getattr(src, "episode_data_stale", None) if getattr(src, "episode_leaves", None) else None
+
     def followed(absolute: np.ndarray, before: Head) -> np.ndarray:
         rows = src.logical_rows(absolute, before)
         if rows is None:  # rewritten: none of the rows just read can be followed
@@ -293,9 +300,13 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
         stale = rows < 0
         if reach_back > 0:
             stale |= followed(st["earliest"], before) < 0
-        if not stale.any():  # rows were evicted, but none of those read: they are intact
+        # Anchors still stored whose episode data may have come from a reused episode-data slot:
+        # read again as they are (not drawn again: their rows are there, so the sample stays uniform).
+        again = ~stale & episode_data_stale(np.where(stale, 0, rows), before) if episode_data_stale else stale
+        if not stale.any() and not again.any():  # rows were evicted, but none of those read: they are intact
             return True
-        rows[stale] = draw(int(stale.sum()))
+        if stale.any():
+            rows[stale] = draw(int(stale.sum()))
         todo = st["todo"]
         st["anchors"][todo] = rows
         if put is not None:  # keep what was read intact; the next attempt reads the redrawn anchors
@@ -303,7 +314,7 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
                 st["out"] = st["got"]  # (the first attempt read every position)
             else:
                 put(st["out"], todo, st["got"])
-            st["todo"] = todo[stale]
+            st["todo"] = todo[stale | again]
         return False
 
     got = _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")
