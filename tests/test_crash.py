@@ -23,7 +23,7 @@ if HERE not in sys.path:
 import _workers as W  # noqa: E402
 
 from trajstore import ReplayBuffer  # noqa: E402
-from trajstore.storage.fields import _vmap  # noqa: E402
+from trajstore.storage.fields import _syscalls  # noqa: E402
 
 STAGING = ".trajstore-staging"
 
@@ -299,7 +299,7 @@ class _SyncSpy:
 
     def __init__(self, monkeypatch):
         self.events: list[tuple[str, str, int]] = []
-        real_fsync, real_msync = os.fsync, _vmap._libc.msync
+        real_fsync, real_msync = os.fsync, _syscalls._libc.msync
 
         def fsync_spy(fd):
             try:
@@ -315,7 +315,7 @@ class _SyncSpy:
             return rc
 
         monkeypatch.setattr(os, "fsync", fsync_spy)
-        monkeypatch.setattr(_vmap._libc, "msync", msync_spy)
+        monkeypatch.setattr(_syscalls._libc, "msync", msync_spy)
 
     def take(self) -> list[tuple[str, str, int]]:
         out, self.events[:] = list(self.events), []

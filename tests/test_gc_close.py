@@ -66,13 +66,13 @@ def test_a_closed_mapping_maps_nothing(tmp_path: Path) -> None:
     chunk raises ClosedError: a ``MAP_FIXED`` call at ``0 + k * stride`` would map over whatever
     the process has at that low address."""
     from trajstore.errors import ClosedError
-    from trajstore.storage.fields import _vmap
+    from trajstore.storage.fields import _syscalls, _vmap
 
-    if not _vmap.AVAILABLE:
+    if not _syscalls.AVAILABLE:
         pytest.skip("no memory-mapped engine on this system")
-    va = _vmap.VirtualArray(4, _vmap.PAGE, (1,), np.dtype(np.uint8), False)
+    va = _vmap.VirtualArray(4, _syscalls.PAGE, (1,), np.dtype(np.uint8), False)
     chunk = tmp_path / "chunk"
-    chunk.write_bytes(bytes(_vmap.PAGE))
+    chunk.write_bytes(bytes(_syscalls.PAGE))
     fd = os.open(chunk, os.O_RDONLY)
     try:
         va.map_chunk(1, fd, str(chunk))  # open: maps

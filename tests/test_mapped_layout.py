@@ -8,7 +8,7 @@ inside a chunk and across a chunk's end, ring wraps, single-row rewrites (stores
 mapping) and block writes (pwrite).
 
 Real huge-page chunks ((84,84,4) frames, 256 rows: 7.2 MB) run once; the same paths run on
-small rows with ``_vmap.HUGE`` lowered to three pages, which puts a two-page gap after every
+small rows with ``_syscalls.HUGE`` lowered to three pages, which puts a two-page gap after every
 four-page chunk and makes chunk ends frequent.
 """
 
@@ -24,9 +24,9 @@ import zarr
 from gymnasium.spaces import Box
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls, _vmap
 
-pytestmark = pytest.mark.skipif(not _vmap.AVAILABLE, reason="the mapped engine is off in this process")
+pytestmark = pytest.mark.skipif(not _syscalls.AVAILABLE, reason="the mapped engine is off in this process")
 
 FRAME = (84, 84, 4)
 
@@ -48,14 +48,14 @@ def layout(request, monkeypatch):
     """(row shape, chunk rows) of a gapped layout: real 2 MiB pages, or three-page "huge pages"."""
     if request.param == "frames":
         return FRAME, 256
-    monkeypatch.setattr(_vmap, "HUGE", 3 * _vmap.PAGE)
-    return (64,), 4 * _vmap.PAGE // 64  # four pages per chunk, six per slot
+    monkeypatch.setattr(_syscalls, "HUGE", 3 * _syscalls.PAGE)
+    return (64,), 4 * _syscalls.PAGE // 64  # four pages per chunk, six per slot
 
 
 def test_slot_bytes():
-    huge = _vmap.HUGE
-    assert _vmap.slot_bytes(_vmap.PAGE) == _vmap.PAGE  # small chunks stay contiguous
-    assert _vmap.slot_bytes(huge - _vmap.PAGE) == huge - _vmap.PAGE
+    huge = _syscalls.HUGE
+    assert _vmap.slot_bytes(_syscalls.PAGE) == _syscalls.PAGE  # small chunks stay contiguous
+    assert _vmap.slot_bytes(huge - _syscalls.PAGE) == huge - _syscalls.PAGE
     assert _vmap.slot_bytes(huge) == huge
     assert _vmap.slot_bytes(256 * 28224) == 4 * huge  # (84,84,4) frames, 256-row chunks: 7.2 MB in 8 MiB
 
@@ -66,7 +66,7 @@ def test_gapped_rows_match_zarr_and_the_model(tmp_path, layout):
     rb = ReplayBuffer.create(Box(0, 255, shape, np.uint8), cache_path=tmp_path / "s", chunk_rows=C)
     rb.extend(_rows(np.arange(n), shape))
     va = _field(rb)._va
-    assert va.array is None and va.stride > va.chunk_bytes and va.base % _vmap.HUGE == 0, "layout is not gapped"
+    assert va.array is None and va.stride > va.chunk_bytes and va.base % _syscalls.HUGE == 0, "layout is not gapped"
     model = list(range(n))
     # single rows go through the mapping, blocks through pwrite: both across chunk ends
     rb.set_at(np.array([0, C - 1, C, 2 * C + 1]), _rows(np.array([1000, 1001, 1002, 1003]), shape))
@@ -131,7 +131,7 @@ def _faults_touching_pages(addr: int, nbytes: int) -> int:
     """Minor faults this process takes reading one byte of every page of ``[addr, addr + nbytes)``."""
     view = np.ndarray((nbytes,), np.uint8, buffer=(ctypes.c_char * nbytes).from_address(addr))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    int(view[:: _vmap.PAGE].sum())
+    int(view[:: _syscalls.PAGE].sum())
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
@@ -152,7 +152,7 @@ def test_a_chunk_maps_as_few_faults_as_a_plain_file(tmp_path):
         va.close()
     finally:
         os.close(fd)
-    pages = frames.nbytes // _vmap.PAGE
+    pages = frames.nbytes // _syscalls.PAGE
     if control > pages // 8:
         pytest.skip(f"no huge page-cache folios here: a plain file took {control} faults for {pages} pages")
     rb = ReplayBuffer.create(Box(0, 255, FRAME, np.uint8), cache_path=tmp_path / "s", chunk_rows=C)

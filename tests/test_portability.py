@@ -33,7 +33,7 @@ from gymnasium.spaces import Box, Dict, Discrete
 
 import trajstore
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields import layout as fields
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import LockedError
@@ -87,9 +87,9 @@ def _chunk_digests(path: Path) -> dict[str, str]:
 # the mapped engine is optional
 # ----------------------------------------------------------------------------------------
 def test_the_capability_check_is_computed_at_import_and_never_raises():
-    assert _vmap.AVAILABLE is (sys.platform.startswith("linux") and not os.environ.get("TRAJSTORE_NO_MMAP"))
+    assert _syscalls.AVAILABLE is (sys.platform.startswith("linux") and not os.environ.get("TRAJSTORE_NO_MMAP"))
     out = _run("""
-        import trajstore.storage.fields._vmap as v
+        import trajstore.storage.fields._syscalls as v
         print(v.AVAILABLE, v.UNAVAILABLE_REASON)
     """, env=_env(TRAJSTORE_NO_MMAP="1"))
     assert out.strip() == "False TRAJSTORE_NO_MMAP is set"
@@ -104,8 +104,8 @@ def test_the_capability_check_is_computed_at_import_and_never_raises():
         ctypes.CDLL = cdll
         import tempfile, numpy as np, gymnasium as gym
         import trajstore
-        from trajstore.storage.fields import _vmap
-        print(_vmap.AVAILABLE, _vmap.UNAVAILABLE_REASON)
+        from trajstore.storage.fields import _syscalls
+        print(_syscalls.AVAILABLE, _syscalls.UNAVAILABLE_REASON)
         d = tempfile.mkdtemp()
         with trajstore.ReplayBuffer.create(gym.spaces.Box(-1, 1, (1024,), np.float32), cache_path=d + "/s") as rb:
             rb.extend(np.ones((10, 1024), np.float32))
@@ -158,7 +158,7 @@ def _call(fn: str, path: Path, no_mmap: bool) -> str:
     return _run(f"import test_portability as T; T.{fn}({str(path)!r})", env=env)
 
 
-@pytest.mark.skipif(not _vmap.AVAILABLE, reason="the mapped engine is off in this process")
+@pytest.mark.skipif(not _syscalls.AVAILABLE, reason="the mapped engine is off in this process")
 def test_no_mmap_gives_the_same_bytes_and_both_engines_read_each_others_stores(tmp_path):
     """The same writes through both engines leave byte-identical chunk files; each engine reads
     what the other wrote (ring, unbounded, trajectory), and sample gives the same rows."""
@@ -176,30 +176,30 @@ def test_no_mmap_gives_the_same_bytes_and_both_engines_read_each_others_stores(t
 def test_a_filesystem_that_refuses_shared_mappings_falls_back_per_store(tmp_path, monkeypatch):
     """The first mapping of a store's file failing with EINVAL (what a filesystem without shared
     mmap answers) makes that store's raw fields use ChunkedField; nothing raises."""
-    if not _vmap.AVAILABLE:
+    if not _syscalls.AVAILABLE:
         pytest.skip("the mapped engine is off in this process")
-    real = _vmap._libc
+    real = _syscalls._libc
 
     class NoSharedMaps:
         def __getattr__(self, name):
             return getattr(real, name)
 
         def mmap(self, addr, n, prot, flags, fd, off):
-            if flags & _vmap._MAP_SHARED:
+            if flags & _syscalls._MAP_SHARED:
                 ctypes.set_errno(errno.EINVAL)
-                return _vmap._MAP_FAILED
+                return _syscalls._MAP_FAILED
             return real.mmap(addr, n, prot, flags, fd, off)
 
     path = tmp_path / "s"
     ReplayBuffer.create(SPACE, cache_path=path, chunk_rows=64).close()
-    monkeypatch.setattr(_vmap, "_libc", NoSharedMaps())
+    monkeypatch.setattr(_syscalls, "_libc", NoSharedMaps())
     monkeypatch.setattr(fields, "_MAPS", {})
     with ReplayBuffer.load_from(path) as rb:
         assert _engines(rb) == {"ChunkedField"}
         rb.extend(_rows(0, 100))
         assert rb[99]["a"] == 3
-    assert _vmap.AVAILABLE  # other stores (other filesystems) still map
-    monkeypatch.setattr(_vmap, "_libc", real)
+    assert _syscalls.AVAILABLE  # other stores (other filesystems) still map
+    monkeypatch.setattr(_syscalls, "_libc", real)
     monkeypatch.setattr(fields, "_MAPS", {})
     with ReplayBuffer.load_from(path, read_only=True) as ro:
         assert _engines(ro) == {"MappedField"}
@@ -233,7 +233,7 @@ def test_core_suites_pass_without_memory_mappings():
 
 
 def test_the_fallback_is_the_engine_of_raw_fields(tmp_path, monkeypatch):
-    monkeypatch.setattr(_vmap, "AVAILABLE", False)
+    monkeypatch.setattr(_syscalls, "AVAILABLE", False)
     with ReplayBuffer.create(SPACE, cache_path=tmp_path / "s", capacity=100, chunk_rows=64) as rb:
         assert _engines(rb) == {"ChunkedField"}
         rb.extend(_rows(0, 150))

@@ -11,13 +11,13 @@ import pytest
 from gymnasium.spaces import Box
 
 from trajstore import ReplayBuffer
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls
 
 
 @pytest.mark.parametrize("compressor", ["lz4", None])
 def test_single_chunk_ring_records_only_rows_on_disk(tmp_path, monkeypatch, compressor):
     if compressor is None:
-        monkeypatch.setattr(_vmap, "AVAILABLE", False)  # raw rows through the chunked engine (TRAJSTORE_NO_MMAP)
+        monkeypatch.setattr(_syscalls, "AVAILABLE", False)  # raw rows through the chunked engine (TRAJSTORE_NO_MMAP)
     space = Box(-np.inf, np.inf, (3,), np.float32)
     cap = 600
     rb = ReplayBuffer.create(space, cache_path=tmp_path / "rb", capacity=cap, chunk_rows=1024,

@@ -37,7 +37,7 @@ import _workers as W  # noqa: E402
 from trajstore import ReplayBuffer as StoreBuffer  # noqa: E402
 from trajstore.errors import ClosedError, ConcurrentWriteError, LockedError, StoreFullError  # noqa: E402
 from trajstore.sb3 import ZarrReplayBuffer  # noqa: E402
-from trajstore.storage.fields import _vmap  # noqa: E402
+from trajstore.storage.fields import _syscalls, _vmap  # noqa: E402
 
 IMAGE = spaces.Box(0, 255, (84, 84, 4), np.uint8)
 SMALL_IMAGE = spaces.Box(0, 255, (32, 32, 4), np.uint8)  # one page a row: in place (InPlaceRows.MIN_ROW_BYTES)
@@ -51,14 +51,14 @@ def row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     refuses ``MADV_POPULATE_WRITE``: the advice is replaced by one no kernel knows, so the real
     EINVAL fallback runs) or "no-mmap" (``TRAJSTORE_NO_MMAP``: no field is memory-mapped).
     Forked children inherit it."""
-    if request.param == "in-place" and not _vmap.populate_write_works():
+    if request.param == "in-place" and not _syscalls.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
-    monkeypatch.setattr(_vmap, "POPULATE_WRITE", _vmap.POPULATE_WRITE)  # restored after the test
+    monkeypatch.setattr(_syscalls, "POPULATE_WRITE", _syscalls.POPULATE_WRITE)  # restored after the test
     if request.param == "staged":
-        monkeypatch.setattr(_vmap, "_MADV_POPULATE_WRITE", 0x7FFF)
-        monkeypatch.setattr(_vmap, "POPULATE_WRITE", None)  # tried again, with that advice
+        monkeypatch.setattr(_syscalls, "_MADV_POPULATE_WRITE", 0x7FFF)
+        monkeypatch.setattr(_syscalls, "POPULATE_WRITE", None)  # tried again, with that advice
     elif request.param == "no-mmap":
-        monkeypatch.setattr(_vmap, "AVAILABLE", False)
+        monkeypatch.setattr(_syscalls, "AVAILABLE", False)
     return str(request.param)
 
 
@@ -168,7 +168,7 @@ def test_failed_hand_over_keeps_the_row(tmp_path: Path, monkeypatch: pytest.Monk
     """A full disk while a staged block is handed over raises StoreFullError from ``add``; the
     transition stays added (SB3's position moved on) and staged, and is written once the disk has
     room."""
-    monkeypatch.setattr(_vmap, "POPULATE_WRITE", False)  # staged: the frames' pwrite meets the full disk
+    monkeypatch.setattr(_syscalls, "POPULATE_WRITE", False)  # staged: the frames' pwrite meets the full disk
     act = spaces.Discrete(4)
     ref = ReplayBuffer(400, IMAGE, act, "cpu")
     ours = ZarrReplayBuffer(400, IMAGE, act, "cpu", cache_path=tmp_path / "rb")
@@ -224,7 +224,7 @@ def test_failed_block_start_adds_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     block.  A full disk there raises StoreFullError from ``add`` before anything of the transition
     was added (SB3's position stays); the same add succeeds once the disk has room, and the store
     equals SB3's buffer."""
-    if not _vmap.populate_write_works():
+    if not _syscalls.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     act = spaces.Discrete(4)
     ref = ReplayBuffer(400, IMAGE, act, "cpu")
@@ -264,7 +264,7 @@ def test_in_place_rows_are_evicted_first_and_stored_once(tmp_path: Path) -> None
     last commit record no longer counts, also when a plain commit between two blocks counted every
     row again.  A block after one that a read handed over part-filled is staged (the file holds
     its frames only after the hand-over); the block after that is in place again."""
-    if not _vmap.populate_write_works():
+    if not _syscalls.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     cap = 600
     ours = ZarrReplayBuffer(cap, IMAGE, spaces.Discrete(4), "cpu", cache_path=tmp_path / "rb", commit_interval=3600)
@@ -311,7 +311,7 @@ def test_rows_out_of_the_page_cache_are_staged(tmp_path: Path) -> None:
     """A block whose pages are not in the page cache (a ring larger than RAM) is staged: stored in
     place, every page would first be read from disk only to be overwritten, where ``pwrite`` of
     whole pages reads nothing.  The rows still equal SB3's."""
-    if not _vmap.populate_write_works() or not os.path.exists("/proc/self/io"):
+    if not _syscalls.populate_write_works() or not os.path.exists("/proc/self/io"):
         pytest.skip("needs MADV_POPULATE_WRITE and /proc/self/io")
     act, cap = spaces.Discrete(4), 1024
     ref = ReplayBuffer(cap, IMAGE, act, "cpu")
@@ -369,7 +369,7 @@ def test_residency_probe_sees_a_range_out_of_the_page_cache(tmp_path: Path, drop
             assert va.resident(lo, hi)
             start, end = va._page_range(lo, hi)
             if dropped == "middle":
-                at = ((start + end) // 2 - va.base) & ~(_vmap.PAGE - 1)
+                at = ((start + end) // 2 - va.base) & ~(_syscalls.PAGE - 1)
                 os.posix_fadvise(fd, at, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
             elif dropped == "end":
                 os.posix_fadvise(fd, end - va.base - _vmap.PROBE_BYTES, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
@@ -400,7 +400,7 @@ def test_a_forked_child_never_stores_into_the_parents_files(tmp_path: Path, proc
 
     while t < 700 or ours._stage is None or ours._stage.n == 0:  # a full ring, a block part-filled
         add()
-    assert _path_taken(ours) == "in-place" or not _vmap.populate_write_works()
+    assert _path_taken(ours) == "in-place" or not _syscalls.populate_write_works()
     go, done = str(tmp_path / "go"), str(tmp_path / "child_done")
     p = W.start(_child_adds, ours, go, done, ctx=multiprocessing.get_context("fork"))
     procs.append(p)

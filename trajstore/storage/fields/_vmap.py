@@ -1,12 +1,5 @@
 """One numpy view over many chunk files mapped into one reserved address range (Linux).
 
-:data:`AVAILABLE` says whether this process can build one (Linux with a loadable libc, and the
-environment variable ``TRAJSTORE_NO_MMAP`` unset or ``0``); it is computed at import and never
-raises.  Where it is False (macOS, Windows, a libc ctypes cannot load, ``TRAJSTORE_NO_MMAP=1``),
-or where the first mapping on a store fails (:func:`mapping_works`), raw fields are read and
-written through zarr chunk by chunk instead (:class:`trajstore.storage.fields.chunked.ChunkedField`): the same
-bytes on disk, slower random reads.
-
 An uncompressed zarr chunk file is a raw C-order block of ``chunk_rows`` rows.  We
 reserve one virtual address range for the whole field and map each chunk file at its
 slot with ``MAP_FIXED``; unmapped slots are anonymous zero pages (what zarr reads
@@ -16,11 +9,10 @@ sizes must be multiples of the page size.  Chunks smaller than a huge page tile 
 end to end (one contiguous array); larger ones start on huge-page boundaries
 (:func:`slot_bytes`), so the kernel maps their 2 MiB page-cache folios in one fault each.
 
-A store through a shared mapping into a file page the filesystem cannot allocate (a hole
-on a full disk) kills the process with ``SIGBUS``; ``write`` would have returned ``ENOSPC``.
-So the writer maps only files whose blocks are allocated: :func:`reserve` allocates them
-(``posix_fallocate``) before a file is mapped writable, and a full disk is an ``OSError``
-there, at a point where nothing has been written yet.
+The system layer under it (libc through ctypes, mmap flags, page sizes, whether this process and
+a store's filesystem can map files at all) is :mod:`trajstore.storage.fields._syscalls`.  Its names
+are read here as attributes of that module, never imported by name: some are rebound at run time
+(``POPULATE_WRITE``) or replaced by tests (``_libc``, ``HUGE``), which an imported copy would not see.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import mmap as _mmap
 import os
 import stat
 import sys
@@ -37,180 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trajstore.errors import ClosedError
-
-PAGE = _mmap.PAGESIZE
-
-#: Environment variable that turns the memory-mapped engine off (``1``): raw fields then go
-#: through :class:`trajstore.storage.fields.chunked.ChunkedField`, as on systems without ``MAP_FIXED``.
-NO_MMAP_ENV = "TRAJSTORE_NO_MMAP"
-
-# Linux values (the flag bits differ on other systems, which take the portable path).
-_PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
-
-_libc: Any = None
-_fallocate: Any = None
-
-
-def _load_libc() -> str | None:
-    """Bind libc's mmap, munmap, msync and fallocate; the reason when that is not possible."""
-    global _libc, _fallocate
-    if not sys.platform.startswith("linux"):
-        return f"{sys.platform} is not Linux"
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.restype = ctypes.c_int
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.msync.restype = ctypes.c_int
-        libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mincore.restype = ctypes.c_int
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, AttributeError) as e:  # no loadable libc (static builds, some sandboxes)
-        return f"libc cannot be loaded ({e})"
-    _libc = libc
-    fa = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
-    if fa is not None:
-        fa.restype = ctypes.c_int
-        fa.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    _fallocate = fa
-    return None
-
-
-def _disabled_by_env() -> bool:
-    return os.environ.get(NO_MMAP_ENV, "").strip().lower() not in ("", "0", "false", "no")
-
-
-#: Why the mapped engine is off in this process (None: it is on).
-UNAVAILABLE_REASON: str | None = _load_libc()
-if UNAVAILABLE_REASON is None and _disabled_by_env():
-    UNAVAILABLE_REASON = f"{NO_MMAP_ENV} is set"
-#: The memory-mapped engine can be used in this process (see the module docstring).
-AVAILABLE: bool = UNAVAILABLE_REASON is None
-#: Former name of :data:`AVAILABLE`.
-SUPPORTED = AVAILABLE
-
-# Errors of a first mmap that mean "this system or filesystem cannot map files this way" (not a
-# full disk or a damaged file): the caller falls back on the portable engine.
-_MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno.ENOSYS,
-                    getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
-
-
-#: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on); None: not tried yet
-#: (:func:`populate_write_works`).  madvise answers that say it does not:
-POPULATE_WRITE: bool | None = None if AVAILABLE else False
-_ADVICE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
-
-
-def populate_write_works() -> bool:
-    """Whether ``madvise(MADV_POPULATE_WRITE)`` works here, tried once on a page of anonymous
-    memory (:data:`POPULATE_WRITE`)."""
-    global POPULATE_WRITE
-    if POPULATE_WRITE is None:
-        page = _libc.mmap(None, PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANON, -1, 0)
-        if page is None or page == _MAP_FAILED:
-            return False  # (no memory now: ask again next time)
-        try:
-            POPULATE_WRITE = _libc.madvise(page, PAGE, _MADV_POPULATE_WRITE) == 0
-        finally:
-            _libc.munmap(page, PAGE)
-    return POPULATE_WRITE
-
-
-def disable(reason: str) -> None:
-    """Turn the mapped engine off for the rest of this process (a mapping failed: see
-    :func:`mapping_works`); fields opened afterwards use the portable engine."""
-    global AVAILABLE, SUPPORTED, UNAVAILABLE_REASON
-    AVAILABLE = SUPPORTED = False
-    UNAVAILABLE_REASON = reason
-
-
-def mapping_works(fd: int) -> bool:
-    """Whether a file of this filesystem maps the way :class:`VirtualArray` maps chunk files: one
-    page of the open file ``fd`` (read-only, any non-empty regular file) ``MAP_SHARED | MAP_FIXED``
-    into a reserved range, then both unmapped.  Nothing is read or written.
-
-    Returns False when ``mmap`` answers with an error that says the filesystem cannot do it (the
-    caller uses the portable engine for that store), and turns the engine off for the whole
-    process (:func:`disable`) when not even address space can be reserved; other errors (no
-    memory...) are raised.
-    """
-    if not AVAILABLE:
-        return False
-    base = _libc.mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
-    if base is None or base == _MAP_FAILED:
-        err = ctypes.get_errno()
-        if err in _MAP_UNSUPPORTED:
-            disable(f"reserving address space failed ({os.strerror(err)})")
-            return False
-        raise OSError(err, f"reserve address range: {os.strerror(err)}")
-    try:
-        addr = _libc.mmap(base, PAGE, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            if err in _MAP_UNSUPPORTED:
-                return False
-            raise OSError(err, f"map a file: {os.strerror(err)}")
-        return True
-    finally:
-        _libc.munmap(base, PAGE)
-
-
-# Answers of posix_fallocate / fallocate for "this filesystem cannot preallocate" (glibc's
-# posix_fallocate emulates it by writing a byte per block where the kernel lacks fallocate;
-# musl and some FUSE/network filesystems answer with one of these instead).
-_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-
-
-def _fallocate_in_place(fd: int, nbytes: int) -> None:
-    """The ``fallocate(2)`` system call itself, mode 0: allocates holes, never writes content
-    (unlike glibc's posix_fallocate fallback, which writes a zero byte into every block that
-    reads as zero: a race with another process writing that block)."""
-    if _fallocate is None:
-        raise OSError(errno.ENOSYS, "fallocate is not available")
-    if _fallocate(fd, 0, 0, nbytes) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
-    """Make the filesystem allocate bytes ``[0, nbytes)`` of the file ``fd`` (growing it to
-    ``nbytes`` if shorter), so later stores through a mapping of them cannot fail.
-
-    Raises ``OSError`` (``ENOSPC`` on a full disk) without having changed any byte of content.
-    Where the filesystem cannot preallocate: a ``fresh`` file (all zeros, not yet visible to
-    anyone) is filled with written zeros instead, which allocates it just as well; an existing
-    file is left as it is, because writing zeros into it could overwrite rows another process
-    wrote meanwhile (a known, documented gap: such filesystems keep the SIGBUS risk for chunk
-    files created sparse by earlier trajstore versions, and only for those).
-    """
-    try:
-        if fresh:
-            if not hasattr(os, "posix_fallocate"):  # macOS, Windows: zeros are written below
-                raise OSError(errno.ENOSYS, "posix_fallocate is not available")
-            os.posix_fallocate(fd, 0, nbytes)
-        else:
-            _fallocate_in_place(fd, nbytes)
-        return
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            raise
-    if not fresh:
-        return
-    zeros = memoryview(bytes(min(nbytes, 1 << 20)))
-    pos = 0
-    while pos < nbytes:
-        pos += os.pwrite(fd, zeros[: min(len(zeros), nbytes - pos)], pos)
-
-
-def allocated_bytes(st: os.stat_result) -> int:
-    """Bytes of a file the filesystem has blocks for (less than its size when it has holes)."""
-    return st.st_blocks * 512
+from trajstore.storage.fields import _syscalls
 
 
 def _named(name: str | Callable[[], str]) -> str:
@@ -218,42 +36,23 @@ def _named(name: str | Callable[[], str]) -> str:
     return name if isinstance(name, str) else name()
 
 
-def _check(addr: int | None, what: str) -> int:
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return addr
-
-
-def _huge_page_bytes() -> int:
-    """Bytes one page-table entry maps at the level above pages (2 MiB on x86-64 and arm64 with
-    4 KiB pages): the span a page-cache folio of that size is mapped with in one fault."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            n = int(f.read().strip())
-    except (OSError, ValueError):
-        n = 2 << 20
-    return n if n > PAGE and n % PAGE == 0 and n & (n - 1) == 0 else 2 << 20
-
-
-#: See :func:`_huge_page_bytes`.
-HUGE = _huge_page_bytes()
 #: ``VirtualArray.resident`` probes one page per this many bytes.
 PROBE_BYTES = 1 << 20
 
 
 def slot_bytes(chunk_bytes: int) -> int:
-    """Address space given to one chunk: the chunk itself, rounded up to :data:`HUGE` when it
-    spans at least one.
+    """Address space given to one chunk: the chunk itself, rounded up to
+    :data:`~trajstore.storage.fields._syscalls.HUGE` when it spans at least one.
 
-    Why: the kernel maps a page-cache folio of :data:`HUGE` bytes (a file read or written in large
+    Why: the kernel maps a page-cache folio of ``HUGE`` bytes (a file read or written in large
     blocks gets them) with one page-table entry, on one fault, but only where the virtual address
-    and the file offset agree modulo :data:`HUGE`.  Chunks laid end to end start at multiples of
+    and the file offset agree modulo ``HUGE``.  Chunks laid end to end start at multiples of
     their own size, which for image rows (28,224 bytes for (84,84,4) uint8) never is a multiple of
     2 MiB; such chunks were mapped 64 KiB per fault (fault-around), and the first few hundred
     batches of a freshly opened store took 300 faults each where a plain ``np.memmap`` took 70.
     """
-    return -(-chunk_bytes // HUGE) * HUGE if chunk_bytes >= HUGE else chunk_bytes
+    huge = _syscalls.HUGE
+    return -(-chunk_bytes // huge) * huge if chunk_bytes >= huge else chunk_bytes
 
 
 class VirtualArray:
@@ -261,16 +60,18 @@ class VirtualArray:
     file mapped at its slot.
 
     Slots are :func:`slot_bytes` apart.  Where that equals a chunk's size the rows are one
-    contiguous array (:attr:`array`); otherwise every chunk starts on a :data:`HUGE` boundary and
-    :attr:`chunks` is the only view (``array`` is None).  Use :meth:`take`, :meth:`windows`,
-    :meth:`rows` and :meth:`put`, which serve both.
+    contiguous array (:attr:`array`); otherwise every chunk starts on a
+    :data:`~trajstore.storage.fields._syscalls.HUGE` boundary and :attr:`chunks` is the only view
+    (``array`` is None).  Use :meth:`take`, :meth:`windows`, :meth:`rows` and :meth:`put`, which
+    serve both.
 
     Parameters
     ----------
     n_chunks : int
         Number of chunk slots to reserve.
     chunk_rows : int
-        Rows per chunk; ``chunk_rows * row_bytes`` must be a multiple of :data:`PAGE`.
+        Rows per chunk; ``chunk_rows * row_bytes`` must be a multiple of
+        :data:`~trajstore.storage.fields._syscalls.PAGE`.
     row_shape : tuple of int
         Shape of one row.
     dtype : numpy.dtype
@@ -287,16 +88,17 @@ class VirtualArray:
         self.writable = writable
         self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
         self.chunk_bytes = chunk_rows * self.row_bytes
-        if self.chunk_bytes % PAGE:
-            raise ValueError(f"chunk of {self.chunk_bytes} bytes is not a multiple of the page size {PAGE}")
+        if self.chunk_bytes % _syscalls.PAGE:
+            raise ValueError(f"chunk of {self.chunk_bytes} bytes is not a multiple of the page size {_syscalls.PAGE}")
         self.n_chunks = max(int(n_chunks), 1)
         self.stride = slot_bytes(self.chunk_bytes)
         self.nbytes = self.n_chunks * self.stride
         # Reserve one HUGE more than needed, so the range can start on a HUGE boundary.
-        align = HUGE if self.chunk_bytes >= HUGE else PAGE
-        self._reserved = self.nbytes + align - PAGE
-        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE
-        self._reserved_at = _check(_libc.mmap(None, self._reserved, _PROT_READ, flags, -1, 0), "reserve address range")
+        align = _syscalls.HUGE if self.chunk_bytes >= _syscalls.HUGE else _syscalls.PAGE
+        self._reserved = self.nbytes + align - _syscalls.PAGE
+        flags = _syscalls._MAP_PRIVATE | _syscalls._MAP_ANON | _syscalls._MAP_NORESERVE
+        at = _syscalls._libc.mmap(None, self._reserved, _syscalls._PROT_READ, flags, -1, 0)
+        self._reserved_at = _syscalls._check(at, "reserve address range")
         self.base = -(-self._reserved_at // align) * align
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
         self._probe_vec = np.zeros(1, np.uint8)  # mincore's answer for one page (resident)
@@ -368,7 +170,8 @@ class VirtualArray:
 
     def _page_range(self, lo: int, hi: int) -> tuple[int, int]:
         """Addresses of the first and past the last page holding rows ``[lo, hi)`` (one chunk)."""
-        return self._address(lo) & ~(PAGE - 1), -(-(self._address(hi - 1) + self.row_bytes) // PAGE) * PAGE
+        page = _syscalls.PAGE
+        return self._address(lo) & ~(page - 1), -(-(self._address(hi - 1) + self.row_bytes) // page) * page
 
     def resident(self, lo: int, hi: int) -> bool:
         """The pages of rows ``[lo, hi)`` (one chunk, mapped) are in the page cache, judged by
@@ -377,9 +180,9 @@ class VirtualArray:
         the page cache in folios and regions; every page's lookup cost 0.13-0.25 ms a block.)"""
         start, end = self._page_range(lo, hi)
         vec, out = self._probe_vec, self._probe_at
-        last = end - PAGE
+        last = end - _syscalls.PAGE
         for at in (*range(start, last, PROBE_BYTES), last):
-            if _libc.mincore(at, PAGE, out) != 0 or not vec[0] & 1:
+            if _syscalls._libc.mincore(at, _syscalls.PAGE, out) != 0 or not vec[0] & 1:
                 return False  # (mincore failed: nothing is known, take the path that reads nothing)
         return True
 
@@ -402,18 +205,17 @@ class VirtualArray:
             The pages cannot be faulted in: ``EFAULT`` (the file is shorter than its mapping:
             a store there would have been ``SIGBUS``), ``ENOMEM``, ``EIO``.
         """
-        global POPULATE_WRITE
-        if not populate_write_works():
+        if not _syscalls.populate_write_works():
             return False
         start, end = self._page_range(lo, hi)
-        if self.stride % HUGE == 0:
-            _libc.madvise(start, end - start, _MADV_DONTNEED)
-        while _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        if self.stride % _syscalls.HUGE == 0:
+            _syscalls._libc.madvise(start, end - start, _syscalls._MADV_DONTNEED)
+        while _syscalls._libc.madvise(start, end - start, _syscalls._MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:
                 continue
-            if err in _ADVICE_UNSUPPORTED:
-                POPULATE_WRITE = False
+            if err in _syscalls._ADVICE_UNSUPPORTED:
+                _syscalls.POPULATE_WRITE = False
                 return False
             raise OSError(err, f"prepare rows {lo}..{hi - 1} for writing: {os.strerror(err)}")
         return True
@@ -486,36 +288,38 @@ class VirtualArray:
             raise EOFError(f"chunk file {_named(name)!r} is not a regular file; not mapped")
         if st.st_size < self.chunk_bytes:
             raise EOFError(f"chunk file {_named(name)!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
-        if self.writable and allocated_bytes(st) < self.chunk_bytes:
+        if self.writable and _syscalls.allocated_bytes(st) < self.chunk_bytes:
             # A file with holes (created sparse by an older trajstore): a store into a hole on
             # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
             # version creates are allocated whole, so this costs one fstat per mapped chunk.
             try:
-                reserve(fd, self.chunk_bytes, fresh=False)
+                _syscalls.reserve(fd, self.chunk_bytes, fresh=False)
             except OSError as e:
                 raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", _named(name)) from None
-        prot = _PROT_READ | (_PROT_WRITE if self.writable else 0)
+        prot = _syscalls._PROT_READ | (_syscalls._PROT_WRITE if self.writable else 0)
         # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
         # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).
         # (No MADV_HUGEPAGE: no gain for adds, and a fault on an uncached page then reads 2-4 MiB
         # whatever the readahead settings; see scripts/bench_images.py FINDINGS.)
-        addr = _libc.mmap(self.base + k * self.stride, self.stride, prot, _MAP_SHARED | _MAP_FIXED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            _check(addr, f"map {_named(name)}")
+        flags = _syscalls._MAP_SHARED | _syscalls._MAP_FIXED
+        addr = _syscalls._libc.mmap(self.base + k * self.stride, self.stride, prot, flags, fd, 0)
+        if addr is None or addr == _syscalls._MAP_FAILED:
+            _syscalls._check(addr, f"map {_named(name)}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:
         """Put zero pages back at chunk ``k``."""
         self._check_open()
-        flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
-        _check(_libc.mmap(self.base + k * self.stride, self.stride, _PROT_READ, flags, -1, 0), "unmap chunk")
+        flags = _syscalls._MAP_PRIVATE | _syscalls._MAP_ANON | _syscalls._MAP_NORESERVE | _syscalls._MAP_FIXED
+        addr = _syscalls._libc.mmap(self.base + k * self.stride, self.stride, _syscalls._PROT_READ, flags, -1, 0)
+        _syscalls._check(addr, "unmap chunk")
         self.mapped[k] = False
 
     def sync(self, k: int) -> None:
         """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error
         (``EIO``...) is raised, not ignored, so ``flush(fsync=True)`` never commits rows that
         did not reach the disk."""
-        if _libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
+        if _syscalls._libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
             err = ctypes.get_errno()
             raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
 
@@ -528,7 +332,7 @@ class VirtualArray:
     def close(self) -> None:
         """Unmap the whole range (idempotent): arrays viewing it must not be touched afterwards."""
         if self.base:
-            _libc.munmap(self._reserved_at, self._reserved)
+            _syscalls._libc.munmap(self._reserved_at, self._reserved)
             self.base = 0
             self.array = self.chunks = self._bytes = None  # type: ignore[assignment]
 

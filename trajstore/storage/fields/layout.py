@@ -32,7 +32,7 @@ import os
 import zarr
 
 from trajstore.errors import DamagedStoreError
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields.base import Field, gather_windows_by_rows
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.storage.fields.mapped import MappedField
@@ -64,10 +64,10 @@ _MAPS: dict[str, bool] = {}
 
 def mapping_ok(loc: Location) -> bool:
     """Whether raw fields of the local store ``loc`` can use the mapped engine: the process can map
-    (:data:`trajstore.storage.fields._vmap.AVAILABLE`), and a first mapping of one of the store's files works
-    (:func:`trajstore.storage.fields._vmap.mapping_works` on the root ``zarr.json``; nothing is written, so a
+    (:data:`trajstore.storage.fields._syscalls.AVAILABLE`), and a first mapping of one of the store's files works
+    (:func:`trajstore.storage.fields._syscalls.mapping_works` on the root ``zarr.json``; nothing is written, so a
     read-only open probes too).  Answered once per store root."""
-    if not _vmap.AVAILABLE or loc.local_root is None:
+    if not _syscalls.AVAILABLE or loc.local_root is None:
         return False
     root = str(loc.local_root)
     ok = _MAPS.get(root)
@@ -80,19 +80,19 @@ def mapping_ok(loc: Location) -> bool:
         if fd >= 0:
             try:
                 if os.fstat(fd).st_size > 0:
-                    ok = _vmap.mapping_works(fd)
+                    ok = _syscalls.mapping_works(fd)
             finally:
                 os.close(fd)
         if len(_MAPS) > 4096:  # a process opening very many stores: forget, probe again
             _MAPS.clear()
         _MAPS[root] = ok
-    return ok and _vmap.AVAILABLE
+    return ok and _syscalls.AVAILABLE
 
 
 def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> Field:
     """The right reader/writer for ``spec`` on ``loc``: the mapped engine for raw fields of a local
     store whose chunk bytes tile pages (where :func:`mapping_ok`), else ``ChunkedField``."""
-    if spec.layout == "raw" and loc.is_local and spec.row_bytes and (spec.chunk_rows * spec.row_bytes) % _vmap.PAGE == 0 \
+    if spec.layout == "raw" and loc.is_local and spec.row_bytes and (spec.chunk_rows * spec.row_bytes) % _syscalls.PAGE == 0 \
             and mapping_ok(loc):
         return MappedField(loc, spec, allocated, writable)
     # Sized from the commit record's allocation: the shape in zarr.json is the published rows.

@@ -20,7 +20,7 @@ import numpy as np
 
 from trajstore.errors import DamagedStoreError, MappingLimitError
 from trajstore.storage.confined import full_disk as _full_disk
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls, _vmap
 from trajstore.storage.fields.spec import (
     PWRITE_BYTES,
     FieldSpec,
@@ -97,7 +97,7 @@ class MappedField:
             tmp = self.loc.new_tmp_path()
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
-                _vmap.reserve(fd, self._va.chunk_bytes, fresh=True)
+                _syscalls.reserve(fd, self._va.chunk_bytes, fresh=True)
             finally:
                 os.close(fd)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -141,12 +141,12 @@ class MappedField:
                 raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
                                         "reached its limit of memory mappings (vm.max_map_count; see "
                                         "trajstore.errors.MappingLimitError)", name) from None
-            if e.errno in _vmap._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
+            if e.errno in _syscalls._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
                 assert e.errno is not None  # it is in the set
                 # The store's first mapping worked (trajstore.storage.fields.layout.mapping_ok), this one did not:
                 # a file on another filesystem, or a system that changed its mind.
                 raise OSError(e.errno, f"cannot memory-map chunk {k} of {self.spec.array_path} "
-                              f"({os.strerror(e.errno)}); set the environment variable {_vmap.NO_MMAP_ENV}=1 to "
+                              f"({os.strerror(e.errno)}); set the environment variable {_syscalls.NO_MMAP_ENV}=1 to "
                               "read and write raw fields without memory mappings", name) from None
             raise _full_disk(e, name, "reserve space for a chunk file created sparse")
         finally:

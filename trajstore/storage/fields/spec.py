@@ -15,7 +15,7 @@ import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc
 from zarr.core.array import AsyncArray
 
 from trajstore.errors import BadOptionError
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields import _syscalls
 from trajstore.storage.location import Location
 
 __all__ = [
@@ -157,7 +157,7 @@ class FieldSpec:
 
 def _raw_row_align(row_bytes: int) -> int:
     """Smallest row count whose bytes fill whole pages, so chunks tile an address range."""
-    return _vmap.PAGE // math.gcd(row_bytes, _vmap.PAGE)
+    return _syscalls.PAGE // math.gcd(row_bytes, _syscalls.PAGE)
 
 
 def make_field_spec(
