@@ -328,6 +328,7 @@ class SelectionRows(EpisodeSource):
         return self.parent.read_episode_rows(self.to_parent(anchors), leaves)
 
     def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
+        """The parent's :meth:`TrajectoryRows.episode_data_stale` of the steps ``rows`` select."""
         rows = np.asarray(rows, np.int64)
         return self.parent.episode_data_stale(self.to_parent(rows), before)
 

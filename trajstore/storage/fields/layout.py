@@ -92,8 +92,8 @@ def mapping_ok(loc: Location) -> bool:
 def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> Field:
     """The right reader/writer for ``spec`` on ``loc``: the mapped engine for raw fields of a local
     store whose chunk bytes tile pages (where :func:`mapping_ok`), else ``ChunkedField``."""
-    if spec.layout == "raw" and loc.is_local and spec.row_bytes and (spec.chunk_rows * spec.row_bytes) % _syscalls.PAGE == 0 \
-            and mapping_ok(loc):
+    tiles_pages = spec.row_bytes > 0 and (spec.chunk_rows * spec.row_bytes) % _syscalls.PAGE == 0
+    if spec.layout == "raw" and loc.is_local and tiles_pages and mapping_ok(loc):
         return MappedField(loc, spec, allocated, writable)
     # Sized from the commit record's allocation: the shape in zarr.json is the published rows.
     zarray = sized_array(group[spec.array_path], allocated).with_config({"write_empty_chunks": True})  # type: ignore[arg-type]
