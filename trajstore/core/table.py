@@ -127,13 +127,29 @@ class Table:
                 st.start = max(st.start, st.end)
             for pos in range(0, n, self.guard):
                 m = min(self.guard, n - pos)
-                self.store.ensure_evicted(self, st.end + m - cap, self.guard)
+                self.free_slots(m)
                 self._write_block([a[pos : pos + m] for a in arrays], m)
                 if eager:
                     self.store.commit(state=self.store.buffer_state())
         for listener in self.extend_listeners:
             listener()
         self.store.after_write()
+
+    def free_slots(self, n: int) -> int:
+        """Make the ring slots of the next ``n`` rows (at most :attr:`guard`) writable: refuse a
+        closed or read-only store, and commit a record that no longer counts the rows those slots
+        hold (:meth:`StoreCommits.ensure_evicted <trajstore.core.commit.StoreCommits.ensure_evicted>`),
+        before any of them is overwritten.  Returns the physical row of the first slot.
+
+        :meth:`extend` calls it per block; a writer that stores rows into their slots itself (the
+        SB3 buffers' observations, :mod:`trajstore.sb3._inplace`) calls it before it starts a block.
+        """
+        cap = self.capacity
+        assert cap is not None, "free_slots is for rings"
+        self.store._check_writable()
+        end = self.state.end
+        self.store.ensure_evicted(self, end + n - cap, self.guard)
+        return end % cap
 
     def _write_block(self, arrays: Sequence[np.ndarray], n: int) -> None:
         """Write ``n`` rows after the last one (slots already free), count them, tell listeners."""

@@ -14,7 +14,7 @@ owner's drains before every read and commit.
 Rows of a block are stored before it is handed over, where the stager stored them at the hand-over.
 So before a block starts, the rows its slots hold must be out of the commit record:
 :meth:`InPlaceRows.begin` commits a record that no longer counts them
-(``StoreCommits.ensure_evicted``, DESIGN.md 3.2, the same call the hand-over makes for its own
+(``Table.free_slots``, DESIGN.md 3.2, the same call the hand-over makes for its own
 rows); the hand-over's own eviction then finds nothing to do.  Until the hand-over every commit
 is preceded by a drain, so no record counts a slot being written; rows stored but never handed
 over (a SIGKILL) lie beyond the record's end.
@@ -112,9 +112,7 @@ class InPlaceRows:
             self._end = lo + n
             return
         assert st.n == 0 and cap is not None
-        t.store._check_writable()  # (a closed or read-only store: raise here, as the hand-over would)
-        t.store.ensure_evicted(t, lo + n - cap, t.guard)
-        p = lo % cap
+        p = t.free_slots(n)  # (a closed or read-only store raises here, as the hand-over would)
         views: list[np.ndarray | None] = []
         for f in self._fields:
             assert isinstance(f, MappedField)
