@@ -1,0 +1,391 @@
+"""Every read path of a read-only reader of a LIVE ring store, while the writer reuses slots.
+
+A writer and a read-only reader of the same store live in one process.  A monkeypatched
+internal function of the reader's read path makes the writer append rows (the ring evicts its
+oldest rows and reuses their slots) and commit exactly between the point where the reader
+resolved its rows (drew anchors, resolved indices, made a view) and the point where it reads
+them: deterministic, no timing, no second process.  Every value written encodes its absolute
+row and its episode, so a row read from a reused slot, a wrong mask or another episode's
+episode data shows.  A read must return rows of a record it checked (retrying or drawing again
+as it needs), or raise a ``trajstore.errors`` type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.spaces import Box, Dict
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.sampling import field_windows, sequences
+
+STEP = Dict({"obs": Box(-1e9, 1e9, (2,), np.float64), "act": Box(-1e9, 1e9, (), np.float32)})
+EP = Box(-1e9, 1e9, (), np.float64)
+ROWS = Dict({"x": Box(-1e9, 1e9, (2,), np.float64), "y": Box(-1e9, 1e9, (), np.float32)})
+# Episodes of 8 steps, the first of 4: a turn of the ring evicts part of an episode, so frames
+# before an anchor that survived were evicted (their slots then hold another episode's steps);
+# "long": one open episode, whose evicted steps' slots receive steps of the same episode.
+EPISODES = {"short": (8, 4), "long": (10**6, 0)}  # (steps per episode, steps missing from the first)
+CAP = 64  # ring capacity (rows or steps); chunks of 16 rows
+TURN = 16  # rows the writer adds (and the ring evicts) while a read is under way
+
+
+class Live:
+    """A writer filling a ring and a read-only reader of the same store.
+
+    ``kind`` "trajectory": steps of episodes as :meth:`episode_of` says (``episodes``: a key of
+    :data:`EPISODES`), obs = (row, episode id), act = row + 0.5; episode data = episode id, set
+    at the episode's first step (with ``episode_capacity``, a ring of that many
+    episode-data rows); "replay": rows x = (row, -row), y = row.
+    """
+
+    def __init__(self, path: Any, kind: str = "trajectory", episode_capacity: int | None = None,
+                 with_episode_data: bool = True, episodes: str = "short") -> None:
+        self.kind, self.row = kind, 0
+        self.length, self.shift = EPISODES[episodes]
+        if kind == "replay":
+            self.w: Any = ReplayBuffer.create(ROWS, cache_path=path, capacity=CAP, chunk_rows=16)
+        else:
+            ep = dict(episode_data_instance_space=EP, episode_data_capacity=episode_capacity) if with_episode_data else {}
+            self.w = TrajectoryReplayBuffer.create(STEP, step_data_capacity=CAP, cache_path=path, chunk_rows=16, **ep)
+        self.episode_capacity = episode_capacity
+        self.add(CAP)
+        self.w.flush()
+        self.ends = [self.row]  # the end of every record committed since the reader opened
+        self.ro: Any = type(self.w).load_from(path, read_only=True)
+        self.fired: list[tuple[Any, ...]] = []
+
+    def episode_of(self, rows: Any) -> Any:
+        """Episode id of the steps at absolute ``rows``."""
+        return (np.asarray(rows, np.int64) + self.shift) // self.length
+
+    def add(self, n: int) -> None:
+        """Append ``n`` rows; the ring evicts as many of its oldest."""
+        rows = np.arange(self.row, self.row + n)
+        if self.kind == "replay":
+            self.w.extend({"x": np.stack([rows, -rows], 1).astype(np.float64), "y": rows.astype(np.float32)})
+        else:
+            ids = self.episode_of(rows)
+            for e in np.unique(ids).tolist():
+                if e != self.w.current_episode_id:
+                    self.w.mark_episode_end()
+                assert self.w.current_episode_id == e
+                mine = rows[ids == e]
+                self.w.extend({"obs": np.stack([mine, ids[ids == e]], 1).astype(np.float64),
+                               "act": (mine + 0.5).astype(np.float32)})
+                if self.w.episode_space is not None and self.episode_of(mine[0] - 1) != e:  # its first step
+                    self.w.set_current_episode_data(np.float64(e))
+        self.row += n
+
+    def turn(self, n: int = TURN) -> None:
+        """The writer adds ``n`` rows and commits: ``n`` old rows evicted, their slots reused."""
+        self.add(n)
+        self.w.flush()
+        self.ends.append(self.row)
+
+    def during(self, monkeypatch: Any, owner: Any, names: Sequence[str], n: int = TURN,
+               when: Callable[..., bool] | None = None) -> None:
+        """Patch ``owner.<name>`` for each of ``names``: the first call (for which ``when(*args)``
+        holds) first runs :meth:`turn`; its arguments are kept in :attr:`fired`."""
+        for name in names:
+            real = getattr(owner, name)
+
+            def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                if not self.fired and (when is None or when(*args)):
+                    self.fired.append(tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args))
+                    self.turn(n)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, wrapped)
+
+    @property
+    def start(self) -> int:
+        """The first absolute step row of the reader's current record."""
+        return int(self.ro._store.committed.tables["step_data"].start)
+
+    def with_data(self) -> np.ndarray:
+        """Episode ids that have episode data under the writer's last commit."""
+        last = int(self.episode_of(self.row - 1)) + 1
+        first = 0 if self.episode_capacity is None else max(last - self.episode_capacity, 0)
+        return np.arange(first, last)
+
+    def close(self) -> None:
+        self.ro.close()
+        self.w.close()
+
+
+@pytest.fixture
+def live(tmp_path):
+    made: list[Live] = []
+
+    def make(*args: Any, **kwargs: Any) -> Live:
+        made.append(Live(tmp_path / f"s{len(made)}", *args, **kwargs))
+        return made[-1]
+
+    yield make
+    for lv in made:
+        lv.close()
+
+
+def check_episode_data(lv: Live, eids: np.ndarray, data: Any) -> None:
+    """Episode data is the episode's own (its id), or zeros where the last record gives it none."""
+    ep = np.asarray(data)
+    has = np.isin(eids, lv.with_data())
+    np.testing.assert_array_equal(ep[has], eids[has])
+    np.testing.assert_array_equal(ep[~has], 0)
+
+
+# ---------------------------------------------------------------------------- 1. ReplayBuffer
+
+TABLE_READS = ["read_row", "gather", "read_contiguous"]
+INDICES: dict[str, tuple[Any, np.ndarray]] = {
+    "int": (5, np.array(5)),
+    "negative int": (-1, np.array(CAP - 1)),
+    "slice": (slice(2, 10), np.arange(2, 10)),
+    "strided slice": (slice(0, CAP, 7), np.arange(0, CAP, 7)),
+    "array": (np.array([0, 15, 16, 63, 0]), np.array([0, 15, 16, 63, 0])),
+    "mask": (np.arange(CAP) % 5 == 0, np.arange(0, CAP, 5)),
+    "ellipsis": (..., np.arange(CAP)),
+}
+
+
+@pytest.mark.parametrize("how", list(INDICES))
+def test_replay_indexing_while_the_ring_turns(live, monkeypatch, how):
+    """``rb[idx]``: the rows the index names under the record it was resolved against, never the
+    slots' new rows.  Safe: read_consistent re-reads when the ring's start moved (rows_intact)."""
+    lv = live("replay")
+    idx, logical = INDICES[how]
+    lv.during(monkeypatch, lv.ro._table, TABLE_READS)
+    x = np.asarray(lv.ro[idx]["x"])
+    assert lv.fired and lv.start == TURN
+    assert lv.ro.row_source().last_read.tables["step_data"].start == TURN  # the read that was returned
+    np.testing.assert_array_equal(x[..., 0], TURN + logical)  # without the retry: rows 64.. for 0..
+    np.testing.assert_array_equal(x[..., 1], -x[..., 0])
+    flat = np.asarray(lv.ro.get_flattened_at(idx))
+    np.testing.assert_array_equal(flat[..., 0], TURN + logical)
+
+
+def test_replay_sample_while_the_ring_turns(live, monkeypatch):
+    """``rb.sample``: anchors whose rows were evicted while read are drawn again; the others keep
+    their rows.  Safe: sample_consistent follows each anchor's absolute row."""
+    lv = live("replay")
+    lv.during(monkeypatch, lv.ro._table, ["gather"])
+    x = np.asarray(lv.ro.sample(512, rng=0)["x"])[:, 0].astype(np.int64)
+    first = lv.fired[0][0]  # the logical rows (= absolute: the ring started at 0) of the first read
+    kept = first >= TURN
+    assert kept.any() and (~kept).any()
+    np.testing.assert_array_equal(x[kept], first[kept])
+    assert (x >= TURN).all() and (x < CAP + TURN).all()
+    assert np.mean(x[~kept] == first[~kept] + CAP) < 0.2  # (each reused slot's new row: all of them, unchecked)
+
+
+# ---------------------------------------------------------------------------- 2. TrajectoryReplayBuffer
+
+
+@pytest.mark.parametrize("how", ["int", "slice", "array", "mask"])
+def test_trajectory_get_at_with_metadata_while_both_rings_turn(live, monkeypatch, how):
+    """``get_at_with_metadata`` / ``get_at`` with an episode-data ring of 4 episodes under a step
+    ring of 8: steps, ids and episode data all from one record.  Safe: read_consistent, and
+    rows_intact also follows the episode-data ring."""
+    lv = live(episode_capacity=4)
+    idx, logical = INDICES[how]
+    lv.ro.get_at_with_metadata(0)  # the reader's episode index is built (as in any running reader)
+    lv.during(monkeypatch, lv.ro._episodes, ["lookup"])  # between the step read and the episode-data read
+    data, meta = lv.ro.get_at_with_metadata(idx)
+    assert lv.fired and lv.start == TURN
+    obs, ids = np.asarray(data["step_data"]["obs"]), np.asarray(meta["episode_ids"])
+    np.testing.assert_array_equal(obs[..., 0], TURN + logical)
+    np.testing.assert_array_equal(obs[..., 1], ids)
+    check_episode_data(lv, np.atleast_1d(ids), np.atleast_1d(np.asarray(data["episode_data"])))
+    got = lv.ro.get_at(idx)  # and without the injection
+    np.testing.assert_array_equal(np.asarray(got["step_data"]["obs"])[..., 0], TURN + logical)
+
+
+def test_trajectory_sample_while_the_episode_data_ring_turns(live, monkeypatch):
+    """``sample`` with episode data: the episode data of every step is its episode's, or zeros
+    once the record gives the episode none (the eviction is injected right before the episode
+    data is read).  Safe since ae8d2a9 (episode_data_stale); tests/test_live_episode_data.py has
+    the sequence samplers."""
+    lv = live(episode_capacity=4)
+    lv.ro.sample(8, rng=1)
+    lv.during(monkeypatch, lv.ro._ep_table, ["gather"])
+    data = lv.ro.sample(512, rng=0)
+    assert lv.fired
+    obs = np.asarray(data["step_data"]["obs"])
+    assert (obs[:, 0] >= TURN).all()
+    np.testing.assert_array_equal(obs[:, 1], lv.episode_of(obs[:, 0]))
+    check_episode_data(lv, obs[:, 1].astype(np.int64), data["episode_data"])
+
+
+# ---------------------------------------------------------------------------- 3. sequence windows
+
+
+def check_frames(lv: Live, rows: np.ndarray, eids: np.ndarray, valid: np.ndarray, anchors: np.ndarray,
+                 offsets: Sequence[int], pad: str) -> None:
+    """Frames (B, T) of windows around ``anchors``: a frame is valid when its row is stored and in
+    the anchor's episode; invalid frames hold the pad ("edge": a stored step of the anchor's
+    episode; "zero": zeros).  Each window is checked against the record it may have been read
+    under: the one before the writer's turn (its end) or the last (rows evicted meanwhile are
+    stored in neither: no frame may come from them)."""
+    start = lv.start
+    want = anchors[:, None] + np.asarray(offsets)[None, :]
+    mine = (want >= start) & (lv.episode_of(want) == lv.episode_of(anchors)[:, None])
+    fits = np.zeros(len(anchors), bool)
+    for end in lv.ends:
+        fits |= (valid == (mine & (want < end))).all(axis=1)
+    np.testing.assert_array_equal(fits, True)  # a frame from a reused slot would be marked valid
+    np.testing.assert_array_equal(rows[valid], want[valid])
+    if pad == "zero":
+        np.testing.assert_array_equal(rows[~valid], 0)
+        np.testing.assert_array_equal(eids[~valid], 0)
+    else:
+        pads = rows[~valid]
+        assert (pads >= start).all() and (pads < lv.row).all()
+        np.testing.assert_array_equal(lv.episode_of(pads), np.broadcast_to(lv.episode_of(anchors)[:, None], valid.shape)[~valid])
+    filled = valid | (pad == "edge")
+    np.testing.assert_array_equal(eids[filled], lv.episode_of(rows[filled]))
+
+
+LIST_WINDOWS: dict[str, tuple[Callable[[Any, str, bool], Any], list[int], int]] = {
+    # name: (read(reader, pad, within_episode) -> (data, mask), offsets, frame of the anchor)
+    "sample_sequences(B, 4)": (lambda r, pad, within: r.sample_sequences(256, 4, rng=0, pad=pad, within_episode=within),
+                               [0, 1, 2, 3], 0),
+    "get_sequences([-3..0])": (lambda r, pad, within: r.get_sequences(np.arange(CAP), [-3, -2, -1, 0], pad=pad),
+                               [-3, -2, -1, 0], 3),
+}
+
+
+@pytest.mark.parametrize("how, pad, within", [(how, pad, within) for how in LIST_WINDOWS for pad in ("edge", "zero")
+                                              for within in (False, True) if not (within and how.startswith("get"))])
+@pytest.mark.parametrize("episodes", list(EPISODES))
+def test_list_windows_while_the_rings_turn(live, monkeypatch, how, pad, within, episodes):
+    """``sample_sequences(B, T)`` and ``get_sequences(idx, [-3..0])``: every window from an intact
+    record, its mask that record's, its episode data its anchor's.  Safe: sample_consistent
+    (windows start at the anchor: its row is the earliest read) and read_consistent."""
+    lv = live(episode_capacity=4, episodes=episodes)
+    read, offsets, at = LIST_WINDOWS[how]
+    read(lv.ro, pad, within)  # a running reader: its run and episode indexes are built
+    lv.during(monkeypatch, sequences, ["_read_windows"])
+    data, mask = read(lv.ro, pad, within)
+    assert lv.fired and lv.start == TURN
+    obs, valid = np.asarray(data["step_data"]["obs"]), np.asarray(mask)
+    rows, eids = obs[..., 0].astype(np.int64), obs[..., 1].astype(np.int64)
+    anchors = rows[:, at]
+    if how.startswith("get"):
+        np.testing.assert_array_equal(anchors, TURN + np.arange(CAP))  # the indices, under the record read
+    if within:
+        assert valid.all()
+    check_frames(lv, rows, eids, valid, anchors, offsets, pad)
+    check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
+
+
+FIELD_OFFSETS = {"obs": [-2, -1, 0, 1], "act": [0, 1]}
+
+
+@pytest.mark.parametrize("how", [dict(pad="edge"), dict(pad="zero"), dict(within_episode=True),
+                                 dict(within_episode=True, allow_pad=True, pad="edge"),
+                                 dict(within_episode=True, allow_pad=True, pad="zero"), "get_sequences"])
+@pytest.mark.parametrize("episodes", list(EPISODES))
+def test_field_windows_while_the_rings_turn(live, monkeypatch, how, episodes):
+    """Per-field windows (``offsets`` a mapping), drawn or given: frames before the anchor were in
+    the first rows evicted.  Safe: reach_back (1a716ed) and episode_data_stale (ae8d2a9)."""
+    lv = live(episode_capacity=4, episodes=episodes)
+
+    def read() -> Any:
+        if how == "get_sequences":
+            return lv.ro.get_sequences(np.arange(CAP), FIELD_OFFSETS, pad="edge")
+        return lv.ro.sample_sequences(256, offsets=FIELD_OFFSETS, rng=0, **how)
+
+    read()
+    lv.during(monkeypatch, field_windows, ["_read"])
+    data, mask = read()
+    assert lv.fired and lv.start == TURN
+    pad = "edge" if how == "get_sequences" else how.get("pad", "edge")
+    obs = np.asarray(data["step_data"]["obs"])
+    rows, eids = obs[..., 0].astype(np.int64), obs[..., 1].astype(np.int64)
+    anchors = rows[:, 2]
+    if how == "get_sequences":
+        np.testing.assert_array_equal(anchors, TURN + np.arange(CAP))
+    check_frames(lv, rows, eids, np.asarray(mask["obs"]), anchors, FIELD_OFFSETS["obs"], pad)
+    act, act_ok = np.asarray(data["step_data"]["act"]), np.asarray(mask["act"])
+    np.testing.assert_array_equal(act[act_ok], (anchors[:, None] + np.array([0.5, 1.5]))[act_ok])
+    check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
+
+
+# ---------------------------------------------------------------------------- 6. torch datasets
+
+
+def test_torch_datasets_over_a_live_store(live, monkeypatch):
+    """TransitionDataset / SequenceDataset opened on the path of a store a writer keeps filling
+    (in-process, as with num_workers=0): item ``i`` is logical row (or anchor) ``i`` of the record
+    it was read under, its mask and episode data that record's.  Safe: both read through
+    read_consistent (datasets are meant for finished stores; on a live ring items shift as it turns)."""
+    from trajstore.torch import SequenceDataset, TransitionDataset
+
+    lv = live(episode_capacity=4)
+    path = lv.ro.cache_path
+    items = np.array([0, 1, 17, 40, 63])
+    steps = TransitionDataset(path, ["obs", "episode_data"], output="numpy", episode_ids=True)
+    lv.during(monkeypatch, steps.buffer, ["_read_rows"])
+    batch = steps.read_batch(items)
+    assert lv.fired
+    start = int(steps.buffer.row_source().last_read.tables["step_data"].start)
+    assert start == TURN
+    np.testing.assert_array_equal(batch["obs"][:, 0], start + items)
+    np.testing.assert_array_equal(batch["episode_id"], lv.episode_of(start + items))
+    check_episode_data(lv, batch["episode_id"], batch["episode_data"])
+    steps.close()
+
+    lv.fired.clear()
+    windows = SequenceDataset(path, 4, ["obs", "episode_data"], output="numpy")
+    lv.during(monkeypatch, windows.buffer, ["_read_rows"])
+    batch = windows.read_batch(items)
+    assert lv.fired
+    start = int(windows.buffer.row_source().last_read.tables["step_data"].start)
+    anchors = start + windows.anchors[items]
+    lv.ro._sync()
+    rows, eids = batch["obs"][..., 0].astype(np.int64), batch["obs"][..., 1].astype(np.int64)
+    check_frames(lv, rows, eids, batch["mask"], anchors, [0, 1, 2, 3], "edge")
+    check_episode_data(lv, lv.episode_of(anchors), batch["episode_data"])
+    windows.close()
+
+
+# ---------------------------------------------------------------------------- 7. prioritized sampling
+
+PRIORITIZED = {
+    "sample": lambda s: (lambda b, i, w: (b, None, i))(*s.sample(256, rng=0)),
+    "sample_sequences(B, 3)": lambda s: (lambda d, m, i, w: (d, m, i))(*s.sample_sequences(256, 3, rng=0)),
+    "per-field offsets": lambda s: (lambda d, m, i, w: (d, m, i))(
+        *s.sample_sequences(256, offsets={"obs": [-2, -1, 0], "act": [0, 1]}, rng=0)),
+}
+
+
+@pytest.mark.parametrize("how", list(PRIORITIZED))
+def test_prioritized_reader_of_a_live_ring(live, monkeypatch, how):
+    """A read-only reader's PrioritizedSampler (priorities from the writer's sidecar): the rows
+    returned are the rows its indices name under ``last_start``, with their own episode data.
+    Safe: it reads through get_at / get_sequences (read_consistent) pinned to the record it drew
+    from, and draws again when the ring's start moved meanwhile."""
+    from trajstore import PrioritizedSampler
+
+    lv = live(episode_capacity=4)
+    writer_side = PrioritizedSampler(lv.w)
+    writer_side.update_priorities(np.arange(CAP), np.arange(CAP) + 1.0)
+    writer_side.flush()
+    sampler = PrioritizedSampler(lv.ro)
+    lv.during(monkeypatch, lv.ro._table, ["gather", "gather_windows"])
+    data, mask, idx = PRIORITIZED[how](sampler)
+    assert lv.fired and sampler.last_start == TURN
+    obs = np.asarray(data["step_data"]["obs"])
+    anchors = sampler.last_start + idx
+    frame0 = {"sample": None, "sample_sequences(B, 3)": 0, "per-field offsets": 2}[how]
+    np.testing.assert_array_equal(obs[:, 0] if frame0 is None else obs[:, frame0, 0], anchors)
+    if how == "per-field offsets":
+        m = np.asarray(mask["obs"])
+        check_frames(lv, obs[..., 0].astype(np.int64), obs[..., 1].astype(np.int64), m, anchors, [-2, -1, 0], "edge")
+    check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
+    sampler.close()
+    writer_side.close()
