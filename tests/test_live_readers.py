@@ -20,6 +20,7 @@ import pytest
 from gymnasium.spaces import Box, Dict
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.errors import UnknownEpisodeError
 from trajstore.sampling import field_windows, sequences
 
 STEP = Dict({"obs": Box(-1e9, 1e9, (2,), np.float64), "act": Box(-1e9, 1e9, (), np.float32)})
@@ -86,18 +87,22 @@ class Live:
         self.w.flush()
         self.ends.append(self.row)
 
-    def during(self, monkeypatch: Any, owner: Any, names: Sequence[str], n: int = TURN,
-               when: Callable[..., bool] | None = None) -> None:
-        """Patch ``owner.<name>`` for each of ``names``: the first call (for which ``when(*args)``
-        holds) first runs :meth:`turn`; its arguments are kept in :attr:`fired`."""
+    def during(self, monkeypatch: Any, owner: Any, names: Sequence[str], n: int = TURN, after: bool = False) -> None:
+        """Patch ``owner.<name>`` for each of ``names``: the first call first runs :meth:`turn`
+        (``after``: runs it after the call returned); its arguments are kept in :attr:`fired`."""
         for name in names:
             real = getattr(owner, name)
 
             def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                if not self.fired and (when is None or when(*args)):
+                first = not self.fired
+                if first:
                     self.fired.append(tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args))
+                if first and not after:
                     self.turn(n)
-                return _real(*args, **kwargs)
+                out = _real(*args, **kwargs)
+                if first and after:
+                    self.turn(n)
+                return out
 
             monkeypatch.setattr(owner, name, wrapped)
 
@@ -389,3 +394,26 @@ def test_prioritized_reader_of_a_live_ring(live, monkeypatch, how):
     check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
     sampler.close()
     writer_side.close()
+
+
+# ---------------------------------------------------------------------------- 5. episodes by id
+
+
+@pytest.mark.parametrize("eid, stored", [(4, np.arange(28, 36)), (2, np.arange(TURN, 20)), (1, None)])
+@pytest.mark.parametrize("view", [False, True])
+def test_get_episode_while_the_ring_turns(live, monkeypatch, view, eid, stored):
+    """``get_episode(id)`` (buffer and ``select_episodes`` view): the rows of the episode are
+    found and read under one record, so a turn of the ring in between cannot hand back another
+    episode's steps (it did: rows found under the old record were read under the new one, 16
+    rows further on), and an episode evicted meanwhile (1) raises UnknownEpisodeError."""
+    lv = live()
+    reader = lv.ro.select_episodes([1, 2, 4, 6]) if view else lv.ro
+    lv.during(monkeypatch, sequences, ["episode_rows"], after=True)  # rows found, then the ring turns
+    if stored is None:
+        with pytest.raises(UnknownEpisodeError):
+            reader.get_episode(eid)
+    else:
+        obs = np.asarray(reader.get_episode(eid)["step_data"]["obs"])
+        np.testing.assert_array_equal(obs[:, 0], stored)
+        np.testing.assert_array_equal(obs[:, 1], eid)
+    assert lv.fired and lv.start == TURN

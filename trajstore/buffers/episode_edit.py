@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from trajstore.buffers.base import as_generator
+from trajstore.buffers.episode_windows import read_episode
 from trajstore.buffers.rows import SelectionRows, short_ids
 from trajstore.buffers.trajectory_edits import remove_rows
 from trajstore.buffers.views import BatchBase
@@ -246,7 +247,7 @@ class EpisodeView(BatchBase):
 
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of selected episode ``episode_id`` (UnknownEpisodeError when it has none here)."""
-        return self.get_at(_seq.episode_rows(self._rows, int(episode_id)))
+        return read_episode(self, self._rows, self.parent._wrap, episode_id)
 
     def __repr__(self) -> str:
         return f"EpisodeView({short_ids(self.episode_ids)}, len={len(self)}) of {self.parent!r}"

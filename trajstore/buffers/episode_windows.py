@@ -7,20 +7,22 @@ structure and backend.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from trajstore.buffers.base import as_generator
+from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling import sequences as _seq
+from trajstore.sampling.source import EpisodeSource
 
 if TYPE_CHECKING:
     from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
 
-__all__ = ["EpisodeWindows"]
+__all__ = ["EpisodeWindows", "read_episode"]
 
 
 class EpisodeWindows:
@@ -99,7 +101,7 @@ class EpisodeWindows:
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
         buf = cast("TrajectoryReplayBuffer", self)
-        return buf.get_at(_seq.episode_rows(buf.row_source(), int(episode_id)))
+        return read_episode(buf, buf.row_source(), buf._wrap, episode_id)
 
     def _windows(self, w: _seq.Windows) -> tuple[TrajectoryData, Any]:
         """Sequence windows (numpy, per leaf) as this buffer's structure and backend."""
@@ -115,3 +117,23 @@ class EpisodeWindows:
         out = buf._backend.out
         ep = buf._ep_plan.from_arrays([out(a) for a in w.episodes]) if buf._ep_plan is not None else None
         return buf._wrap({"step_data": w.nest(out), "episode_data": ep}), {k: out(v) for k, v in w.valid.items()}
+
+
+def read_episode(batch: BatchBase, src: EpisodeSource, wrap: Callable[[dict[str, Any]], TrajectoryData],
+                 episode_id: int) -> TrajectoryData:
+    """Every step of episode ``episode_id`` of ``batch`` (a buffer, an episode view, a sharded
+    dataset), whose rows ``src`` numbers, in row order.
+
+    The rows are found and read under one commit record (``batch._consistent``): rows found under
+    an older record name other steps once a ring has evicted (a reader got another episode's steps,
+    16 rows further on, after a turn of 16 rows in between).
+
+    Raises
+    ------
+    UnknownEpisodeError
+        The episode has no steps (a KeyError), also when a ring evicted them during the read.
+    """
+    eid = int(episode_id)
+    arrays = batch._consistent(lambda: batch._read(_seq.episode_rows(src, eid), batch._all_leaves))
+    out = batch._backend.out
+    return wrap(batch._plan.from_arrays([out(a) for a in arrays]))
