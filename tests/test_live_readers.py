@@ -20,7 +20,7 @@ import pytest
 from gymnasium.spaces import Box, Dict
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-from trajstore.errors import UnknownEpisodeError
+from trajstore.errors import IndexOutOfRangeError, UnknownEpisodeError
 from trajstore.sampling import field_windows, sequences
 
 STEP = Dict({"obs": Box(-1e9, 1e9, (2,), np.float64), "act": Box(-1e9, 1e9, (), np.float32)})
@@ -394,6 +394,76 @@ def test_prioritized_reader_of_a_live_ring(live, monkeypatch, how):
     check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
     sampler.close()
     writer_side.close()
+
+
+# ---------------------------------------------------------------------------- 4. lazy views
+
+def fixed(*rows: int) -> Callable[[int], np.ndarray]:
+    """The logical rows of a view whose rows were fixed when it was made, whatever the length."""
+    return lambda count: np.array(rows)
+
+
+VIEWS: dict[str, tuple[Callable[[Any], Any], Callable[[int], np.ndarray], bool]] = {
+    # name: (make(reader) -> view, the logical rows it reads at a length, fixed at creation)
+    "slice": (lambda r: r.get_slice(slice(56, None)), lambda count: np.arange(56, count), False),
+    "column": (lambda r: r.get_column("x"), lambda count: np.arange(count), False),
+    "array": (lambda r: r.get_slice(np.array([0, 40, 63])), fixed(0, 40, 63), True),
+    "negative list": (lambda r: r.get_slice([-1, -64]), fixed(63, 0), True),
+    "mask": (lambda r: r.get_slice(np.arange(CAP) >= 62), fixed(62, 63), True),
+    "int": (lambda r: r.get_slice(50), fixed(50), True),
+    "column of an array view": (lambda r: r.get_slice(np.array([0, 40, 63])).get_column("x"), fixed(0, 40, 63), True),
+}
+
+
+def view_rows(view: Any) -> np.ndarray:
+    got = view[:]
+    return np.asarray(got["x"] if isinstance(got, dict) else got)[:, 0].astype(np.int64)
+
+
+@pytest.mark.parametrize("how", list(VIEWS))
+def test_views_made_before_the_ring_turned(live, monkeypatch, how):
+    """A view made before the ring turned, read after it (and while it turns again): its logical
+    rows are resolved against the record it is read under (as the views' docstring says), so it
+    returns that record's rows there, never the slots' new rows under the old numbers.  Safe: a
+    view's read is its buffer's consistent read."""
+    lv = live("replay")
+    make, logical, _ = VIEWS[how]
+    view = make(lv.ro)
+    lv.turn()
+    np.testing.assert_array_equal(view_rows(view), TURN + logical(CAP))
+    lv.during(monkeypatch, lv.ro._table, TABLE_READS)
+    got = view_rows(view)
+    assert lv.fired and lv.start == 2 * TURN
+    np.testing.assert_array_equal(got, 2 * TURN + logical(CAP))
+
+
+@pytest.mark.parametrize("shrink", ["remove_at", "clear"])
+@pytest.mark.parametrize("how", list(VIEWS))
+def test_views_of_rows_the_buffer_no_longer_has(live, how, shrink):
+    """Rows fixed when a view was made (an index array, a mask, an int) that the buffer no longer
+    has (the writer removed rows or cleared it) raise IndexOutOfRangeError when read.  Before, a
+    view read those slots anyway: rows removed or cleared (60, 63 after a clear), or slots past
+    the last row that a writer may be filling.  Slices and columns read what is left."""
+    lv = live("replay")
+    make, logical, is_fixed = VIEWS[how]
+    view = make(lv.ro)
+    if shrink == "remove_at":
+        lv.w.remove_at(np.arange(0, CAP, 2))  # 32 rows left: the odd ones
+        left = np.arange(1, CAP, 2)
+    else:
+        lv.w.clear()
+        lv.w.extend({"x": np.tile([[1000.0, -1000.0]], (5, 1)), "y": np.full(5, 1000, np.float32)})
+        left = np.full(5, 1000)
+    lv.w.flush()
+    rows = logical(len(left))
+    if is_fixed and rows.max() >= len(left):
+        with pytest.raises(IndexOutOfRangeError, match="no longer"):
+            view[:]
+        assert len(view) == len(rows)  # the view still names them
+    elif len(rows):
+        np.testing.assert_array_equal(view_rows(view), left[rows])
+    else:
+        assert len(view) == 0
 
 
 # ---------------------------------------------------------------------------- 5. episodes by id

@@ -17,7 +17,7 @@ import numpy as np
 from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.core.ring import IndexLike, normalize_index
-from trajstore.errors import BadArgumentError, ReadOnlyError
+from trajstore.errors import BadArgumentError, IndexOutOfRangeError, ReadOnlyError
 from trajstore.spaces import ValuePlan, subspace
 
 __all__ = ["BatchBase", "SliceView", "ColumnView"]
@@ -287,8 +287,10 @@ class _View(BatchBase):
 
 class SliceView(_View):
     """Rows ``idx`` of ``parent``: a slice re-resolves against the parent's current length
-    on every read; an int array or mask is fixed at creation.  Writes through it go to
-    the parent's rows (``set_at``); it cannot grow."""
+    on every read; an int array or mask is fixed at creation (the logical rows it named then,
+    read under the record current when it is read).  Writes through it go to the parent's rows
+    (``set_at``); it cannot grow.  Reading fixed rows that the parent no longer has (it shrank:
+    ``remove_at``, ``clear``) raises :class:`~trajstore.errors.IndexOutOfRangeError`."""
 
     def __init__(self, parent: BatchBase, idx: IndexLike) -> None:
         self.parent = parent
@@ -301,14 +303,24 @@ class SliceView(_View):
         self._idx = idx
 
     def _rows(self) -> np.ndarray:
+        """The parent's logical rows this view names, against the parent's length now."""
+        n = len(self.parent)
         if isinstance(self._idx, np.ndarray):
+            # Rows fixed at creation are checked at every read: past the parent's end they are slots
+            # no record counts (rows removed or cleared, or ones a writer is filling).
+            if self._idx.size and int(self._idx.max()) >= n:
+                gone = self._idx[self._idx >= n]
+                raise IndexOutOfRangeError(f"row(s) {gone[:5].tolist()} of this view are no longer in the buffer "
+                                           f"({n} rows; it shrank since the view was made): make the view again")
             return self._idx
-        return normalize_index(self._idx, len(self.parent))  # type: ignore[return-value]
+        return normalize_index(self._idx, n)  # type: ignore[return-value]
 
     def __len__(self) -> int:
         if isinstance(self._idx, slice):
             return len(range(*self._idx.indices(len(self.parent))))
-        return len(self._rows())
+        if isinstance(self._idx, np.ndarray):
+            return len(self._idx)  # the rows it names, even ones the parent no longer has
+        return len(self.parent)  # ``...``: every row
 
     def _read(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
         rows = self._rows()
