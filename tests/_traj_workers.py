@@ -68,12 +68,30 @@ def decode_steps(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndar
     if n == 0:
         z = np.zeros(0, np.int64)
         return z, z, np.zeros(0, bool)
-    a, b = obs[:, 0].astype(np.int64), obs[:, 1].astype(np.int64)
+    a, b, ok = decode_field("obs", obs)
     exp = encode_steps(a, b)
-    ok = (obs == exp["obs"]).all(axis=1)
     ok &= (np.asarray(batch["img"]) == exp["img"]).reshape(n, -1).all(axis=1)
     ok &= np.asarray(batch["tag"]) == exp["tag"]
     return a, b, ok
+
+
+def decode_field(key: str, values: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(a, b, ok)`` of frames of one step leaf that names its step by itself (``"obs"`` or
+    ``"tag"``), for per-field windows that read only some leaves; any leading shape (``(B, T)``),
+    the same shape out.  ``ok``: the frame is a whole row's value (every ``tag`` is some step's)."""
+    v = np.asarray(values)
+    if key == "obs":
+        lead = v.shape[:-1]
+        obs = v.reshape(-1, 4).astype(np.float32)
+        a, b = obs[:, 0].astype(np.int64), obs[:, 1].astype(np.int64)
+        ok = (obs == encode_steps(a, b)["obs"]).all(axis=1)
+    elif key == "tag":
+        lead = v.shape
+        a, b = np.divmod(v.reshape(-1).astype(np.int64), 1_000_003)
+        ok = np.ones(len(a), bool)
+    else:
+        raise ValueError(f"leaf {key!r} does not name its step by itself; decode 'obs' or 'tag'")
+    return a.reshape(lead), b.reshape(lead), ok.reshape(lead)
 
 
 def one(batch: dict[str, np.ndarray], i: int = 0) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import _workers as W  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.core import episodes  # noqa: E402
-from trajstore.errors import LockedError  # noqa: E402
+from trajstore.errors import EmptyBufferError, LockedError, UnknownEpisodeError  # noqa: E402
 
 
 def _load(path) -> dict:
@@ -350,21 +350,76 @@ def test_single_writer_lock(tmp_path, procs):
         assert ok.all() and k.tolist() == list(range(15))
 
 
-def _check_windows(data, mask, offsets, within: bool) -> None:
+def _check_episode_data(ep, eid: np.ndarray) -> int:
+    """Row ``b`` of episode data ``ep`` is episode ``eid[b]``'s (version 1 or 2, flag on) or all
+    zeros (flag off: the episode has no data row in the record read).  Returns how many are zeros."""
+    ep = np.asarray(ep)
+    have = ep[:, 2] == 1.0
+    bad = np.flatnonzero(have & (ep[:, 0] != eid))
+    assert not bad.size, (f"episode data of another episode: row {bad[0]} of episode {eid[bad[0]]} shows "
+                          f"{ep[bad[0]].tolist()} ({bad.size} of {len(eid)} rows)")
+    assert np.isin(ep[have, 1], [1.0, 2.0]).all(), "episode data of a version never written"
+    assert (ep[~have] == 0).all(), "episode data without its present flag is not all zeros"
+    return int((~have).sum())
+
+
+def _check_frames(eid: np.ndarray, k: np.ndarray, ok: np.ndarray, mask, offsets, anchor: tuple[np.ndarray, np.ndarray],
+                  within: bool, what: str = "a frame") -> None:
+    """Frames (B, T) decoded from one window (or one field's window) with pad "edge": every frame
+    is an intact row of the anchor's episode; a valid frame is its step at the frame's offset, and
+    an invalid one repeats the nearest row of the episode towards the anchor (a step strictly
+    between the offset's and the anchor's); the anchor's frame is valid, and every frame of a
+    within_episode window."""
+    mask, offsets = np.asarray(mask), np.asarray(offsets, np.int64)
+    e0, k0 = anchor[0][:, None], anchor[1][:, None]
+
+    def first(bad: np.ndarray, why: str) -> str:
+        b, t = (int(x[0]) for x in np.nonzero(bad))
+        return (f"{what} {why}: anchor {b} is episode {int(e0[b, 0])} step {int(k0[b, 0])}, its frame at offset "
+                f"{int(offsets[t])} (valid={bool(mask[b, t])}) is episode {int(eid[b, t])} step {int(k[b, t])} "
+                f"({int(bad.sum())} such frames of {bad.size})")
+
+    assert ok.all(), first(~ok, "is a torn row (read while the writer overwrote it)")
+    assert (eid == e0).all(), first(eid != e0, "is not a row of the anchor's episode")
+    at = k == k0 + offsets
+    assert at[mask].all(), first(mask & ~at, "marked valid is not the anchor episode's step at its offset")
+    near = np.where(offsets < 0, (k0 + offsets < k) & (k <= k0), (k0 <= k) & (k < k0 + offsets))
+    assert near[~mask].all(), first(~mask & ~near, "padded with a row that is not the episode's nearest towards the anchor")
+    if 0 in offsets.tolist():
+        assert mask[:, offsets.tolist().index(0)].all(), f"{what}: the anchor's frame is marked invalid"
+    assert mask.all() or not within, first(~mask, "is invalid in a within_episode window")
+
+
+def _check_windows(data, mask, offsets, within: bool) -> int:
     """Every frame is an intact row; valid frames are the anchor episode's steps at the right
-    offsets; a within_episode batch is wholly valid; episode data is the anchor's episode's."""
+    offsets; a within_episode batch is wholly valid; episode data is the anchor's episode's.
+    Returns how many anchors came without episode data."""
     mask = np.asarray(mask)
     B, T = mask.shape
     flat = {key: np.asarray(v).reshape(B * T, *np.asarray(v).shape[2:]) for key, v in data["step_data"].items()}
     eid, k, ok = (x.reshape(B, T) for x in TW.decode_steps(flat))
-    assert ok.all(), "a frame is a torn row (read while the writer overwrote it)"
     t0 = list(offsets).index(0)
-    same = (eid == eid[:, t0 : t0 + 1]) & (k == k[:, t0 : t0 + 1] + np.asarray(offsets))
-    assert same[mask].all(), "a valid frame is not the anchor episode's step at its offset"
-    assert mask[:, t0].all() and (mask.all() if within else True)
-    ep = np.asarray(data["episode_data"])
-    have = ep[:, 2] == 1.0
-    assert (ep[have, 0] == eid[have, t0]).all(), "episode data of another episode"
+    _check_frames(eid, k, ok, mask, offsets, (eid[:, t0], k[:, t0]), within)
+    return _check_episode_data(data["episode_data"], eid[:, t0])
+
+
+def _check_field_windows(data, masks, offsets: dict, within: bool) -> int:
+    """Per-field windows (``offsets``: "obs" and/or "tag", each naming offset 0) checked as
+    :func:`_check_windows` checks whole windows, field by field: each field's anchor frame is
+    the same step, every frame is that episode's (valid: at its offset; padded: nearest towards
+    the anchor), and the episode data is the anchor's episode's.  Returns how many anchors
+    came without episode data."""
+    assert set(data["step_data"]) == set(offsets) == set(masks)
+    anchor = None
+    for key, offs in offsets.items():
+        offs = list(offs)
+        eid, k, ok = TW.decode_field(key, data["step_data"][key])
+        here = eid[:, offs.index(0)], k[:, offs.index(0)]
+        if anchor is None:
+            anchor = here
+        assert all(np.array_equal(a, h) for a, h in zip(anchor, here)), f"fields {list(offsets)} read other anchors"
+        _check_frames(eid, k, ok, masks[key], offs, anchor, within, what=f"a frame of {key!r}")
+    return _check_episode_data(data["episode_data"], anchor[0])
 
 
 def test_reader_sequences_while_a_writer_fills_a_ring(tmp_path, procs, monkeypatch):
@@ -400,3 +455,97 @@ def test_reader_sequences_while_a_writer_fills_a_ring(tmp_path, procs, monkeypat
     os.kill(p.pid, 9)
     p.join(10)
     assert rounds >= 20 and gen_seen > 20, f"only {rounds} rounds over {gen_seen} commits"
+
+
+#: Per-field offsets of the live-ring reader: frames before the anchor (a ring evicts those rows
+#: first) in one field, after it in another.
+FIELD_OFFSETS = {"obs": [-3, -1, 0], "tag": range(0, 4)}
+READS = ("sample", "fields", "fields padded", "sequences", "selection")
+
+
+def _read_and_check(ro, how: str, rng: np.random.Generator, held: list) -> tuple[int, int]:
+    """One read of kind ``how`` from reader ``ro``, checked; returns how many windows (or steps)
+    were checked (0: the selected episodes were all evicted meanwhile) and how many of them came
+    without episode data.  ``held`` keeps the last episode view, sampled again at the next
+    "selection" read, after the writer moved on."""
+    if how == "sample":
+        got = ro.sample(64, rng=rng)
+        eid, k, ok = TW.decode_steps(got["step_data"])
+        assert ok.all(), "a sampled step is a torn row"
+        return 64, _check_episode_data(got["episode_data"], eid)
+    if how in ("fields", "fields padded"):
+        pad = how == "fields padded"
+        data, masks = ro.sample_sequences(64, offsets=FIELD_OFFSETS, rng=rng, within_episode=True, allow_pad=pad)
+        return 64, _check_field_windows(data, masks, FIELD_OFFSETS, within=not pad)
+    if how == "sequences":
+        data, mask = ro.sample_sequences(64, 8, rng=rng, within_episode=True)
+        zeros = _check_windows(data, mask, np.arange(8), within=True)
+        offsets = [-3, -2, -1, 0]
+        data, mask = ro.get_sequences(rng.integers(0, len(ro) // 2, size=32), offsets)
+        return 96, zeros + _check_windows(data, mask, offsets, within=False)
+    checked = zeros = 0
+    eps = np.asarray(ro.episodes()["episode_id"])
+    try:  # the oldest episodes (their rows and data go first) and two others
+        held.append(ro.select_episodes(np.unique(np.concatenate([eps[:2], rng.choice(eps, 2)]))))
+    except UnknownEpisodeError:  # one was evicted between episodes() and select_episodes
+        pass
+    for view in held[-2:]:  # the view made last round, then this round's
+        try:
+            got = view.sample(32, rng=rng)
+        except EmptyBufferError:  # every selected step was evicted meanwhile
+            continue
+        eid, k, ok = TW.decode_steps(got["step_data"])
+        assert ok.all(), "a step sampled from a view is a torn row"
+        assert np.isin(eid, view.episode_ids).all(), "a view sampled a step of an episode it does not select"
+        zeros += _check_episode_data(got["episode_data"], eid)
+        checked += 32
+    del held[:-1]
+    return checked, zeros
+
+
+@pytest.mark.parametrize("episode_capacity", [64, 12])
+def test_reader_of_a_live_ring_with_episode_data(tmp_path, procs, monkeypatch, episode_capacity):
+    """A reader in this process samples a ring that a writer process keeps filling (as
+    test_reader_sequences_while_a_writer_fills_a_ring), rotating between every sampler: rows with
+    their episode data, per-field windows (frames before the anchor in one field, after it in
+    another; within_episode with and without padding), sequences, frame stacks, and samples of
+    episode views.  Nothing is injected: evictions land wherever the writer's timing puts them.
+    With an episode-data ring of 12 rows (the step ring holds about 40 episodes) the data rows of
+    sampled episodes are evicted and their slots reused all along: a step must show its own
+    episode's data or zeros, never the slot's next occupant's."""
+    monkeypatch.setattr(episodes._Boundaries, "_SLACK", 64)
+    store = str(tmp_path / "store")
+    TrajectoryReplayBuffer.create(TW.STEP_SPACE, episode_data_instance_space=TW.EP_SPACE, step_data_capacity=256,
+                                  episode_data_capacity=episode_capacity, cache_path=store, chunk_rows=16).close()
+    ready = str(tmp_path / "ready")
+    p = W.start(TW.episode_loop, store, str(tmp_path / "flushed"), ready, 7, 60.0)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    rng = np.random.default_rng(1)
+    checked, no_data = dict.fromkeys(READS, 0), 0
+    rounds, held = 0, []
+    with TrajectoryReplayBuffer.load_from(store, read_only=True) as ro:
+        t_end = time.monotonic() + 4
+        while time.monotonic() < t_end:
+            if len(ro) < 64:
+                time.sleep(0.01)
+                continue
+            how = READS[rounds % len(READS)]
+            n, zeros = _read_and_check(ro, how, rng, held)
+            checked[how] += n
+            no_data += zeros
+            rounds += 1
+        head = ro._store.committed
+        gen_seen, ep_evicted = head.generation, head.tables["episode_data"].start
+    os.kill(p.pid, 9)
+    p.join(10)
+    assert rounds >= 25 and gen_seen > 20, f"only {rounds} rounds over {gen_seen} commits"
+    assert all(checked.values()), f"a kind of read never ran: {checked}"
+    # 64 rows outlast the step ring: an episode keeps its data while it has steps (a fifth of the
+    # episodes never set any).  12 rows turn over many times while their episodes' steps are
+    # sampled: most sampled steps' episodes lost their data.
+    share = no_data / sum(checked.values())
+    assert (share < 0.4) if episode_capacity == 64 else (share > 0.5 and ep_evicted > 2 * episode_capacity), (
+        f"{share:.0%} of the windows and steps came without episode data; {ep_evicted} episode-data rows evicted")
+    print(f"episode_capacity={episode_capacity}: {rounds} rounds, {gen_seen} commits, "
+          f"{ep_evicted} episode-data rows evicted, checked {checked}, {no_data} without episode data")
