@@ -20,7 +20,7 @@ import pytest
 from gymnasium.spaces import Box, Dict
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
-from trajstore.errors import IndexOutOfRangeError, UnknownEpisodeError
+from trajstore.errors import ConcurrentWriteError, IndexOutOfRangeError, UnknownEpisodeError
 from trajstore.sampling import field_windows, sequences
 
 STEP = Dict({"obs": Box(-1e9, 1e9, (2,), np.float64), "act": Box(-1e9, 1e9, (), np.float32)})
@@ -44,16 +44,16 @@ class Live:
     """
 
     def __init__(self, path: Any, kind: str = "trajectory", episode_capacity: int | None = None,
-                 with_episode_data: bool = True, episodes: str = "short") -> None:
+                 with_episode_data: bool = True, episodes: str = "short", capacity: int = CAP) -> None:
         self.kind, self.row = kind, 0
         self.length, self.shift = EPISODES[episodes]
         if kind == "replay":
-            self.w: Any = ReplayBuffer.create(ROWS, cache_path=path, capacity=CAP, chunk_rows=16)
+            self.w: Any = ReplayBuffer.create(ROWS, cache_path=path, capacity=capacity, chunk_rows=16)
         else:
             ep = dict(episode_data_instance_space=EP, episode_data_capacity=episode_capacity) if with_episode_data else {}
             self.w = TrajectoryReplayBuffer.create(STEP, step_data_capacity=CAP, cache_path=path, chunk_rows=16, **ep)
         self.episode_capacity = episode_capacity
-        self.add(CAP)
+        self.add(capacity)
         self.w.flush()
         self.ends = [self.row]  # the end of every record committed since the reader opened
         self.ro: Any = type(self.w).load_from(path, read_only=True)
@@ -87,14 +87,16 @@ class Live:
         self.w.flush()
         self.ends.append(self.row)
 
-    def during(self, monkeypatch: Any, owner: Any, names: Sequence[str], n: int = TURN, after: bool = False) -> None:
-        """Patch ``owner.<name>`` for each of ``names``: the first call first runs :meth:`turn`
-        (``after``: runs it after the call returned); its arguments are kept in :attr:`fired`."""
+    def during(self, monkeypatch: Any, owner: Any, names: Sequence[str], n: int = TURN, after: bool = False,
+               when: Callable[..., bool] | None = None) -> None:
+        """Patch ``owner.<name>`` for each of ``names``: the first call (for which ``when(*args)``
+        holds) first runs :meth:`turn` (``after``: runs it after the call returned); its
+        arguments are kept in :attr:`fired`."""
         for name in names:
             real = getattr(owner, name)
 
             def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                first = not self.fired
+                first = not self.fired and (when is None or when(*args))
                 if first:
                     self.fired.append(tuple(np.copy(a) if isinstance(a, np.ndarray) else a for a in args))
                 if first and not after:
@@ -108,7 +110,8 @@ class Live:
 
     @property
     def start(self) -> int:
-        """The first absolute step row of the reader's current record."""
+        """The first absolute step row of the latest record (the reader adopts it)."""
+        self.ro._sync()
         return int(self.ro._store.committed.tables["step_data"].start)
 
     def with_data(self) -> np.ndarray:
@@ -356,6 +359,82 @@ def test_torch_datasets_over_a_live_store(live, monkeypatch):
     check_frames(lv, rows, eids, batch["mask"], anchors, [0, 1, 2, 3], "edge")
     check_episode_data(lv, lv.episode_of(anchors), batch["episode_data"])
     windows.close()
+
+
+# ---------------------------------------------------------------------------- 6b. dask arrays
+
+DASK_CHANGES = {
+    "turn while read": None,
+    "clear": lambda lv: (lv.w.clear(), lv.add(1024)),
+    "remove_at": lambda lv: lv.w.remove_at(np.arange(0, 1024, 2)),
+    "set_at": lambda lv: lv.w.set_at(3, {"x": np.array([-7.0, 7.0]), "y": np.float32(-7)}),
+}
+
+
+@pytest.mark.parametrize("change", list(DASK_CHANGES))
+def test_dask_blocks_of_rows_that_changed(live, monkeypatch, change):
+    """A dask array holds the rows committed when it was made: a block whose rows were evicted
+    while it read them, or rewritten since (clear, remove_at, set_at: a new epoch), raises
+    ConcurrentWriteError; blocks whose rows stayed return them.  Before, a block read its rows
+    without checking the record afterwards (rows 64-71 returned as rows 0-7) and never looked
+    at the epoch (clear: the new rows; remove_at: every other row)."""
+    pytest.importorskip("dask.array")
+    from trajstore.buffers.rows import BufferRows
+    from trajstore.dask import to_dask
+
+    lv = live("replay", capacity=1024)  # column x: blocks of 256 rows (a raw field's chunk)
+    arr = to_dask(lv.ro.get_column("x"))[:, 0]
+    assert arr.chunks[0] == (256,) * 4
+    if DASK_CHANGES[change] is None:
+        lv.during(monkeypatch, BufferRows, ["read_rows"], when=lambda src, *_: src.buffer is not lv.w)
+        with pytest.raises(ConcurrentWriteError, match="evicted"):
+            arr[:8].compute(scheduler="sync")  # rows 0-15 were evicted while the block read them
+        assert lv.fired and lv.start == TURN
+        np.testing.assert_array_equal(arr[256:].compute(scheduler="sync"), np.arange(256, 1024))
+        return
+    DASK_CHANGES[change](lv)
+    lv.w.flush()
+    with pytest.raises(ConcurrentWriteError, match="rewritten"):
+        arr.compute(scheduler="sync")
+
+
+def test_dask_array_of_an_episode_view_that_saw_evictions(live):
+    """``to_dask`` of a ``select_episodes`` view whose steps a ring evicted since it was made: the
+    array's rows are the view's rows.  A view numbers its rows in its own process (counting the
+    selected steps evicted since it was made) while the tasks reopen the store and number them
+    afresh: the blocks read rows 8 further on, and the last block raised a raw IndexError."""
+    pytest.importorskip("dask.array")
+    lv = live()
+    view = lv.ro.select_episodes([1, 2, 4, 6])
+    want = np.flatnonzero(np.isin(lv.episode_of(np.arange(CAP + TURN)), [1, 2, 4, 6]))
+    assert len(view) == len(want[want < CAP])
+    lv.turn()
+    column = view.get_column(["step_data", "obs"])
+    np.testing.assert_array_equal(np.asarray(column[:])[:, 0], want[want >= TURN])  # the view moved on
+    got = column.to_dask().compute(scheduler="sync")
+    np.testing.assert_array_equal(got[:, 0], want[want >= TURN])
+    np.testing.assert_array_equal(got[:, 1], lv.episode_of(want[want >= TURN]))
+
+
+def test_dask_column_method_of_a_sharded_dataset(tmp_path):
+    """``ds.get_column(...).to_dask()`` (the method) builds each shard's arrays as
+    ``trajstore.dask.to_dask`` does; it read the dataset's global rows instead, whose numbers are
+    its process's only, and raised a BadArgumentError about episode data."""
+    pytest.importorskip("dask.array")
+    from trajstore.dask import to_dask
+    from trajstore.shards import create_shard, open_sharded
+
+    root = tmp_path / "root"
+    for k, name in enumerate(["a", "b"]):
+        w = create_shard(root, ROWS if k == 0 else None, shard=name, kind="replay", capacity=64, chunk_rows=16)
+        rows = np.arange(100 * k, 100 * k + 80)  # a ring of 64: rows 16.. of each shard stay
+        w.extend({"x": np.stack([rows, -rows], 1).astype(np.float64), "y": rows.astype(np.float32)})
+        w.close()
+    ds = open_sharded(root)
+    want = np.concatenate([np.arange(16, 80), np.arange(116, 180)])
+    for arr in (ds.get_column("x").to_dask(), to_dask(ds.get_column("x")), ds.to_dask()["x"]):
+        np.testing.assert_array_equal(arr.compute(scheduler="sync")[:, 0], want)
+    ds.close()
 
 
 # ---------------------------------------------------------------------------- 7. prioritized sampling

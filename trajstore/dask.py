@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore.buffers.views import BatchBase, ColumnView
-from trajstore.spaces import ValuePlan
+from trajstore.buffers.views import BatchBase
 
 __all__ = ["to_dask"]
 
@@ -28,25 +27,21 @@ def to_dask(view: BatchBase) -> Any:
 
     Parameters
     ----------
-    view : ReplayBuffer, TrajectoryReplayBuffer, ShardedDataset or ColumnView
+    view : ReplayBuffer, TrajectoryReplayBuffer, EpisodeView, ShardedDataset or ColumnView
         A buffer, or a column view of one (``get_column``, possibly nested).  Slices are refused:
         take the rows you need from the dask array instead (``arr[lo:hi]``).  A sharded dataset
         (:func:`~trajstore.shards.open_sharded`) or a column of one gives one dask array per
-        field across every shard: each shard's arrays, concatenated in shard name order.
+        field across every shard: each shard's arrays, concatenated in shard name order.  An
+        episode view (``select_episodes``) gives its parent's arrays at the selected rows.
 
     Returns
     -------
     dask.array.Array, or a dict / tuple of them (the view's space nesting)
         Shape ``(rows, *leaf.shape)``, the leaf's dtype; chunks along axis 0 aligned with the
         store's chunk rows (a ring's wrap point included), the other axes one chunk.  A writer's
-        rows not yet committed are not included.
+        rows not yet committed are not included.  Computing a block whose rows a ring has
+        evicted (also while the block reads them), or that were rewritten since (``set_at``,
+        ``remove_at``, ``clear``), raises :class:`~trajstore.errors.ConcurrentWriteError`: the
+        array describes the rows of one commit; make it again for the rows there now.
     """
-    from trajstore.shards.dataset import ShardedDataset
-
-    node, leaves = view, list(range(len(view._plan.leaves)))
-    while isinstance(node, ColumnView):  # the leaves of the dataset the column reads
-        leaves = [node._leaf_map[j] for j in leaves]
-        node = node.parent
-    if isinstance(node, ShardedDataset):
-        return ValuePlan(view.single_space).from_arrays(node.dask_leaves(leaves))
-    return view.to_dask()
+    return view.to_dask()  # a sharded dataset's arrays are its shards' (ShardedDataset.dask_leaves)

@@ -245,6 +245,22 @@ class EpisodeView(BatchBase):
         (``start``: view row of the first step)."""
         return _seq.episode_table(self._rows)
 
+    def dask_leaves(self, leaves: Sequence[int]) -> list[Any]:
+        """One dask array per step leaf in ``leaves``: the selected steps committed now.
+
+        Made of the parent's arrays indexed by the selected rows: a view numbers its rows in this
+        process only (counting the selected steps a ring evicted since it was made), while dask
+        tasks reopen the store and would number them afresh (a view that had seen 8 of its steps
+        evicted read rows 8 further on); a store's absolute rows mean the same rows everywhere.
+        """
+        from trajstore.sampling.dask_arrays import dask_arrays
+
+        parent = self._rows.parent
+        arrays = dask_arrays(parent, leaves)  # syncs the parent: the arrays hold its committed rows now
+        lo, hi = self._rows.committed
+        rows = parent.absolute_rows(self._rows.to_parent(np.arange(hi - lo, dtype=np.int64))) - parent.committed[0]
+        return [a[rows] for a in arrays]
+
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of selected episode ``episode_id`` (UnknownEpisodeError when it has none here)."""
         return read_episode(self, self._rows, self.parent._wrap, episode_id)

@@ -123,18 +123,31 @@ class BatchBase:
     def to_dask(self) -> Any:
         """The committed rows of this column view as a dask array (nested dict of them for a Dict
         column), chunked like the store; see :func:`trajstore.dask.to_dask`."""
-        from trajstore.sampling.dask_arrays import dask_arrays
-
         node, leaves = self, list(range(len(self._plan.leaves)))
         while isinstance(node, ColumnView):
             leaves = [node._leaf_map[j] for j in leaves]
             node = node.parent
-        row_source = getattr(node, "row_source", None)
+        return ValuePlan(self.single_space).from_arrays(node.dask_leaves(leaves))
+
+    def dask_leaves(self, leaves: Sequence[int]) -> list[Any]:
+        """One dask array per leaf in ``leaves`` (leaf numbers of ``single_space``): this
+        buffer's committed rows (:func:`~trajstore.sampling.dask_arrays.dask_arrays` over its row
+        source).  Batches whose rows are numbered otherwise (an episode view, a sharded dataset)
+        override it.
+
+        Raises
+        ------
+        BadArgumentError
+            The batch is no buffer (a slice view: take the rows you need from the dask array).
+        """
+        from trajstore.sampling.dask_arrays import dask_arrays
+
+        row_source = getattr(self, "row_source", None)
         if row_source is None:
             raise BadArgumentError(f"to_dask needs a buffer or a column view of one (possibly nested); got "
-                                   f"{type(node).__name__} in the chain (take the rows you need from the dask "
+                                   f"{type(self).__name__} in the chain (take the rows you need from the dask "
                                    "array instead: arr[lo:hi])")
-        return ValuePlan(self.single_space).from_arrays(dask_arrays(row_source(), leaves))
+        return dask_arrays(row_source(), leaves)
 
     def get_column(self, nested_keys: Sequence[str | int] | str) -> "ColumnView":
         """A lazy read-only view of the sub-space at ``nested_keys`` (e.g. ``["obs", "pos"]`` or ``"obs/pos"``)."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import BadArgumentError, ConcurrentWriteError
-from trajstore.sampling.source import RowSource
+from trajstore.sampling.source import RowSource, read_consistent
 from trajstore.storage.credentials import resolve, scrub
 
 __all__ = ["dask_arrays"]
@@ -61,24 +61,39 @@ def _open_cached(key: str, recipe: tuple[Callable[..., RowSource], tuple[Any, ..
         return src
 
 
-def _read_block(*, src: Any, leaf: int, first: int, block_info: Any = None) -> np.ndarray:
+def _read_block(*, src: Any, leaf: int, first: int, epoch: int, block_info: Any = None) -> np.ndarray:
+    """Absolute rows ``first + [lo, hi)`` of the block, as the array's record numbered them
+    (its ``epoch``): read consistently, or ConcurrentWriteError when they are no longer those rows."""
     lo, hi = block_info[None]["array-location"][0]
     if isinstance(src, tuple):  # (key, recipe): open the store in this process
         src = _open_cached(*src)
-    src.sync()  # (an in-memory source is used as it is: only threaded/synchronous schedulers can)
-    start = src.start
     a_lo, a_hi = first + lo, first + hi
-    if a_lo < start:
-        raise ConcurrentWriteError(f"rows [{a_lo}, {a_hi}) of {src.name} were evicted since the dask array was made")
-    rows = np.arange(a_lo - start, a_hi - start, dtype=np.int64)
-    return src.read_rows(rows, [leaf])[0]
+
+    def read() -> np.ndarray:
+        # Under the record read_consistent pins and checks again afterwards: rows a writer evicts
+        # (and reuses the slots of) while they are read make it read again, and this raise then.
+        if src.record.epoch != epoch:  # renumbered or changed in place: absolute rows name other rows
+            raise ConcurrentWriteError(f"rows [{a_lo}, {a_hi}) of {src.name} were rewritten (set_at, remove_at, "
+                                       "clear) since the dask array was made; make it again")
+        start = src.start
+        if a_lo < start:
+            raise ConcurrentWriteError(f"rows [{a_lo}, {a_hi}) of {src.name} were evicted since the dask array was made")
+        return src.read_rows(np.arange(a_lo - start, a_hi - start, dtype=np.int64), [leaf])[0]
+
+    # (an in-memory source is used as it is: only threaded/synchronous schedulers can)
+    return read_consistent(src, read)
 
 
 def dask_arrays(src: RowSource, leaves: Sequence[int]) -> list[Any]:
     """One dask array per per-row leaf in ``leaves``: the rows committed now, (rows, *leaf.shape).
 
     Chunks along axis 0 are aligned with the store's chunk rows (a ring's wrap point included);
-    the other axes are one chunk.  A writer's rows not yet committed are not included.
+    the other axes are one chunk.  A writer's rows not yet committed are not included.  Tasks
+    name rows by ``src``'s absolute rows under this record's epoch, so the source's numbering
+    must mean the same rows in every process that reopens it (a store's does; a selection of
+    episodes numbers its rows in its own process: ``EpisodeView.dask_leaves`` indexes its
+    parent's arrays instead).  Computing a block whose rows a ring evicted, or that were
+    rewritten since (a new epoch), raises ConcurrentWriteError.
 
     Raises
     ------
@@ -108,5 +123,5 @@ def dask_arrays(src: RowSource, leaves: Sequence[int]) -> list[Any]:
         meta = np.empty((0,) * (len(spec.row_shape) + 1), spec.dtype)
         # dask's map_blocks is not annotated
         arrays.append(da.map_blocks(_read_block, dtype=spec.dtype, chunks=chunks, name=name,  # type: ignore[no-untyped-call]
-                                    meta=meta, src=task_src, leaf=leaf, first=start))
+                                    meta=meta, src=task_src, leaf=leaf, first=start, epoch=record.epoch))
     return arrays

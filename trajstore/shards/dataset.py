@@ -241,7 +241,9 @@ class ShardedDataset(BatchBase):
         return self._plan.from_arrays([self._backend.out(a) for a in arrays])
 
     def dask_leaves(self, leaves: Sequence[int]) -> list[Any]:
-        """One dask array per leaf: the committed rows of every shard, concatenated in name order."""
+        """One dask array per leaf: the committed rows of every shard, concatenated in name order
+        (what ``to_dask`` of the dataset or of a column of it returns, nested as the space).  Each
+        shard's own rows: the dataset's global row numbers are this process's only."""
         import dask.array as da
 
         from trajstore.sampling.dask_arrays import dask_arrays
@@ -251,11 +253,6 @@ class ShardedDataset(BatchBase):
             raise BadArgumentError(f"{self._loc.url}: the dataset has no shard yet; nothing to make dask arrays of")
         per_shard = [dask_arrays(s, leaves) for s in self._rows.sources]
         return [da.concatenate([arrays[j] for arrays in per_shard], axis=0) for j in range(len(leaves))]
-
-    def to_dask(self) -> Any:
-        """Every field's committed rows across all shards as dask arrays (nested as the space);
-        see :func:`trajstore.dask.to_dask`."""
-        return self._plan.from_arrays(self.dask_leaves(self._all_leaves))
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:

@@ -456,7 +456,7 @@ class ShardedRows(EpisodeSource):
         return [a.reshape(len(first), length, *a.shape[1:]) for a in self.read_rows(rows.ravel(), leaves)]
 
     def leaf_field(self, leaf: int) -> Field | None:
-        return None  # a field per shard: see :meth:`ShardedDataset.to_dask`
+        return None  # a field per shard: see :meth:`ShardedDataset.dask_leaves`
 
     # -- episodes ---------------------------------------------------------------------------------
     @property
