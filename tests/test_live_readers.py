@@ -44,19 +44,26 @@ class Live:
     """
 
     def __init__(self, path: Any, kind: str = "trajectory", episode_capacity: int | None = None,
-                 with_episode_data: bool = True, episodes: str = "short", capacity: int = CAP) -> None:
+                 with_episode_data: bool = True, episodes: str = "short", capacity: int = CAP,
+                 sharded: bool = False) -> None:
+        from trajstore.shards import create_shard, open_sharded
+
         self.kind, self.row = kind, 0
         self.length, self.shift = EPISODES[episodes]
         if kind == "replay":
             self.w: Any = ReplayBuffer.create(ROWS, cache_path=path, capacity=capacity, chunk_rows=16)
         else:
             ep = dict(episode_data_instance_space=EP, episode_data_capacity=episode_capacity) if with_episode_data else {}
-            self.w = TrajectoryReplayBuffer.create(STEP, step_data_capacity=CAP, cache_path=path, chunk_rows=16, **ep)
+            kwargs: dict[str, Any] = dict(step_data_capacity=CAP, chunk_rows=16, **ep)
+            # sharded: the store is the one shard of a sharded dataset (its writer is the shard's)
+            self.w = (create_shard(path, STEP, shard="a", **kwargs) if sharded
+                      else TrajectoryReplayBuffer.create(STEP, cache_path=path, **kwargs))
         self.episode_capacity = episode_capacity
         self.add(capacity)
         self.w.flush()
         self.ends = [self.row]  # the end of every record committed since the reader opened
-        self.ro: Any = type(self.w).load_from(path, read_only=True)
+        self.ro: Any = open_sharded(path) if sharded else type(self.w).load_from(path, read_only=True)
+        self.store_reader: Any = self.ro.shard("a") if sharded else self.ro  # the reader's buffer of the store
         self.fired: list[tuple[Any, ...]] = []
 
     def episode_of(self, rows: Any) -> Any:
@@ -111,8 +118,8 @@ class Live:
     @property
     def start(self) -> int:
         """The first absolute step row of the latest record (the reader adopts it)."""
-        self.ro._sync()
-        return int(self.ro._store.committed.tables["step_data"].start)
+        self.store_reader._sync()
+        return int(self.store_reader._store.committed.tables["step_data"].start)
 
     def with_data(self) -> np.ndarray:
         """Episode ids that have episode data under the writer's last commit."""
@@ -566,3 +573,33 @@ def test_get_episode_while_the_ring_turns(live, monkeypatch, view, eid, stored):
         np.testing.assert_array_equal(obs[:, 0], stored)
         np.testing.assert_array_equal(obs[:, 1], eid)
     assert lv.fired and lv.start == TURN
+
+
+# ---------------------------------------------------------------------------- sharded datasets
+
+SHARDED_SAMPLERS = {
+    "sample": lambda r: (r.sample(512, rng=0), None),
+    "sample_sequences(B, 2)": lambda r: r.sample_sequences(512, 2, rng=0, within_episode=True),
+    "per-field windows": lambda r: r.sample_sequences(512, offsets={"obs": [-1, 0]}, rng=0, within_episode=True),
+}
+
+
+@pytest.mark.parametrize("how", list(SHARDED_SAMPLERS))
+def test_sharded_samples_while_the_episode_data_ring_turns(live, monkeypatch, how):
+    """A sharded dataset of trajectory shards whose episode-data ring (4) is smaller than the
+    episodes in the step ring: a sample that overlaps an eviction returns each step's own
+    episode data, or zeros once the record gives its episode none.  ShardedRows had no
+    ``episode_data_stale``, so the retry loop kept episode data read from reused slots (episode
+    10's for episode 6's steps)."""
+    lv = live(episode_capacity=4, sharded=True)
+    sample = SHARDED_SAMPLERS[how]
+    sample(lv.ro)  # the shard reader's episode index is built
+    lv.during(monkeypatch, lv.store_reader._episodes, ["lookup"])
+    data, mask = sample(lv.ro)
+    assert lv.fired and lv.start == TURN
+    obs = np.asarray(data["step_data"]["obs"])
+    anchors = obs[:, 0] if obs.ndim == 2 else obs[:, -1, 0]
+    ids = obs[:, 1] if obs.ndim == 2 else obs[:, -1, 1]
+    assert (anchors >= TURN).all()
+    np.testing.assert_array_equal(ids, lv.episode_of(anchors))
+    check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])

@@ -516,3 +516,23 @@ class ShardedRows(EpisodeSource):
 
     def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
         return self._per_shard(anchors, lambda k, r: self.sources[k].read_episode_rows(r, leaves))
+
+    def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
+        """(B,) bool: which global logical ``rows`` (of the current view) may have read their
+        episode's data, under view record ``before``, from a slot that their shard's episode-data
+        ring reused since: each shard answers for its own rows against its own record in
+        ``before`` (:meth:`TrajectoryRows.episode_data_stale <trajstore.buffers.rows.TrajectoryRows.episode_data_stale>`).
+        Without it the retry loop kept another episode's data (episode 10's for episode 6's steps)."""
+        rows = np.asarray(rows, np.int64)
+        out = np.zeros(rows.shape, bool)
+        if not isinstance(before, ShardedHead) or not rows.size:
+            return out
+        then = dict(zip(before.names, before.parts))
+        k, local = self.locate(rows)
+        for shard in distinct(k.ravel()).tolist():
+            part, ask = then.get(self.names[shard]), getattr(self.sources[shard], "episode_data_stale", None)
+            if part is None or ask is None:  # a shard new to the view (none of its rows was read), or no episode data
+                continue
+            sel = k == shard
+            out[sel] = ask(local[sel], part)
+        return out
