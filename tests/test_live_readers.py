@@ -330,6 +330,50 @@ def test_field_windows_while_the_rings_turn(live, monkeypatch, how, episodes):
     check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
 
 
+# ---------------------------------------------------------------------------- 5b. select_episodes views
+
+SELECTED = [1, 2, 4, 6, 8]  # after a turn: 1 evicted, 2 half (16-19), 4 and 6 whole, 8 (open) grew by 4 steps
+VIEW_READS: dict[str, Callable[[Any], Any]] = {
+    "int": lambda v: v[0]["step_data"]["obs"][None],
+    "negative int": lambda v: v[-1]["step_data"]["obs"][None],
+    "slice": lambda v: v[2:6]["step_data"]["obs"],
+    "array": lambda v: v[np.array([0, 5, 19])]["step_data"]["obs"],
+    "get_at_with_metadata": lambda v: v.get_at_with_metadata(np.array([0, 5, 19]))[0]["step_data"]["obs"],
+    "sample": lambda v: v.sample(256, rng=0)["step_data"]["obs"],
+    "sample_sequences": lambda v: v.sample_sequences(256, 2, rng=0, within_episode=True)[0]["step_data"]["obs"],
+    "get_sequences": lambda v: v.get_sequences(np.arange(8), [-1, 0], pad="edge")[0]["step_data"]["obs"],
+    "per-field windows": lambda v: v.sample_sequences(256, offsets={"obs": [-1, 0]}, rng=0)[0]["step_data"]["obs"],
+}
+
+
+@pytest.mark.parametrize("how", list(VIEW_READS))
+def test_episode_view_reads_while_the_ring_turns(live, monkeypatch, how):
+    """A ``select_episodes`` view of a live ring, the ring turned while a read is under way: the
+    rows returned are rows of the selection under the record read (indices resolved against it,
+    samples drawn again where their steps were evicted, windows within the selection).  Safe:
+    SelectionRows numbers the selected steps evicted since the view was made, so the retry loop
+    follows each anchor; indexing retries through read_consistent."""
+    lv = live()
+    view = lv.ro.select_episodes(SELECTED)
+    view.sample(8, rng=1)
+    lv.during(monkeypatch, lv.ro._table, ["gather", "read_row", "read_contiguous", "gather_windows"])
+    obs = np.asarray(VIEW_READS[how](view))
+    assert lv.fired and lv.start == TURN
+    selected = np.flatnonzero(np.isin(lv.episode_of(np.arange(lv.row)), SELECTED))
+    now = selected[selected >= TURN]  # the view's rows under the last record
+    rows, eids = obs[..., 0].astype(np.int64), obs[..., 1].astype(np.int64)
+    np.testing.assert_array_equal(eids, lv.episode_of(rows))
+    assert np.isin(rows, now).all()
+    want = {"int": now[[0]], "negative int": now[[-1]], "slice": now[2:6], "array": now[[0, 5, 19]],
+            "get_at_with_metadata": now[[0, 5, 19]]}
+    if how in want:
+        np.testing.assert_array_equal(rows, want[how])
+    if how == "get_sequences":
+        np.testing.assert_array_equal(rows[:, 1], now[:8])
+    if rows.ndim == 2:  # windows: a frame's step is the anchor's or an earlier one of its episode
+        assert (eids == eids[:, -1:]).all() and (rows[:, 0] <= rows[:, 1]).all()
+
+
 # ---------------------------------------------------------------------------- 6. torch datasets
 
 
