@@ -600,14 +600,15 @@ def test_views_of_rows_the_buffer_no_longer_has(live, how, shrink):
 
 
 @pytest.mark.parametrize("eid, stored", [(4, np.arange(28, 36)), (2, np.arange(TURN, 20)), (1, None)])
-@pytest.mark.parametrize("view", [False, True])
-def test_get_episode_while_the_ring_turns(live, monkeypatch, view, eid, stored):
-    """``get_episode(id)`` (buffer and ``select_episodes`` view): the rows of the episode are
-    found and read under one record, so a turn of the ring in between cannot hand back another
-    episode's steps (it did: rows found under the old record were read under the new one, 16
-    rows further on), and an episode evicted meanwhile (1) raises UnknownEpisodeError."""
-    lv = live()
-    reader = lv.ro.select_episodes([1, 2, 4, 6]) if view else lv.ro
+@pytest.mark.parametrize("reader", ["buffer", "view", "sharded"])
+def test_get_episode_while_the_ring_turns(live, monkeypatch, reader, eid, stored):
+    """``get_episode(id)`` (buffer, ``select_episodes`` view, sharded dataset of one shard): the
+    rows of the episode are found and read under one record, so a turn of the ring in between
+    cannot hand back another episode's steps (it did: rows found under the old record were read
+    under the new one, 16 rows further on), and an episode evicted meanwhile (1) raises
+    UnknownEpisodeError."""
+    lv = live(sharded=reader == "sharded")
+    reader = lv.ro.select_episodes([1, 2, 4, 6]) if reader == "view" else lv.ro
     lv.during(monkeypatch, sequences, ["episode_rows"], after=True)  # rows found, then the ring turns
     if stored is None:
         with pytest.raises(UnknownEpisodeError):
