@@ -330,6 +330,28 @@ def test_field_windows_while_the_rings_turn(live, monkeypatch, how, episodes):
     check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
 
 
+def test_episode_columns_while_the_ring_turns(live, monkeypatch):
+    """``filter_episodes`` sees the episodes as columns (``episode_columns``): the table (start,
+    length) and the episode data come from one record.  The table was read before the data, so
+    a turn in between gave starts and lengths of the old record (episode 2: start 12, length 8,
+    where 4 of its steps were left at row 0) beside the data of the new one."""
+    from trajstore.buffers.episode_edit import episode_columns
+
+    lv = live(episode_capacity=4)
+    lv.during(monkeypatch, sequences, ["episode_table"], after=True)
+    cols = episode_columns(lv.ro)
+    assert lv.fired and lv.start == TURN
+    stored = np.arange(TURN, lv.row)
+    ids, first = np.unique(lv.episode_of(stored), return_index=True)
+    np.testing.assert_array_equal(cols["episode_id"], ids)
+    np.testing.assert_array_equal(cols["start"], first)
+    np.testing.assert_array_equal(cols["length"], np.diff(np.append(first, len(stored))))
+    np.testing.assert_array_equal(cols["has_data"], np.isin(ids, lv.with_data()))
+    check_episode_data(lv, ids, cols["value"])
+    view = lv.ro.filter_episodes(lambda ep: ep["length"] == lv.length)  # whole episodes only
+    np.testing.assert_array_equal(view.episode_ids, ids[1:-1])  # not 2 (half evicted), nor 10 (4 steps so far)
+
+
 # ---------------------------------------------------------------------------- 5b. select_episodes views
 
 SELECTED = [1, 2, 4, 6, 8]  # after a turn: 1 evicted, 2 half (16-19), 4 and 6 whole, 8 (open) grew by 4 steps

@@ -86,26 +86,25 @@ def episode_columns(buf: TrajectoryReplayBuffer, names: Sequence[str] | None = N
     """
     from trajstore.errors import UnknownFieldError
 
-    table = buf.episodes()
-    ids = table["episode_id"]
-    cols: dict[str, np.ndarray] = {k: table[k] for k in ("episode_id", "start", "length", "live")}
     all_names = _data_names(buf)
     wanted = all_names if names is None else list(names)
     unknown = [n for n in wanted if n not in all_names]
     if unknown:
         raise UnknownFieldError(f"no episode field {unknown[0]!r}; the episode fields are "
                                 f"{list(TABLE_COLUMNS) + all_names}")
-    if buf._ep_table is None:
-        cols["has_data"] = np.zeros(len(ids), bool)
-        return cols
+    fields = [all_names.index(n) for n in wanted]
 
-    def read() -> tuple[np.ndarray, list[np.ndarray]]:
-        buf._sync()
-        rows = buf._episodes.lookup(ids)
-        fields = [all_names.index(n) for n in wanted]
-        return rows >= 0, (buf._episode_rows(ids, fields) if fields else [])
+    def read() -> tuple[dict[str, np.ndarray], np.ndarray, list[np.ndarray]]:
+        # The episode table and the data under one record: a ring that turned between two reads
+        # gave starts and lengths of one record beside the data of the next.
+        table = _seq.episode_table(buf.row_source())
+        ids = table["episode_id"]
+        if buf._ep_table is None:
+            return table, np.zeros(len(ids), bool), []
+        return table, buf._episodes.lookup(ids) >= 0, (buf._episode_rows(ids, fields) if fields else [])
 
-    has, arrays = buf._consistent(read)
+    table, has, arrays = buf._consistent(read)
+    cols: dict[str, np.ndarray] = {k: table[k] for k in ("episode_id", "start", "length", "live")}
     cols["has_data"] = has
     cols.update(zip(wanted, arrays))
     return cols
