@@ -670,3 +670,53 @@ def test_sharded_samples_while_the_episode_data_ring_turns(live, monkeypatch, ho
     assert (anchors >= TURN).all()
     np.testing.assert_array_equal(ids, lv.episode_of(anchors))
     check_episode_data(lv, lv.episode_of(anchors), data["episode_data"])
+
+
+def test_episode_data_set_again_while_a_sample_reads_it(live, monkeypatch):
+    """An episode whose data row is evicted and then set again (a new row) while a sample reads it:
+    the row read was the evicted slot's new occupant, and the episode has data again, so "no data
+    row now" alone missed it (episode 9's data returned for episode 5)."""
+    lv = live(episode_capacity=4)  # episodes 0-8 (8 open), data of 5-8 in the ring
+    lv.ro.sample(8, rng=1)
+    real, fired = lv.ro._episodes.lookup, []
+
+    def lookup(ids):
+        rows = real(ids)  # episode 5's data row under the old record: its slot ...
+        if not fired:
+            fired.append(True)
+            lv.add(16)  # ... is reused: episodes 9 and 10 get data (5's and 6's rows evicted)
+            lv.w.set_episode_data_at(5, np.float64(500))  # 5's data set again: a new row
+            lv.w.flush()
+        return rows
+
+    monkeypatch.setattr(lv.ro._episodes, "lookup", lookup)
+    data = lv.ro.sample(512, rng=0)
+    obs, ep = np.asarray(data["step_data"]["obs"]), np.asarray(data["episode_data"])
+    five = obs[:, 1] == 5
+    assert fired and five.any()
+    assert np.isin(ep[five], [5, 500]).all()
+
+
+def test_selection_follows_rows_when_the_ring_start_moves_back(tmp_path):
+    """A reader's ring start moves back when the commit after an eviction record names the rows of
+    the guard band again; a select_episodes view must follow its rows across that (row 14 was
+    followed to row 12)."""
+    path = tmp_path / "s"
+    w = TrajectoryReplayBuffer.create(STEP, step_data_capacity=64, cache_path=path, chunk_rows=16, commit_interval=1e9)
+    rows = np.arange(64)
+    w.extend({"obs": np.stack([rows, np.zeros(64)], 1), "act": rows.astype(np.float32)})
+    w.flush()
+    ro = TrajectoryReplayBuffer.load_from(path, read_only=True)
+    sel = ro.select_episodes([0]).row_source()
+    w.extend({"obs": np.array([[64.0, 0], [65.0, 0]]), "act": np.array([64, 65], np.float32)})  # eviction record
+    sel.sync()  # start 4 (2 evicted + guard band)
+    before, start_then = sel.record, ro._table.state.start
+    step_then = sel.to_parent(np.array([10])) + start_then
+    x = sel.absolute_rows(np.array([10]))
+    w.flush()  # the next commit names the actual start, 2
+    sel.sync()
+    assert ro._table.state.start < start_then
+    step_now = sel.to_parent(sel.logical_rows(x, before)) + ro._table.state.start
+    assert step_now.tolist() == step_then.tolist()
+    ro.close()
+    w.close()

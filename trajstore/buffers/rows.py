@@ -165,9 +165,10 @@ class TrajectoryRows(BufferRows):
         those episodes may stay in the step ring.  The rows' step data is then intact but their
         episode data may be another episode's.  When the episode-data ring evicted rows after
         ``before``, the rows whose episode has no data row now are answered True: they may have
-        had one then.  (Rows whose episode never had one are read again too: this happens only
-        while an eviction overlaps a read.)  An epoch change is not looked at: ``logical_rows``
-        already follows no row across it.
+        had one then; so are rows whose episode's data row was added after ``before`` (its
+        data was evicted and set again).  (Rows whose episode never had one are read again too:
+        this happens only while an eviction overlaps a read.)  An epoch change is not looked at:
+        ``logical_rows`` already follows no row across it.
         """
         rows = np.asarray(rows, np.int64)
         et = self.buffer._ep_table
@@ -176,7 +177,9 @@ class TrajectoryRows(BufferRows):
         then, now = before.tables.get(et.name), self.record.tables.get(et.name)
         if then is None or now is None or now.start <= then.start:
             return np.zeros(rows.shape, bool)
-        return self.buffer._episodes.lookup(self.step_ids(rows)) < 0
+        # No data row now, or one added since (an evicted episode's data set again): not the row read.
+        found = self.buffer._episodes.lookup(self.step_ids(rows))
+        return (found < 0) | (et.state.start + found >= then.end)
 
 
 class SelectionRows(EpisodeSource):
@@ -220,6 +223,10 @@ class SelectionRows(EpisodeSource):
             if self._key is not None and self._key[0] == key[0]:
                 # Same epoch: only appends and evictions; evicted selected rows leave the front.
                 self._vstart += int(np.searchsorted(self._abs, p.start))
+                if len(self._abs):
+                    # A reader's start that moved back (after an eviction record): rows before the
+                    # old first one rejoin the selection in front.
+                    self._vstart -= int(np.searchsorted(rows, self._abs[0]))
             else:
                 self._vstart = 0
             self._abs, self._key = rows, key
