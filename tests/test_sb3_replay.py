@@ -452,3 +452,29 @@ def test_no_dense_allocation_and_no_sb3_init(monkeypatch: pytest.MonkeyPatch, tm
         with ZarrReplayBuffer(10**6, OBS["image"], ACT["image"], cache_path=tmp_path / "big") as rb:
             assert rb.buffer_size == 10**6 and rb.observations.shape == (10**6, 1, 84, 84, 4)
             assert rb.actions.nbytes == 8 * 10**6  # the small fields are RAM arrays, as in SB3
+
+
+def test_sample_batch_sizes_as_sb3(tmp_path):
+    """sample(0) is an empty batch, as SB3's; a negative, fractional or bool batch size is a
+    BadOptionError (a ValueError, where SB3 raises numpy's) before np.random is drawn from."""
+    from trajstore.errors import BadOptionError
+
+    obs_space, act_space = spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2)
+    ref = ReplayBuffer(16, obs_space, act_space, "cpu")
+    with ZarrReplayBuffer(16, obs_space, act_space, "cpu", cache_path=tmp_path / "rb") as ours:
+        for buf in (ref, ours):
+            for i in range(5):
+                buf.add(np.full((1, 3), i, np.float32), np.zeros((1, 3), np.float32), np.array([[1]]), np.ones(1),
+                        np.zeros(1), [{}])
+        np.random.seed(0)
+        want = ref.sample(0)
+        np.random.seed(0)
+        got = ours.sample(0)
+        assert got.observations.shape == want.observations.shape == (0, 3)
+        for bad in (-1, 2.5, True):
+            state = np.random.get_state()[1].copy()
+            with pytest.raises(BadOptionError, match="sample: batch_size must be an int >= 0") as e:
+                ours.sample(bad)
+            assert isinstance(e.value, ValueError) and (np.random.get_state()[1] == state).all()
+        with pytest.raises(ValueError):
+            ref.sample(-1)

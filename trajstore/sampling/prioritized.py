@@ -46,7 +46,7 @@ from trajstore.sampling import prioritized_checks as check
 from trajstore.sampling.prioritized_windows import ACCEPT_ROUNDS, draw_accepted, inside_one_run, window_offsets
 from trajstore.sampling.priority_rows import REBUILD_FRACTION, LiveRows
 from trajstore.sampling.priority_store import PriorityStore
-from trajstore.sampling.source import SAMPLE_ATTEMPTS, EpisodeSource, RowSource
+from trajstore.sampling.source import SAMPLE_ATTEMPTS, EpisodeSource, RowSource, check_batch_size
 from trajstore.storage.keys import PRIORITIES_DIR
 
 __all__ = ["PrioritizedSampler", "PRIORITIES_DIR", "ACCEPT_ROUNDS", "REBUILD_FRACTION"]
@@ -266,7 +266,7 @@ class PrioritizedSampler:
                 ) -> tuple[Any, np.ndarray, Any]:
         """Draw ``batch_size`` logical rows by priority (only rows ``accept`` approves, if given),
         ``read`` them as of one commit record, and weigh them: ``(read(indices), indices, weights)``."""
-        k = check.batch_size(what, batch_size)
+        k = check_batch_size(batch_size, what, minimum=1)
         if self._closed:
             raise ClosedError(f"{what}: the PrioritizedSampler was closed")
         gen = rng if isinstance(rng, np.random.Generator) else (self._rng if rng is None else np.random.default_rng(rng))

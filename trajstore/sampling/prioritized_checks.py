@@ -13,7 +13,7 @@ import numpy as np
 from trajstore._optional import to_numpy
 from trajstore.errors import BadIndexError, BadOptionError, BadValueError, IndexOutOfRangeError
 
-__all__ = ["F32_MAX", "positive_float", "batch_size", "indices", "priorities"]
+__all__ = ["F32_MAX", "positive_float", "indices", "priorities"]
 
 #: Largest priority (they are stored as float32).
 F32_MAX = float(np.finfo(np.float32).max)
@@ -34,19 +34,6 @@ def positive_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
         raise BadOptionError(f"PrioritizedSampler: {name} must be a finite float {'>= 0' if allow_zero else '> 0'}; "
                              f"got {value!r}")
     return v
-
-
-def batch_size(what: str, value: Any) -> int:
-    """``value`` as an int > 0, the batch size of ``what`` (``"sample"``, ...).
-
-    Raises
-    ------
-    BadOptionError
-        Not an int (bools refused) or not > 0.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise BadOptionError(f"{what}: batch_size must be an int > 0; got {value!r}")
-    return int(value)
 
 
 def indices(values: Any, count: int, what: str) -> np.ndarray:

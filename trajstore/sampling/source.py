@@ -31,7 +31,8 @@ from trajstore.errors import BadOptionError, ConcurrentWriteError, EmptyBufferEr
 from trajstore.storage.fields.base import Field
 from trajstore.storage.head import Head
 
-__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent", "put_rows", "rows_after_start"]
+__all__ = ["RowSource", "EpisodeSource", "read_consistent", "sample_consistent", "put_rows", "rows_after_start",
+           "check_batch_size"]
 
 _T = TypeVar("_T")
 
@@ -165,6 +166,20 @@ class EpisodeSource(RowSource, Protocol):
         episode has no episode data yet)."""
 
 
+def check_batch_size(value: Any, what: str | None = None, *, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``: the batch size of sampler ``what`` (named in the message).
+
+    Raises
+    ------
+    BadOptionError
+        Not an int (bools refused), or below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise BadOptionError(f"{what + ': ' if what else ''}batch_size must be an int {bound}; got {value!r}")
+    return int(value)
+
+
 def rows_after_start(src: RowSource, absolute: np.ndarray, before: Head) -> np.ndarray | None:
     """:meth:`RowSource.logical_rows` of a source whose absolute rows are its logical rows plus
     :attr:`~RowSource.start`, a start that only grows within an epoch (a store, a selection of
@@ -261,8 +276,7 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
     ConcurrentWriteError
         A writer evicts rows faster than this reader can sample them.
     """
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-        raise BadOptionError(f"batch_size must be an int >= 0; got {size!r}")
+    check_batch_size(size)
     src.sync()
     if src.count == 0:
         raise EmptyBufferError(f"cannot sample from an empty buffer ({src.name})")

@@ -31,6 +31,7 @@ from stable_baselines3.her.goal_selection_strategy import GoalSelectionStrategy
 from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 
 from trajstore.errors import BadOptionError, UnsupportedSpaceError
+from trajstore.sampling.source import check_batch_size
 from trajstore.sb3._layout import storage_box
 from trajstore.sb3.replay import _ZarrReplayMixin
 
@@ -216,8 +217,11 @@ class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[mi
         ------
         RuntimeError
             No episode has ended yet (SB3's message).
+        BadOptionError
+            ``batch_size`` is not an int >= 0 (a ``ValueError``).
         """
         self._check_open()
+        check_batch_size(batch_size, "sample")
         return HerReplayBuffer.sample(self, batch_size, env)
 
     def set_env(self, env: VecEnv) -> None:

@@ -32,6 +32,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
 from trajstore.core.stager import RowStager
 from trajstore.errors import UnsupportedSpaceError
+from trajstore.sampling.source import check_batch_size
 from trajstore.sb3._base import PositionView, ZarrBufferMixin
 from trajstore.sb3._inplace import InPlaceRows
 from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
@@ -299,8 +300,14 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         ReplayBufferSamples (DictReplayBufferSamples for Dict observations)
             observations, next_observations (B, *obs_shape) in the obs dtype; actions (B,
             action_dim); dones = done * (1 - timeout) and rewards (B, 1) float32.
+
+        Raises
+        ------
+        BadOptionError
+            ``batch_size`` is not an int >= 0 (a ``ValueError``, as numpy's is in SB3's ``sample``).
         """
         self._check_open()
+        check_batch_size(batch_size, "sample")  # before any draw: np.random's state is SB3's
         size = self.buffer_size
         if not (self.full or self._offset == 0):
             # Only after reopening a store killed while full: rows offset .. offset+count-1.
