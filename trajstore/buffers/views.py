@@ -112,6 +112,10 @@ class BatchBase:
         return arr if dtype is None else arr.astype(dtype)
 
     def __iter__(self) -> Any:
+        """Rows ``0 .. len(self) - 1``, one :meth:`get_at` each, every row read under the commit
+        record current when it is read.  Over a ring that a writer is turning, the numbering moves
+        between rows (a row can come twice or be skipped; each is whole): ``self[:]`` reads every
+        row of one record at once."""
         for i in range(len(self)):
             yield self.get_at(i)
 
