@@ -165,6 +165,11 @@ class EpisodeSource(RowSource, Protocol):
         """Episode leaves ``leaves`` of the episodes of logical ``anchors`` (zeros where an
         episode has no episode data yet)."""
 
+    def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
+        """(B,) bool: of logical ``rows`` (stored under the current record), those whose episode
+        data a read under record ``before`` may have taken from a slot the episode-data ring
+        reused since; :func:`sample_consistent` reads them again."""
+
 
 def check_batch_size(value: Any, what: str | None = None, *, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum``: the batch size of sampler ``what`` (named in the message).
@@ -298,7 +303,7 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
         st["got"] = read(rows)
         return st["got"]
 
-    # Only sources with episode data answer it (TrajectoryRows and the views over it).
+    # EpisodeSource.episode_data_stale: asked only of sources that read episode data.
     episode_data_stale = getattr(src, "episode_data_stale", None) if getattr(src, "episode_leaves", None) else None
 
     def followed(absolute: np.ndarray, before: Head) -> np.ndarray:
@@ -316,7 +321,8 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
             stale |= followed(st["earliest"], before) < 0
         # Anchors still stored whose episode data may have come from a reused episode-data slot:
         # read again as they are (not drawn again: their rows are there, so the sample stays uniform).
-        again = ~stale & episode_data_stale(np.where(stale, 0, rows), before) if episode_data_stale else stale
+        again = (~stale & episode_data_stale(np.where(stale, 0, rows), before) if episode_data_stale
+                 else np.zeros_like(stale))
         if not stale.any() and not again.any():  # rows were evicted, but none of those read: they are intact
             return True
         if stale.any():
