@@ -666,3 +666,29 @@ def join_result(proc: Any, path: str, timeout: float) -> dict[str, Any]:
         return {"ok": False, "error": f"exit code {proc.exitcode}"}
     with open(path) as f:
         return json.load(f)
+
+
+def die_after_head_exchange(store: str, rows_per_commit: int, commits: int) -> None:
+    """Append and flush ``commits`` times into the ring ``store``; at the last flush, SIGKILL this
+    process right after the commit record's exchange (``trajstore.storage._replace``), before
+    the old record's temp name is removed: the instant that exchange adds to a commit."""
+    from trajstore.storage import _replace
+
+    real = _replace._renameat2
+
+    def exchange_then_die(*args: Any) -> int:
+        rc = real(*args)
+        if rc == 0 and args[3].endswith(b"trajstore.head.json") and os.environ.get("_TS_DIE_NOW") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rc
+
+    _replace._renameat2 = exchange_then_die
+    rb = ReplayBuffer.load_from(store)
+    seq = _next_seq(rb, store)
+    for c in range(commits):
+        rb.extend(encode(np.arange(seq, seq + rows_per_commit)))
+        seq += rows_per_commit
+        if c == commits - 1:
+            os.environ["_TS_DIE_NOW"] = "1"
+        rb.flush()
+    os._exit(3)  # not reached: the last flush kills this process

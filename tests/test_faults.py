@@ -4,7 +4,8 @@
   runs in a subprocess, so a ``SIGBUS`` (a store through a mapping into a hole the full
   filesystem cannot fill) shows as a signal exit and fails the test.
 - Injected faults: ``ENOSPC`` and ``EIO`` raised by the Nth call to ``os.pwrite``, ``os.write``,
-  ``os.posix_fallocate``, ``os.replace``, zarr's local chunk write or ``Location.put``, for every N
+  ``os.posix_fallocate``, ``os.replace``, the commit record's move (``replace_file``), zarr's local
+  chunk write or ``Location.put``, for every N
   an operation makes (extend, flush, set_at, remove_at, a ring's extend).  The call raises; the
   store on disk holds the rows of one commit, all intact; after the fault is gone the same
   writer keeps working and the store verifies.
@@ -83,6 +84,7 @@ class _Faults:
         self.err = errno.ENOSPC
         self.hit: str | None = None
         for mod, name in ((os, "pwrite"), (os, "write"), (os, "posix_fallocate"), (os, "replace"),
+                          (trajstore.storage.location, "replace_file"),  # (the commit record's move)
                           (zarr_local, "_put"), (trajstore.storage.location.Location, "put")):
             monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), name))
 

@@ -34,6 +34,7 @@ from gymnasium import spaces  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
 import _workers as W  # noqa: E402
+import trajstore.storage.location  # noqa: E402
 from trajstore import ReplayBuffer as StoreBuffer  # noqa: E402
 from trajstore.errors import ClosedError, ConcurrentWriteError, LockedError, StoreFullError  # noqa: E402
 from trajstore.sb3 import ZarrReplayBuffer  # noqa: E402
@@ -239,7 +240,8 @@ def test_failed_block_start_adds_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         if t == 450:
             ours.flush()  # a record that counts rows (none yet: commit_interval is an hour)
         if t == 500 and fails == "eviction record":  # the ring is full: the next block evicts first
-            failed = _fail_once(monkeypatch, os, "replace", lambda src, dest: str(dest).endswith(W.HEAD))
+            failed = _fail_once(monkeypatch, trajstore.storage.location, "replace_file",
+                                lambda src, dest: str(dest).endswith(W.HEAD))
         before = (ours.pos, ours.size())
         try:
             ours.add(*tr)

@@ -29,6 +29,7 @@ from trajstore.errors import (
     ReadOnlyError,
     StoreNotFoundError,
 )
+from trajstore.storage._replace import replace_file
 from trajstore.storage.chunk_cache import ChunkCache
 from trajstore.storage.confined import (
     ConfinedLocalStore,
@@ -228,8 +229,9 @@ class Location:
     def put(self, key: str, data: bytes, *, fsync: bool = False) -> None:
         """Write ``data`` under ``key`` atomically: readers see the old or the new bytes, never a mix.
 
-        Locally: write a temp file, optionally ``fsync`` it, ``os.replace`` it onto the key (a link
-        there is replaced, never written through), and (with ``fsync``) ``fsync`` the folder.
+        Locally: write a temp file, optionally ``fsync`` it, move it onto the key
+        (:func:`trajstore.storage._replace.replace_file`: a link there is replaced, never written
+        through), and (with ``fsync``) ``fsync`` the folder.
         Elsewhere: a single store ``set`` (one PUT).
         """
         self._check_writable()
@@ -245,7 +247,7 @@ class Location:
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, dest)
+            replace_file(tmp, dest)
         except OSError as e:
             tmp.unlink(missing_ok=True)  # the old bytes stay under the key
             raise full_disk(e, dest, f"write {key}") from e

@@ -1,0 +1,168 @@
+"""The commit record's atomic replacement (``trajstore.storage._replace.replace_file``): the
+exchange-then-unlink path, its portable fallback, links and folders at the key, and a writer
+SIGKILLed between the exchange and the unlink."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import _workers as W  # noqa: E402
+
+from trajstore import ReplayBuffer, verify_store  # noqa: E402
+from trajstore.storage import _replace  # noqa: E402
+from trajstore.storage.keys import HEAD_KEY  # noqa: E402
+from trajstore.storage.location import TMP_DIR  # noqa: E402
+
+needs_exchange = pytest.mark.skipif(_replace._renameat2 is None, reason="no renameat2 in this libc")
+
+
+def _temp_files(store: str | Path) -> list[str]:
+    """The files in a store's temp folder (which a writer's open removes)."""
+    folder = Path(store, TMP_DIR)
+    return os.listdir(folder) if folder.exists() else []
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(params=["exchange", "portable"])
+def mode(request, monkeypatch):
+    if request.param == "exchange" and _replace._renameat2 is None:
+        pytest.skip("no renameat2 in this libc")
+    if request.param == "portable":
+        monkeypatch.setattr(_replace, "_renameat2", None)
+    return request.param
+
+
+def test_replaces_and_removes_the_temp_name(tmp_path, mode):
+    dest = _write(tmp_path / "head", b"old")
+    tmp = _write(tmp_path / "t1", b"new")
+    ino = os.stat(tmp).st_ino
+    _replace.replace_file(tmp, dest)
+    assert dest.read_bytes() == b"new" and os.stat(dest).st_ino == ino
+    assert not tmp.exists(), "the temp name (holding the old file after an exchange) was left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+
+
+def test_missing_key_is_created(tmp_path, mode):
+    tmp = _write(tmp_path / "t1", b"new")
+    _replace.replace_file(tmp, tmp_path / "head")
+    assert (tmp_path / "head").read_bytes() == b"new" and not tmp.exists()
+
+
+def test_link_at_the_key_is_replaced_not_written_through(tmp_path, mode):
+    outside = _write(tmp_path / "outside", b"precious")
+    (tmp_path / "store").mkdir()
+    dest = tmp_path / "store" / "head"
+    dest.symlink_to(outside)
+    _replace.replace_file(_write(tmp_path / "store" / "t1", b"new"), dest)
+    assert not dest.is_symlink() and dest.read_bytes() == b"new"
+    assert outside.read_bytes() == b"precious"
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["head"], "the link was left under the temp name"
+
+
+def test_folder_at_the_key_raises_and_stays(tmp_path, mode):
+    dest = tmp_path / "head"
+    dest.mkdir()
+    (dest / "inner").write_bytes(b"x")
+    tmp = _write(tmp_path / "t1", b"new")
+    with pytest.raises(OSError):
+        _replace.replace_file(tmp, dest)
+    assert (dest / "inner").read_bytes() == b"x", "a folder at the key was moved or changed"
+
+
+@needs_exchange
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_filesystem_without_exchange_falls_back(tmp_path, monkeypatch, err):
+    """A filesystem that refuses RENAME_EXCHANGE (EINVAL) gets os.replace, with the same result."""
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        ctypes.set_errno(err)
+        return -1
+
+    monkeypatch.setattr(_replace, "_renameat2", refuse)
+    dest = _write(tmp_path / "head", b"old")
+    _replace.replace_file(_write(tmp_path / "t1", b"new"), dest)
+    assert calls and dest.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+
+
+@needs_exchange
+def test_other_errors_raise_and_keep_the_old_file(tmp_path, monkeypatch):
+    def fail(*args):
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(_replace, "_renameat2", fail)
+    dest = _write(tmp_path / "head", b"old")
+    with pytest.raises(OSError) as e:
+        _replace.replace_file(_write(tmp_path / "t1", b"new"), dest)
+    assert e.value.errno == errno.EIO and dest.read_bytes() == b"old"
+
+
+def test_commits_of_a_store_go_through_it(tmp_path, monkeypatch):
+    """Every local commit record is moved into place by replace_file (the one place that knows how)."""
+    seen = []
+    real = _replace.replace_file
+
+    def spy(tmp, dest):
+        seen.append(os.path.basename(dest))
+        return real(tmp, dest)
+
+    monkeypatch.setattr("trajstore.storage.location.replace_file", spy)
+    with ReplayBuffer.create(W.SPACE, cache_path=str(tmp_path / "s"), capacity=64, chunk_rows=16) as rb:
+        seen.clear()
+        for k in range(5):
+            rb.extend(W.encode(np.arange(k * 20, k * 20 + 20)))
+            rb.flush()
+        seq, ok = W.decode(rb[:])
+        assert ok.all() and np.array_equal(seq, np.arange(36, 100))
+    assert seen.count(HEAD_KEY) >= 5
+    assert not _temp_files(tmp_path / "s"), "a commit left a file in the temp folder"
+
+
+@needs_exchange
+@pytest.mark.parametrize("commits", [1, 3])
+def test_sigkill_between_exchange_and_unlink(tmp_path, procs, commits):
+    """Killed right after the record's exchange: the commit is in place (its rows are there for
+    every reader), the old record waits in the temp folder, which readers ignore, verify accepts,
+    repair does not prefer over the record, and the next writer's open clears."""
+    store = str(tmp_path / "store")
+    ReplayBuffer.create(W.SPACE, cache_path=store, capacity=100, chunk_rows=16).close()
+    with ReplayBuffer.load_from(store) as rb:
+        rb.extend(W.encode(np.arange(90)))
+    before = json.loads(Path(store, HEAD_KEY).read_bytes())
+    p = W.start(W.die_after_head_exchange, store, 30, commits)
+    procs.append(p)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL, f"the writer ended with {p.exitcode}, not at the exchange"
+    left = _temp_files(store)
+    assert len(left) == 1, f"expected the old record in the temp folder, found {left}"
+    old = json.loads(Path(store, TMP_DIR, left[0]).read_bytes())
+    head = json.loads(Path(store, HEAD_KEY).read_bytes())
+    assert old["generation"] < head["generation"] and head["generation"] > before["generation"]
+    last = 90 + 30 * commits
+    with ReplayBuffer.load_from(store, read_only=True) as ro:
+        seq, ok = W.decode(ro[:])
+        assert ok.all() and np.array_equal(seq, np.arange(last - 100, last)), "the last commit's rows are not all there"
+    assert verify_store(store).ok
+    with ReplayBuffer.load_from(store) as w:
+        assert not _temp_files(store), "the writer's open left the old record"
+        seq, ok = W.decode(w[:])
+        assert ok.all() and np.array_equal(seq, np.arange(last - 100, last))
