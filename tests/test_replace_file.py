@@ -166,3 +166,44 @@ def test_sigkill_between_exchange_and_unlink(tmp_path, procs, commits):
         assert not _temp_files(store), "the writer's open left the old record"
         seq, ok = W.decode(w[:])
         assert ok.all() and np.array_equal(seq, np.arange(last - 100, last))
+
+
+def test_writer_open_empties_the_temp_folder_and_keeps_it(tmp_path):
+    """A writer's open removes everything in the temp folder (files, folders, links, any name:
+    never following a link) but keeps the folder, so its first commit makes no folder."""
+    store = tmp_path / "store"
+    ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16).close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"precious")
+    tmp_dir = store / TMP_DIR
+    tmp_dir.mkdir(exist_ok=True)
+    (tmp_dir / "old-record").write_bytes(b'{"generation": 1}')
+    (tmp_dir / "we ird\nname").write_bytes(b"x")
+    (tmp_dir / "sub" / "deeper").mkdir(parents=True)
+    (tmp_dir / "sub" / "deeper" / "f").write_bytes(b"x")
+    (tmp_dir / "link-to-outside").symlink_to(outside)
+    ino = os.stat(tmp_dir).st_ino
+    with ReplayBuffer.load_from(str(store)) as rb:
+        assert tmp_dir.is_dir() and os.stat(tmp_dir).st_ino == ino and _temp_files(store) == []
+        rb.extend(W.encode(np.arange(10)))
+        rb.flush()
+        assert _temp_files(store) == []
+    assert (outside / "keep").read_bytes() == b"precious", "a link in the temp folder was followed"
+
+
+def test_writer_open_removes_a_link_where_the_temp_folder_belongs(tmp_path):
+    store = tmp_path / "store"
+    ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16).close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"precious")
+    tmp_dir = store / TMP_DIR
+    if tmp_dir.exists():
+        os.rmdir(tmp_dir)
+    tmp_dir.symlink_to(outside, target_is_directory=True)
+    with ReplayBuffer.load_from(str(store)) as rb:
+        rb.extend(W.encode(np.arange(10)))
+        rb.flush()
+        assert not tmp_dir.is_symlink()
+    assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_bytes() == b"precious"

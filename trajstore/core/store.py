@@ -315,7 +315,7 @@ class Store(StoreCommits):
                 if lock.previous_unclean:
                     _clean_orphans(loc, head)
                 else:
-                    loc.delete_prefix(TMP_DIR)
+                    loc.delete_prefix(TMP_DIR, keep_folder=True)
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
                         lock=lock, options=options, schema=schema)
             store.lease = lease
@@ -479,7 +479,7 @@ def _clean_orphans(loc: Location, head: Head) -> None:
     below them) is unlinked, never followed.  ``head.pending`` was checked against the schema.
     """
     assert loc.local_root is not None
-    loc.delete_prefix(TMP_DIR)
+    loc.delete_prefix(TMP_DIR, keep_folder=True)
     keep = (head.pending or {}).get("prefix")
     staging = loc.local_root / STAGING_DIR
     if os.path.islink(staging) or (os.path.lexists(staging) and not os.path.isdir(staging)):

@@ -392,9 +392,11 @@ class Confinement:
         self.resolve(key, write=True)  # what was just created is a real folder (a race would show here)
         return path
 
-    def remove(self, key: str, *, folder_ok: bool = True) -> None:
+    def remove(self, key: str, *, folder_ok: bool = True, keep_folder: bool = False) -> None:
         """Delete ``key``: a link is unlinked (never followed), a folder removed with everything in it
-        (``shutil.rmtree`` does not follow links below it), a missing key ignored."""
+        (``shutil.rmtree`` does not follow links below it), a missing key ignored.  With
+        ``keep_folder``, a real folder at ``key`` is emptied instead and stays (its next file then
+        costs no ``mkdir``: a writer's open empties the temp folder its first commit writes into)."""
         path, ok = self.resolve(key, write=True)
         if not ok:
             return
@@ -405,7 +407,16 @@ class Confinement:
         if stat.S_ISDIR(mode):
             if not folder_ok:
                 raise IsADirectoryError(errno.EISDIR, "a folder, not a file", str(path))
-            shutil.rmtree(path, ignore_errors=True)
+            if keep_folder:
+                with os.scandir(path) as entries:
+                    for e in entries:  # any name (a tampered store's too); links unlinked, never entered
+                        if e.is_dir(follow_symlinks=False):
+                            shutil.rmtree(e.path, ignore_errors=True)
+                        else:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(e.path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             self.forget(key)
         else:
             try:

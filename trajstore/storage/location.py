@@ -304,12 +304,13 @@ class Location:
 
         return sorted(sync(_collect()))
 
-    def delete_prefix(self, prefix: str) -> None:
+    def delete_prefix(self, prefix: str, *, keep_folder: bool = False) -> None:
         """Delete every key under ``prefix``.  Locally a link at ``prefix`` (or below) is unlinked,
-        never followed: nothing outside the store is deleted."""
+        never followed: nothing outside the store is deleted; ``keep_folder`` leaves a real folder
+        at ``prefix`` in place, empty."""
         self._check_writable()
         if self._conf is not None:
-            self._conf.remove(prefix)
+            self._conf.remove(prefix, keep_folder=keep_folder)
             return
         for key in self.list_prefix(prefix):
             self.delete(key)
