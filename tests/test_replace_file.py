@@ -207,3 +207,31 @@ def test_writer_open_removes_a_link_where_the_temp_folder_belongs(tmp_path):
         rb.flush()
         assert not tmp_dir.is_symlink()
     assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("what", ["link", "file"])
+def test_commit_refuses_a_temp_folder_swapped_for_a_link_or_file(tmp_path, what):
+    """A link (or a file) put where the temp folder belongs while a writer runs: the commit
+    raises DamagedStoreError and writes nothing outside the store."""
+    from trajstore.errors import DamagedStoreError
+
+    store = tmp_path / "store"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16) as rb:
+        rb.extend(W.encode(np.arange(10)))
+        rb.flush()
+        tmp_dir = store / TMP_DIR
+        os.rmdir(tmp_dir)
+        if what == "link":
+            tmp_dir.symlink_to(outside, target_is_directory=True)
+        else:
+            tmp_dir.write_bytes(b"x")
+        rb.extend(W.encode(np.arange(10, 20)))
+        with pytest.raises(DamagedStoreError, match=TMP_DIR):
+            rb.flush()
+        assert os.listdir(outside) == []
+        os.unlink(tmp_dir)
+        rb.flush()  # the folder is made again
+        seq, ok = W.decode(rb[:])
+        assert ok.all() and np.array_equal(seq, np.arange(20))

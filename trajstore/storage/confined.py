@@ -186,6 +186,12 @@ def check_key(key: str, where: Any = None) -> None:
                                 "'..' and absolute paths are refused)")
 
 
+def not_a_folder(url: str, rel: str, mode: int) -> DamagedStoreError:
+    """The error for something other than a real folder (``mode``, from ``lstat``) at ``rel``."""
+    return DamagedStoreError(f"{url}: {rel!r} is a {file_kind(mode)} where a folder is expected; "
+                             "trajstore never follows links or enters special files inside a store")
+
+
 def file_kind(mode: int) -> str:
     """What an ``st_mode`` is, in words for messages (``"file"``, ``"symbolic link"``, ``"FIFO"``...)."""
     for test, name in ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
@@ -254,8 +260,7 @@ class Confinement:
                 continue
             if stat.S_ISREG(st.st_mode) and not write:
                 return self.root / key, False
-            raise DamagedStoreError(f"{self.url}: {rel!r} is a {file_kind(st.st_mode)} where a folder is expected; "
-                                    "trajstore never follows links or enters special files inside a store")
+            raise not_a_folder(self.url, rel, st.st_mode)
         return self.root / key, True
 
     def forget(self, rel: str) -> None:

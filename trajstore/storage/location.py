@@ -37,6 +37,7 @@ from trajstore.storage.confined import (
     check_key,
     file_kind,
     full_disk,
+    not_a_folder,
     read_limit,
 )
 
@@ -258,8 +259,15 @@ class Location:
         """A fresh temp file path inside the store (local stores only; create it with ``"xb"`` or
         ``O_EXCL``: the folder is checked to be a real folder of the store)."""
         assert self._conf is not None
-        tmp = self._conf.makedirs(f"{TMP_DIR}/{uuid.uuid4().hex}")
-        return tmp
+        name = uuid.uuid4().hex
+        folder = self._conf.root / TMP_DIR
+        try:  # one lstat on every call (makedirs' cached checks and mkdir cost 40-100 us a commit)
+            mode = os.lstat(folder).st_mode
+        except FileNotFoundError:
+            return self._conf.makedirs(f"{TMP_DIR}/{name}")
+        if not stat.S_ISDIR(mode):  # (also a link put there while this writer runs)
+            raise not_a_folder(str(self.url), TMP_DIR, mode)
+        return folder / name
 
     def delete(self, key: str) -> None:
         """Remove the file ``key`` (a link is unlinked, never followed; a missing key is ignored)."""
