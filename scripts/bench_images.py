@@ -263,19 +263,28 @@ Where the time went (profiled, issue 12):
   open's reads serve the first publish while each file's identity holds (`Publisher.seed`:
   0.17 ms) and the walk goes level by level (54 us); the block's residency check probes one page
   per MiB (`mincore` of every page cost 0.13-0.25 ms per field while the pages are unmapped:
-  67 us). The first add now takes 2.5-3.8 ms: the commit 1.5-2.1 ms (the temp file and its folder,
-  the rename that frees the old record's inode, 0.4-0.5 ms of it, the previous copy, the publish)
-  and the block's `MADV_POPULATE_WRITE` 0.3-0.5 ms per field. That is the price of a durable ring
-  (the rows it overwrites leave the record before they are overwritten): over 200 adds, 12-19 us
-  per add against SB3's in-RAM add of 15-25 us (SB3's own time moves that much between runs with
-  its allocation history). `--sb3-only --sb3-sizes 20000`, three quiet runs before: cold
-  1.59 / 1.91 / 1.68x, steady 1.23 / 1.37 / 1.24x; after: cold 1.43 / 1.53 / 1.58x, steady
-  1.16 / 1.18 / 1.26x. At 1e5 (`--sb3-only --sb3-sizes 100000`): cold 1.54x, steady 1.11x; in
-  the full run (this table) 1.89x and 1.17x. One full run before it stalled: 2.8 ms per cold add
-  (557 ms over 200 adds) after the read workloads had filled the page cache and SB3 held 5.6 GB
-  (reclaim; not seen with `--sb3-only`, which fills the same ring). One instrumented 20,000 run
-  of three stalled in the filesystem (a 73 ms commit, a 1.2 s block start) while the fill's
-  1.1 GB of dirty frames were written back: the stalls of the last rewrite.
+  67 us). The first add then took 2.5-3.8 ms: the commit 1.5-2.1 ms and the block's
+  `MADV_POPULATE_WRITE` 0.3-0.5 ms per field. Of the commit, `os.replace` of the record was
+  0.4-5 ms: ext4 (default `auto_da_alloc`) starts writing a file's data inside a rename over an
+  existing name. The record now moves into place by `renameat2(RENAME_EXCHANGE)` and an unlink
+  of the old file (storage/_replace.py: 140-200 us against 380-430 for a 900-byte record); a
+  writer's open empties the temp folder instead of removing it, and a temp name costs one
+  `lstat`. A one-row `flush()` went from 920-1,010 to 570-600 us (unbounded store) and from
+  590-640 to 400-470 us (ring). The first add now takes 1.9-2.6 ms in this workload (timed: the
+  commit 0.8-1.1 ms, the populate 0.75-0.8 ms for both fields); every other add of the cold window
+  is at SB3's speed or faster (median 12-21 us against SB3's 16-25). That first add is the price
+  of a durable ring (the rows it overwrites leave the record before they are overwritten).
+  `--sb3-only --sb3-sizes 20000`, runs of 2026-12-02 before the exchange: cold 1.58 / 1.59x
+  (earlier sessions 1.37-1.91x); after: cold 1.50, 1.26, 1.36, 1.32, 1.45, 1.43, 1.20, 1.36,
+  1.40, 1.56, 1.17, 1.18x (median 1.36), steady 1.14-1.29x. At 1e5 (`--sb3-sizes 100000`):
+  cold 1.54 / 1.45x before the temp-folder change, 1.39 / 1.36x after; steady 1.11-1.22x. Full
+  runs after all three changes (1e5, after the read workloads): cold 1.74, 1.54 (instrumented:
+  the first add 2.1 ms, the median add 13 us against SB3's 17) and 1.35x (this table); steady
+  0.93-1.19x. Before them, the full run in this table was cold 1.89x.
+  Earlier full runs at 1e5 stalled once after the read workloads had filled the page cache and
+  SB3 held 5.6 GB (reclaim: 2.8 ms per cold add), and one instrumented 20,000 run of three
+  stalled in the filesystem (a 73 ms commit, a 1.2 s block start) while the fill's 1.1 GB of
+  dirty frames were written back.
 - Folios (/proc/kpageflags of a ring written by `add`): with 148-row blocks straddling chunks,
   2 MiB folios cover 1,024 of a chunk's 1,764 pages and mapping a chunk takes 15 faults; with
   chunk-aligned 256-row blocks 1,536 pages and 10 faults (a chunk written in one 7.2 MB write: 7).
