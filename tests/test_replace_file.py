@@ -35,6 +35,16 @@ def _temp_files(store: str | Path) -> list[str]:
     return os.listdir(folder) if folder.exists() else []
 
 
+def _store_and_outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A closed ring store, and a folder outside it holding one precious file (``keep``)."""
+    store = tmp_path / "store"
+    ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16).close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"precious")
+    return store, outside
+
+
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
@@ -171,11 +181,7 @@ def test_sigkill_between_exchange_and_unlink(tmp_path, procs, commits):
 def test_writer_open_empties_the_temp_folder_and_keeps_it(tmp_path):
     """A writer's open removes everything in the temp folder (files, folders, links, any name:
     never following a link) but keeps the folder, so its first commit makes no folder."""
-    store = tmp_path / "store"
-    ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16).close()
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "keep").write_bytes(b"precious")
+    store, outside = _store_and_outside(tmp_path)
     tmp_dir = store / TMP_DIR
     tmp_dir.mkdir(exist_ok=True)
     (tmp_dir / "old-record").write_bytes(b'{"generation": 1}')
@@ -193,11 +199,7 @@ def test_writer_open_empties_the_temp_folder_and_keeps_it(tmp_path):
 
 
 def test_writer_open_removes_a_link_where_the_temp_folder_belongs(tmp_path):
-    store = tmp_path / "store"
-    ReplayBuffer.create(W.SPACE, cache_path=str(store), capacity=64, chunk_rows=16).close()
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "keep").write_bytes(b"precious")
+    store, outside = _store_and_outside(tmp_path)
     tmp_dir = store / TMP_DIR
     if tmp_dir.exists():
         os.rmdir(tmp_dir)
