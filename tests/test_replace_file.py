@@ -237,3 +237,26 @@ def test_commit_refuses_a_temp_folder_swapped_for_a_link_or_file(tmp_path, what)
         rb.flush()  # the folder is made again
         seq, ok = W.decode(rb[:])
         assert ok.all() and np.array_equal(seq, np.arange(20))
+
+
+def test_writer_open_survives_a_temp_entry_it_cannot_remove(tmp_path, monkeypatch):
+    """An entry of the temp folder that cannot be removed (EPERM) stays; the open does not fail
+    over it (as when the folder was removed with rmtree's errors ignored)."""
+    store, _outside = _store_and_outside(tmp_path)
+    (store / TMP_DIR).mkdir(exist_ok=True)
+    stuck = store / TMP_DIR / "stuck"
+    stuck.write_bytes(b"x")
+    real_unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        if os.fspath(path) == str(stuck):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with ReplayBuffer.load_from(str(store)) as rb:
+        rb.extend(W.encode(np.arange(5)))
+        rb.flush()
+        assert stuck.exists()
+        seq, ok = W.decode(rb[:])
+        assert ok.all() and np.array_equal(seq, np.arange(5))

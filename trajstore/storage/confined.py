@@ -413,12 +413,14 @@ class Confinement:
             if not folder_ok:
                 raise IsADirectoryError(errno.EISDIR, "a folder, not a file", str(path))
             if keep_folder:
-                with os.scandir(path) as entries:
+                # Errors ignored as rmtree's below are: what cannot be removed stays (temp names are
+                # never reused), and opening the store does not fail over it.
+                with contextlib.suppress(OSError), os.scandir(path) as entries:
                     for e in entries:  # any name (a tampered store's too); links unlinked, never entered
                         if e.is_dir(follow_symlinks=False):
                             shutil.rmtree(e.path, ignore_errors=True)
                         else:
-                            with contextlib.suppress(FileNotFoundError):
+                            with contextlib.suppress(OSError):
                                 os.unlink(e.path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
