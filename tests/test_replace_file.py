@@ -131,9 +131,9 @@ def test_commits_of_a_store_go_through_it(tmp_path, monkeypatch):
     seen = []
     real = _replace.replace_file
 
-    def spy(tmp, dest):
+    def spy(tmp, dest, **dir_fds):
         seen.append(os.path.basename(dest))
-        return real(tmp, dest)
+        return real(tmp, dest, **dir_fds)
 
     monkeypatch.setattr("trajstore.storage.location.replace_file", spy)
     with ReplayBuffer.create(W.SPACE, cache_path=str(tmp_path / "s"), capacity=64, chunk_rows=16) as rb:
@@ -260,3 +260,125 @@ def test_writer_open_survives_a_temp_entry_it_cannot_remove(tmp_path, monkeypatc
         assert stuck.exists()
         seq, ok = W.decode(rb[:])
         assert ok.all() and np.array_equal(seq, np.arange(5))
+
+
+def test_names_relative_to_open_folders(tmp_path, mode):
+    """With ``src_dir_fd`` / ``dst_dir_fd`` (Location.put's folder fds) the names are resolved from
+    those folders, as ``os.replace`` resolves them."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "dest").mkdir()
+    _write(tmp_path / "dest" / "head", b"old")
+    _write(tmp_path / "tmp" / "t1", b"new")
+    src, dst = (os.open(tmp_path / d, os.O_RDONLY | os.O_DIRECTORY) for d in ("tmp", "dest"))
+    try:
+        _replace.replace_file("t1", "head", src_dir_fd=src, dst_dir_fd=dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert (tmp_path / "dest" / "head").read_bytes() == b"new"
+    assert os.listdir(tmp_path / "tmp") == [] and os.listdir(tmp_path / "dest") == ["head"]
+
+
+# -------------------------------------------------- Location.put through open folder fds
+
+def _location(root: Path):
+    from trajstore.storage.location import resolve_location
+
+    root.mkdir(exist_ok=True)
+    return resolve_location(str(root), read_only=False, must_exist=True)
+
+
+def _count_calls(monkeypatch, obj, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="openat2 is Linux's")
+def test_put_goes_through_folder_fds_where_both_folders_stand(tmp_path, monkeypatch):
+    """The temp folder and the key's folder stand (a writer's open keeps the temp folder): put
+    walks no path (no makedirs, no temp path), and leaves no temp file.  Without the temp folder
+    it takes the path-based way once, which makes the folder."""
+    from trajstore.storage.confined import Confinement
+    from trajstore.storage.location import Location
+
+    loc = _location(tmp_path / "s")
+    walks = _count_calls(monkeypatch, Confinement, "makedirs")
+    temps = _count_calls(monkeypatch, Location, "new_tmp_path")
+    loc.put("a.json", b"first")  # no temp folder yet: the path-based put makes it
+    assert walks and len(temps) == 1 and (tmp_path / "s" / TMP_DIR).is_dir()
+    before = len(walks)
+    (tmp_path / "s" / "sub").mkdir()
+    for k in range(3):
+        loc.put("a.json", b"again %d" % k)
+        loc.put("sub/b.json", b"nested %d" % k)
+    assert (len(walks), len(temps)) == (before, 1), "a put walked the path although both folders stood"
+    assert (tmp_path / "s" / "a.json").read_bytes() == b"again 2"
+    assert (tmp_path / "s" / "sub" / "b.json").read_bytes() == b"nested 2"
+    assert _temp_files(tmp_path / "s") == []
+
+
+@pytest.mark.parametrize("where", ["key's folder", "temp folder"])
+def test_put_refuses_a_link_where_a_folder_belongs(tmp_path, where):
+    """A link where the key's folder (or the temp folder) belongs: put raises DamagedStoreError
+    and nothing outside the store is created, changed or removed."""
+    from trajstore.errors import DamagedStoreError
+
+    loc = _location(tmp_path / "s")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _write(outside / "b.json", b"precious")
+    if where == "temp folder":
+        (tmp_path / "s" / TMP_DIR).symlink_to(outside, target_is_directory=True)
+        key = "b.json"
+    else:
+        (tmp_path / "s" / TMP_DIR).mkdir()
+        (tmp_path / "s" / "sub").symlink_to(outside, target_is_directory=True)
+        key = "sub/b.json"
+    with pytest.raises(DamagedStoreError):
+        loc.put(key, b"new")
+    assert os.listdir(outside) == ["b.json"] and (outside / "b.json").read_bytes() == b"precious"
+
+
+def test_put_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
+    """``fsync=True``: the temp file before its move and the key's folder after (DESIGN.md 3.3)."""
+    import stat as st
+
+    loc = _location(tmp_path / "s")
+    loc.put("a.json", b"first")
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append("folder" if st.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    loc.put("a.json", b"durable", fsync=True)
+    assert synced == ["file", "folder"] and (tmp_path / "s" / "a.json").read_bytes() == b"durable"
+
+
+def test_put_that_fails_keeps_the_old_bytes(tmp_path, monkeypatch):
+    """A full disk while the temp file is written: StoreFullError, the key keeps its old bytes,
+    and the temp file is gone."""
+    from trajstore.errors import StoreFullError
+
+    loc = _location(tmp_path / "s")
+    loc.put("a.json", b"old")
+    real = os.write
+
+    def full(fd, data):
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")).endswith(TMP_DIR):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StoreFullError):
+        loc.put("a.json", b"new")
+    assert (tmp_path / "s" / "a.json").read_bytes() == b"old" and _temp_files(tmp_path / "s") == []

@@ -208,11 +208,11 @@ def _fail_once(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
     accepts; the returned list gets an entry when it did."""
     real, failed = getattr(module, name), []
 
-    def full_once(*args: Any) -> Any:
+    def full_once(*args: Any, **kwargs: Any) -> Any:
         if not failed and when(*args):
             failed.append(1)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, full_once)
     return failed

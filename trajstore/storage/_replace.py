@@ -52,7 +52,8 @@ def _bind() -> Any:
 _renameat2: Any = _bind()
 
 
-def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str], *,
+                 src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
     """Put the file ``tmp`` under the name ``dest`` atomically (replacing what is there) and remove
     the name ``tmp``, as ``os.replace`` does.
 
@@ -62,6 +63,9 @@ def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str]) -> N
         A regular file in the store's temp folder, complete (and fsynced, if it must be durable).
     dest : path
         Where it goes; a link there is replaced, never written through.
+    src_dir_fd, dst_dir_fd : int, optional
+        Open folders that ``tmp`` and ``dest`` are relative to (as ``os.replace``'s): names
+        resolved from them pass through no folder path again.
 
     Raises
     ------
@@ -70,18 +74,20 @@ def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str]) -> N
     """
     if _renameat2 is not None:
         try:
-            mode = os.lstat(dest).st_mode
+            mode = os.lstat(dest, dir_fd=dst_dir_fd).st_mode
         except FileNotFoundError:
             mode = 0
         if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
             src_b, dest_b = os.fsencode(tmp), os.fsencode(dest)
-            if _renameat2(_AT_FDCWD, src_b, _AT_FDCWD, dest_b, _RENAME_EXCHANGE) == 0:
+            src_at = _AT_FDCWD if src_dir_fd is None else src_dir_fd
+            dst_at = _AT_FDCWD if dst_dir_fd is None else dst_dir_fd
+            if _renameat2(src_at, src_b, dst_at, dest_b, _RENAME_EXCHANGE) == 0:
                 try:
-                    os.unlink(tmp)  # the old file (a writer's open clears it if this is never reached)
+                    os.unlink(tmp, dir_fd=src_dir_fd)  # the old file (a writer's open clears it if this is never reached)
                 except OSError:
                     pass
                 return
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOENT, errno.EXDEV):
                 raise OSError(err, os.strerror(err), os.fspath(dest))
-    os.replace(tmp, dest)
+    os.replace(tmp, dest, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)

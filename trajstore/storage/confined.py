@@ -234,6 +234,26 @@ class Confinement:
             self._held = None
             os.close(fd)
 
+    def folder_fd(self, rel: str, root_fd: int | None = None) -> int | None:
+        """An open fd (``O_RDONLY | O_DIRECTORY``, the caller closes it) of the folder ``rel``
+        below the root (``""``: the root itself), resolved by openat2 with no link anywhere on the
+        way, from ``root_fd`` if given; None where that does not apply: no openat2, or nothing,
+        a link or a file at ``rel`` (the path-based calls then create folders or say what is wrong).
+        """
+        if not _openat2_ok:
+            return None
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        if not rel:
+            try:
+                return os.open(self.root, flags)
+            except OSError:
+                return None
+        check_key(rel, self.url)
+        try:
+            return _open_beneath(self.root, rel, flags, root_fd)
+        except FileNotFoundError:
+            return None
+
     def resolve(self, key: str, *, folder: bool = False, write: bool = False) -> tuple[Path, bool]:
         """``(path, reachable)`` of ``key``: every existing folder on the way (and ``key`` itself
         when ``folder``) is checked to be a real folder.  ``reachable`` is False when one of them

@@ -32,6 +32,7 @@ from trajstore.errors import (
 from trajstore.storage._replace import replace_file
 from trajstore.storage.chunk_cache import ChunkCache
 from trajstore.storage.confined import (
+    OPEN_FLAGS,
     ConfinedLocalStore,
     Confinement,
     check_key,
@@ -240,6 +241,8 @@ class Location:
             check_key(key, self.url)
             sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(data)))
             return
+        if self._put_beneath(key, data, fsync):
+            return
         dest = self._conf.makedirs(key)
         tmp = self.new_tmp_path()
         try:
@@ -254,6 +257,52 @@ class Location:
             raise full_disk(e, dest, f"write {key}") from e
         if fsync:
             fsync_dir(dest.parent)
+
+    def _put_beneath(self, key: str, data: bytes, fsync: bool) -> bool:
+        """:meth:`put` through open fds of the key's folder and of the temp folder (each opened by
+        openat2, which refuses links and leaving the store in one call), writing and moving the
+        temp file by name relative to them: no folder path is checked or walked again, and no
+        ``mkdir`` is tried.  Measured, a commit record's put: 70-110 us in a loop against 170-240 us.
+
+        Returns False, having written nothing, where it does not apply: no openat2, or either
+        folder missing, a link or a file (the path-based :meth:`put` creates folders and says
+        what is wrong).
+        """
+        assert self._conf is not None
+        check_key(key, self.url)
+        parent, _, name = key.rpartition("/")
+        root = self._conf.folder_fd("")
+        if root is None:
+            return False
+        fds = [root]
+        try:
+            folder = self._conf.folder_fd(parent, root) if parent else root
+            tmp_folder = self._conf.folder_fd(TMP_DIR, root)
+            fds += [fd for fd in (folder, tmp_folder) if fd is not None and fd != root]
+            if folder is None or tmp_folder is None:
+                return False
+            tmp = uuid.uuid4().hex
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o666, dir_fd=tmp_folder)
+                try:
+                    view, done = memoryview(data), 0
+                    while done < len(view):
+                        done += os.write(fd, view[done:])
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                replace_file(tmp, name, src_dir_fd=tmp_folder, dst_dir_fd=folder)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=tmp_folder)  # the old bytes stay under the key
+                raise full_disk(e, self._conf.root / key, f"write {key}") from e
+            if fsync:
+                os.fsync(folder)
+            return True
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def new_tmp_path(self) -> Path:
         """A fresh temp file path inside the store (local stores only; create it with ``"xb"`` or
