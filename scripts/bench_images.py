@@ -279,8 +279,25 @@ Where the time went (profiled, issue 12):
   1.40, 1.56, 1.17, 1.18x (median 1.36), steady 1.14-1.29x. At 1e5 (`--sb3-sizes 100000`):
   cold 1.54 / 1.45x before the temp-folder change, 1.39 / 1.36x after; steady 1.11-1.22x. Full
   runs after all three changes (1e5, after the read workloads): cold 1.74, 1.54 (instrumented:
-  the first add 2.1 ms, the median add 13 us against SB3's 17) and 1.35x (this table); steady
-  0.93-1.19x. Before them, the full run in this table was cold 1.89x.
+  the first add 2.1 ms, the median add 13 us against SB3's 17) and 1.35x (the table recorded then); steady
+  0.93-1.19x. Before them, the full run recorded was cold 1.89x.
+  Then `Location.put` moved the temp file through open fds of the key's folder and the temp
+  folder (openat2) instead of makedirs' `mkdir` and path checks per file operation: a one-row
+  `flush()` of a ring 302-378 us against 419-473 (alternating runs). Timed since, the first add's
+  commit is 0.75-0.98 ms (of which the put 0.32-0.42) and the block's populate 1.0-1.6 ms for both
+  fields (`ext4_page_mkwrite` walking each 2 MiB folio's buffer heads is most of it: perf); the
+  `unlink` of the old record alone swings from 40 to 670 us with the journal. Populating the block
+  in 1 MiB pieces as the adds reach them was tried and left out: steady 1.33-1.39x against
+  1.17-1.32x in alternating runs (a piece costs more per page than the whole block), and per-row
+  `pwrite` of the frames costs more than the copy into the mapping plus the populate (11-12 us
+  per row and field against 7). Runs of 2026-12-02 after the put change: full runs (this table's
+  command) cold 1.20, 1.21, 1.17, 1.24, 1.40 and 1.24x (this table), steady 1.07-1.15x, every
+  row ok;
+  `--sb3-only --sb3-sizes 20000`: cold 1.28, 1.38, 1.49, 1.40, 1.25, 1.44, 1.36, 1.38, 1.52, 1.33,
+  1.54, 1.31, 1.58x (median 1.38; the code before it, in alternating runs the same morning: 1.36, 1.68, 1.44,
+  1.25, 1.66, 1.46, 1.44, 1.33, 1.53, 1.45, median 1.44),
+  steady 1.15-1.29x. The rest of the first add is the ring's durability (a record that evicts the
+  block's rows, on a new inode, before any of them is overwritten) and the kernel's write faults.
   Earlier full runs at 1e5 stalled once after the read workloads had filled the page cache and
   SB3 held 5.6 GB (reclaim: 2.8 ms per cold add), and one instrumented 20,000 run of three
   stalled in the filesystem (a 73 ms commit, a 1.2 s block start) while the fill's 1.1 GB of
