@@ -54,14 +54,19 @@ def test_second_writer_refused(remote):
     assert len(ReplayBuffer.load_from(url, read_only=True, storage_options=opts)) == 15
 
 
-def test_commit_refused_after_another_writer_committed(remote, monkeypatch):
+def test_commit_refused_after_another_writer_committed(remote):
+    """The generation check behind the lease: a's lease deleted by hand while a runs (what
+    break_lease refuses to do to a live writer of this machine), b opens and commits, and a's
+    next commit is refused instead of replacing b's record."""
+    import fsspec
+
     url, opts = remote
-    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
+    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts, commit_interval=3600)
     a.extend(_rows(0, 10))
     a.flush()
-    monkeypatch.setattr(lease, "LEASE_TTL_S", -1.0)  # a's lease looks expired: b takes it over
+    fs, path = fsspec.core.url_to_fs(f"{url}/{LEASE_KEY}", **(opts or {}))
+    fs.rm(path)
     b = ReplayBuffer.load_from(url, storage_options=opts)
-    monkeypatch.setattr(lease, "LEASE_TTL_S", 600.0)
     b.extend(_rows(100, 105))
     b.flush()
     a.extend(_rows(10, 20))

@@ -16,6 +16,7 @@ __all__ = [
     "DamagedStoreError",
     "ReadOnlyError",
     "LockedError",
+    "LeaseHeldError",
     "SpaceError",
     "UnsupportedSpaceError",
     "SpaceMismatchError",
@@ -67,6 +68,13 @@ class ReadOnlyError(TrajstoreError, PermissionError):
 
 class LockedError(TrajstoreError, BlockingIOError):
     """Another writer holds the store's writer lock."""
+
+
+class LeaseHeldError(LockedError):
+    """A remote store's writer lease is held by another writer that is not known to be dead (also
+    one whose lease expired: a paused writer cannot be told from a dead one, and would overwrite
+    the next writer's rows when it resumed).  The message names the holder and how old its lease
+    is; :func:`trajstore.break_lease` removes it once that writer is known to be gone."""
 
 
 class SpaceError(TrajstoreError, ValueError):

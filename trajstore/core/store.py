@@ -47,7 +47,7 @@ from trajstore.storage.head import (
     read_head,
     write_head,
 )
-from trajstore.storage.lease import LEASE_KEY, RemoteLease, needs_lease
+from trajstore.storage.lease import BROKEN_DIR, LEASE_KEY, RemoteLease, needs_lease
 from trajstore.storage.location import (
     STAGING_DIR,
     TMP_DIR,
@@ -377,7 +377,8 @@ class Store(StoreCommits):
     def _copy_keys(self, target: Location, progress: bool | None) -> None:
         """Every data key, then the commit record (a copy cut short has none: not a store)."""
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
-        keys = [k for k in self.loc.list_prefix("") if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR))]
+        keys = [k for k in self.loc.list_prefix("")
+                if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
         bar = _progress(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
@@ -468,7 +469,9 @@ def _erase(loc: Location) -> None:
             loc.delete_prefix(name)
         return
     for key in loc.list_prefix(""):
-        if key != LEASE_KEY:  # the writer's own lease, taken before erasing
+        # Not the writer's own lease, taken before erasing, nor the tombstones of leases taken over
+        # (one deleted could let a late rival delete this writer's lease: storage/lease.py).
+        if key != LEASE_KEY and not key.startswith(BROKEN_DIR + "/"):
             loc.delete(key)
 
 
