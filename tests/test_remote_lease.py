@@ -4,6 +4,7 @@ writer whose lease the next writer takes over with every committed row intact.""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -157,3 +158,154 @@ def test_unreadable_record_names_its_cause():
     fs.pipe_file(path, record)
     a.close()
     np.testing.assert_array_equal(ReplayBuffer.load_from(url, read_only=True)[:], _rows(0, 5))
+
+
+# -- issue 37 section 5: a paused writer and its would-be successor --------------------------------
+
+def _successor(url, opts):
+    """Writer B: open the store, append 100 rows ``[1000 + i] * 4`` after what is committed and
+    flush.  Returns ``(buffer, (lo, hi))`` of the rows B acknowledged, or ``(None, the error)``
+    when B is refused."""
+    try:
+        b = ReplayBuffer.load_from(url, storage_options=opts, commit_interval=3600)
+    except LockedError as e:
+        return None, e
+    lo = len(b)
+    b.extend(_rows(lo, lo + 100) + 1000)
+    b.flush()
+    return b, (lo, lo + 100)
+
+
+def _check_acknowledged(url, opts, a_rows, b_span):
+    """Every row writer A acknowledged (``0 .. a_rows - 1``, value ``i``) and every row B did
+    (``b_span``, value ``1000 + i``) reads back as written."""
+    got = ReplayBuffer.load_from(url, read_only=True, storage_options=opts)[:]
+    np.testing.assert_array_equal(got[:a_rows], _rows(0, a_rows), err_msg="a row of the first writer was lost")
+    if b_span is not None:
+        lo, hi = b_span
+        np.testing.assert_array_equal(got[lo:hi], _rows(lo, hi) + 1000,
+                                      err_msg="a committed row of the second writer was overwritten")
+
+
+def _stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("where", ["this-machine", "another-machine"])
+def test_sigstopped_s3_writer_never_overwrites_its_successor(s3_options, tmp_path, procs, monkeypatch, where):  # noqa: F811
+    """Writer A (a child process) is stopped by a real SIGSTOP between its commit's lease check and
+    its chunk writes, for longer than the lease timeout; writer B then tries to take the store
+    over and write; A gets SIGCONT.  Before issue 37 B took the expired lease, committed, and A's
+    resumed chunk writes landed on B's committed rows.  Now B is refused (LeaseHeldError: A may
+    be alive) and A's commit completes; B writes once A has closed.  Every acknowledged row of
+    both reads back as written."""
+    import signal
+
+    import _lease_workers as LW
+
+    from trajstore.errors import LeaseHeldError
+
+    url = f"s3://trajstore-test/paused-{where}-{time.monotonic_ns()}"
+    log = str(tmp_path / "log")
+    p = W.start(LW.pause_after_check, url, s3_options, log, where == "another-machine")
+    procs.append(p)
+    deadline = time.monotonic() + 60
+    while not (any(tag == "P" for tag, _ in parse_log(log)) and _stopped(p.pid)):
+        assert p.is_alive() and time.monotonic() < deadline, f"writer A never paused: {parse_log(log)}"
+        time.sleep(0.01)
+    monkeypatch.setattr(lease, "LEASE_TTL_S", 0.0)  # A has been stopped for longer than the lease timeout
+    b, b_acked = _successor(url, s3_options)
+    os.kill(p.pid, signal.SIGCONT)
+    p.join(60)
+    assert not p.is_alive()
+    a_rows = max(v for tag, v in parse_log(log) if tag == "F")
+    if b is not None:
+        b.close()
+    _check_acknowledged(url, s3_options, a_rows, b_acked if b is not None else None)
+    # What the design promises: B is refused while A may be alive, saying why and what to do;
+    # A's commit, which nobody took over, completes; once A closed, B writes.
+    assert b is None and isinstance(b_acked, LeaseHeldError), b_acked
+    if where == "another-machine":
+        assert "trajstore.break_lease" in str(b_acked) and "transactions" in str(b_acked)
+    assert a_rows == 200 and ("C", 0) in parse_log(log)
+    b, b_acked = _successor(url, s3_options)
+    b.close()
+    _check_acknowledged(url, s3_options, 200, b_acked)
+
+
+def test_paused_memory_writer_never_overwrites_its_successor(monkeypatch):
+    """The same race in one process on memory://, deterministic: B tries to take over right after
+    A's commit passed its lease check (A's lease expired), before A writes its chunks."""
+    from trajstore.errors import LeaseHeldError
+
+    url = f"memory://lease-paused-{os.getpid()}-{time.monotonic_ns()}/store"
+    a = ReplayBuffer.create(SPACE, cache_path=url, chunk_rows=64, commit_interval=3600)
+    a.extend(_rows(0, 100))
+    a.flush()
+    real = lease.RemoteLease.check
+    successor = {}
+
+    def check_then_successor(self, generation):
+        real(self, generation)
+        monkeypatch.setattr(lease.RemoteLease, "check", real)
+        monkeypatch.setattr(lease, "LEASE_TTL_S", 0.0)  # A "paused" longer than the lease timeout
+        successor["b"], successor["acked"] = _successor(url, None)
+
+    monkeypatch.setattr(lease.RemoteLease, "check", check_then_successor)
+    a.extend(_rows(100, 200))
+    try:
+        a.flush()
+        a_rows = 200
+    except LockedError:
+        a_rows = 100
+    b = successor["b"]
+    if b is not None:
+        b.close()
+    _check_acknowledged(url, None, a_rows, successor["acked"] if b is not None else None)
+    assert b is None and isinstance(successor["acked"], LeaseHeldError)
+    assert a_rows == 200
+    a.close()
+
+
+def test_expired_lease_of_another_machine_is_broken_explicitly(remote):
+    """A lease from another machine, not renewed for longer than the timeout, is not taken over:
+    LeaseHeldError names it and break_lease; break_lease removes it (once), then a writer opens."""
+    import fsspec
+
+    import trajstore
+    from trajstore.errors import LeaseHeldError
+
+    url, opts = remote
+    a = ReplayBuffer.create(SPACE, cache_path=url, storage_options=opts)
+    a.extend(_rows(0, 10))
+    a.close()
+    fs, path = fsspec.core.url_to_fs(f"{url}/{LEASE_KEY}", **(opts or {}))
+    stale = {"owner": "dead", "host": "elsewhere", "pid": 1, "kernel": "another-machine",
+             "renewed": time.time() - 2 * lease.LEASE_TTL_S}
+    raw = json.dumps(stale).encode()
+    fs.pipe_file(path, raw)
+    with pytest.raises(LeaseHeldError, match=r"host 'elsewhere'.*renewed \d+ s ago.*trajstore\.break_lease"):
+        ReplayBuffer.load_from(url, storage_options=opts)
+    assert trajstore.break_lease(url, storage_options=opts) is True
+    b = ReplayBuffer.load_from(url, storage_options=opts)
+    # A rival that read the same dead lease earlier loses the tombstone: b's lease stays.
+    from trajstore.storage.location import resolve_location
+
+    loc = resolve_location(url, read_only=False, storage_options=opts, must_exist=True)
+    assert lease._take_over(loc, raw) is False
+    assert json.loads(fs.cat_file(path))["pid"] == os.getpid()
+    with pytest.raises(LeaseHeldError, match="alive on this machine"):
+        trajstore.break_lease(url, storage_options=opts)  # b is alive here
+    b.extend(_rows(10, 15))
+    b.close()
+    assert trajstore.break_lease(url, storage_options=opts) is False  # nothing left to break
+    np.testing.assert_array_equal(ReplayBuffer.load_from(url, read_only=True, storage_options=opts)[:], _rows(0, 15))
+
+
+def test_break_lease_refuses_local_folders(tmp_path):
+    import trajstore
+
+    ReplayBuffer.create(SPACE, cache_path=tmp_path / "s").close()
+    with pytest.raises(BadOptionError, match="remote store"):
+        trajstore.break_lease(str(tmp_path / "s"))

@@ -15,7 +15,7 @@ from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 # Maintenance (verify, repair, combine, split), the prioritized sampler and sharded datasets are imported on first
 # use: most programs never call them, and ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
 _LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "create_shard", "open_sharded",
-         "merge_shards")
+         "merge_shards", "break_lease")
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +25,8 @@ def __getattr__(name: str) -> Any:
         from trajstore.maintenance.verify import verify_store as value
     elif name == "repair_store":
         from trajstore.maintenance.repair import repair_store as value
+    elif name == "break_lease":
+        from trajstore.storage.lease import break_lease as value
     elif name == "PrioritizedSampler":
         from trajstore.sampling.prioritized import PrioritizedSampler as value
     elif name in ("combine", "split"):
@@ -45,4 +47,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split",
-           "create_shard", "open_sharded", "merge_shards", "errors"]
+           "create_shard", "open_sharded", "merge_shards", "break_lease", "errors"]

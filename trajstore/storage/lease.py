@@ -48,7 +48,7 @@ from trajstore.errors import BadOptionError, DamagedStoreError, LeaseHeldError, 
 from trajstore.storage.head import read_head
 from trajstore.storage.location import Location, resolve_location
 
-__all__ = ["LEASE_KEY", "LEASE_TTL_S", "BROKEN_DIR", "RemoteLease", "break_lease", "exclusive_create_supported",
+__all__ = ["BROKEN_DIR", "LEASE_KEY", "LEASE_TTL_S", "RemoteLease", "break_lease", "exclusive_create_supported",
            "exclusive_put", "needs_lease"]
 
 #: The lease object of a remote store's writer (JSON: owner token, host, pid, kernel, last renewal).
