@@ -18,10 +18,11 @@ import numpy as np
 import zarr
 
 from trajstore.errors import DamagedStoreError, LockedError, ReadOnlyError
-from trajstore.maintenance.pieces import Scan, fmt_rows, locate, parse_head, scan_orphans
+from trajstore.maintenance.pieces import Scan, committed_runs, fmt_rows, locate, parse_head, scan_orphans
 from trajstore.maintenance.report import VerifyReport
 from trajstore.maintenance.verify import probe_head, scan_store, usable_prev
 from trajstore.storage.confined import MAX_HEAD_BYTES
+from trajstore.storage.fields.spec import sized_array
 from trajstore.storage.head import (
     HEAD_KEY,
     LOCK_KEY,
@@ -135,6 +136,44 @@ def _probe(loc: Location, sc: Scan, head: Head) -> VerifyReport:
 def _head_consistent(loc: Location, sc: Scan, head: Head) -> bool:
     """Every committed row of ``head`` has its chunks present, at full size, inside the arrays."""
     return not [f for f in _probe(loc, sc, head).faults if f.kind != "stale-shape"]
+
+
+def _read_ids(loc: Location, sc: Scan, path: str, st: TableState) -> np.ndarray:
+    """The committed rows ``st`` of the 1-D id array ``path`` (int64, logical order), read through
+    zarr (rows a repair keeps are intact)."""
+    cap = sc.tables[sc.arrays[path].table]["capacity"]
+    z = sized_array(zarr.open_array(loc.zstore, path=path, mode="r"), st.allocated)
+    parts = [np.asarray(z[p:p + m], np.int64) for p, _off, m in committed_runs(st, cap, st.allocated)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _drop_orphan_episode_data(loc: Location, sc: Scan, old: Head, new: Head, rep: RepairReport) -> None:
+    """After the step table of a trajectory store was rolled back, drop from ``new`` the episode-data
+    rows of the episodes whose steps all went with it (ids above every kept step's; every id when
+    no step is kept), as ``remove_at`` drops the data of episodes it leaves without steps.  The
+    episode being recorded (``current_episode_id``) keeps its row: its data may be set before its
+    first step.  Like every rollback, the record keeps a window of the rows it named (a ring: the
+    longest run without such rows; an unbounded table: the rows before the first one)."""
+    steps, episodes = "step_data", "episode_data"
+    if (sc.attrs is None or sc.attrs.get("kind") != "TrajectoryReplayBuffer" or episodes not in new.tables
+            or new.tables[steps] == old.tables[steps]):
+        return
+    st, et = new.tables[steps], new.tables[episodes]
+    kept = _read_ids(loc, sc, "step_episode_ids", st)
+    eids = _read_ids(loc, sc, f"{episodes}/_episode_id", et)
+    orphan = ~np.isin(eids, kept) & (eids != new.state.get("current_episode_id"))
+    if kept.size:
+        orphan &= eids > kept.max()
+    if not orphan.any():
+        return
+    a, b = _intact_window(len(eids), [(int(i), int(i) + 1) for i in np.flatnonzero(orphan)],
+                          sc.tables[episodes]["capacity"] is not None)
+    new.tables[episodes] = TableState(et.start + a, et.start + b, et.allocated)
+    dropped = ([(0, a)] if a else []) + ([(b, len(eids))] if b < len(eids) else [])
+    rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": episodes,
+                        "rows_before": [et.start, et.end], "rows_after": [et.start + a, et.start + b],
+                        "why": f"table {episodes!r}: dropped rows {fmt_rows(dropped)} (logical rows before repair), "
+                               f"episode data of episodes whose steps were all dropped; kept {b - a} rows"})
 
 
 def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dry_run: bool = False,
@@ -264,6 +303,7 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
                                     "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
                                     "why": f"table {name!r}: dropped damaged or missing rows {fmt_rows(dropped)} "
                                            f"(logical rows before repair); kept {b - a} intact committed rows"})
+            _drop_orphan_episode_data(loc, sc, sc.head, new_head, rep)
         episode_faults = [f for f in before.faults if f.kind == "episodes"]
         if episode_faults and new_head is None:
             rep.recovered = False
