@@ -316,6 +316,12 @@ class ZarrBufferMixin:
         """Constructor arguments ``buffer_size``, ``n_envs`` recorded in ``sb3.json``."""
         raise NotImplementedError  # abstract
 
+    @classmethod
+    def _options_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Constructor arguments recorded in ``sb3.json`` that :meth:`open` takes from there
+        unless given (none here)."""
+        return {}
+
     def _snapshot(self) -> dict[str, Any]:
         raise NotImplementedError  # abstract
 
@@ -328,13 +334,15 @@ class ZarrBufferMixin:
         """Reopen the buffer at ``cache_path`` with the spaces and sizes recorded there.
 
         ``kwargs`` are the other constructor arguments (e.g. ``handle_timeout_termination``,
-        ``commit_interval``); ``resume`` is True (reopening is what was asked).  Raises
+        ``commit_interval``); ``resume`` is True (reopening is what was asked); those recorded in
+        ``sb3.json`` (``optimize_memory_usage``) default to the recorded value.  Raises
         ``StoreNotFoundError`` when there is no buffer.
         """
         kwargs.setdefault("resume", True)
         cfg = _root.StoreRoot(cache_path, storage_options).read_config()
         if cfg is None:
             raise StoreNotFoundError(f"no trajstore stable-baselines3 buffer at {os.fspath(cache_path)!r}")
+        kwargs = {**cls._options_from_config(cfg), **kwargs}
         spaces_ = {name: space_from_json(cfg[name]) for name in ("observation_space", "action_space")}
         ctor: Any = cls  # a concrete class: SB3's constructor plus the storage arguments
         return ctor(**spaces_, **cls._sizes_from_config(cfg), device=device, cache_path=cache_path,

@@ -426,6 +426,17 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     def _sizes_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(buffer_size=cfg["buffer_size"] * cfg["n_envs"], n_envs=cfg["n_envs"])
 
+    @classmethod
+    def _options_from_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The recorded ``optimize_memory_usage`` (a bool; anything else is left to the
+        constructor's check against ``sb3.json``); with it, ``handle_timeout_termination=False``,
+        the only value SB3 allows alongside it."""
+        saved = cfg.get("optimize_memory_usage")
+        if not isinstance(saved, bool):
+            return {}
+        return {"optimize_memory_usage": True, "handle_timeout_termination": False} if saved else \
+            {"optimize_memory_usage": False}
+
     def _snapshot(self) -> dict[str, Any]:
         self.flush()
         return {"rows": self._rb[:] if self._count else None, "offset": self._offset, "steps": self._steps,
