@@ -309,3 +309,55 @@ def test_break_lease_refuses_local_folders(tmp_path):
     ReplayBuffer.create(SPACE, cache_path=tmp_path / "s").close()
     with pytest.raises(BadOptionError, match="remote store"):
         trajstore.break_lease(str(tmp_path / "s"))
+
+
+def _dead_pid():
+    """The pid of a process of this machine that has exited (and was reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_dead_writer_of_this_machine_taken_over_and_an_unfinished_takeover_reported():
+    """A lease naming a process of this kernel that no longer exists is taken over at open (its
+    tombstone left behind); a takeover whose writer was killed between its tombstone and its delete
+    is reported as such (LeaseHeldError naming break_lease), and break_lease finishes it."""
+    import socket
+    import uuid
+
+    import fsspec
+
+    import trajstore
+    from trajstore.errors import LeaseHeldError
+    from trajstore.storage.location import resolve_location
+
+    url = f"memory://lease-dead-{os.getpid()}-{time.monotonic_ns()}/store"
+    a = ReplayBuffer.create(SPACE, cache_path=url)
+    a.extend(_rows(0, 7))
+    a.close()
+    fs, path = fsspec.core.url_to_fs(f"{url}/{LEASE_KEY}")
+    loc = resolve_location(url, read_only=False, must_exist=True)
+
+    def dead_lease():
+        raw = json.dumps({"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": _dead_pid(),
+                          "kernel": lease._kernel_identity(), "renewed": time.time()}).encode()
+        fs.pipe_file(path, raw)
+        return raw
+
+    raw = dead_lease()
+    b = ReplayBuffer.load_from(url)  # its writer is gone for certain: no error, no break_lease
+    assert loc.exists(lease.tombstone_key(raw))
+    b.close()
+    raw = dead_lease()
+    assert lease.exclusive_put(loc, lease.tombstone_key(raw), b"{}")  # a rival killed right after its tombstone
+    with pytest.raises(LeaseHeldError, match=r"being taken over.*trajstore\.break_lease"):
+        ReplayBuffer.load_from(url)
+    assert fs.cat_file(path) == raw  # nothing deleted
+    assert trajstore.break_lease(url) is True
+    c = ReplayBuffer.load_from(url)
+    c.extend(_rows(7, 9))
+    c.close()
+    np.testing.assert_array_equal(ReplayBuffer.load_from(url, read_only=True)[:], _rows(0, 9))

@@ -49,7 +49,7 @@ from trajstore.storage.head import read_head
 from trajstore.storage.location import Location, resolve_location
 
 __all__ = ["BROKEN_DIR", "LEASE_KEY", "LEASE_TTL_S", "RemoteLease", "break_lease", "exclusive_create_supported",
-           "exclusive_put", "needs_lease"]
+           "exclusive_put", "needs_lease", "tombstone_key"]
 
 #: The lease object of a remote store's writer (JSON: owner token, host, pid, kernel, last renewal).
 LEASE_KEY = "trajstore.lease.json"
@@ -178,7 +178,8 @@ class RemoteLease:
         record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                   "kernel": _kernel_identity(), "renewed": time.time()}
         data = json.dumps(record).encode()
-        for _ in range(3):
+        contested = False
+        for attempt in range(5):
             if exclusive_put(loc, LEASE_KEY, data):
                 return cls(loc, record)
             raw = loc.get(LEASE_KEY, limit=_MAX_LEASE_BYTES)
@@ -187,7 +188,16 @@ class RemoteLease:
             held = _parse_lease(loc, raw)
             if _alive_here(held) is not False:
                 raise LeaseHeldError(_held_message(loc, held))
-            _take_over(loc, raw)  # its writer is gone for certain: take it over (or let a rival do it)
+            # Its writer is gone for certain: take it over, unless a rival's tombstone was first
+            # (then the rival deletes it: look again shortly).
+            if not _take_over(loc, raw):
+                contested = True
+                time.sleep(0.05 * (attempt + 1))
+        if contested:
+            raise LeaseHeldError(f"{loc.url}: the lease {LEASE_KEY} of a writer that is gone (pid {held['pid']} of "
+                                 "this machine) is being taken over by another writer, which has not finished (its "
+                                 f"tombstone is in {BROKEN_DIR}/); if no other writer is opening this store (one "
+                                 f"killed while taking over), remove the lease: trajstore.break_lease({loc.url!r})")
         raise LockedError(f"{loc.url}: the writer lease {LEASE_KEY} kept changing hands while this writer opened")
 
     def check(self, generation: int) -> None:
@@ -220,7 +230,8 @@ class RemoteLease:
 
     def release(self) -> None:
         """Delete the lease object if it is still this writer's (idempotent; errors ignored: a
-        lease left behind is taken over once stale)."""
+        lease left behind is taken over once this process is gone, from this machine, or removed
+        with :func:`break_lease`)."""
         if self.released or self.record["pid"] != os.getpid():
             return  # a forked child's copy: the lease is its parent's
         self.released = True
@@ -303,6 +314,12 @@ def _held_message(loc: Location, held: dict[str, Any]) -> str:
             "(trajstore.shards.create_shard) or a location with transactions (e.g. icechunk)")
 
 
+def tombstone_key(raw: bytes) -> str:
+    """The key of the tombstone of the lease whose bytes are ``raw`` (named by their hash: a lease
+    is input, and its owner string never becomes part of a key)."""
+    return f"{BROKEN_DIR}/{hashlib.sha256(raw).hexdigest()[:32]}.json"
+
+
 def _take_over(loc: Location, raw: bytes) -> bool:
     """Delete the lease whose bytes are ``raw`` if this call is the one to take it over: the
     tombstone named after those bytes is created exclusively, and only its creator deletes.
@@ -313,8 +330,7 @@ def _take_over(loc: Location, raw: bytes) -> bool:
         False when another writer's tombstone was there first (it deletes the lease; this caller
         looks again).
     """
-    tomb = f"{BROKEN_DIR}/{hashlib.sha256(raw).hexdigest()[:32]}.json"
-    if not exclusive_put(loc, tomb, json.dumps({"broken": time.time(), "by": socket.gethostname()}).encode()):
+    if not exclusive_put(loc, tombstone_key(raw), json.dumps({"broken": time.time(), "by": socket.gethostname()}).encode()):
         return False
     loc.delete(LEASE_KEY)
     return True
@@ -326,7 +342,8 @@ def break_lease(cache_path: str, *, storage_options: dict[str, Any] | None = Non
     A new writer never takes over a lease whose writer may still run (see
     :class:`~trajstore.errors.LeaseHeldError`): a paused writer that resumed would write over its
     rows.  Call this only when the holder named in that error is gone for good (its machine or
-    container stopped, its process killed); then open the store again.
+    container stopped, its process killed); then open the store again.  A takeover that another
+    writer began and never finished (killed between its tombstone and its delete) is finished here.
 
     Parameters
     ----------
@@ -366,5 +383,10 @@ def break_lease(cache_path: str, *, storage_options: dict[str, Any] | None = Non
             raise LeaseHeldError(f"{loc.url}: the writer holding {LEASE_KEY} is alive on this machine (pid "
                                  f"{held['pid']}); close it (or kill it) before breaking its lease")
         if _take_over(loc, raw):
+            return True
+        if loc.get(LEASE_KEY, limit=_MAX_LEASE_BYTES) == raw:
+            # A takeover of this very lease was begun and not finished (its writer killed between
+            # tombstone and delete): the caller says no writer runs, so finish it.
+            loc.delete(LEASE_KEY)
             return True
     raise LockedError(f"{loc.url}: the writer lease {LEASE_KEY} kept changing hands while it was being broken")
