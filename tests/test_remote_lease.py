@@ -117,8 +117,10 @@ def test_killed_s3_writer_lease_taken_over(s3_options, tmp_path, procs):  # noqa
 
 
 @pytest.mark.parametrize("bad", ['"pid": 1' + "0" * 400, '"pid": -1', '"pid": true', '"renewed": 1' + "0" * 400,
-                                 '"renewed": NaN', '"renewed": Infinity', '"renewed": -5'],
-                         ids=["huge-pid", "negative-pid", "bool-pid", "huge-time", "nan-time", "inf-time", "negative-time"])
+                                 '"renewed": NaN', '"renewed": Infinity', '"renewed": -5', '"started": -1',
+                                 '"started": 1' + "0" * 400, '"kernel": 7', '"kernel": "' + "k" * 300 + '"'],
+                         ids=["huge-pid", "negative-pid", "bool-pid", "huge-time", "nan-time", "inf-time", "negative-time",
+                              "negative-start", "huge-start", "int-kernel", "long-kernel"])
 def test_hostile_lease_is_a_damaged_store(bad):
     """A lease is input: out-of-range numbers raise DamagedStoreError (not OverflowError from
     float() or os.kill), and NaN, which JSON allows and which would never be stale, is refused."""
@@ -361,3 +363,38 @@ def test_dead_writer_of_this_machine_taken_over_and_an_unfinished_takeover_repor
     c.extend(_rows(7, 9))
     c.close()
     np.testing.assert_array_equal(ReplayBuffer.load_from(url, read_only=True)[:], _rows(0, 9))
+
+
+def test_a_reused_pid_is_not_the_writer():
+    """A lease is the writer's process, not its pid: a live process with the lease's pid but a
+    different start time (the pid reused after the writer died) does not hold the store; one with
+    the same start time does (LeaseHeldError), also when it is stopped."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import fsspec
+
+    from trajstore.errors import LeaseHeldError
+
+    url = f"memory://lease-reused-{os.getpid()}-{time.monotonic_ns()}/store"
+    ReplayBuffer.create(SPACE, cache_path=url).close()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = lease._start_time(other.pid)
+        assert started is not None
+        os.kill(other.pid, signal.SIGSTOP)
+        for when, held in ((started, True), (started + 1, False)):
+            record = {"owner": f"o{when}", "host": socket.gethostname(), "pid": other.pid,
+                      "kernel": lease._kernel_identity(), "started": when, "renewed": time.time() - 3600}
+            with fsspec.open(f"{url}/{LEASE_KEY}", "wb") as f:
+                f.write(json.dumps(record).encode())
+            if held:
+                with pytest.raises(LeaseHeldError, match=f"pid {other.pid}"):
+                    ReplayBuffer.load_from(url)
+            else:
+                ReplayBuffer.load_from(url).close()  # the pid's process is not the writer's: taken over
+    finally:
+        other.kill()
+        other.wait()

@@ -20,7 +20,8 @@ known to be dead:
 - it was released (``close``);
 - it names a process of this very kernel and pid namespace (:func:`_kernel_identity`: the boot
   id and the pid namespace, not the host name, which containers and clones share) that no longer
-  exists (a killed writer);
+  exists (a killed writer; a pid reused by a later process, told by the start time the lease
+  records, counts as gone);
 - a person says so: :func:`break_lease` (refused while the holder is alive on this kernel).
 
 Any other holder, however long ago it renewed its lease, makes a new writer raise
@@ -176,7 +177,7 @@ class RemoteLease:
                                  "lock); remote stores take one writer: give each process a shard of its own "
                                  "(trajstore.shards.create_shard)")
         record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                  "kernel": _kernel_identity(), "renewed": time.time()}
+                  "kernel": _kernel_identity(), "started": _start_time(os.getpid()), "renewed": time.time()}
         data = json.dumps(record).encode()
         contested = False
         for attempt in range(5):
@@ -258,12 +259,14 @@ def _parse_lease(loc: Location, raw: bytes) -> dict[str, Any]:
             and type(obj.get("renewed")) in (int, float) and 0 <= obj["renewed"] < _MAX_TIME
             and math.isfinite(obj["renewed"])
             and (obj.get("kernel") is None or (isinstance(obj["kernel"], str)
-                                                and len(obj["kernel"]) <= _MAX_KERNEL_ID))):
+                                                and len(obj["kernel"]) <= _MAX_KERNEL_ID))
+            and (obj.get("started") is None or (type(obj["started"]) is int and 0 <= obj["started"] < 1 << 63))):
         # (A lease is input: an integer of hundreds of digits would overflow float() or os.kill,
         # and NaN, which JSON allows, would never be stale.)
         raise DamagedStoreError(f"{loc.url}: {LEASE_KEY} is not a writer lease (expected a JSON object with owner, "
                                 f"host, pid in [0, {_MAX_PID}), renewed in [0, {_MAX_TIME:.0e}) seconds since the "
-                                f"epoch, kernel a string of at most {_MAX_KERNEL_ID} characters or null); if no "
+                                f"epoch, kernel a string of at most {_MAX_KERNEL_ID} characters or null, started a "
+                                "non-negative integer or null); if no "
                                 "writer is running, delete it")
     return obj
 
@@ -296,8 +299,22 @@ def _alive_here(held: dict[str, Any]) -> bool | None:
     except ProcessLookupError:
         return False
     except OSError:
-        return True  # exists, owned by another user
+        pass  # exists, owned by another user
+    started = held.get("started")
+    if started is not None and _start_time(pid) not in (None, started):
+        return False  # the pid was reused by a process started later: the writer is gone
     return True  # (a stopped process is alive: it may resume and write)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux ``/proc/<pid>/stat`` field
+    22), or ``None`` where the system does not tell: with the pid it names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read(4096).rsplit(b")", 1)[1].split()  # (the command name may hold spaces)
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _held_message(loc: Location, held: dict[str, Any]) -> str:
