@@ -398,3 +398,41 @@ def test_a_reused_pid_is_not_the_writer():
     finally:
         other.kill()
         other.wait()
+
+
+def test_writer_stopped_by_its_parent_keeps_the_store(s3_options, tmp_path, procs, monkeypatch):  # noqa: F811
+    """The same without any hook in the writer: a writer appending and flushing on moto S3 gets a
+    real SIGSTOP from outside at whatever instant it is in, stays stopped past the lease timeout,
+    and a successor is refused; after SIGCONT it keeps committing; once SIGKILLed, the successor
+    takes the store over with every row the writer acknowledged."""
+    import signal
+
+    from trajstore.errors import LeaseHeldError
+
+    url = f"s3://trajstore-test/stopped-{time.monotonic_ns()}"
+    log, ready = str(tmp_path / "log"), str(tmp_path / "ready")
+    p = W.start(SW.write_rows, url, s3_options, log, ready)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    deadline = time.monotonic() + 30
+    while len(parse_log(log)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGSTOP)
+    while not _stopped(p.pid):
+        time.sleep(0.01)
+    with monkeypatch.context() as m:
+        m.setattr(lease, "LEASE_TTL_S", 0.0)  # stopped for longer than the lease timeout
+        with pytest.raises(LeaseHeldError, match=f"pid {p.pid}"):
+            ReplayBuffer.load_from(url, storage_options=s3_options)
+    before = len(parse_log(log))
+    os.kill(p.pid, signal.SIGCONT)
+    while len(parse_log(log)) < before + 2 and time.monotonic() < deadline + 30:
+        time.sleep(0.01)
+    W.kill(p)
+    acked = max(v for tag, v in parse_log(log) if tag == "F")
+    assert len(parse_log(log)) >= before + 2  # it went on committing after SIGCONT
+    buf = ReplayBuffer.load_from(url, storage_options=s3_options)  # killed on this machine: taken over
+    n = len(buf)
+    assert n >= acked
+    np.testing.assert_array_equal(buf[:], _rows(0, n))
+    buf.close()
