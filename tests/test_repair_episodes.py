@@ -49,3 +49,22 @@ def test_repair_drops_episode_data_of_episodes_without_steps(tmp_path, chunk, st
         f"{head['end'] - head['start']} episode-data rows kept for {len(with_steps)} episodes with steps")
     assert any(c["action"] == "rollback" and c["table"] == "episode_data" for c in rep.changes)
     assert verify_store(path).ok
+
+
+def test_undecodable_episode_ids_are_reported_not_raised(tmp_path):
+    """The kept rows' episode ids are read to find the orphaned episode data; a compressed id chunk
+    that does not decode (a plain repair checks sizes only) is a problem in the report, never a
+    builtin error from the decoder."""
+    path = tmp_path / "s"
+    with TrajectoryReplayBuffer.create(STEP_SPACE, cache_path=path, episode_data_instance_space=EPISODE_SPACE,
+                                       chunk_rows=256, step_episode_id_storage_kwargs={"compressor": "lz4"}) as rb:
+        for _ in range(100):
+            rb.extend({"obs": np.full((5, 4), rb.current_episode_id, np.float32)})
+            rb.mark_episode_end()
+    with open(path / "step_data" / "obs" / "c" / "1" / "0", "r+b") as f:
+        f.truncate(10)
+    ids = path / "step_episode_ids" / "c" / "0"
+    ids.write_bytes(bytes(range(256)) * (ids.stat().st_size // 256 + 1))
+    rep = repair_store(path)
+    assert not rep.recovered
+    assert any("episode ids of the rows kept could not be read" in p for p in rep.problems), rep.problems

@@ -159,8 +159,14 @@ def _drop_orphan_episode_data(loc: Location, sc: Scan, old: Head, new: Head, rep
             or new.tables[steps] == old.tables[steps]):
         return
     st, et = new.tables[steps], new.tables[episodes]
-    kept = _read_ids(loc, sc, "step_episode_ids", st)
-    eids = _read_ids(loc, sc, f"{episodes}/_episode_id", et)
+    try:
+        kept = _read_ids(loc, sc, "step_episode_ids", st)
+        eids = _read_ids(loc, sc, f"{episodes}/_episode_id", et)
+    except Exception as e:  # any decoder's error: a chunk present at full size that does not decode
+        rep.recovered = False
+        rep.problems.append(f"the episode ids of the rows kept could not be read ({type(e).__name__}: {e}), so "
+                            "episode data of episodes left without steps was not dropped; run repair --deep")
+        return
     orphan = ~np.isin(eids, kept) & (eids != new.state.get("current_episode_id"))
     if kept.size:
         orphan &= eids > kept.max()
