@@ -197,7 +197,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     except BaseException as e:
         if folder is not None:
             remove_entry(target)
-        raise destination_full(e, dst)  # noqa: B904  # e itself unless a full disk
+        raise destination_full(e, dst)  # e itself unless a full disk
     if _is_zip(dst):
         out["bytes"] = os.path.getsize(dst)
     return {"source": src, "destination": dst, **out, "verified": True}

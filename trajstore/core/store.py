@@ -411,7 +411,7 @@ class Store(StoreCommits):
             publish([(build, root)], overwrite=overwrite)
         except BaseException as e:
             remove_entry(build)
-            raise destination_full(e, root)  # noqa: B904  # e itself unless a full disk (then its cause)
+            raise destination_full(e, root)  # e itself unless a full disk (then its cause)
 
     def _copy_keys(self, target: Location, progress: bool | None) -> None:
         """Every data key, then the commit record (a copy cut short has none: not a store)."""

@@ -130,7 +130,7 @@ class ImportWriter:
                                  unit="step")
         except BaseException as e:
             self._discard()
-            raise destination_full(e, self.out_path)  # noqa: B904  # e itself unless a full disk
+            raise destination_full(e, self.out_path)  # e itself unless a full disk
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
@@ -216,7 +216,7 @@ class ImportWriter:
             self.staged.commit(self.overwrite)
         except BaseException as e:
             self._discard()
-            raise destination_full(e, self.out_path)  # noqa: B904  # e itself unless a full disk
+            raise destination_full(e, self.out_path)  # e itself unless a full disk
         return {"destination": self.out_path, "steps": self.steps, "episodes": self.episodes, "verified": True}
 
 
@@ -256,7 +256,7 @@ class staged_path:
             publish([(self.tmp, self.dst)], overwrite=self.overwrite)
         except BaseException as e:
             remove_entry(self.tmp)
-            raise destination_full(e, self.dst)  # noqa: B904  # e itself unless a full disk
+            raise destination_full(e, self.dst)  # e itself unless a full disk
 
 
 def export_source(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:

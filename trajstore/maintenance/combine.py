@@ -193,7 +193,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         verify_written(tmp)
         staged.commit(overwrite)
     except BaseException as e:
-        raise staged.failed(e)  # noqa: B904  # e itself, or a StoreFullError naming the destination (cause: e)
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         for b, own in opened:
             if own:
@@ -367,7 +367,7 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
         staged.commit(overwrite)
         return {"source": buf.cache_path, "seed": int(seed), "splits": report, "verified": True}
     except BaseException as e:
-        raise staged.failed(e)  # noqa: B904  # e itself, or a StoreFullError naming the destination (cause: e)
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         if own:
             buf.close()
@@ -436,7 +436,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
                 "episodes": int(len(ids)), "of": int(len(cols["episode_id"])), "steps": steps, "verified": True}
     except BaseException as e:
-        raise staged.failed(e)  # noqa: B904  # e itself, or a StoreFullError naming the destination (cause: e)
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         if own:
             buf.close()

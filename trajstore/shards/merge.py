@@ -16,8 +16,8 @@ from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import StoreExistsError
 from trajstore.maintenance.staged import partial_path
-from trajstore.storage.publish import destination_full, publish, remove_entry
 from trajstore.shards.dataset import open_sharded
+from trajstore.storage.publish import destination_full, publish, remove_entry
 
 __all__ = ["merge_shards"]
 
@@ -73,7 +73,7 @@ def merge_shards(path: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 out.close()
             if local:
                 remove_entry(build)
-            raise destination_full(e, d)  # noqa: B904  # e itself unless a full disk
+            raise destination_full(e, d)  # e itself unless a full disk
         if local:
             publish([(build, os.path.abspath(d))], overwrite=False)
         return n
