@@ -223,13 +223,8 @@ def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int 
             method = "zip"
             write_zip(source, dst, compressor=compressor, chunk_rows=chunk_rows)
         elif not relayout:
-            method = "byte copy"
-            cls = ReplayBuffer if kind == "ReplayBuffer" else TrajectoryReplayBuffer
-            buf = cls.load_from(src, read_only=True, storage_options=src_options)
-            try:
-                buf.dumps(dst, storage_options=dst_options)
-            finally:
-                buf.close()
+            method = "byte copy"  # (dumps' copy; into the temporary folder copy_store publishes)
+            source.copy_to(dst, storage_options=dst_options, stage=False)
         else:
             method = "relayout"
             _relayout(source, kind, dst, compressor, chunk_rows, dst_options, ValuePlan, space_from_json, STEPS,

@@ -356,7 +356,7 @@ class Store(StoreCommits):
 
     # -- copy ------------------------------------------------------------------------------
     def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
-                overwrite: bool = True) -> None:
+                overwrite: bool = True, stage: bool = True) -> None:
         """Copy every key of this store to ``dst`` (head last), with an optional progress bar.
 
         A local folder is built beside ``dst`` and put into place by
@@ -365,10 +365,13 @@ class Store(StoreCommits):
         disk: :class:`StoreFullError` naming ``dst``).  A non-empty folder that holds no store is
         refused (:class:`StoreExistsError`): replacing it would delete files that are not a
         store's.  A URL is written in place (an object store has no rename): a copy cut short has
-        no commit record and is no store.
+        no commit record and is no store.  ``stage=False`` writes a local folder in place too: for a
+        caller that built its name beside the destination and publishes it itself
+        (``trajstore copy`` compares and verifies the copy first).
         """
         p = os.fspath(dst) if isinstance(dst, (str, os.PathLike)) else None
-        if p is not None and "://" not in p and "::" not in p and not (p.endswith(".zip") and not os.path.isdir(p)):
+        if stage and p is not None and "://" not in p and "::" not in p and not (
+                p.endswith(".zip") and not os.path.isdir(p)):
             self._copy_to_folder(os.path.abspath(os.path.expanduser(p)), progress, overwrite)
             return
         target = resolve_location(dst, read_only=False, storage_options=storage_options, must_exist=False)
