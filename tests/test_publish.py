@@ -364,28 +364,12 @@ def test_full_disk_in_every_copy_path_is_store_full_error_naming_the_destination
     assert _state(tmp_path / "combine-old", A) == "old" and _leftovers(tmp_path) == []
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path) -> Any:
-    """A 3 MiB tmpfs (root only), unmounted at teardown."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def test_a_real_full_disk_in_every_copy_path(tmp_path: Path, tiny_fs: Path,
+def test_a_real_full_disk_in_every_copy_path(tmp_path: Path, small_tmpfs: Any,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The same copy paths from a 6 MiB store into a 3 MiB filesystem (and a .zip): a
     StoreFullError naming the destination wherever the disk fills, and the filesystem empty
     afterwards."""
+    tiny_fs = small_tmpfs(3)
     big = tmp_path / "big"
     with TrajectoryReplayBuffer.create(Box(0, 255, (64, 64, 3), np.uint8), episode_data_instance_space=EPISODE,
                                        cache_path=big) as buf:
