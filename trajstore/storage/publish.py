@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -49,6 +48,7 @@ from typing import Any
 
 from trajstore.errors import StoreExistsError, StoreFullError
 from trajstore.storage._replace import exchange
+from trajstore.storage.locks import lock_backend
 
 __all__ = ["HOST", "partial_path", "publish", "recover", "remove_entry", "destination_full",
            "PublishRecoveredWarning"]
@@ -57,6 +57,7 @@ __all__ = ["HOST", "partial_path", "publish", "recover", "remove_entry", "destin
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 _JOURNAL_MAX = 1 << 20  # a journal names a few destinations: anything longer is not one of ours
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # (Windows has none, and no links to follow by default)
 
 
 class PublishRecoveredWarning(UserWarning):
@@ -132,6 +133,8 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _fsync_folder(path: str) -> None:
+    if not hasattr(os, "O_DIRECTORY"):
+        return  # Windows: a folder is not opened
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a folder
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -180,28 +183,35 @@ def publish(pairs: Sequence[tuple[str, str]], *, overwrite: bool) -> None:
                         "ino": ident[1], "aside": None if aside is None else os.path.basename(aside)})
     name = os.path.basename(pairs[0][1])
     journal = os.path.join(parent, f".{name}.trajstore-publish-{HOST}-{os.getpid()}-{secrets.token_hex(4)}.json")
-    fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    locks = lock_backend()
+    done = False  # the journal is removed once closed (Windows removes no open file)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held while publishing: no recover() takes this journal
+        locks.acquire(fd)  # held while publishing: no recover() takes this journal
         try:
             os.write(fd, json.dumps({"overwrite": overwrite, "pairs": entries}).encode())
             os.fsync(fd)
             _fsync_folder(parent)
         except BaseException:
-            os.unlink(journal)  # nothing published yet: every destination is as it was
+            done = True  # nothing published yet: every destination is as it was
             raise
         for e in entries:
             _publish_one(parent, e, overwrite)
-        os.unlink(journal)
+        done = True
     finally:
+        locks.forget(fd)
         os.close(fd)
+        if done:
+            os.unlink(journal)
 
 
 def _publish_one(parent: str, e: dict[str, Any], overwrite: bool) -> None:
     tmp, dst = os.path.join(parent, e["partial"]), os.path.join(parent, e["destination"])
     if not overwrite or not os.path.lexists(dst):
         try:
-            os.rename(tmp, dst)  # onto nothing, or onto an empty folder (atomic)
+            if os.path.isdir(dst) and not os.path.islink(dst):
+                os.rmdir(dst)  # an empty folder (checked before writing); a non-empty one: OSError below
+            os.rename(tmp, dst)
         except OSError as err:
             if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise StoreExistsError(f"{dst}: something appeared there while the new store was written; it is "
@@ -284,20 +294,20 @@ def _read_journal(fd: int, path: str) -> dict[str, Any] | None:
 def _recover_journal(parent: str, jname: str, dst_name: str) -> None:
     path = os.path.join(parent, jname)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return  # gone (another process completed it), or not a file
+    locks = lock_backend()
+    done = False  # the journal is removed once closed (Windows removes no open file)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not locks.try_exclusive(fd):
             return  # another process is completing it
         st = os.fstat(fd)
         if _identity(path) != (st.st_dev, st.st_ino):
             return  # completed and removed while we opened it
         doc = _read_journal(fd, path)
         if doc is None:
-            os.unlink(path)  # torn: written before anything was published
+            done = True  # torn: written before anything was published
             return
         if not doc or all(e["destination"] != dst_name for e in doc["pairs"]):
             return
@@ -306,10 +316,13 @@ def _recover_journal(parent: str, jname: str, dst_name: str) -> None:
             warnings.warn(f"{path}: the new stores {lost} that this publish journal names are gone; their "
                           "destinations are left as they are and the journal is kept for inspection",
                           PublishRecoveredWarning, stacklevel=4)
-        else:
-            os.unlink(path)
+        done = not lost
     finally:
+        locks.forget(fd)
         os.close(fd)
+        if done:
+            with contextlib.suppress(FileNotFoundError):  # (another process completed it meanwhile)
+                os.unlink(path)
 
 
 def _recover_one(parent: str, e: dict[str, Any], overwrite: bool) -> bool:
