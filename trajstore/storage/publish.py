@@ -195,9 +195,9 @@ def publish(pairs: Sequence[tuple[str, str]], *, overwrite: bool) -> None:
         except BaseException:
             done = True  # nothing published yet: every destination is as it was
             raise
+        done = True  # from here on, an error is raised to the caller (who removes what is left), not left to recover
         for e in entries:
             _publish_one(parent, e, overwrite)
-        done = True
     finally:
         locks.forget(fd)
         os.close(fd)
@@ -215,7 +215,7 @@ def _publish_one(parent: str, e: dict[str, Any], overwrite: bool) -> None:
         except OSError as err:
             if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise StoreExistsError(f"{dst}: something appeared there while the new store was written; it is "
-                                       f"kept, and the new store waits at {tmp}") from None
+                                       "kept and the new store is not published") from None
             raise
         return
     if exchange(tmp, dst):
