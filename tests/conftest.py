@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -304,3 +305,27 @@ def _sb3_log_folder(tmp_path_factory: pytest.TempPathFactory):
         os.environ.pop("SB3_LOGDIR", None)
     else:
         os.environ["SB3_LOGDIR"] = old
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Any:
+    """``mount(mib)``: a tmpfs of that many MiB under ``tmp_path`` (root only: the test is skipped
+    otherwise), unmounted at teardown; for tests of a really full disk."""
+    mounted: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(mnt)], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

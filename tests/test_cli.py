@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -533,10 +534,15 @@ def test_a_copy_that_does_not_verify_fails_with_one_line(tmp_path: Path, capsys,
     dst = tmp_path / "c"
     real_compare = maintain._compare
 
+    damaged = tmp_path / "damaged"
+
     def compare_then_truncate(source, copy, bar):  # the real comparison, then real damage on disk
         n = real_compare(source, copy, bar)
-        with open(dst / "step_data" / "obs" / "c" / "2" / "0", "r+b") as f:
+        built = copy.loc.local_root  # the copy is built beside dst and published once it verifies
+        assert built.parent == tmp_path and built.name.startswith(".c.trajstore-partial-")
+        with open(built / "step_data" / "obs" / "c" / "2" / "0", "r+b") as f:
             f.truncate(100)
+        shutil.copytree(built, damaged)
         return n
 
     monkeypatch.setattr(maintain, "_compare", compare_then_truncate)
@@ -544,9 +550,10 @@ def test_a_copy_that_does_not_verify_fails_with_one_line(tmp_path: Path, capsys,
     fault = ("step_data/obs/c/2/0: truncated chunk file (100 of 69632 bytes); table 'step_data' rows [2048, 3000) "
              "are damaged")
     assert code == 1 and err == f"trajstore copy: error: copy verification failed: {fault}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "r"]  # no copy published, nothing left beside
     with pytest.raises(DamagedStoreError) as e:
-        verify_written(str(dst))
-    assert str(e.value) == f"{dst}: the written store does not verify: {fault}"
+        verify_written(str(damaged))
+    assert str(e.value) == f"{damaged}: the written store does not verify: {fault}"
 
 
 def test_copy_a_replay_buffer_ring(tmp_path: Path, capsys) -> None:

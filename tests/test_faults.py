@@ -549,20 +549,9 @@ _CHILD = textwrap.dedent('''
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
+def tiny_fs(small_tmpfs):
     """A 24 MiB tmpfs (root only), unmounted at teardown."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    return small_tmpfs(24)
 
 
 @pytest.mark.parametrize("layout,capacity", [("raw", None), ("raw", 128), ("lz4", None)])

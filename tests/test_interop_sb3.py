@@ -125,6 +125,27 @@ def test_refused_without_trust_and_nothing_runs(tmp_path: Path, cartpole: tuple[
     assert not [p for p in tmp_path.iterdir() if "trajstore-partial" in p.name]
 
 
+@pytest.mark.parametrize("trust", ["no", "false", "False", "0", 1, np.True_, [True], "yes"])
+def test_trust_that_is_not_true_never_unpickles(tmp_path: Path, trust: object) -> None:
+    """Only ``trust is True`` unpickles: a truthy string ("no", "false"), 1 or numpy's True is
+    refused with BadOptionError before the file is opened (the pickle's ``__reduce__`` would create
+    the canary file), and False / None give the "pass trust=True" refusal."""
+    canary = tmp_path / "canary"
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps(_Marker(str(canary)), protocol=4))
+    with pytest.raises(BadOptionError, match=r"trust must be True or False; got .*Nothing was read"):
+        import_sb3_replay_buffer(evil, tmp_path / "s", trust=trust)
+    with pytest.raises(BadOptionError, match="trust must be True or False"):
+        import_sb3_replay_buffer(tmp_path / "missing.pkl", tmp_path / "s", trust=trust)  # before any look at the file
+    for no in (False, None):
+        with pytest.raises(BadOptionError, match="unpickling runs code.*trust=True"):
+            import_sb3_replay_buffer(evil, tmp_path / "s", trust=no)
+    assert not canary.exists() and not (tmp_path / "s").exists()
+    with pytest.raises(UnsupportedSpaceError, match="holds a _io.TextIOWrapper"):
+        import_sb3_replay_buffer(evil, tmp_path / "s", trust=True)  # unpickled: the canary proves the test can fail
+    assert canary.exists()
+
+
 def test_cli_import_sb3(cartpole: tuple[Path, DQN], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["import", "sb3", str(cartpole[0]), str(tmp_path / "s")]) == 1
     assert "--trust" in capsys.readouterr().err

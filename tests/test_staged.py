@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from trajstore.maintenance import staged
+from trajstore.storage import publish
 
 
 def _dead_pid() -> int:
@@ -20,7 +21,7 @@ def _dead_pid() -> int:
 
 def test_partial_path_removes_only_dead_leftovers_of_this_machine(tmp_path: Path) -> None:
     dst = str(tmp_path / "out")
-    host = staged._HOST
+    host = publish.HOST
     dead = tmp_path / f".out.trajstore-partial-{host}-{_dead_pid()}-0123abcd"
     (dead / "step_data").mkdir(parents=True)
     (dead / "step_data" / "c").write_bytes(b"x" * 1000)

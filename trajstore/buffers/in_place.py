@@ -72,7 +72,7 @@ class InPlaceStore(Store):
         return False
 
     def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
-                overwrite: bool = True) -> None:
+                overwrite: bool = True, stage: bool = True) -> None:
         raise BadOptionError(f"{self.loc.url}: a store opened in place cannot be copied as a trajstore store; "
                              "import it (trajstore.interop) to get one")
 

@@ -22,6 +22,7 @@ from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
 from trajstore.metadata import DATASET_KEY
+from trajstore.storage.publish import destination_full, partial_path, publish, remove_entry
 
 __all__ = ["register", "copy_store"]
 
@@ -167,7 +168,11 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     capacities and the requested layout is created and every committed row (and, for
     trajectories, every episode id, every episode-data row and the episode counters) is copied
     through the buffer API, a bounded block of rows at a time.  The copy is then compared row by
-    row with the source and verified.
+    row with the source and verified.  A local folder is written, compared and verified under a
+    temporary name beside ``dst`` and only then published (:func:`trajstore.storage.publish.publish`:
+    ``dst`` is its old store or the verified copy at every instant); a zip is written beside and
+    renamed.  A failed copy leaves ``dst`` as it was and nothing beside it; a full disk is a
+    :class:`~trajstore.errors.StoreFullError` naming ``dst``.
 
     Returns
     -------
@@ -177,15 +182,35 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
         info``: finished episodes and the one in progress, or None), ``arrays``, ``bytes`` (stored
         bytes of the copy) and ``verified``.
     """
+    if _same(src, dst):
+        raise CLIError("SRC and DST are the same store", code=2)
+    # A local folder is written beside DST, compared and verified there, then published: DST is
+    # its old store or the verified copy at every instant, and a failed copy leaves nothing.
+    folder = os.path.abspath(dst) if not _is_url(dst) and not _is_zip(dst) else None
+    target = partial_path(folder) if folder is not None else dst  # (completes a publish a kill cut short)
+    if _exists(dst, dst_options) and not overwrite:
+        raise CLIError(f"{dst}: something already exists there; pass --overwrite to replace it")
+    try:
+        out = _copy_and_check(src, target, compressor, chunk_rows, src_options, dst_options)
+        if folder is not None:
+            publish([(target, folder)], overwrite=overwrite)
+    except BaseException as e:
+        if folder is not None:
+            remove_entry(target)
+        raise destination_full(e, dst)  # e itself unless a full disk
+    if _is_zip(dst):
+        out["bytes"] = os.path.getsize(dst)
+    return {"source": src, "destination": dst, **out, "verified": True}
+
+
+def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int | None,
+                    src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`copy_store`'s copy to ``dst`` (a new location), compared with the source and verified."""
     from trajstore import ReplayBuffer, TrajectoryReplayBuffer
     from trajstore.core.zipcopy import write_zip
     from trajstore.maintenance.summary import STEPS, episode_counts
     from trajstore.spaces import ValuePlan, space_from_json
 
-    if _same(src, dst):
-        raise CLIError("SRC and DST are the same store", code=2)
-    if _exists(dst, dst_options) and not overwrite:
-        raise CLIError(f"{dst}: something already exists there; pass --overwrite to replace it")
     source = open_store(src, src_options)
     try:
         kind = source.attrs.get("kind")
@@ -198,13 +223,8 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
             method = "zip"
             write_zip(source, dst, compressor=compressor, chunk_rows=chunk_rows)
         elif not relayout:
-            method = "byte copy"
-            cls = ReplayBuffer if kind == "ReplayBuffer" else TrajectoryReplayBuffer
-            buf = cls.load_from(src, read_only=True, storage_options=src_options)
-            try:
-                buf.dumps(dst, storage_options=dst_options)
-            finally:
-                buf.close()
+            method = "byte copy"  # (dumps' copy; into the temporary folder copy_store publishes)
+            source.copy_to(dst, storage_options=dst_options, stage=False)
         else:
             method = "relayout"
             _relayout(source, kind, dst, compressor, chunk_rows, dst_options, ValuePlan, space_from_json, STEPS,
@@ -227,10 +247,8 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     finally:
         source.close()
     verify_copy(dst, dst_options)
-    if to_zip:
-        stored = os.path.getsize(dst)
-    return {"source": src, "destination": dst, "kind": kind, "method": method, "rows": table_rows[STEPS],
-            "table_rows": table_rows, "episodes": episodes, "arrays": n_arrays, "bytes": stored, "verified": True}
+    return {"kind": kind, "method": method, "rows": table_rows[STEPS], "table_rows": table_rows, "episodes": episodes,
+            "arrays": n_arrays, "bytes": stored}
 
 
 def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, chunk_rows: int | None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from trajstore.cli._common import CLIError, fmt_bytes, print_spaces, print_table
 from trajstore.errors import DamagedStoreError, FormatVersionError
-from trajstore.maintenance.staged import verify_written
+from trajstore.maintenance.staged import partial_path, verify_written
 from trajstore.maintenance.summary import (
     STEP_IDS,
     STEPS,
@@ -314,8 +314,11 @@ def merge_copy(src: str, dst: str, *, src_options: Options, dst_options: Options
     with contextlib.ExitStack() as stack:
         target, target_options = dst, dst_options
         if not direct:
-            tmp = tempfile.mkdtemp(prefix=".trajstore-merge-",
-                                   dir=None if "://" in dst else os.path.dirname(os.path.abspath(dst)))
+            if "://" in dst:
+                tmp = tempfile.mkdtemp(prefix=".trajstore-merge-")
+            else:  # beside dst, under a temporary name that the next run removes if this one is killed
+                tmp = partial_path(os.path.abspath(dst))
+                os.makedirs(tmp)
             stack.callback(shutil.rmtree, tmp, True)
             target, target_options = os.path.join(tmp, "merged"), None
         rows = merge_shards(src, target, storage_options=src_options, dst_storage_options=target_options, tqdm=tqdm)

@@ -56,6 +56,7 @@ from trajstore.storage.location import (
     resolve_location,
 )
 from trajstore.storage.locks import WriterLock
+from trajstore.storage.publish import destination_full, partial_path, publish, remove_entry
 from trajstore.storage.published import dimension_names, file_identity
 from trajstore.storage.runs_file import RUNS_TABLE, SavedRuns, take_runs
 from trajstore.storage.schema import (
@@ -355,8 +356,24 @@ class Store(StoreCommits):
 
     # -- copy ------------------------------------------------------------------------------
     def copy_to(self, dst: Any, *, storage_options: dict[str, Any] | None = None, progress: bool | None = None,
-                overwrite: bool = True) -> None:
-        """Copy every key of this store to ``dst`` (head last), with an optional progress bar."""
+                overwrite: bool = True, stage: bool = True) -> None:
+        """Copy every key of this store to ``dst`` (head last), with an optional progress bar.
+
+        A local folder is built beside ``dst`` and put into place by
+        :func:`trajstore.storage.publish.publish`: ``dst`` is its old store or the whole copy at
+        every instant, and a copy that fails leaves it as it was with nothing beside it (a full
+        disk: :class:`StoreFullError` naming ``dst``).  A non-empty folder that holds no store is
+        refused (:class:`StoreExistsError`): replacing it would delete files that are not a
+        store's.  A URL is written in place (an object store has no rename): a copy cut short has
+        no commit record and is no store.  ``stage=False`` writes a local folder in place too: for a
+        caller that built its name beside the destination and publishes it itself
+        (``trajstore copy`` compares and verifies the copy first).
+        """
+        p = os.fspath(dst) if isinstance(dst, (str, os.PathLike)) else None
+        if stage and p is not None and "://" not in p and "::" not in p and not (
+                p.endswith(".zip") and not os.path.isdir(p)):
+            self._copy_to_folder(os.path.abspath(os.path.expanduser(p)), progress, overwrite)
+            return
         target = resolve_location(dst, read_only=False, storage_options=storage_options, must_exist=False)
         if target.url == self.loc.url and target.url is not None:
             raise BadOptionError("copy_to needs a different destination")
@@ -373,6 +390,31 @@ class Store(StoreCommits):
                 target.zstore.abort()  # a zip cut short is never published
             raise
         target.close()
+
+    def _copy_to_folder(self, root: str, progress: bool | None, overwrite: bool) -> None:
+        """:meth:`copy_to` a local folder: built under a temporary name beside it, then published."""
+        if self.loc.local_root is not None and os.path.abspath(self.loc.local_root) == root:
+            raise BadOptionError("copy_to needs a different destination")
+        if os.path.lexists(root):
+            if not os.path.isdir(root) or os.path.islink(root):
+                raise StoreExistsError(f"{root}: is a file or link, not a store folder; remove it or copy elsewhere")
+            names = set(os.listdir(root))
+            if names and not names & {"zarr.json", HEAD_KEY}:
+                raise StoreExistsError(f"{root}: the folder holds files but no trajstore store; a copy would replace "
+                                       "them: remove them or copy elsewhere")
+            if names and not overwrite:
+                raise StoreExistsError(f"{root}: a store already exists here")
+        build = partial_path(root)
+        try:
+            target = resolve_location(build, read_only=False, must_exist=False)
+            try:
+                self._copy_keys(target, progress)
+            finally:
+                target.close()
+            publish([(build, root)], overwrite=overwrite)
+        except BaseException as e:
+            remove_entry(build)
+            raise destination_full(e, root)  # e itself unless a full disk (then its cause)
 
     def _copy_keys(self, target: Location, progress: bool | None) -> None:
         """Every data key, then the commit record (a copy cut short has none: not a store)."""

@@ -43,6 +43,7 @@ from trajstore.storage.head import (
 )
 from trajstore.storage.keys import PRIORITIES_DIR
 from trajstore.storage.location import STAGING_DIR, TMP_DIR, Location
+from trajstore.storage.publish import destination_full
 from trajstore.storage.published import DATASET_ATTR, root_attribute, set_root_attribute
 from trajstore.storage.schema import check_schema
 from trajstore.storage.zipstore import ZipWriter
@@ -106,7 +107,8 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
     store : Store
         The source, flushed (its tables' states are what is copied).
     target : path
-        The ``.zip`` to write; it appears there complete (temp file + rename) or not at all.
+        The ``.zip`` to write; it appears there complete (temp file + rename) or not at all (a
+        full disk: :class:`~trajstore.errors.StoreFullError` naming it, the temp file removed).
     compressor : "auto", "keep", "none", None, "lz4", "zstd" or a codec
         ``"auto"``: raw fields get :data:`ZIP_COMPRESSOR` row blocks, compressed fields keep their
         codec; ``"keep"``: every field keeps its codec (raw stays raw); ``"none"``/``None``: raw;
@@ -207,7 +209,10 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
         finally:
             bar.close()
         write_head(loc, head)  # the commit record last, as in every copy
-    except BaseException:
+    except BaseException as e:
         writer.abort()  # a zip cut short is never published
-        raise
-    loc.close()  # publishes the zip (rename onto the target)
+        raise destination_full(e, target)  # e itself unless a full disk
+    try:
+        loc.close()  # publishes the zip (rename onto the target; removes the temp file on failure)
+    except OSError as e:
+        raise destination_full(e, target)  # the central directory did not fit

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +40,7 @@ from trajstore.maintenance.staged import (
     verify_written,
 )
 from trajstore.recording import EPISODE_SPACE, step_space
+from trajstore.storage.publish import destination_full, publish, remove_entry
 
 __all__ = ["BLOCK_BYTES", "box_for", "ImportWriter", "staged_path", "export_source", "step_leaves",
            "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space", "check_destination"]
@@ -128,14 +128,17 @@ class ImportWriter:
                                                      cache_path=tmp, **self.create_kwargs)
             self.bar = _progress(self.total, f"{self.what} into {os.path.basename(self.out_path)}", self.tqdm,
                                  unit="step")
-        except BaseException:
+        except BaseException as e:
             self._discard()
-            raise
+            raise destination_full(e, self.out_path)  # e itself unless a full disk
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if kind is not None:
             self._discard()
+            err = destination_full(exc, self.out_path)
+            if err is not exc:
+                raise err
 
     def _discard(self) -> None:
         if self.bar is not None:
@@ -211,17 +214,19 @@ class ImportWriter:
                 raise DamagedStoreError(f"{self.what}: the written store holds {got_steps} steps in {got_eps} episodes; "
                                        f"expected {self.steps} in {self.episodes}")
             self.staged.commit(self.overwrite)
-        except BaseException:
+        except BaseException as e:
             self._discard()
-            raise
+            raise destination_full(e, self.out_path)  # e itself unless a full disk
         return {"destination": self.out_path, "steps": self.steps, "episodes": self.episodes, "verified": True}
 
 
 # -- exports -----------------------------------------------------------------------------------------
 class staged_path:
     """A destination file or folder written under a temporary name next to it
-    (:func:`~trajstore.maintenance.staged.partial_path`): ``with staged_path(dst, overwrite) as tmp: ...`` renames ``tmp`` to ``dst`` when the
-    block ends without error (after :meth:`check` passed, if set) and removes it otherwise."""
+    (:func:`~trajstore.maintenance.staged.partial_path`): ``with staged_path(dst, overwrite) as tmp: ...`` puts ``tmp`` at ``dst``
+    (:func:`~trajstore.storage.publish.publish`: ``dst`` is its old content or the new one at
+    every instant) when the block ends without error, and removes it otherwise (a full disk:
+    :class:`~trajstore.errors.StoreFullError` naming ``dst``)."""
 
     def __init__(self, dst: Any, what: str, overwrite: bool) -> None:
         if not isinstance(dst, (str, os.PathLike)):
@@ -231,32 +236,27 @@ class staged_path:
             raise BadOptionError(f"{what} {p!r}: exports write local files and folders")
         self.dst = os.path.abspath(p)
         self.overwrite = overwrite
+        self.tmp = partial_path(self.dst)  # (completes a publish to dst a killed process left half done)
         if os.path.lexists(self.dst) and not overwrite:
             raise StoreExistsError(f"{self.dst}: something already exists there; pass overwrite=True (--overwrite) "
                                    "to replace it")
-        self.tmp = partial_path(self.dst)
 
     def __enter__(self) -> str:
         os.makedirs(os.path.dirname(self.dst), exist_ok=True)
         return self.tmp
 
-    def _remove(self, p: str) -> None:
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-        elif os.path.lexists(p):
-            os.unlink(p)
-
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if kind is not None:
-            self._remove(self.tmp)
+            remove_entry(self.tmp)
+            err = destination_full(exc, self.dst)
+            if err is not exc:
+                raise err
             return
         try:
-            if self.overwrite and os.path.lexists(self.dst):
-                self._remove(self.dst)
-            os.rename(self.tmp, self.dst)
-        except BaseException:
-            self._remove(self.tmp)
-            raise
+            publish([(self.tmp, self.dst)], overwrite=self.overwrite)
+        except BaseException as e:
+            remove_entry(self.tmp)
+            raise destination_full(e, self.dst)  # e itself unless a full disk
 
 
 def export_source(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:

@@ -31,11 +31,21 @@ __all__ = ["import_sb3_replay_buffer", "sb3_replay_buffer_to_store"]
 _KINDS = ("ReplayBuffer", "DictReplayBuffer")
 
 
-def _load(src: str, trust: bool) -> Any:
-    if not trust:
+def _check_trust(trust: Any, src: Any) -> None:
+    """Refuse (:class:`BadOptionError`, before ``src`` is opened) unless ``trust is True``: a
+    truthy string such as ``"no"`` or ``"false"`` must never unpickle."""
+    if trust is True:
+        return
+    if trust is False or trust is None:
         raise BadOptionError(f"import_sb3_replay_buffer: {src} is a pickle, and unpickling runs code named in the "
                              "file; pass trust=True (--trust) only for a file you wrote or trust as you would a "
                              "program. Nothing was read.")
+    raise BadOptionError(f"import_sb3_replay_buffer: trust must be True or False; got {trust!r} "
+                         f"({type(trust).__name__}). Nothing was read.")
+
+
+def _load(src: str, trust: bool) -> Any:
+    _check_trust(trust, src)
     with open(src, "rb") as fh:
         head = fh.read(2)
     if len(head) < 2 or head[0] != 0x80:
@@ -82,7 +92,8 @@ def sb3_replay_buffer_to_store(path: Any, cache_path: Any, *, trust: bool = Fals
     cache_path : path
         Destination: a local folder that does not exist yet (or is empty).
     trust : bool
-        Unpickle the file (runs code named in it); refused unless True.
+        Unpickle the file (runs code named in it); refused (BadOptionError, before the file is
+        opened) unless it is ``True`` itself: False or None, and anything else (``"no"``, 1, ...).
     tqdm : bool or None
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
@@ -95,6 +106,7 @@ def sb3_replay_buffer_to_store(path: Any, cache_path: Any, *, trust: bool = Fals
     dict
         ``source``, ``destination``, ``steps``, ``episodes``, ``verified`` (True).
     """
+    _check_trust(trust, path)
     src = source_file(path, "import_sb3_replay_buffer: path")
     if os.path.isdir(src):
         raise NotATrajstoreError(f"import_sb3_replay_buffer: {src} is a folder; expected the .pkl file written by "
@@ -175,7 +187,8 @@ def import_sb3_replay_buffer(path: Any, cache_path: Any, *, trust: bool = False,
     cache_path : path
         Destination: a local folder that does not exist yet (or is empty).
     trust : bool
-        Unpickle the file.  Refused (BadOptionError, nothing read) unless True.
+        Unpickle the file.  Refused (BadOptionError, nothing read) unless it is ``True`` itself
+        (a string such as ``"no"``, or 1, is refused too).
     tqdm : bool or None
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
@@ -191,7 +204,7 @@ def import_sb3_replay_buffer(path: Any, cache_path: Any, *, trust: bool = False,
     Raises
     ------
     BadOptionError
-        ``trust`` is not True.
+        ``trust`` is not ``True`` (checked before the file is opened).
     NotATrajstoreError
         The file is not a pickle, or cannot be unpickled.
     UnsupportedSpaceError

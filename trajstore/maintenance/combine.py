@@ -192,9 +192,8 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
             bar.close()
         verify_written(tmp)
         staged.commit(overwrite)
-    except BaseException:
-        staged.discard()
-        raise
+    except BaseException as e:
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         for b, own in opened:
             if own:
@@ -367,9 +366,8 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
             bar.close()
         staged.commit(overwrite)
         return {"source": buf.cache_path, "seed": int(seed), "splits": report, "verified": True}
-    except BaseException:
-        staged.discard()
-        raise
+    except BaseException as e:
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         if own:
             buf.close()
@@ -437,9 +435,8 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         staged.commit(overwrite)
         return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
                 "episodes": int(len(ids)), "of": int(len(cols["episode_id"])), "steps": steps, "verified": True}
-    except BaseException:
-        staged.discard()
-        raise
+    except BaseException as e:
+        raise staged.failed(e)  # e itself, or a StoreFullError naming the destination (cause: e)
     finally:
         if own:
             buf.close()

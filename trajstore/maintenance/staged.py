@@ -4,20 +4,17 @@ exports) share.
 
 A destination is a local folder built under a temporary name in its parent folder
 (``.<name>.trajstore-partial-<host>-<pid>-<random>``, :func:`partial_path`, :class:`StagedFolders`), verified
-(:func:`verify_written`), and only then renamed into place; on any error the temporary folders are
-removed and no destination appears.  Sources are read a bounded block of steps at a time
+(:func:`verify_written`), and only then put into place by :func:`trajstore.storage.publish.publish`
+(the destination is its old store or its new one at every instant; a publish cut short by a kill is
+completed by the next operation on it); on any error the temporary folders are removed, no
+destination changes, and a full disk is a :class:`~trajstore.errors.StoreFullError` naming the
+destinations.  Sources are read a bounded block of steps at a time
 (:data:`BLOCK_BYTES`, :func:`step_blocks`), so a store larger than RAM streams through.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import re
-import secrets
-import shutil
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,6 +24,7 @@ from trajstore.buffers.rows import SelectionRows
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
+from trajstore.storage.publish import destination_full, partial_path, publish, recover, remove_entry
 
 __all__ = ["BLOCK_BYTES", "local_path", "check_free", "partial_path", "StagedFolders", "not_a_source",
            "verify_written", "open_source", "block_rows", "step_blocks"]
@@ -50,58 +48,16 @@ def local_path(path: Any, what: str) -> str:
 
 def check_free(dst: str, overwrite: bool) -> None:
     """Refuse (:class:`StoreExistsError`) a destination that exists and is not an empty folder,
-    unless ``overwrite``."""
+    unless ``overwrite``; first completes a publish to ``dst`` that a killed process left half
+    done (:func:`trajstore.storage.publish.recover`), so the check sees what it left."""
+    recover(dst)
     if os.path.lexists(dst) and not overwrite and (not os.path.isdir(dst) or any(os.scandir(dst))):
         raise StoreExistsError(f"{dst}: something already exists there; pass overwrite=True (--overwrite) to replace it")
 
 
-#: This machine in temporary names (a hash: host names may hold any character).
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def partial_path(dst: str) -> str:
-    """A fresh temporary name next to ``dst`` (nothing is created), to be renamed to ``dst``:
-    ``.<name>.trajstore-partial-<host>-<pid>-<random>``.
-
-    What a killed operation on this machine left for the same ``dst`` (a temporary name whose
-    process is gone) is removed first, so a rerun does not leave two copies on disk.  Names from
-    other machines (a shared folder) and from live processes are left alone.
-    """
-    parent, name = os.path.split(dst)
-    _remove_dead_partials(parent, name)
-    return os.path.join(parent, f".{name}.trajstore-partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _remove_dead_partials(parent: str, name: str) -> None:
-    pattern = re.compile(rf"\.{re.escape(name)}\.trajstore-partial-{_HOST}-(\d{{1,7}})-[0-9a-f]{{8}}")
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return  # no parent yet: nothing left there
-    for e in entries:
-        m = pattern.fullmatch(e.name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-            continue
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)  # never follows a link inside
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)  # a file, or a link (never followed)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, another user's
-    return True
-
-
 class StagedFolders:
-    """Temporary folders next to their destinations, renamed into place together by :meth:`commit`
-    or removed by :meth:`discard`."""
+    """Temporary folders next to their destinations, published together by :meth:`commit` or
+    removed by :meth:`discard` (:meth:`failed`)."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[str, str]] = []
@@ -114,23 +70,24 @@ class StagedFolders:
         return tmp
 
     def commit(self, overwrite: bool) -> None:
-        """Rename every temporary folder into place (replacing what is there if ``overwrite``)."""
-        for tmp, dst in self.pairs:
-            if overwrite and os.path.lexists(dst):
-                if os.path.isdir(dst) and not os.path.islink(dst):
-                    shutil.rmtree(dst)
-                else:
-                    os.unlink(dst)
-            elif os.path.isdir(dst):
-                os.rmdir(dst)  # an empty folder (checked before writing)
-            os.rename(tmp, dst)
+        """Put every temporary folder into place (:func:`trajstore.storage.publish.publish`): each
+        destination is at every instant its old store or its new one, and once the first is
+        touched a killed commit is completed by the next operation on any of them."""
+        publish(self.pairs, overwrite=overwrite)
         self.pairs = []
 
     def discard(self) -> None:
         """Remove every temporary folder; no destination appears."""
         for tmp, _dst in self.pairs:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_entry(tmp)
         self.pairs = []
+
+    def failed(self, e: BaseException) -> BaseException:
+        """:meth:`discard`, and ``e`` to raise: a full disk (``ENOSPC``/``EDQUOT``) as a
+        :class:`~trajstore.errors.StoreFullError` naming the destinations, anything else as it is."""
+        dsts = ", ".join(d for _t, d in self.pairs)
+        self.discard()
+        return destination_full(e, dsts) if dsts else e
 
 
 def not_a_source(dst: str, sources: Sequence[Any]) -> None:

@@ -8,8 +8,8 @@ and renamed onto it when complete (local folders), so a copy cut short never loo
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 from typing import Any
 
 from trajstore.buffers.replay import ReplayBuffer
@@ -17,6 +17,7 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import StoreExistsError
 from trajstore.maintenance.staged import partial_path
 from trajstore.shards.dataset import open_sharded
+from trajstore.storage.publish import destination_full, publish, remove_entry
 
 __all__ = ["merge_shards"]
 
@@ -67,13 +68,14 @@ def merge_shards(path: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 out.extend_from(ds.shard(name), tqdm=tqdm)
             n = len(out)
             out.close()
-        except BaseException:
-            out.close()
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # already failing (a full disk fails the close's commit too)
+                out.close()
             if local:
-                shutil.rmtree(build, ignore_errors=True)
-            raise
+                remove_entry(build)
+            raise destination_full(e, d)  # e itself unless a full disk
         if local:
-            os.rename(build, d)
+            publish([(build, os.path.abspath(d))], overwrite=False)
         return n
     finally:
         ds.close()

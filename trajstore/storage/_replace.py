@@ -18,6 +18,9 @@ Only for temp files that nothing rolls forward (the temp folder): a staged file 
 must not be exchanged, since a kill would leave the old bytes under the staged name.  Where the
 system has no ``renameat2`` (not Linux, an old libc) or the filesystem refuses the exchange
 (``EINVAL``), and where the key is missing or is not a file or link, this is ``os.replace``.
+
+:func:`exchange` is the swap itself, also for folders: :mod:`trajstore.storage.publish` puts a
+store built beside its destination into place with it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import stat
 import sys
 from typing import Any
 
-__all__ = ["replace_file"]
+__all__ = ["exchange", "replace_file"]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -50,6 +53,43 @@ def _bind() -> Any:
 
 #: ``renameat2`` from libc; tests set it to None to take the portable path.
 _renameat2: Any = _bind()
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str], *, a_dir_fd: int | None = None,
+             b_dir_fd: int | None = None) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``): files, links or
+    folders, of the same kind or not; at every instant each name holds one of the two.
+
+    Parameters
+    ----------
+    a, b : path
+        Two existing entries on the same filesystem.
+    a_dir_fd, b_dir_fd : int, optional
+        Open folders that ``a`` and ``b`` are relative to.
+
+    Returns
+    -------
+    bool
+        True when swapped; False, with nothing changed, where the system has no ``renameat2`` (not
+        Linux, an old libc) or the filesystem cannot exchange (``EINVAL``, ``ENOSYS``,
+        ``EOPNOTSUPP``): the caller then takes a portable path.
+
+    Raises
+    ------
+    OSError
+        Any other error of the call (``ENOENT`` for a missing name, ``EXDEV`` across filesystems);
+        nothing was changed.
+    """
+    if _renameat2 is None:
+        return False
+    a_at = _AT_FDCWD if a_dir_fd is None else a_dir_fd
+    b_at = _AT_FDCWD if b_dir_fd is None else b_dir_fd
+    if _renameat2(a_at, os.fsencode(a), b_at, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
 def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str], *,
@@ -78,16 +118,16 @@ def replace_file(tmp: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         except FileNotFoundError:
             mode = 0
         if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
-            src_b, dest_b = os.fsencode(tmp), os.fsencode(dest)
-            src_at = _AT_FDCWD if src_dir_fd is None else src_dir_fd
-            dst_at = _AT_FDCWD if dst_dir_fd is None else dst_dir_fd
-            if _renameat2(src_at, src_b, dst_at, dest_b, _RENAME_EXCHANGE) == 0:
+            try:
+                swapped = exchange(tmp, dest, a_dir_fd=src_dir_fd, b_dir_fd=dst_dir_fd)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.EXDEV):
+                    raise
+                swapped = False  # gone meanwhile, or another filesystem: os.replace says what is wrong
+            if swapped:
                 try:
                     os.unlink(tmp, dir_fd=src_dir_fd)  # the old file (a writer's open clears it if this is never reached)
                 except OSError:
                     pass
                 return
-            err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOENT, errno.EXDEV):
-                raise OSError(err, os.strerror(err), os.fspath(dest))
     os.replace(tmp, dest, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
