@@ -6,9 +6,10 @@ file outside it, block on a special file, allocate without bound, recurse withou
 anything but a :mod:`trajstore.errors` type.  The rules are the store's own
 (:mod:`trajstore.storage.confined`, :mod:`trajstore.storage.schema`), applied to each format:
 
-- files: :func:`open_file` opens a regular file without following a final link (``O_NOFOLLOW``),
-  without blocking (``O_NONBLOCK``, a FIFO is refused by ``fstat`` before any read), and
-  :func:`open_below` a file inside a foreign folder with no link anywhere below that folder;
+- files: :func:`open_file` opens the file a caller named without blocking (``O_NONBLOCK``: a
+  FIFO is refused by ``fstat`` before any read) and :func:`open_below` a file inside a foreign
+  folder with no link anywhere below that folder (``main_data.hdf5`` linked out of a Minari
+  dataset is refused);
   :func:`check_folder` walks a foreign folder (bounded entries) refusing links and special files;
 - HDF5 (:func:`open_hdf5`): h5py reads the open file object, never a path; every link of the file
   is walked once before any value is read (:func:`check_hdf5`): external and soft links,
@@ -96,17 +97,20 @@ def _regular(fd: int, path: str, what: str) -> Any:
 
 
 def open_file(path: str, what: str) -> Any:
-    """The regular file ``path`` opened for reading (an unbuffered ``io.FileIO``; close it).
+    """The regular file ``path`` a caller named opened for reading (an unbuffered ``io.FileIO``;
+    close it), without blocking on a FIFO.  A link the caller named is followed (their choice,
+    as a store's own root may be a link); a file that a foreign folder names goes through
+    :func:`open_below` instead, which follows none.
 
     Raises
     ------
     StoreNotFoundError
         Nothing is at ``path``.
     ForeignFileError
-        ``path`` is a symbolic link, a FIFO, a device or another special file, or too large.
+        ``path`` is a FIFO, a device or another special file, or too large.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | (OPEN_FLAGS & ~getattr(os, "O_NOFOLLOW", 0)))
     except FileNotFoundError:
         raise StoreNotFoundError(f"{what}: {path}: no such file") from None
     except IsADirectoryError:
@@ -271,58 +275,93 @@ def check_hdf5(h5py: Any, f: Any, src: str) -> None:
     :data:`MAX_LINKS` links, and datasets :func:`_check_dataset` refuses.  After it, plain
     ``f[name]`` lookups of an importer reach only checked objects inside the file.
 
+    The walk uses h5py's low-level API (one link iteration per group, one object open per
+    link): the high-level ``Group.get`` / ``Dataset`` properties cost about 1 ms per dataset.
+
     Raises
     ------
     ForeignFileError
         Naming ``src`` and the object.
     """
-    seen = {hash(f.id)}
-    stack: list[tuple[Any, str, int]] = [(f, "", 0)]
+    h5l, h5o = h5py.h5l, h5py.h5o
+    root = h5o.get_info(f.id)
+    seen = {(root.fileno, root.addr)}
+    stack: list[tuple[Any, str, int]] = [(f.id, "", 0)]
     total = 0
     while stack:
-        group, path, depth = stack.pop()
-        total += len(group)  # the group's link count, before its names are listed
+        gid, path, depth = stack.pop()
+        total += gid.get_num_objs()  # the group's link count, before its names are listed
         if total > MAX_LINKS:
             raise ForeignFileError(f"{src}: more than {MAX_LINKS} links (groups and datasets); not plausible")
-        for name in group:
-            where = f"{path}/{name}"
-            link = group.get(name, getlink=True)
-            if isinstance(link, h5py.ExternalLink):
-                raise ForeignFileError(f"{src}: {where} is an external link to {link.filename!r}:{link.path}; "
-                                       "trajstore reads nothing outside the file it imports")
-            if not isinstance(link, h5py.HardLink):
-                raise ForeignFileError(f"{src}: {where} is a {type(link).__name__}; the formats trajstore imports "
-                                       "hold plain groups and datasets, and links are never followed")
-            obj = group[name]
-            key = hash(obj.id)
-            if key in seen:
+        links: list[tuple[bytes, int]] = []
+        gid.links.iterate(lambda name, info: links.append((name, info.type)), info=True)
+        for name, kind in links:
+            where = f"{path}/{name.decode('utf-8', 'backslashreplace')}"
+            if kind == h5l.TYPE_EXTERNAL:
+                file, target = gid.links.get_val(name)
+                raise ForeignFileError(f"{src}: {where} is an external link to {file!r}:{target!r}; trajstore reads "
+                                       "nothing outside the file it imports")
+            if kind != h5l.TYPE_HARD:
+                what = "SoftLink" if kind == h5l.TYPE_SOFT else f"link of type {kind}"
+                raise ForeignFileError(f"{src}: {where} is a {what}; the formats trajstore imports hold plain groups "
+                                       "and datasets, and links are never followed")
+            oid = h5o.open(gid, name)
+            info = h5o.get_info(oid)
+            if (info.fileno, info.addr) in seen:
                 raise ForeignFileError(f"{src}: {where} is an object already reached by another link (a hard-link "
                                        "cycle or a shared object); not read")
-            seen.add(key)
-            if isinstance(obj, h5py.Group):
+            seen.add((info.fileno, info.addr))
+            if info.type == h5o.TYPE_GROUP:
                 if depth + 1 > MAX_DEPTH:
                     raise ForeignFileError(f"{src}: {where} nests groups deeper than {MAX_DEPTH} levels")
-                stack.append((obj, where, depth + 1))
-            elif isinstance(obj, h5py.Dataset):
-                _check_dataset(obj, f"{src}: {where}")
+                stack.append((oid, where, depth + 1))
+            elif info.type == h5o.TYPE_DATASET:
+                _check_dataset(h5py, oid, f"{src}: {where}")
 
 
-def _check_dataset(d: Any, where: str) -> None:
-    """A dataset whose values are all inside the file and whose declared size is bounded
-    (:func:`check_declared`, :data:`MAX_EXPANSION`)."""
-    if d.is_virtual:
+def _check_dataset(h5py: Any, did: Any, where: str) -> None:
+    """A dataset (its low-level id) whose values are all inside the file and whose declared size
+    is bounded (:func:`check_declared`, :data:`MAX_EXPANSION`, :func:`_check_chunks`)."""
+    dcpl = did.get_create_plist()
+    layout = dcpl.get_layout()
+    if layout == h5py.h5d.VIRTUAL:
         raise ForeignFileError(f"{where} is a virtual dataset (it maps other files); trajstore reads nothing outside "
                                "the file it imports")
-    if d.external:
-        raise ForeignFileError(f"{where} keeps its values in external files ({str(d.external[0][0])[:200]!r}...); "
-                               "trajstore reads nothing outside the file it imports")
-    shape = tuple(d.shape) if d.shape is not None else ()
-    check_declared(shape, d.dtype, d.chunks, where)
-    size = int(np.prod(shape, dtype=object)) * d.dtype.itemsize if shape else d.dtype.itemsize
-    stored = int(d.id.get_storage_size())
+    if dcpl.get_external_count():
+        name = dcpl.get_external(0)[0]
+        raise ForeignFileError(f"{where} keeps its values in external files ({name[:200]!r}...); trajstore reads "
+                               "nothing outside the file it imports")
+    shape = tuple(did.shape) if did.shape is not None else ()
+    dtype = did.dtype
+    chunks = tuple(dcpl.get_chunk()) if layout == h5py.h5d.CHUNKED else None
+    check_declared(shape, dtype, chunks, where)
+    size = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
+    stored = int(did.get_storage_size())
     if size > MAX_EXPANSION * max(stored, 1024):
         raise ForeignFileError(f"{where} declares {size} bytes but stores {stored}; more than {MAX_EXPANSION} times "
                                "what it holds (unwritten rows or a decompression bomb), not read")
+    if chunks is not None and dcpl.get_nfilters():
+        _check_chunks(did, chunks, dtype, where)
+
+
+def _check_chunks(did: Any, chunks: tuple[int, ...], dtype: np.dtype[Any], where: str) -> None:
+    """Each stored chunk of a filtered (compressed) dataset is at most its decoded size plus
+    deflate's worst overhead on incompressible data: HDF5's deflate filter grows its output
+    until the stream ends, so a chunk storing more than it decodes to (a deflate bomb: 256 KiB
+    inflating to 256 MiB for a 1,200-byte chunk) would allocate what the stream says, not
+    what the dataset declares.  Within this bound a chunk decodes to at most about 1,000 times
+    its declared size (deflate's ratio)."""
+    chunk_bytes = int(np.prod(chunks, dtype=object)) * dtype.itemsize
+    limit = chunk_bytes + chunk_bytes // 1000 + 1024
+
+    def visit(info: Any) -> None:
+        if info.size > limit:
+            raise ForeignFileError(f"{where}: the chunk at {tuple(info.chunk_offset)} stores {info.size} bytes for "
+                                   f"{chunk_bytes} decoded; more than any compression stores (a decompression bomb), "
+                                   "not read")
+
+    if hasattr(did, "chunk_iter"):  # h5py 3.8+ with HDF5 1.14 (older: the expansion bound only)
+        did.chunk_iter(visit)
 
 
 def read_attr(node: Any, name: str, where: str, limit: int = MAX_META_BYTES) -> Any:
