@@ -30,15 +30,17 @@ h5py = pytest.importorskip("h5py")
 from test_interop_d4rl import write_d4rl  # noqa: E402
 from test_interop_diffusion_policy import pusht_like, write_dp  # noqa: E402
 from test_interop_robomimic import write_robomimic  # noqa: E402
+from test_open_diffusion_policy import zip_claiming_2gib  # noqa: E402
+
 from trajstore.errors import DamagedStoreError, ForeignFileError  # noqa: E402
 from trajstore.interop import (  # noqa: E402
+    foreign_gate,
     import_d4rl,
     import_diffusion_policy,
     import_minari,
     import_robomimic,
     open_diffusion_policy,
 )
-from trajstore.interop import foreign_gate  # noqa: E402
 
 #: What a secret file outside the source holds: float32 values no source here has.
 MARK = 12345.678
@@ -386,14 +388,8 @@ def test_hostile_diffusion_policy_open_refused(tmp_path: Path, outside: Path, ca
 def test_diffusion_policy_zip_entry_bomb_refused_on_import(tmp_path: Path, outside: Path) -> None:
     """A .zarr.zip whose chunk entry claims 2 GiB (a deflate bomb's size) is refused before zarr
     reads it whole."""
-    data, ends = pusht_like(n_eps=2)
     src = tmp_path / "d.zarr.zip"
-    write_dp(src, data, ends)
-    raw = bytearray(src.read_bytes())
-    name = b"data/state/0.0"
-    central = raw.index(b"PK\x01\x02" + bytes(raw[raw.rindex(name) - 46 + 4 : raw.rindex(name)]) + name)
-    raw[central + 24 : central + 28] = (2**31 - 1).to_bytes(4, "little")  # uncompressed size
-    src.write_bytes(bytes(raw))
+    zip_claiming_2gib(src)
     _expect_refused(tmp_path, outside, lambda dst: import_diffusion_policy(src, dst), ForeignFileError,
                     [str(src), "data/state/0.0", "2147483647"])
 

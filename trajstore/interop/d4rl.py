@@ -234,6 +234,9 @@ def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwri
         ``cache_path`` exists and ``overwrite`` is False.
     DamagedStoreError
         A block of the file cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = d4rl_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

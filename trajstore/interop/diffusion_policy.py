@@ -281,6 +281,9 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
         ``episode_ends`` not strictly increasing, or arrays whose length is not ``ends[-1]``.
     DamagedStoreError
         A chunk cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = diffusion_policy_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

@@ -87,7 +87,8 @@ def _regular(fd: int, path: str, what: str) -> Any:
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode, what)
         if st.st_size > MAX_FOREIGN_FILE_BYTES:
-            raise ForeignFileError(f"{what}: {path} holds {st.st_size} bytes; at most {MAX_FOREIGN_FILE_BYTES} are read")
+            raise ForeignFileError(f"{what}: {path} holds {st.st_size} bytes; at most {MAX_FOREIGN_FILE_BYTES} are "
+                                   "read")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
@@ -294,7 +295,7 @@ def check_hdf5(h5py: Any, f: Any, src: str) -> None:
         if total > MAX_LINKS:
             raise ForeignFileError(f"{src}: more than {MAX_LINKS} links (groups and datasets); not plausible")
         links: list[tuple[bytes, int]] = []
-        gid.links.iterate(lambda name, info: links.append((name, info.type)), info=True)
+        gid.links.iterate(lambda name, info, out=links: out.append((name, info.type)), info=True)
         for name, kind in links:
             where = f"{path}/{name.decode('utf-8', 'backslashreplace')}"
             if kind == h5l.TYPE_EXTERNAL:

@@ -40,8 +40,8 @@ from trajstore.interop._common import (
 )
 from trajstore.interop._minari_arrow import iterate_episodes
 from trajstore.interop.foreign_gate import check_declared, check_folder, h5py_module, open_below, open_hdf5, parse_json
-from trajstore.storage.confined import MAX_META_BYTES
 from trajstore.recording import EPISODE_SPACE
+from trajstore.storage.confined import MAX_META_BYTES
 
 __all__ = ["import_minari", "export_minari", "minari_to_store"]
 
@@ -305,6 +305,9 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         minari is not installed.
     DamagedStoreError
         An episode cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = minari_to_store(src, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

@@ -45,18 +45,10 @@ def _leaf_datasets(h5py: Any, group: Any, prefix: str = "") -> dict[str, Any]:
 
 def _spaces(flat: dict[str, Box]) -> Dict:
     """Nested Dict spaces from ``{"a/b": Box}``."""
-    tree: dict[str, Any] = {}
-    for path, space in flat.items():
-        *parents, last = path.split("/")
-        d = tree
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[last] = space
-
     def build(node: dict[str, Any]) -> Dict:
         return Dict({k: build(v) if isinstance(v, dict) else v for k, v in node.items()})
 
-    return build(tree)
+    return build(nest(flat))
 
 
 def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
@@ -253,6 +245,9 @@ def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, ov
         Datasets of unequal lengths, demos that differ in datasets, dtypes or shapes, a bad mask.
     DamagedStoreError
         A block of the file cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = robomimic_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
