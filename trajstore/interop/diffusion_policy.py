@@ -39,7 +39,7 @@ from trajstore.interop._common import (
     staged_path,
     step_leaves,
 )
-from trajstore.interop.foreign_gate import check_rows, open_zarr
+from trajstore.interop.foreign_gate import check_folder, check_rows, open_zarr
 from trajstore.storage.fields.foreign import foreign_spec
 
 __all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES",
@@ -214,6 +214,8 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
         ``source``, ``destination``, ``steps``, ``episodes``, ``verified`` (True).
     """
     src = source_file(path, "import_diffusion_policy: path")
+    if os.path.isdir(src):  # every link or special file refused before the destination exists
+        check_folder(src, "import_diffusion_policy")
     loc, root = open_zarr(src, "import_diffusion_policy")
     try:
         lay = _layout(root, src)

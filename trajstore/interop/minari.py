@@ -72,9 +72,9 @@ def _open(src: Any) -> tuple[Any, str]:
             raise NotATrajstoreError(f"import_minari: {p} is a file; expected a Minari dataset folder or dataset id")
         folder = os.fspath(get_dataset_path(p))
         if not os.path.isdir(os.path.join(folder, "data")):
-            raise StoreNotFoundError(f"import_minari: no local Minari dataset {p!r} (nothing at {folder}); datasets are "
-                                     "looked up under MINARI_DATASETS_PATH (default ~/.minari/datasets); nothing is "
-                                     "downloaded")
+            raise StoreNotFoundError(f"import_minari: no local Minari dataset {p!r} (nothing at {folder}); datasets "
+                                     "are looked up under MINARI_DATASETS_PATH (default ~/.minari/datasets); nothing "
+                                     "is downloaded")
         p, where = folder, p
     else:
         where = ""
