@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -395,3 +396,55 @@ def test_diffusion_policy_zip_entry_bomb_refused_on_import(tmp_path: Path, outsi
     _expect_refused(tmp_path, outside, lambda dst: import_diffusion_policy(src, dst), ForeignFileError,
                     [str(src), "data/state/0.0", "2147483647"])
 
+
+
+# The peak is VmHWM (this process's own memory: ru_maxrss keeps the forking parent's peak on Linux).
+_ZIP_CHILD = textwrap.dedent("""
+    import sys
+    from trajstore.interop import import_diffusion_policy
+    try:
+        import_diffusion_policy(sys.argv[1], sys.argv[2])
+    except Exception as e:
+        print(type(e).__name__, str(e).replace("\\n", " "))
+    with open("/proc/self/status") as f:
+        print(next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:")))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the peak is read from Linux's /proc")
+def test_zip_entry_longer_than_it_claims_is_read_in_bounded_memory(tmp_path: Path) -> None:
+    """A chunk entry claiming its real size (1,296 bytes) whose deflate stream inflates to 256 MiB:
+    zipfile inflated the whole stream for zarr's ``read()`` (1 GiB peak for 512 MiB); the ZipReader
+    every zip is read through asks for the claimed bytes only, and the CRC refuses the entry."""
+    data, ends = pusht_like(n_eps=2)
+    good = tmp_path / "good.zarr.zip"
+    write_dp(good, data, ends)
+    src = tmp_path / "d.zarr.zip"
+    name = "data/state/0.0"
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(src, "w", compresslevel=1) as zout:
+        for info in zin.infolist():
+            if info.filename != name:
+                zout.writestr(info, zin.read(info))
+                continue
+            claim = info.file_size
+            bomb = zipfile.ZipInfo(name)
+            bomb.compress_type, bomb.file_size = zipfile.ZIP_DEFLATED, 1 << 28
+            with zout.open(bomb, "w", force_zip64=True) as f:
+                for _ in range(256):
+                    f.write(bytes(1 << 20))
+    raw = bytearray(src.read_bytes())  # the entry's sizes, local header and central directory: its claim
+    encoded = name.encode()
+    for sig, size_at, name_at in ((b"PK\x03\x04", 22, 30), (b"PK\x01\x02", 24, 46)):
+        at = raw.index(sig)
+        while bytes(raw[at + name_at : at + name_at + len(encoded)]) != encoded:
+            at = raw.index(sig, at + 4)
+        raw[at + size_at : at + size_at + 4] = claim.to_bytes(4, "little")
+    src.write_bytes(bytes(raw))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-c", _ZIP_CHILD, str(src), str(tmp_path / "dst")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    error, peak = run.stdout.splitlines()
+    assert error.startswith("DamagedStoreError") and "data/state" in error and "CRC" in error, error
+    assert int(peak) < 192, f"peak {peak} MiB reading a 256 MiB stream claiming {claim} bytes"
+    assert not (tmp_path / "dst").exists()
