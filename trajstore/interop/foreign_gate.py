@@ -299,8 +299,8 @@ def check_hdf5(h5py: Any, f: Any, src: str) -> None:
         for name, kind in links:
             where = f"{path}/{name.decode('utf-8', 'backslashreplace')}"
             if kind == h5l.TYPE_EXTERNAL:
-                file, target = gid.links.get_val(name)
-                raise ForeignFileError(f"{src}: {where} is an external link to {file!r}:{target!r}; trajstore reads "
+                file, target = (v.decode("utf-8", "backslashreplace")[:200] for v in gid.links.get_val(name))
+                raise ForeignFileError(f"{src}: {where} is an external link to {file}:{target}; trajstore reads "
                                        "nothing outside the file it imports")
             if kind != h5l.TYPE_HARD:
                 what = "SoftLink" if kind == h5l.TYPE_SOFT else f"link of type {kind}"
@@ -330,7 +330,8 @@ def _check_dataset(h5py: Any, did: Any, where: str) -> None:
                                "the file it imports")
     if dcpl.get_external_count():
         name = dcpl.get_external(0)[0]
-        raise ForeignFileError(f"{where} keeps its values in external files ({name[:200]!r}...); trajstore reads "
+        name = name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
+        raise ForeignFileError(f"{where} keeps its values in external files ({name[:200]}...); trajstore reads "
                                "nothing outside the file it imports")
     shape = tuple(did.shape) if did.shape is not None else ()
     dtype = did.dtype
