@@ -333,8 +333,15 @@ def _dp(tmp_path: Path, outside: Path, case: str) -> Path:
     by ``case``."""
     data, ends = pusht_like(n_eps=3)
     src = tmp_path / "src" / "d.zarr"
+    if case == "unwritten_rows":  # 10**12 rows declared in chunks of 10**7, none written
+        data, ends = {"state": data["state"], "action": data["action"]}, np.array([10**12])
     write_dp(src, data, ends, chunk=32)
     state = src / "data" / "state"
+    if case == "unwritten_rows":
+        for key, a in data.items():
+            meta = json.loads((src / "data" / key / ".zarray").read_text())
+            meta.update(shape=[10**12, *a.shape[1:]], chunks=[10**7, *a.shape[1:]])
+            (src / "data" / key / ".zarray").write_text(json.dumps(meta))
     if case == "chunk_link":  # an outside file of the chunk's size, marked values
         (outside / "chunk").write_bytes((state / "0.0").read_bytes())
         (state / "0.0").unlink()
@@ -365,6 +372,7 @@ DP_CASES = {
     "folder_link": ["data/state", "symbolic link"],
     "big_zarray": ["data/state/.zarray", "at most 16777216"],
     "huge_shape": ["data/state", "8388608 elements"],
+    "unwritten_rows": ["data/action", "declares 8000000000000 bytes but stores"],
 }
 
 

@@ -39,7 +39,7 @@ from trajstore.interop._common import (
     staged_path,
     step_leaves,
 )
-from trajstore.interop.foreign_gate import check_folder, check_rows, open_zarr
+from trajstore.interop.foreign_gate import check_expansion, check_folder, check_rows, open_zarr, zarr_stored_bytes
 from trajstore.storage.fields.foreign import foreign_spec
 
 __all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES",
@@ -220,6 +220,8 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
     try:
         lay = _layout(root, src)
         n, ends, arrays = lay["n"], lay["ends"], lay["arrays"]
+        for k, spec in lay["specs"].items():  # an import reads every row: they must be in the store
+            check_expansion(n * spec.row_bytes, zarr_stored_bytes(src, f"data/{k}"), f"{src}: data/{k}", slack=1 << 20)
         row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
         step = block_rows(row_bytes)
         info = {"imported_from": {"format": "diffusion_policy", "path": src, "zarr_format": lay["zarr_format"],

@@ -57,6 +57,7 @@ from trajstore.storage.schema import (
 )
 
 __all__ = ["open_file", "open_below", "check_folder", "h5py_module", "open_hdf5", "check_hdf5", "check_declared",
+           "check_expansion", "zarr_stored_bytes",
            "read_attr", "read_rows", "parse_json", "open_zarr", "check_rows", "MAX_LINKS", "MAX_EXPANSION",
            "MAX_FOREIGN_FILE_BYTES", "MAX_FOLDER_ENTRIES"]
 
@@ -217,6 +218,45 @@ def check_declared(shape: tuple[int, ...], dtype: Any, chunks: tuple[int, ...] |
                                    f"{MAX_CHUNK_BYTES} bytes per chunk and {MAX_CHUNKS} chunks are read")
 
 
+def check_expansion(declared: int, stored: int, where: str, *, slack: int) -> None:
+    """An array declaring ``declared`` decoded bytes stores at least 1 / :data:`MAX_EXPANSION` of
+    them (beyond ``slack`` bytes): more is an array whose rows are not in the source (unwritten
+    chunks read as the fill value: 10**12 rows declared by a file of a few KB) or a
+    decompression bomb, either of which an import would read for as long as it declares.
+
+    Raises
+    ------
+    ForeignFileError
+        Naming ``where`` and both sizes.
+    """
+    if declared > MAX_EXPANSION * max(stored, slack):
+        raise ForeignFileError(f"{where} declares {declared} bytes but stores {stored}; more than {MAX_EXPANSION} "
+                               "times what it holds (unwritten rows or a decompression bomb), not read")
+
+
+def zarr_stored_bytes(src: str, prefix: str) -> int:
+    """Bytes the foreign zarr store ``src`` (a folder checked by :func:`check_folder`, or a zip)
+    holds under ``prefix`` (an array's folder: its chunks and metadata), as stored (compressed)."""
+    if os.path.isdir(src):
+        total, stack = 0, [os.path.join(src, prefix)]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for e in entries:
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+                elif stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+        return total
+    import zipfile
+
+    with zipfile.ZipFile(src) as zf:
+        return sum(i.compress_size for i in zf.infolist() if i.filename.startswith(prefix + "/"))
+
+
 def check_rows(rows: int, where: str) -> None:
     """``rows`` steps fit a trajstore store (its episode-id column, 8 bytes a row).
 
@@ -338,10 +378,7 @@ def _check_dataset(h5py: Any, did: Any, where: str) -> None:
     chunks = tuple(dcpl.get_chunk()) if layout == h5py.h5d.CHUNKED else None
     check_declared(shape, dtype, chunks, where)
     size = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
-    stored = int(did.get_storage_size())
-    if size > MAX_EXPANSION * max(stored, 1024):
-        raise ForeignFileError(f"{where} declares {size} bytes but stores {stored}; more than {MAX_EXPANSION} times "
-                               "what it holds (unwritten rows or a decompression bomb), not read")
+    check_expansion(size, int(did.get_storage_size()), where, slack=1024)
     if chunks is not None and dcpl.get_nfilters():
         _check_chunks(did, chunks, dtype, where)
 
