@@ -289,16 +289,22 @@ def test_damaged_chunk_and_linked_chunk_are_store_errors(tmp_path: Path) -> None
             buf.sample_sequences(64, 4)
 
 
-def test_zip_entry_claiming_too_much_is_refused(tmp_path: Path) -> None:
-    """A .zarr.zip whose central directory says a chunk entry expands to 2 GiB (a deflate bomb's
-    claim) is refused at open, before zarr would read the entry whole."""
+def zip_claiming_2gib(path: Path) -> None:
+    """A .zarr.zip (PushT-like, two episodes) at ``path`` whose central directory says the entry
+    ``data/state/0.0`` expands to 2**31 - 1 bytes (a deflate bomb's claim)."""
     data, ends = pusht_like(n_eps=2)
-    src = tmp_path / "d.zarr.zip"
-    write_dp(src, data, ends)
-    raw = bytearray(src.read_bytes())
+    write_dp(path, data, ends)
+    raw = bytearray(path.read_bytes())
     name = b"data/state/0.0"
     central = raw.index(b"PK\x01\x02" + bytes(raw[raw.rindex(name) - 46 + 4 : raw.rindex(name)]) + name)
     raw[central + 24 : central + 28] = (2**31 - 1).to_bytes(4, "little")  # uncompressed size
-    src.write_bytes(bytes(raw))
+    path.write_bytes(bytes(raw))
+
+
+def test_zip_entry_claiming_too_much_is_refused(tmp_path: Path) -> None:
+    """A .zarr.zip whose central directory says a chunk entry expands to 2 GiB (a deflate bomb's
+    claim) is refused at open, before zarr would read the entry whole."""
+    src = tmp_path / "d.zarr.zip"
+    zip_claiming_2gib(src)
     with pytest.raises(DamagedStoreError, match=r"zip entry 'data/state/0.0' expands to 2147483647 bytes"):
         open_diffusion_policy(src)

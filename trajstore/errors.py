@@ -14,6 +14,7 @@ __all__ = [
     "NotATrajstoreError",
     "FormatVersionError",
     "DamagedStoreError",
+    "ForeignFileError",
     "ReadOnlyError",
     "LockedError",
     "LeaseHeldError",
@@ -60,6 +61,13 @@ class FormatVersionError(TrajstoreError):
 
 class DamagedStoreError(TrajstoreError):
     """The store's metadata or commit record is missing, unreadable or inconsistent."""
+
+
+class ForeignFileError(DamagedStoreError):
+    """A file an import reads (a D4RL, robomimic or Minari HDF5 file, a Diffusion Policy zarr store)
+    holds what trajstore refuses to read: a link out of it, values stored in other files, a special
+    file, or sizes, nesting or link counts beyond the limits of trajstore's own stores.  The message
+    names the file and the object; nothing was written to the destination."""
 
 
 class ReadOnlyError(TrajstoreError, PermissionError):

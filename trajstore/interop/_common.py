@@ -43,7 +43,7 @@ from trajstore.recording import EPISODE_SPACE, step_space
 from trajstore.storage.publish import destination_full, publish, remove_entry
 
 __all__ = ["BLOCK_BYTES", "box_for", "ImportWriter", "staged_path", "export_source", "step_leaves",
-           "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space", "check_destination"]
+           "StepBlocks", "source_file", "block_rows", "Checksums", "recorder_space", "check_destination", "nest"]
 
 #: create_kwargs an import does not take (the import decides them).
 _RESERVED = ("cache_path", "step_data_capacity", "step_episode_id_capacity", "episode_data_capacity",
@@ -345,3 +345,15 @@ def recorder_space(obs: gymnasium.Space, action: gymnasium.Space, *, next_obs: b
                    info: dict[str, gymnasium.Space] | None) -> Dict:
     """The recorders' step space (:func:`trajstore.recording.step_space`)."""
     return step_space(obs, action, next_obs=next_obs, info_spaces=info or None)
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a/b": v}`` as nested dicts ``{"a": {"b": v}}`` (the leaf paths of a Dict space's values)."""
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        *parents, last = path.split("/")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[last] = v
+    return out

@@ -8,6 +8,7 @@ A D4RL file holds one row per transition in flat datasets: ``observations`` (N, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -17,7 +18,7 @@ from gymnasium.spaces import Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.core.store import _progress
-from trajstore.errors import BadValueError, DamagedStoreError, NotATrajstoreError
+from trajstore.errors import BadValueError, DamagedStoreError, ForeignFileError, NotATrajstoreError
 from trajstore.interop._common import (
     Checksums,
     ImportWriter,
@@ -25,11 +26,13 @@ from trajstore.interop._common import (
     block_rows,
     box_for,
     export_source,
+    nest,
     recorder_space,
     source_file,
     staged_path,
     step_leaves,
 )
+from trajstore.interop.foreign_gate import check_rows, h5py_module, open_hdf5, read_attr, read_rows
 
 __all__ = ["import_d4rl", "export_d4rl", "d4rl_to_store", "REQUIRED", "OPTIONAL"]
 
@@ -37,32 +40,14 @@ __all__ = ["import_d4rl", "export_d4rl", "d4rl_to_store", "REQUIRED", "OPTIONAL"
 REQUIRED = ("observations", "actions", "rewards", "terminals")
 #: Datasets read when present.
 OPTIONAL = ("timeouts", "next_observations", "infos")
-
-
-def _h5py(what: str) -> Any:
-    try:
-        import h5py  # type: ignore[import-untyped]  # h5py ships no type information
-    except ImportError:
-        from trajstore._optional import missing
-
-        raise missing("h5py", what) from None
-    return h5py
-
-
-def _open_h5(h5py: Any, path: str, what: str) -> Any:
-    if os.path.isdir(path):
-        raise NotATrajstoreError(f"{what}: {path} is a folder; expected a D4RL HDF5 file (observations, actions, "
-                                 "rewards, terminals, timeouts)")
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        raise NotATrajstoreError(f"{what}: {path} is not an HDF5 file ({e}); expected a D4RL dataset file") from None
+#: Root attributes kept in the dataset description (at most; each of at most 4 KiB).
+MAX_ATTRS = 256
 
 
 def _dataset(h5py: Any, f: Any, key: str, src: str) -> Any:
     node = f.get(key)
     if not isinstance(node, h5py.Dataset):
-        has = sorted(f.keys())
+        has = sorted(itertools.islice(f.keys(), 100))[:20]
         what = "a group" if node is not None else "missing"
         raise NotATrajstoreError(f"{src}: {key!r} is {what}; a D4RL file has the datasets {', '.join(REQUIRED)} "
                                  f"(and timeouts, next_observations, infos/*); this file has {has}")
@@ -97,6 +82,7 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
     if obs.ndim < 1:
         raise BadValueError(f"{src}: observations has shape {obs.shape}; expected (N, *obs_shape)")
     n = int(obs.shape[0])
+    check_rows(n, f"{src}: observations")
     if act.ndim < 1 or act.shape[0] != n:
         raise BadValueError(f"{src}: actions has shape {act.shape}; expected ({n}, ...) like observations {obs.shape}")
     for k in ("rewards", "terminals"):
@@ -129,13 +115,15 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
 
 
 def _small_attrs(node: Any) -> dict[str, Any]:
-    """HDF5 attributes that are JSON scalars or short lists (others are skipped)."""
+    """HDF5 attributes that are JSON scalars or short lists (others are skipped; the first
+    :data:`MAX_ATTRS` only, each read only when it stores at most 4 KiB)."""
     out: dict[str, Any] = {}
-    for k, v in node.attrs.items():
+    for k in list(itertools.islice(node.attrs, MAX_ATTRS)):
         try:
+            v = read_attr(node, k, "", 4096)
             v = v.decode() if isinstance(v, bytes) else v.tolist() if hasattr(v, "tolist") else v
             json.dumps(v, allow_nan=False)
-        except (TypeError, ValueError, UnicodeDecodeError):
+        except (TypeError, ValueError, UnicodeDecodeError, OSError, ForeignFileError):
             continue
         if len(json.dumps(v)) <= 4096:
             out[str(k)] = v
@@ -164,9 +152,12 @@ def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overw
     dict
         ``source``, ``destination``, ``steps``, ``episodes``, ``verified`` (True).
     """
-    h5py = _h5py("import_d4rl")
+    h5py = h5py_module("import_d4rl")
     src = source_file(path, "import_d4rl: path")
-    with _open_h5(h5py, src, "import_d4rl") as f:
+    if os.path.isdir(src):
+        raise NotATrajstoreError(f"import_d4rl: {src} is a folder; expected a D4RL HDF5 file (observations, actions, "
+                                 "rewards, terminals, timeouts)")
+    with open_hdf5(h5py, src, "import_d4rl") as f:
         lay = _layout(h5py, f, src)
         n, ds, infos = lay["n"], lay["ds"], lay["infos"]
         row_bytes = sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize
@@ -179,7 +170,7 @@ def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overw
                 hi = min(lo + step, n)
 
                 def rows(name: str, d: Any) -> np.ndarray:
-                    return _read(d, lo, hi, f"{src}: {name}")
+                    return read_rows(d, lo, hi, f"{src}: {name}")
 
                 term = rows("terminals", ds["terminals"]) != 0
                 tout = rows("timeouts", ds["timeouts"]) != 0 if "timeouts" in ds else np.zeros(hi - lo, np.bool_)
@@ -190,31 +181,10 @@ def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overw
                 if "next_observations" in ds:
                     block["next_obs"] = rows("next_observations", ds["next_observations"])
                 if infos:
-                    block["info"] = _nest({p: rows(f"infos/{p}", d) for p, d in infos})
+                    block["info"] = nest({p: rows(f"infos/{p}", d) for p, d in infos})
                 w.write(block, term | tout)
             out = w.finish(info)
     return {"source": src, **out}
-
-
-def _read(d: Any, lo: int, hi: int, where: str) -> np.ndarray:
-    """Rows ``lo:hi`` of an HDF5 dataset; a read error (a damaged file) as DamagedStoreError."""
-    try:
-        return np.asarray(d[lo:hi])
-    except OSError as e:
-        if "memory allocation failed" in str(e):  # h5py reports running out of memory as an OSError
-            raise MemoryError(f"{where}: rows {lo}:{hi}: {e}") from None
-        raise DamagedStoreError(f"{where}: rows {lo}:{hi} cannot be read ({e}); the file is damaged") from None
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, v in flat.items():
-        *parents, last = path.split("/")
-        d = out
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[last] = v
-    return out
 
 
 def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
@@ -264,6 +234,9 @@ def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwri
         ``cache_path`` exists and ``overwrite`` is False.
     DamagedStoreError
         A block of the file cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = d4rl_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
@@ -309,7 +282,7 @@ def export_d4rl(src: Any, path: Any, *, tqdm: bool | None = None, overwrite: boo
     StoreExistsError
         ``path`` exists and ``overwrite`` is False.
     """
-    h5py = _h5py("export_d4rl")
+    h5py = h5py_module("export_d4rl")
     out = staged_path(path, "export_d4rl: path", overwrite)
     buf, own = export_source(src, "export_d4rl: src")
     try:

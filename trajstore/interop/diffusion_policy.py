@@ -24,6 +24,7 @@ from trajstore.errors import (
     BadValueError,
     DamagedStoreError,
     NotATrajstoreError,
+    TrajstoreError,
     UnsupportedSpaceError,
 )
 from trajstore.interop._common import (
@@ -38,8 +39,11 @@ from trajstore.interop._common import (
     staged_path,
     step_leaves,
 )
+from trajstore.interop.foreign_gate import check_expansion, check_folder, check_rows, open_zarr, zarr_stored_bytes
+from trajstore.storage.fields.foreign import foreign_spec
 
-__all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES"]
+__all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES",
+           "check_layout", "read_layout"]
 
 #: Exported arrays are chunked along rows in chunks of about this many bytes (the widest array's).
 CHUNK_BYTES = 1 << 20
@@ -146,14 +150,33 @@ def check_layout(root: Any, src: str) -> dict[str, Any]:
     return {"n": n, "ends": ends, "arrays": arrays, "zarr_format": int(root.metadata.zarr_format)}
 
 
+def read_layout(root: Any, src: str, what: str) -> dict[str, Any]:
+    """:func:`check_layout` of a store opened through
+    :func:`~trajstore.interop.foreign_gate.open_zarr`, plus ``specs`` (key -> the array's
+    :func:`~trajstore.storage.fields.foreign.foreign_spec`: its declared shape, chunks and dtype
+    checked against trajstore's own limits) and the rows checked to fit a store; whatever zarr
+    raises for metadata it cannot parse is a DamagedStoreError naming ``src``."""
+    try:
+        lay = check_layout(root, src)
+        specs = {key: foreign_spec(a, f"data/{key}", f"{src}: data/{key}") for key, a in lay["arrays"].items()}
+    except (TrajstoreError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001  # metadata zarr cannot parse: every kind it raises
+        raise DamagedStoreError(f"{what}: {src}: the arrays' metadata cannot be read ({type(e).__name__}: "
+                                f"{e})") from None
+    check_rows(lay["n"], src)
+    return {**lay, "specs": specs}
+
+
 def _layout(root: Any, src: str) -> dict[str, Any]:
-    """:func:`check_layout` plus the recorders' space an import writes."""
-    lay = check_layout(root, src)
-    arrays = lay["arrays"]
-    obs: dict[str, gymnasium.Space[Any]] = {k: box_for(a.dtype, tuple(a.shape[1:]), f"{src}: data/{k}") for k, a in arrays.items() if k != "action"}
+    """:func:`read_layout` plus the recorders' space an import writes."""
+    lay = read_layout(root, src, "import_diffusion_policy")
+    specs = lay["specs"]
+    obs: dict[str, gymnasium.Space[Any]] = {k: box_for(s.dtype, s.row_shape, f"{src}: data/{k}")
+                                            for k, s in specs.items() if k != "action"}
     if not obs:
         raise NotATrajstoreError(f"{src}: data/ holds only action; expected observation arrays too (state, img, ...)")
-    act = box_for(arrays["action"].dtype, tuple(arrays["action"].shape[1:]), f"{src}: data/action")
+    act = box_for(specs["action"].dtype, specs["action"].row_shape, f"{src}: data/action")
     return {**lay, "space": recorder_space(Dict(obs), act, next_obs=False, info=None)}
 
 
@@ -191,10 +214,14 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
         ``source``, ``destination``, ``steps``, ``episodes``, ``verified`` (True).
     """
     src = source_file(path, "import_diffusion_policy: path")
-    root, zs = _open_group(src, "import_diffusion_policy")
+    if os.path.isdir(src):  # every link or special file refused before the destination exists
+        check_folder(src, "import_diffusion_policy")
+    loc, root = open_zarr(src, "import_diffusion_policy")
     try:
         lay = _layout(root, src)
         n, ends, arrays = lay["n"], lay["ends"], lay["arrays"]
+        for k, spec in lay["specs"].items():  # an import reads every row: they must be in the store
+            check_expansion(n * spec.row_bytes, zarr_stored_bytes(src, f"data/{k}"), f"{src}: data/{k}", slack=1 << 20)
         row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
         step = block_rows(row_bytes)
         info = {"imported_from": {"format": "diffusion_policy", "path": src, "zarr_format": lay["zarr_format"],
@@ -213,8 +240,7 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
                          "truncated": done}, done)
             out = w.finish(info)
     finally:
-        if zs is not None:
-            zs.close()
+        loc.close()
     return {"source": src, **out}
 
 
@@ -259,6 +285,9 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
         ``episode_ends`` not strictly increasing, or arrays whose length is not ``ends[-1]``.
     DamagedStoreError
         A chunk cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = diffusion_policy_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

@@ -16,15 +16,13 @@ import numpy as np
 from gymnasium.spaces import Dict
 
 from trajstore.buffers.in_place import InPlaceStore, InPlaceTrajectoryBuffer
-from trajstore.errors import DamagedStoreError, NotATrajstoreError, TrajstoreError
 from trajstore.interop._common import box_for, source_file
-from trajstore.interop.diffusion_policy import check_layout
+from trajstore.interop.diffusion_policy import read_layout
+from trajstore.interop.foreign_gate import open_zarr
 from trajstore.spaces import ValuePlan
-from trajstore.storage.confined import read_limit
 from trajstore.storage.fields.base import Field
-from trajstore.storage.fields.foreign import EpisodeIdField, ForeignField, foreign_spec
-from trajstore.storage.location import Location, resolve_location
-from trajstore.storage.schema import MAX_ARRAY_BYTES
+from trajstore.storage.fields.foreign import EpisodeIdField, ForeignField
+from trajstore.storage.location import Location
 
 __all__ = ["open_diffusion_policy", "DiffusionPolicyBuffer"]
 
@@ -91,15 +89,9 @@ def open_diffusion_policy(path: Any, *, backend: str = "numpy", device: Any = No
         chunk that does not decode.
     """
     src = source_file(path, f"{_WHAT}: path")
-    loc = resolve_location(src, read_only=True, must_exist=True)
-    if not loc.is_local:
-        try:
-            _check_zip_entries(src)
-        except BaseException:
-            loc.close()
-            raise
+    loc, root = open_zarr(src, _WHAT)
     try:
-        space, fields, ends = _layout_in_place(loc, src)
+        space, fields, ends = _layout_in_place(loc, root, src)
         store = InPlaceStore(loc, fields, int(ends[-1]) if len(ends) else 0, len(ends), closer=loc.close)
     except BaseException:
         loc.close()
@@ -111,48 +103,14 @@ def open_diffusion_policy(path: Any, *, backend: str = "numpy", device: Any = No
         raise
 
 
-def _layout_in_place(loc: Location, src: str) -> tuple[Dict, list[Field], np.ndarray]:
+def _layout_in_place(loc: Location, root: Any, src: str) -> tuple[Dict, list[Field], np.ndarray]:
     """``(step space, fields in the space's leaf order with the id field last, episode ends)`` of
-    the store at ``loc``; whatever zarr raises for metadata it cannot parse is a DamagedStoreError."""
-    try:
-        lay = check_layout(_open_root(loc.zstore, src), src)
-        specs = {key: foreign_spec(a, f"data/{key}", f"{src}: data/{key}") for key, a in lay["arrays"].items()}
-    except (TrajstoreError, MemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001  # metadata zarr cannot parse: every kind it raises
-        raise DamagedStoreError(f"{_WHAT}: {src}: the arrays' metadata cannot be read ({type(e).__name__}: "
-                                f"{e})") from None
-    if lay["n"] * 8 > MAX_ARRAY_BYTES:  # the episode-id column a run index reads
-        raise DamagedStoreError(f"{src}: {lay['n']} rows; more than a trajstore store holds")
+    the store at ``loc`` (root group ``root``), checked by
+    :func:`~trajstore.interop.diffusion_policy.read_layout`."""
+    lay = read_layout(root, src, _WHAT)
+    specs = lay["specs"]
     space = Dict({key: box_for(s.dtype, s.row_shape, f"{src}: data/{key}") for key, s in specs.items()})
     order = [leaf.path[0] for leaf in ValuePlan(space).leaves]  # Dict sorts its keys: follow its order
     fields: list[Field] = [ForeignField(loc, specs[key], lay["arrays"][key]) for key in order]
     fields.append(EpisodeIdField(loc, "meta/episode_ends", lay["ends"], max(f.C for f in fields)))
     return space, fields, lay["ends"]
-
-
-def _check_zip_entries(src: str) -> None:
-    """Every entry of the zip ``src`` expands to at most what a folder read takes of such a file
-    (:func:`~trajstore.storage.confined.read_limit`: 16 MiB of ``*.json``, 1 GiB of anything else):
-    zarr reads an entry whole, so an entry claiming more (a deflate bomb) is refused before it is."""
-    import zipfile
-
-    with zipfile.ZipFile(src) as zf:
-        for info in zf.infolist():
-            if info.file_size > read_limit(info.filename):
-                raise DamagedStoreError(f"{src}: zip entry {info.filename[:200]!r} expands to {info.file_size} bytes; "
-                                        f"at most {read_limit(info.filename)} are read from one file")
-
-
-def _open_root(zstore: Any, src: str) -> Any:
-    """The root group of the store in ``zstore`` (format 2 or 3), read-only."""
-    import zarr
-
-    try:
-        return zarr.open_group(zstore, mode="r")
-    except TrajstoreError:
-        raise
-    except Exception as e:  # noqa: BLE001  # zarr raises many kinds for "not a group here" and bad metadata
-        raise NotATrajstoreError(f"{_WHAT}: {src} is not a zarr group ({type(e).__name__}: {e}); expected a Diffusion "
-                                 "Policy replay buffer (data/<key> arrays and meta/episode_ends)") from None
-

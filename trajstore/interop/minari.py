@@ -24,6 +24,7 @@ from trajstore.errors import (
     BadOptionError,
     BadValueError,
     DamagedStoreError,
+    ForeignFileError,
     NotATrajstoreError,
     StoreNotFoundError,
     UnknownFieldError,
@@ -38,7 +39,9 @@ from trajstore.interop._common import (
     step_leaves,
 )
 from trajstore.interop._minari_arrow import iterate_episodes
+from trajstore.interop.foreign_gate import check_declared, check_folder, h5py_module, open_below, open_hdf5, parse_json
 from trajstore.recording import EPISODE_SPACE
+from trajstore.storage.confined import MAX_META_BYTES
 
 __all__ = ["import_minari", "export_minari", "minari_to_store"]
 
@@ -55,31 +58,90 @@ def _minari(what: str) -> Any:
 
 def _open(src: Any) -> tuple[Any, str]:
     """``(MinariDataset, what it was opened from)``: a dataset folder (or its ``data`` folder) or a
-    dataset id resolved as minari resolves it (``MINARI_DATASETS_PATH``)."""
-    minari = _minari("import_minari")
+    dataset id resolved as minari resolves it (``MINARI_DATASETS_PATH``), checked by
+    :func:`_check_dataset` before minari reads any of it."""
+    _minari("import_minari")
     from minari.dataset.minari_dataset import MinariDataset  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    from minari.storage import get_dataset_path  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
     if not isinstance(src, (str, os.PathLike)):
         raise BadArgumentError(f"import_minari: src must be a dataset id or a path; got {type(src).__name__}")
     p = os.fspath(src)
-    if os.path.isdir(p):
-        data = p if os.path.isfile(os.path.join(p, "metadata.json")) else os.path.join(p, "data")
-        if not os.path.isfile(os.path.join(data, "metadata.json")):
-            raise NotATrajstoreError(f"import_minari: {p} is not a Minari dataset folder (expected data/metadata.json "
-                                     "or metadata.json)")
-        try:
-            return MinariDataset(data), os.path.abspath(data)
-        except Exception as e:  # noqa: BLE001  # minari raises many kinds for a bad folder
-            raise NotATrajstoreError(f"import_minari: {data} cannot be opened by minari ({type(e).__name__}: "
-                                     f"{e})") from None
-    if os.path.exists(p):
-        raise NotATrajstoreError(f"import_minari: {p} is a file; expected a Minari dataset folder or dataset id")
+    if not os.path.isdir(p):
+        if os.path.exists(p):
+            raise NotATrajstoreError(f"import_minari: {p} is a file; expected a Minari dataset folder or dataset id")
+        folder = os.fspath(get_dataset_path(p))
+        if not os.path.isdir(os.path.join(folder, "data")):
+            raise StoreNotFoundError(f"import_minari: no local Minari dataset {p!r} (nothing at {folder}); datasets "
+                                     "are looked up under MINARI_DATASETS_PATH (default ~/.minari/datasets); nothing "
+                                     "is downloaded")
+        p, where = folder, p
+    else:
+        where = ""
+    data = p if os.path.isfile(os.path.join(p, "metadata.json")) else os.path.join(p, "data")
+    if not os.path.isfile(os.path.join(data, "metadata.json")):
+        raise NotATrajstoreError(f"import_minari: {p} is not a Minari dataset folder (expected data/metadata.json "
+                                 "or metadata.json)")
+    _check_dataset(p, data)
     try:
-        ds = minari.load_dataset(p)
-    except (FileNotFoundError, ValueError) as e:
-        raise StoreNotFoundError(f"import_minari: no local Minari dataset {p!r} ({e}); datasets are looked up under "
-                                 "MINARI_DATASETS_PATH (default ~/.minari/datasets); nothing is downloaded") from None
-    return ds, p
+        return MinariDataset(data), where or os.path.abspath(data)
+    except Exception as e:  # noqa: BLE001  # minari raises many kinds for a bad folder
+        raise NotATrajstoreError(f"import_minari: {data} cannot be opened by minari ({type(e).__name__}: "
+                                 f"{e})") from None
+
+
+def _check_dataset(folder: str, data: str) -> None:
+    """The dataset at ``folder`` (its data folder ``data``) through the foreign gate before minari
+    opens any of it by path: no link or special file anywhere below ``folder``
+    (:func:`~trajstore.interop.foreign_gate.check_folder`: ``data/main_data.hdf5`` linked out of
+    the folder is refused), ``metadata.json`` bounded, with serialized spaces whose shapes fit a
+    store (minari would otherwise make the environment ``env_spec`` names, running code the
+    dataset chooses, or allocate a Box's bounds from its shape), and the HDF5 file's every link
+    and dataset checked (:func:`~trajstore.interop.foreign_gate.open_hdf5`).
+
+    Raises
+    ------
+    ForeignFileError
+        Naming the file and the object.
+    """
+    what = "import_minari"
+    check_folder(folder, what)
+    with open_below(data, "metadata.json", what) as fobj:
+        raw = fobj.read(MAX_META_BYTES + 1)
+    meta = parse_json(raw, data, "metadata.json")
+    if not isinstance(meta, dict):
+        raise ForeignFileError(f"{data}: metadata.json holds a {type(meta).__name__}; expected an object")
+    for key in ("observation_space", "action_space"):
+        text = meta.get(key)
+        if not isinstance(text, str):
+            raise ForeignFileError(f"{data}: metadata.json has no serialized {key}; minari would build it by making "
+                                   "the environment its env_spec names (code the dataset chooses), which an import "
+                                   "never runs")
+        _check_space(parse_json(text, data, f"metadata.json {key}"), f"{data}: metadata.json {key}")
+    if meta.get("data_format", "hdf5") == "hdf5":
+        h5py = h5py_module(what)
+        with open_hdf5(h5py, "main_data.hdf5", what, below=data):
+            pass
+
+
+def _check_space(space: Any, where: str) -> None:
+    """Every ``shape`` of a serialized space (minari's JSON) within
+    :func:`~trajstore.interop.foreign_gate.check_declared`'s row limit (a Box's bounds are
+    allocated from it); nesting is bounded by the JSON parse."""
+    level = [space]
+    while level:
+        nxt: list[Any] = []
+        for o in level:
+            if isinstance(o, dict):
+                shape = o.get("shape")
+                if isinstance(shape, list):
+                    if not all(type(d) is int and d >= 0 for d in shape):
+                        raise ForeignFileError(f"{where}: shape {str(shape)[:80]}; expected non-negative integers")
+                    check_declared((1, *shape), np.dtype(np.uint8), None, where)
+                nxt.extend(o.values())
+            elif isinstance(o, list):
+                nxt.extend(o)
+        level = nxt
 
 
 def _tree(x: Any, f: Any) -> Any:
@@ -243,6 +305,9 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         minari is not installed.
     DamagedStoreError
         An episode cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = minari_to_store(src, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

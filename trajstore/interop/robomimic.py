@@ -9,7 +9,7 @@ demo names as bytes).
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from typing import Any
 
@@ -17,14 +17,16 @@ import numpy as np
 from gymnasium.spaces import Box, Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.errors import BadValueError, NotATrajstoreError
-from trajstore.interop._common import ImportWriter, block_rows, box_for, recorder_space, source_file
-from trajstore.interop.d4rl import _h5py, _nest, _open_h5, _read
+from trajstore.errors import BadValueError, ForeignFileError, NotATrajstoreError
+from trajstore.interop._common import ImportWriter, block_rows, box_for, nest, recorder_space, source_file
+from trajstore.interop.foreign_gate import check_rows, h5py_module, open_hdf5, parse_json, read_attr, read_rows
 from trajstore.recording import EPISODE_SPACE
 
 __all__ = ["import_robomimic", "robomimic_to_store"]
 
 _DEMO = re.compile(r"^demo_(\d+)$")
+#: Largest demo index (it becomes the int64 episode field ``demo``, a Box up to 2**62).
+MAX_DEMO = 2**62
 #: Per-step datasets of a demo that the schema names (the rest become ``info/<path>``).
 _NAMED = ("actions", "rewards", "dones")
 
@@ -43,18 +45,10 @@ def _leaf_datasets(h5py: Any, group: Any, prefix: str = "") -> dict[str, Any]:
 
 def _spaces(flat: dict[str, Box]) -> Dict:
     """Nested Dict spaces from ``{"a/b": Box}``."""
-    tree: dict[str, Any] = {}
-    for path, space in flat.items():
-        *parents, last = path.split("/")
-        d = tree
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[last] = space
-
     def build(node: dict[str, Any]) -> Dict:
         return Dict({k: build(v) if isinstance(v, dict) else v for k, v in node.items()})
 
-    return build(tree)
+    return build(nest(flat))
 
 
 def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
@@ -62,10 +56,14 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
     data = f.get("data")
     if not isinstance(data, h5py.Group):
         raise NotATrajstoreError(f"{src}: expected a group 'data' holding demo_0, demo_1, ...; the file has "
-                                 f"{sorted(f.keys())}")
+                                 f"{sorted(f.keys())[:20]}")
     names = [k for k in data.keys() if _DEMO.match(k) and isinstance(data[k], h5py.Group)]
     if not names:
         raise NotATrajstoreError(f"{src}: data/ holds no demo_<i> groups; it has {sorted(data.keys())[:10]}")
+    big = [k for k in names if len(k) > 24 or int(k[5:]) > MAX_DEMO]
+    if big:
+        raise ForeignFileError(f"{src}: data/{big[0][:40]}: a demo index beyond {MAX_DEMO} (the int64 episode field "
+                               "'demo' holds it); not plausible")
     names.sort(key=lambda k: int(k[5:]))
     first = data[names[0]]
     ref: dict[str, Any] | None = None
@@ -75,7 +73,7 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
         for need in ("obs", "actions", "rewards", "dones"):
             if need not in g:
                 raise NotATrajstoreError(f"{src}: data/{name} has no {need!r}; a robomimic demo holds obs/*, "
-                                         f"next_obs/*, actions, rewards, dones (it has {sorted(g.keys())})")
+                                         f"next_obs/*, actions, rewards, dones (it has {sorted(g.keys())[:20]})")
         leaves = _leaf_datasets(h5py, g)
         n = int(g["actions"].shape[0]) if g["actions"].ndim else -1
         for path, d in leaves.items():
@@ -126,10 +124,12 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
     if masks:
         bool_box = Box(0, 1, (), np.bool_)  # type: ignore[arg-type]  # gymnasium annotates no bool dtype; Box takes it
         ep["mask"] = Dict({k: bool_box for k in masks})
-    env_args: Any = data.attrs.get("env_args")
+    env_args: Any = read_attr(data, "env_args", f"{src}: data")
     try:
-        env_args = json.loads(env_args) if isinstance(env_args, (str, bytes)) else None
-    except ValueError:
+        env_args = parse_json(env_args, src, "data attribute env_args") if isinstance(env_args, (str, bytes)) else None
+    except ForeignFileError as e:
+        if "not valid JSON" not in str(e):  # text that is not JSON is left out; a bomb is refused
+            raise
         env_args = None
     return {"demos": demos, "space": space, "episode_space": Dict(ep), "masks": masks, "env_args": env_args,
             "skipped": [n for n in names if n not in {d[0] for d in demos}]}
@@ -159,12 +159,15 @@ def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, 
         ``source``, ``destination``, ``steps``, ``episodes``, ``skipped`` (empty demos),
         ``verified`` (True).
     """
-    h5py = _h5py("import_robomimic")
+    h5py = h5py_module("import_robomimic")
     src = source_file(path, "import_robomimic: path")
-    with _open_h5(h5py, src, "import_robomimic") as f:
+    if os.path.isdir(src):
+        raise NotATrajstoreError(f"import_robomimic: {src} is a folder; expected a robomimic HDF5 file (data/demo_<i>)")
+    with open_hdf5(h5py, src, "import_robomimic") as f:
         lay = _layout(h5py, f, src)
         demos, masks = lay["demos"], lay["masks"]
         total = sum(int(leaves["actions"].shape[0]) for _, _, leaves in demos)
+        check_rows(total, f"{src}: data")
         row_bytes = sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize for d in demos[0][2].values())
         step = block_rows(row_bytes)
         info = {"imported_from": {"format": "robomimic", "path": src, "env_args": lay["env_args"],
@@ -179,21 +182,21 @@ def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, 
                 n = int(leaves["actions"].shape[0])
                 for lo in range(0, n, step):
                     hi = min(lo + step, n)
-                    rows = {p: _read(d, lo, hi, f"{src}: data/{name}/{p}") for p, d in leaves.items()}
+                    rows = {p: read_rows(d, lo, hi, f"{src}: data/{name}/{p}") for p, d in leaves.items()}
                     done = np.zeros(hi - lo, np.bool_)
                     if hi == n:
                         done[-1] = True
                     term = rows.pop("dones") != 0
                     block: dict[str, Any] = {
-                        "obs": _nest({p[4:]: v for p, v in rows.items() if p.startswith("obs/")}),
+                        "obs": nest({p[4:]: v for p, v in rows.items() if p.startswith("obs/")}),
                         "action": rows.pop("actions"), "reward": rows.pop("rewards").astype(np.float64),
                         "terminated": term, "truncated": done & ~term}
                     nxt = {p[len("next_obs/"):]: v for p, v in rows.items() if p.startswith("next_obs/")}
                     if nxt:
-                        block["next_obs"] = _nest(nxt)
+                        block["next_obs"] = nest(nxt)
                     other = {p: v for p, v in rows.items() if not p.startswith(("obs/", "next_obs/"))}
                     if other:
-                        block["info"] = _nest(other)
+                        block["info"] = nest(other)
                     w.write(block, done)
             out = w.finish(info)
     return {"source": src, **out, "skipped": lay["skipped"]}
@@ -242,6 +245,9 @@ def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, ov
         Datasets of unequal lengths, demos that differ in datasets, dtypes or shapes, a bad mask.
     DamagedStoreError
         A block of the file cannot be read (nothing is left at ``cache_path``).
+    ForeignFileError
+        The file holds what trajstore never reads (links or storage out of it, special files,
+        sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
     out = robomimic_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

@@ -36,7 +36,8 @@ from zarr.storage import LocalStore
 from trajstore.errors import DamagedStoreError, StoreFullError
 
 __all__ = ["ConfinedLocalStore", "Confinement", "MAX_META_BYTES", "MAX_HEAD_BYTES", "MAX_FILE_BYTES",
-           "HEAD_FILES", "OPEN_FLAGS", "check_key", "file_kind", "full_disk", "pread", "pwrite", "read_limit"]
+           "HEAD_FILES", "ZARR_V2_META", "OPEN_FLAGS", "check_key", "file_kind", "full_disk", "pread", "pwrite",
+           "read_limit"]
 
 
 #: zarr.json files (the root one carries the consolidated metadata of every array).
@@ -46,6 +47,10 @@ MAX_HEAD_BYTES = 1 << 20
 #: Any other file read whole (a compressed chunk, a dataset description): above any chunk a
 #: valid store holds (trajstore.storage.schema.MAX_CHUNK_BYTES plus codec overhead).
 MAX_FILE_BYTES = 1 << 30
+
+#: zarr format 2 metadata files (a foreign store opened in place or imported): read with the bound
+#: of ``*.json`` metadata, parsed whole.
+ZARR_V2_META = (".zarray", ".zgroup", ".zattrs", ".zmetadata")
 
 #: The commit record and the copy of it a local writer keeps (trajstore.storage.head.PREV_KEY); both are
 #: read with the commit record's bound.
@@ -160,7 +165,7 @@ def read_limit(key: str) -> int:
     name = key.rsplit("/", 1)[-1]
     if name in HEAD_FILES:
         return MAX_HEAD_BYTES
-    if name.endswith(".json"):
+    if name.endswith(".json") or name in ZARR_V2_META:
         return MAX_META_BYTES
     return MAX_FILE_BYTES
 

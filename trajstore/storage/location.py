@@ -459,6 +459,7 @@ def resolve_location(
         # is touched), and a new zip is written beside the path and renamed onto it when done
         # (trajstore._zipstore: an existing zip is never truncated, a failed copy leaves it whole).
         from trajstore.storage.zipstore import (
+            ZipReader,
             ZipWriter,
             check_zip_file,
             zip_read_only_error,
@@ -466,7 +467,7 @@ def resolve_location(
 
         if read_only:
             check_zip_file(path)  # zipfile's "File is not a zip file" names neither the path nor the fix
-            zstore = ZipStore(path, mode="r")
+            zstore: ZipStore = ZipReader(path, mode="r")  # reads bounded by what each entry claims
             sync(zstore._open())
         elif must_exist:
             check_zip_file(path)

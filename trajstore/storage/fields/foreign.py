@@ -21,7 +21,13 @@ from typing import Any, NoReturn
 import numpy as np
 import zarr
 
-from trajstore.errors import DamagedStoreError, ReadOnlyError, TrajstoreError, UnsupportedSpaceError
+from trajstore.errors import (
+    DamagedStoreError,
+    ForeignFileError,
+    ReadOnlyError,
+    TrajstoreError,
+    UnsupportedSpaceError,
+)
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.storage.fields.spec import FieldSpec
@@ -49,14 +55,14 @@ def foreign_spec(z: Any, path: str, where: str) -> FieldSpec:
     ------
     UnsupportedSpaceError
         A dtype trajstore does not store (strings, structured, complex, ...).
-    DamagedStoreError
-        No row axis, or sizes beyond the limits of trajstore's own stores (elements per row,
-        bytes per chunk, chunks, bytes per array): a store is input, and nothing is allocated
-        from a size that has not been checked.
+    ForeignFileError
+        (a DamagedStoreError) No row axis, or sizes beyond the limits of trajstore's own stores
+        (elements per row, bytes per chunk, chunks, bytes per array): a store is input, and
+        nothing is allocated from a size that has not been checked.
     """
     shape = tuple(int(s) for s in z.shape)
     if len(shape) < 1:
-        raise DamagedStoreError(f"{where}: a 0-d array; expected rows along axis 0")
+        raise ForeignFileError(f"{where}: a 0-d array; expected rows along axis 0")
     dt = np.dtype(z.dtype)
     native = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
     if native not in ALLOWED_DTYPES:
@@ -64,17 +70,17 @@ def foreign_spec(z: Any, path: str, where: str) -> FieldSpec:
     row_shape = shape[1:]
     elements = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
     if elements > MAX_ROW_ELEMENTS:
-        raise DamagedStoreError(f"{where}: rows of shape {list(row_shape)} hold more than {MAX_ROW_ELEMENTS} elements; "
-                                "not plausible")
+        raise ForeignFileError(f"{where}: rows of shape {list(row_shape)} hold more than {MAX_ROW_ELEMENTS} elements; "
+                               "not plausible")
     grid = getattr(z, "shards", None) or z.chunks
     chunk_rows = int(grid[0])
     row_bytes = max(elements * native.itemsize, 1)
     if chunk_rows < 1 or chunk_rows * row_bytes > MAX_CHUNK_BYTES:
-        raise DamagedStoreError(f"{where}: chunks of {chunk_rows} rows of {row_bytes} bytes; expected at most "
-                                f"{MAX_CHUNK_BYTES} bytes per chunk")
+        raise ForeignFileError(f"{where}: chunks of {chunk_rows} rows of {row_bytes} bytes; expected at most "
+                               f"{MAX_CHUNK_BYTES} bytes per chunk")
     if -(-shape[0] // chunk_rows) > MAX_CHUNKS or shape[0] * row_bytes > MAX_ARRAY_BYTES:
-        raise DamagedStoreError(f"{where}: {shape[0]} rows in chunks of {chunk_rows}: more than {MAX_CHUNKS} chunks or "
-                                f"{MAX_ARRAY_BYTES} bytes; not plausible")
+        raise ForeignFileError(f"{where}: {shape[0]} rows in chunks of {chunk_rows}: more than {MAX_CHUNKS} chunks or "
+                               f"{MAX_ARRAY_BYTES} bytes; not plausible")
     return FieldSpec(path, row_shape, native, chunk_rows, "foreign")
 
 
