@@ -100,8 +100,8 @@ def _check_committed_chunks(store: Store, present: dict[str, set[int]]) -> None:
 def array_list(store: Store, *, check: bool = False) -> list[dict[str, Any]]:
     """One entry per stored array: path, table, shape, committed rows, dtype, chunk shape, codec,
     stored bytes and chunks, logical bytes (committed rows x row size) and ``ratio``: logical /
-    stored bytes for compressed arrays, ``None`` for raw ones (their chunk files are allocated
-    whole ahead of the rows, so the quotient says how full they are, not how well they compress).
+    stored bytes for compressed arrays, ``None`` for raw ones (their chunk files hold blocks a
+    bounded step ahead of the rows, so the quotient says how full they are, not how well they compress).
 
     ``check``: raise DamagedStoreError when a chunk holding committed rows has no key (the listing
     is made anyway, so this costs a set per array)."""
