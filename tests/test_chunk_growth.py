@@ -103,6 +103,23 @@ def test_a_copy_to_another_folder_copies_only_what_is_there(tmp_path):
     assert verify_store(copy, deep=True).ok
 
 
+def test_a_rewrite_keeps_a_partly_filled_chunk_file_small(tmp_path):
+    """set_at and remove_at replace whole chunk files (staged, then renamed in): the zero pages
+    past the rows are holes again, and appends after the rewrite allocate before they store."""
+    path = tmp_path / "s"
+    with ReplayBuffer.create(SPACE, cache_path=path) as rb:
+        rb.extend(_rows(0, 40))
+        rb.set_at(5, {k: v[0] for k, v in _rows(1000, 1).items()})
+        rb.remove_at([0])
+        want = {k: np.concatenate([v[1:5], _rows(1000, 1)[k], v[6:]]) for k, v in _rows(0, 40).items()}
+        assert _disk(path, chunks_only=True) <= 39 * (ROW + 16) + 2 * (64 << 10)
+        rb.extend(_rows(40, 300))
+        want = {k: np.concatenate([want[k], _rows(40, 300)[k]]) for k in want}
+    assert _disk(path, chunks_only=True) <= 339 * (ROW + 16) + 2 * (GROW_MAX_STEP_BYTES + (64 << 10))
+    _plain_zarr_equals(path, "step_data", want)
+    assert verify_store(path, deep=True).ok
+
+
 def _enospc(fd: int, off: int, n: int) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -202,6 +202,18 @@ def reserve_range(fd: int, offset: int, nbytes: int) -> bool:
     return True
 
 
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Give back the disk blocks of bytes ``[offset, offset + nbytes)`` of the file ``fd``, which
+    must read as zeros already: the content and size are unchanged whether or not this reaches the
+    disk before a crash.  False where the filesystem cannot (nothing done)."""
+    if _fallocate is None or nbytes <= 0:
+        return False
+    return bool(_fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0)
+
+
 def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:
     """Make the filesystem allocate bytes ``[0, nbytes)`` of the file ``fd`` (growing it to
     ``nbytes`` if shorter), so later stores through a mapping of them cannot fail.

@@ -335,10 +335,24 @@ class MappedField:
         return self._va.chunks[k].copy()
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
-        """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix)."""
+        """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix).
+
+        The zero pages after its last non-zero byte become a hole again (:func:`_syscalls.punch_hole`),
+        so a rewrite (``set_at``, ``remove_at``, episode edits) leaves a partly filled chunk file
+        as small on disk as appends made it; the writer allocates them again before it stores
+        rows there (:meth:`remap` forgets what it knew of the file)."""
         key = chunk_key(self.spec.array_path, k, self._ndim)
+        raw = np.ascontiguousarray(data, dtype=self._va.dtype).reshape(-1).view(np.uint8)
         try:
-            self.loc.put(f"{prefix}/{key}", np.ascontiguousarray(data, dtype=self._va.dtype).tobytes())
+            self.loc.put(f"{prefix}/{key}", raw.tobytes())
+            words = np.flatnonzero(raw.view(np.uint64))  # (a chunk is whole pages: 8-byte words)
+            used = -(-(int(words[-1]) + 1) * 8 // _syscalls.PAGE) * _syscalls.PAGE if len(words) else 0
+            if used < len(raw):
+                fd = self.loc.open_inside(f"{prefix}/{key}", os.O_WRONLY)
+                try:
+                    _syscalls.punch_hole(fd, used, len(raw) - used)
+                finally:
+                    os.close(fd)
         except OSError as e:
             raise _full_disk(e, self.loc.path(f"{prefix}/{key}"), f"stage chunk {k} of {self.spec.array_path}")
         return key
