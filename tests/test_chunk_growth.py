@@ -15,7 +15,6 @@ The kill loop of the growth step is ``test_kill_loops.py::test_kill_appends[repl
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import sys
 import uuid
@@ -29,6 +28,7 @@ from gymnasium.spaces import Box, Dict
 from trajstore import ReplayBuffer, verify_store
 from trajstore.demo import record_demo
 from trajstore.errors import DamagedStoreError, StoreFullError
+from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields.mapped import GROW_MAX_STEP_BYTES
 from trajstore.storage.head import read_head, write_head
 from trajstore.storage.location import resolve_location
@@ -120,7 +120,7 @@ def test_a_rewrite_keeps_a_partly_filled_chunk_file_small(tmp_path):
     assert verify_store(path, deep=True).ok
 
 
-def _enospc(fd: int, off: int, n: int) -> None:
+def _enospc(fd: int, nbytes: int, offset: int = 0) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -133,7 +133,8 @@ def test_a_full_disk_while_a_chunk_file_grows_is_store_full_error_at_a_safe_poin
     rb = ReplayBuffer.create(SPACE, cache_path=path, commit_interval=3600)
     rb.extend(_rows(0, 10))  # within the chunk file's first 16 KiB
     rb.flush()
-    monkeypatch.setattr(os, "posix_fallocate", _enospc)
+    # The allocation of more blocks (the fallocate system call), not a new file's posix_fallocate.
+    monkeypatch.setattr(_syscalls, "_fallocate_in_place", _enospc)
     with pytest.raises(StoreFullError) as info:
         if how == "append":
             for i in range(10, 40):

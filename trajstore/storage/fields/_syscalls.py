@@ -189,12 +189,10 @@ def reserve_range(fd: int, offset: int, nbytes: int) -> bool:
     raises ``OSError`` (``ENOSPC`` on a full disk) having changed no byte of content.
     """
     try:
-        if hasattr(os, "posix_fallocate"):
-            # glibc's emulation (a filesystem without fallocate) writes a zero byte into blocks that
-            # read as zero: harmless here, where only the store's one writer writes its chunk files.
-            os.posix_fallocate(fd, offset, nbytes)
-        else:
-            _fallocate_in_place(fd, nbytes, offset)
+        # The system call itself, never glibc's posix_fallocate: its emulation (a filesystem without
+        # fallocate) writes a zero byte into blocks that read as zero, which races with another
+        # process storing rows there (multiprocessing writers share chunk files).
+        _fallocate_in_place(fd, nbytes, offset)
     except OSError as e:
         if e.errno in _UNSUPPORTED:
             return False

@@ -127,10 +127,13 @@ class MappedField:
             tmp = self.loc.new_tmp_path()
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
-                os.ftruncate(fd, size)  # full size first: reserve_range then changes no size
+                os.ftruncate(fd, size)  # full size first: allocating then changes no size
                 room = min(GROW_FIRST_BYTES, size)
+                _syscalls.reserve(fd, room, fresh=True)
                 if not _syscalls.reserve_range(fd, 0, room):
-                    _syscalls.reserve(fd, size, fresh=True)  # no fallocate here: zeros written whole
+                    # The kernel cannot allocate here without writing (posix_fallocate wrote zeros):
+                    # growing in place would be unsafe, so the file is allocated whole now.
+                    _syscalls.reserve(fd, size, fresh=True)
                     room = size
             finally:
                 os.close(fd)
