@@ -105,7 +105,8 @@ class ChunkedField:
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
         """Nothing to map: chunks are fetched on demand.  A reader's call names committed rows
         (``create`` False): a chunk of them fetched later must exist (:meth:`_check_present`)."""
-        if not create and phys_hi > phys_lo:
+        # (Not for arrays trajstore did not write: their writers may leave chunks of fill values out.)
+        if not create and phys_hi > phys_lo and self.spec.layout != "foreign":
             self._committed.append((phys_lo, phys_hi))
 
     def _check_present(self, ks: list[int]) -> None:
