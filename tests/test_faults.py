@@ -39,6 +39,7 @@ from gymnasium.spaces import Box, Dict
 import trajstore.storage.location
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
 from trajstore.errors import ReadOnlyError, StoreExistsError, StoreFullError
+from trajstore.storage.fields import _syscalls
 
 IMG = (16, 16, 3)  # 768-byte rows: a 64-row chunk is 12 pages; 86+ rows go through pwrite
 
@@ -392,9 +393,10 @@ def test_chunk_files_have_blocks_under_their_rows_and_the_fallback_writes_zeros(
     row = 84 * 84 * 4
     for unsupported in (False, True):
         if unsupported:
-            def nope(fd: int, off: int, n: int) -> None:
+            def nope(fd: int, *args: int) -> None:
                 raise OSError(errno.EOPNOTSUPP, "Operation not supported")
             monkeypatch.setattr(os, "posix_fallocate", nope)
+            monkeypatch.setattr(_syscalls, "_fallocate_in_place", nope)  # (what growing a file calls)
         path = tmp_path / f"s{unsupported}"
         with ReplayBuffer.create(Box(0, 255, (84, 84, 4), np.uint8), cache_path=path) as rb:
             rb.append(np.full((84, 84, 4), 9, np.uint8))
