@@ -87,7 +87,7 @@ def test_zip_of_the_demo_store_is_small_and_zarr_reads_it(tmp_path: Path, capsys
         size = z.stat().st_size
         # Smaller than the committed data plus the source's metadata (it was 6 MiB: 1,500x that).
         assert size < info["logical_bytes"] + _json_bytes(src), (size, info["logical_bytes"], _json_bytes(src))
-        assert size * 100 < folder_bytes
+        assert size < folder_bytes  # (the folder itself is small now: chunk files grow with their rows)
         _plain_zarr_equal(src, z, paths, rows)
         zi = cli_json(capsys, "info", str(z))
         assert {a["codec"] for a in zi["arrays"]} == {"blosc:lz4"} and zi["stored_bytes"] == size

@@ -39,6 +39,7 @@ from gymnasium.spaces import Box, Dict
 import trajstore.storage.location
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
 from trajstore.errors import ReadOnlyError, StoreExistsError, StoreFullError
+from trajstore.storage.fields import _syscalls
 
 IMG = (16, 16, 3)  # 768-byte rows: a 64-row chunk is 12 pages; 86+ rows go through pwrite
 
@@ -384,31 +385,39 @@ def test_a_failed_ring_write_never_commits_torn_rows(tmp_path, monkeypatch):
     assert verify_store(path).ok
 
 
-def test_chunk_files_are_allocated_and_the_fallback_writes_zeros(tmp_path, monkeypatch):
-    """New raw chunk files have all their blocks (no holes a mapped store could fault on); where
-    posix_fallocate is unsupported (EOPNOTSUPP) zeros are written instead."""
+def test_chunk_files_have_blocks_under_their_rows_and_the_fallback_writes_zeros(tmp_path, monkeypatch):
+    """A new raw chunk file has the full size of a chunk (what zarr reads) but disk blocks only
+    under the rows written and a bounded step beyond (no hole a mapped store could fault on, no
+    2 MiB per field for a small store); where posix_fallocate is unsupported (EOPNOTSUPP) zeros
+    are written whole instead."""
+    row = 84 * 84 * 4
     for unsupported in (False, True):
         if unsupported:
-            def nope(fd: int, off: int, n: int) -> None:
+            def nope(fd: int, *args: int) -> None:
                 raise OSError(errno.EOPNOTSUPP, "Operation not supported")
             monkeypatch.setattr(os, "posix_fallocate", nope)
+            monkeypatch.setattr(_syscalls, "_fallocate_in_place", nope)  # (what growing a file calls)
         path = tmp_path / f"s{unsupported}"
         with ReplayBuffer.create(Box(0, 255, (84, 84, 4), np.uint8), cache_path=path) as rb:
             rb.append(np.full((84, 84, 4), 9, np.uint8))
             rb.flush()
             chunk = path / "step_data" / "c" / "0" / "0" / "0" / "0"
             st = chunk.stat()
-            assert st.st_blocks * 512 >= st.st_size, f"chunk file has holes ({st.st_blocks * 512} of {st.st_size} bytes)"
+            assert st.st_size == rb._store.tables["step_data"].fields[0].C * row  # a whole chunk for zarr
+            if unsupported:
+                assert st.st_blocks * 512 >= st.st_size, f"chunk file has holes ({st.st_blocks * 512} of {st.st_size})"
+            else:
+                assert row <= st.st_blocks * 512 <= row + (1 << 20), f"{st.st_blocks * 512} bytes allocated for one row"
             data = chunk.read_bytes()
-            row = 84 * 84 * 4
             assert data[:row] == b"\x09" * row and data.count(0) == len(data) - row
 
 
-def test_a_writer_allocates_sparse_chunk_files_a_reader_leaves_them(tmp_path):
-    """Chunk files created sparse (earlier trajstore versions) are allocated when a writer maps
-    them, with their content unchanged; a reader never changes a byte."""
+def test_a_writer_allocates_the_blocks_under_its_rows_a_reader_changes_nothing(tmp_path):
+    """A chunk file with holes (every new one past its rows; older trajstore versions made whole
+    ones sparse) gets its blocks allocated by the writer up to the rows it stores, before it
+    stores them, with its content unchanged; a reader never changes a byte."""
     path = tmp_path / "s"
-    space = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: the chunk is 256 pages
+    space = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: the chunk is 512 pages
     with ReplayBuffer.create(space, cache_path=path) as rb:
         rb.extend(np.arange(3 * 64 * 64).reshape(3, 64, 64).astype(np.uint8))
     chunk = path / "step_data" / "c" / "0" / "0" / "0"
@@ -418,17 +427,17 @@ def test_a_writer_allocates_sparse_chunk_files_a_reader_leaves_them(tmp_path):
         f.write(data[: 3 * 4096])
         f.truncate(len(data))
     os.replace(tmp, chunk)
-    assert chunk.stat().st_blocks * 512 < len(data)
+    assert chunk.stat().st_blocks * 512 < 4 * 4096
     with ReplayBuffer.load_from(path, read_only=True) as ro:
         assert ro[:].shape == (3, 64, 64)
-    assert chunk.stat().st_blocks * 512 < len(data)  # the reader wrote nothing
+    assert chunk.stat().st_blocks * 512 < 4 * 4096  # the reader wrote nothing
     with ReplayBuffer.load_from(path) as rb:
-        rb.append(np.ones((64, 64), np.uint8))
+        rb.extend(np.ones((20, 64, 64), np.uint8))
         rb.flush()
-        assert chunk.stat().st_blocks * 512 >= len(data)
+        assert 23 * 4096 <= chunk.stat().st_blocks * 512 < len(data)  # rows allocated, the rest a hole
     assert chunk.read_bytes()[: 3 * 4096] == data[: 3 * 4096]
     with ReplayBuffer.load_from(path, read_only=True) as ro:
-        assert len(ro) == 4 and (ro[3] == 1).all()
+        assert len(ro) == 23 and (ro[3:] == 1).all()
 
 
 # ---------------------------------------------------------------------------- a real full disk

@@ -114,32 +114,38 @@ def _check_append(ro: Any, traj: bool, capacity: int | None, flushed: int, who: 
 
 
 def make_append_store(tmp_path: Path, kind: str, capacity: int | None,
-                      compressor: str | None) -> tuple[str, str, type]:
+                      compressor: str | None, chunk_rows: int | None = 64) -> tuple[str, str, type]:
     """The store the append kill loops write (``kind`` "replay" or "trajectory"), holding
     ``capacity`` rows (100 when unbounded) so a ring starts full and every write evicts.
+    ``chunk_rows`` None: the default chunks (2 MiB), whose files grow in steps while rows arrive.
     Returns its path, the path of the acknowledgement log and the buffer class."""
     store, log = str(tmp_path / "store"), str(tmp_path / "log")
     if kind == "trajectory":
         rb = TrajectoryReplayBuffer.create(W.SPACE, step_data_capacity=capacity, cache_path=store,
                                            episode_data_instance_space=K.EPISODE_SPACE, compressor=compressor,
-                                           chunk_rows=64)
+                                           chunk_rows=chunk_rows)
     else:
-        rb = ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor, chunk_rows=64)
+        rb = ReplayBuffer.create(W.SPACE, cache_path=store, capacity=capacity, compressor=compressor,
+                                 chunk_rows=chunk_rows)
     with rb:
         rb.extend(W.encode(np.arange(capacity or 100)))
     return store, log, TrajectoryReplayBuffer if kind == "trajectory" else ReplayBuffer
 
 
-@pytest.mark.parametrize("kind,capacity,compressor,kills,max_delay", [
-    ("replay", 700, None, 80, 0.08),
-    ("replay", 700, "lz4", 45, 0.3),  # compressed chunks are written whole: slower writes, longer rounds
-    ("replay", None, None, 35, 0.08),
-    ("trajectory", 700, None, 70, 0.08),
-    ("trajectory", None, "lz4", 30, 0.08),
-], ids=["replay-ring-raw", "replay-ring-lz4", "replay-unbounded", "trajectory-ring", "trajectory-unbounded-lz4"])
-def test_kill_appends(tmp_path, procs, request, kind, capacity, compressor, kills, max_delay):
+@pytest.mark.parametrize("kind,capacity,compressor,kills,max_delay,chunk_rows", [
+    ("replay", 700, None, 80, 0.08, 64),
+    ("replay", 700, "lz4", 45, 0.3, 64),  # compressed chunks are written whole: slower writes, longer rounds
+    ("replay", None, None, 35, 0.08, 64),
+    # Default (2 MiB) chunks: their files get disk blocks in steps as rows arrive (fallocate ahead
+    # of the rows, MappedField._make_room); kills land while a file grows.
+    ("replay", None, None, 30, 0.3, None),
+    ("trajectory", 700, None, 70, 0.08, 64),
+    ("trajectory", None, "lz4", 30, 0.08, 64),
+], ids=["replay-ring-raw", "replay-ring-lz4", "replay-unbounded", "replay-unbounded-growing", "trajectory-ring",
+        "trajectory-unbounded-lz4"])
+def test_kill_appends(tmp_path, procs, request, kind, capacity, compressor, kills, max_delay, chunk_rows):
     traj = kind == "trajectory"
-    store, log, cls = make_append_store(tmp_path, kind, capacity, compressor)
+    store, log, cls = make_append_store(tmp_path, kind, capacity, compressor, chunk_rows)
     rng = np.random.default_rng(zlib.crc32(request.node.callspec.id.encode()))
     # Batches up to 1.5x the ring (whole-ring replacement in one extend) and many rows between
     # flushes: a ring wraps several times between commits the writer asked for.
@@ -162,6 +168,8 @@ def test_kill_appends(tmp_path, procs, request, kind, capacity, compressor, kill
                 assert _check_append(w, traj, capacity, flushed, f"{who} (writer)", held) == end
     if capacity:
         assert end > 3 * capacity, f"only {end} rows were written: the ring did not wrap enough"
+    if chunk_rows is None:  # the obs file (68-byte rows) grew past 16, 32, 64 and 128 KiB
+        assert end > 2000, f"only {end} rows were written: the chunk files hardly grew"
     KILLS[request.node.name] = kills
 
 

@@ -55,7 +55,7 @@ def ratio_text(info: dict[str, Any]) -> str:
     """The compression ratio where it means something (compressed arrays), ``raw`` otherwise."""
     ratio, raw = info.get("compression_ratio"), info.get("raw_arrays", 0)
     if not info.get("compressed_arrays"):
-        return "raw (uncompressed; raw chunk files are allocated whole, ahead of the rows)"
+        return "raw (uncompressed; raw chunk files get disk blocks as rows arrive, a bounded step ahead)"
     ratio_s = "-" if ratio is None or ratio != ratio else f"{ratio:.2f}x"
     return f"compression ratio {ratio_s}" + (f" ({raw} raw array(s) not counted)" if raw else "")
 

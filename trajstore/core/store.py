@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import shutil
 import time
 from typing import Any, Callable
 
@@ -64,6 +63,7 @@ from trajstore.storage.schema import (
     check_head_tables,
     check_schema,
 )
+from trajstore.storage.sparse import copy_file_data
 
 __all__ = ["Store", "TableSpec"]
 
@@ -435,7 +435,7 @@ class Store(StoreCommits):
                     # whatever a copy cut short left there (but not a link's target).
                     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | OPEN_FLAGS, 0o644)
                     with os.fdopen(self.loc.open_inside(key, os.O_RDONLY), "rb") as src, os.fdopen(fd, "wb") as out:
-                        shutil.copyfileobj(src, out, 1 << 20)
+                        copy_file_data(src.fileno(), out.fileno())  # holes stay holes (raw chunk files)
                 else:
                     data = self.loc.get(key)
                     if data is not None:

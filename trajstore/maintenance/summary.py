@@ -16,9 +16,10 @@ import gymnasium
 import numpy as np
 
 from trajstore.core.episodes import all_done, done_fields, episode_numbers, scalar_field
+from trajstore.core.ring import contiguous_runs
 from trajstore.core.store import Store
 from trajstore.core.table import Table
-from trajstore.errors import NoEpisodesError, UnknownEpisodeError, UnknownFieldError
+from trajstore.errors import DamagedStoreError, NoEpisodesError, UnknownEpisodeError, UnknownFieldError
 from trajstore.storage.keys import DATASET_KEY
 from trajstore.storage.schema import load_json
 
@@ -66,23 +67,48 @@ def _codec_label(z: Any) -> str:
     return "+".join(names) or "none"
 
 
-def _array_sizes(store: Store) -> dict[str, tuple[int, int]]:
-    """Array path -> (bytes stored, chunk objects stored)."""
+def _array_sizes(store: Store, present: dict[str, set[int]] | None = None) -> dict[str, tuple[int, int]]:
+    """Array path -> (bytes stored, chunk objects stored); ``present`` (if given) gets, per array
+    path, the row-chunk numbers of its chunk keys."""
     sizes: dict[str, tuple[int, int]] = {}
     for key, n in store.loc.iter_sizes(""):
         if "/c/" in key or key.startswith("c/"):
-            top = key.rsplit("/c/", 1)[0] if "/c/" in key else ""
+            top, _, rest = key.rpartition("/c/") if "/c/" in key else ("", "", key[2:])
             b, c = sizes.get(top, (0, 0))
             sizes[top] = (b + n, c + 1)
+            if present is not None and rest.split("/", 1)[0].isdigit():
+                present.setdefault(top, set()).add(int(rest.split("/", 1)[0]))
     return sizes
 
 
-def array_list(store: Store) -> list[dict[str, Any]]:
+def _check_committed_chunks(store: Store, present: dict[str, set[int]]) -> None:
+    """Raise DamagedStoreError naming the first field whose committed rows lie in a chunk that has
+    no key (deleted, or a commit record naming rows never written): reads would give zeros."""
+    for table in store.tables.values():
+        for f in table.fields:
+            have = present.get(f.spec.array_path, set())
+            for lo, _off, m in contiguous_runs(table.state.start, table.state.end, table.capacity):
+                missing = sorted(set(range(lo // f.C, (lo + m - 1) // f.C + 1)) - have)
+                if missing:
+                    k = missing[0]
+                    raise DamagedStoreError(
+                        f"{store.loc.url}: {f.spec.array_path}: rows {max(lo, k * f.C)}..{min(lo + m, (k + 1) * f.C) - 1} "
+                        f"(physical) are committed, but their chunk {k} is missing ({len(missing)} chunk(s) missing); "
+                        "run `trajstore verify`")
+
+
+def array_list(store: Store, *, check: bool = False) -> list[dict[str, Any]]:
     """One entry per stored array: path, table, shape, committed rows, dtype, chunk shape, codec,
     stored bytes and chunks, logical bytes (committed rows x row size) and ``ratio``: logical /
-    stored bytes for compressed arrays, ``None`` for raw ones (their chunk files are allocated
-    whole ahead of the rows, so the quotient says how full they are, not how well they compress)."""
-    sizes = _array_sizes(store)
+    stored bytes for compressed arrays, ``None`` for raw ones (their chunk files hold blocks a
+    bounded step ahead of the rows, so the quotient says how full they are, not how well they compress).
+
+    ``check``: raise DamagedStoreError when a chunk holding committed rows has no key (the listing
+    is made anyway, so this costs a set per array)."""
+    present: dict[str, set[int]] = {}
+    sizes = _array_sizes(store, present if check else None)
+    if check:
+        _check_committed_chunks(store, present)
     out = []
     for name, table in store.tables.items():
         for f in table.fields:
@@ -116,7 +142,7 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
     """
     store = open_store(path, storage_options)
     try:
-        arrays = array_list(store)
+        arrays = array_list(store, check=True)
         logical = sum(a["logical_bytes"] for a in arrays)
         stored_total = sum(n for _k, n in store.loc.iter_sizes(""))
         if store.loc.url is not None and str(store.loc.url).endswith(".zip") and os.path.isfile(store.loc.url):

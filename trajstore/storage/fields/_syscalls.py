@@ -168,15 +168,48 @@ def mapping_works(fd: int) -> bool:
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 
 
-def _fallocate_in_place(fd: int, nbytes: int) -> None:
-    """The ``fallocate(2)`` system call itself, mode 0: allocates holes, never writes content
-    (unlike glibc's posix_fallocate fallback, which writes a zero byte into every block that
-    reads as zero: a race with another process writing that block)."""
+def _fallocate_in_place(fd: int, nbytes: int, offset: int = 0) -> None:
+    """The ``fallocate(2)`` system call itself, mode 0, on bytes ``[offset, offset + nbytes)``:
+    allocates holes, never writes content (unlike glibc's posix_fallocate fallback, which writes
+    a zero byte into every block that reads as zero: a race with another process writing that
+    block), and grows the file only where the range ends past it."""
     if _fallocate is None:
         raise OSError(errno.ENOSYS, "fallocate is not available")
-    if _fallocate(fd, 0, 0, nbytes) != 0:
+    if _fallocate(fd, 0, offset, nbytes) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def reserve_range(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate bytes ``[offset, offset + nbytes)`` of the file ``fd`` in place (its size and
+    content unchanged where it is already that long), so stores through a mapping of them cannot
+    meet a full disk.
+
+    Returns False where the filesystem cannot preallocate (nothing done: the caller decides);
+    raises ``OSError`` (``ENOSPC`` on a full disk) having changed no byte of content.
+    """
+    try:
+        # The system call itself, never glibc's posix_fallocate: its emulation (a filesystem without
+        # fallocate) writes a zero byte into blocks that read as zero, which races with another
+        # process storing rows there (multiprocessing writers share chunk files).
+        _fallocate_in_place(fd, nbytes, offset)
+    except OSError as e:
+        if e.errno in _UNSUPPORTED:
+            return False
+        raise
+    return True
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Give back the disk blocks of bytes ``[offset, offset + nbytes)`` of the file ``fd``, which
+    must read as zeros already: the content and size are unchanged whether or not this reaches the
+    disk before a crash.  False where the filesystem cannot (nothing done)."""
+    if _fallocate is None or nbytes <= 0:
+        return False
+    return bool(_fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0)
 
 
 def reserve(fd: int, nbytes: int, *, fresh: bool) -> None:

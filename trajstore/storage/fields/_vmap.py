@@ -279,7 +279,7 @@ class VirtualArray:
             The file is not a regular file, or shorter than a chunk (mapping past its end would
             ``SIGBUS`` on access).
         OSError
-            Space for a sparse file could not be reserved, or ``mmap`` failed.
+            ``mmap`` failed.
         """
         self._check_open()
         if st is None:
@@ -288,14 +288,8 @@ class VirtualArray:
             raise EOFError(f"chunk file {_named(name)!r} is not a regular file; not mapped")
         if st.st_size < self.chunk_bytes:
             raise EOFError(f"chunk file {_named(name)!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
-        if self.writable and _syscalls.allocated_bytes(st) < self.chunk_bytes:
-            # A file with holes (created sparse by an older trajstore): a store into a hole on
-            # a full disk would SIGBUS, so allocate it first (content unchanged).  Files this
-            # version creates are allocated whole, so this costs one fstat per mapped chunk.
-            try:
-                _syscalls.reserve(fd, self.chunk_bytes, fresh=False)
-            except OSError as e:
-                raise OSError(e.errno, f"reserve space for chunk file: {os.strerror(e.errno or 0)}", _named(name)) from None
+        # A file with holes (they grow with the rows) is mapped as it is: the writer allocates the
+        # blocks under rows before it stores them (MappedField._make_room), never here.
         prot = _syscalls._PROT_READ | (_syscalls._PROT_WRITE if self.writable else 0)
         # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
         # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).

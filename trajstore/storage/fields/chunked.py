@@ -14,15 +14,17 @@ offset table are checked before c-blosc sees them: a hostile frame raises Damage
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync
 
 from trajstore.errors import DamagedStoreError, TrajstoreError
 from trajstore.storage.confined import full_disk as _full_disk
@@ -72,6 +74,9 @@ class ChunkedField:
         self._rb = spec.row_bytes
         self._partial = self._row_reads_possible()
         self.stats = {"gets": 0, "in_flight_max": 0}  # encoded chunk fetches (non-local stores)
+        # Physical row runs the commit record counts, as the table last named them (a ring: at most
+        # two runs; ensure_mapped): a chunk of them that is missing is damage, not fill values.
+        self._committed: deque[tuple[int, int]] = deque(maxlen=2)
 
     def _row_reads_possible(self) -> bool:
         """Rows can be decoded alone: the array's codecs (its zarr.json, not the spec) are
@@ -98,7 +103,35 @@ class ChunkedField:
         return str(self.loc.path(full)) if self.loc.is_local else f"{self.loc.url}/{full}"
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
-        """Nothing to map: chunks are fetched on demand."""
+        """Nothing to map: chunks are fetched on demand.  A reader's call names committed rows
+        (``create`` False): a chunk of them fetched later must exist (:meth:`_check_present`)."""
+        # (Not for arrays trajstore did not write: their writers may leave chunks of fill values out.)
+        if not create and phys_hi > phys_lo and self.spec.layout != "foreign":
+            self._committed.append((phys_lo, phys_hi))
+
+    def _check_present(self, ks: list[int]) -> None:
+        """Raise DamagedStoreError if a chunk of ``ks`` holding committed rows has no key: zarr would
+        read it as fill values (zeros), silently.  One existence check per chunk fetched (all of a
+        batch's concurrently on a remote store); chunks are fetched once, then cached."""
+        runs = list(self._committed)
+        keys = {k: chunk_key(self.spec.array_path, k, self._ndim) for k in ks
+                if k not in self._dirty and any(lo < (k + 1) * self.C and k * self.C < hi for lo, hi in runs)}
+        if not keys:
+            return
+        if self.loc.is_local or len(keys) == 1:
+            found = [self.loc.exists(key) for key in keys.values()]
+        else:
+            async def every() -> list[bool]:
+                return list(await asyncio.gather(*(self.loc.zstore.exists(key) for key in keys.values())))
+            found = sync(every())
+        gone = [k for k, ok in zip(keys, found) if not ok]
+        if gone:
+            k = gone[0]
+            lo, hi = next((max(a, k * self.C), min(b, (k + 1) * self.C)) for a, b in runs
+                          if a < (k + 1) * self.C and k * self.C < b)
+            raise DamagedStoreError(f"{self.spec.array_path}: rows {lo}..{hi - 1} (physical) are committed, but "
+                                    f"their chunk {self._where(chunk_key('', k, self._ndim).lstrip('/'))} is missing "
+                                    f"({len(gone)} chunk(s) of this read); run `trajstore verify`")
 
     def _empty_chunk(self) -> np.ndarray:
         return np.zeros((self.C, *self.spec.row_shape), dtype=self.spec.dtype)
@@ -124,6 +157,7 @@ class ChunkedField:
                     out[k] = chunk
             plain = [k for k in plain if k not in out]
         if plain:
+            self._check_present(plain)
             shape0 = self.z.shape[0]
             rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
             with self._decoding(plain):

@@ -21,8 +21,9 @@ which reads and writes the same bytes.
 
 A full disk (``ENOSPC``/``EDQUOT``) surfaces as :class:`trajstore.errors.StoreFullError` from
 ``write``/``flush``/``stage_chunk``/``grow``, raised before anything beyond the rows being
-written changed: raw chunk files are allocated whole (``posix_fallocate``) before they are
-mapped, so a store into a mapping never meets a full disk (which would be ``SIGBUS``).
+written changed: the blocks of raw chunk files are allocated (``posix_fallocate``) before rows
+are stored there through a mapping, so a store into a mapping never meets a full disk (which
+would be ``SIGBUS``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,21 @@
 """``MappedField``: a raw field on a local folder, its chunk files memory-mapped side by side.
 
-Uncompressed chunks (codec ``bytes``, little-endian).  Each chunk file is created at full size
-and memory-mapped into one reserved address range (:mod:`._vmap`, each chunk at a 2 MiB
-boundary when it spans one); the writer copies rows straight into the page cache and readers
-gather with one numpy fancy index.  zarr-python is used
-only for metadata.  Raw chunk files are allocated whole (``posix_fallocate``) before they are
-mapped, so a store into a mapping never meets a full disk (which would be ``SIGBUS``).
+Uncompressed chunks (codec ``bytes``, little-endian).  Each chunk file has the full size of a
+chunk (what zarr's ``bytes`` codec reads) and is memory-mapped into one reserved address range
+(:mod:`._vmap`, each chunk at a 2 MiB boundary when it spans one); the writer copies rows
+straight into the page cache and readers gather with one numpy fancy index.  zarr-python is used
+only for metadata.
+
+Disk blocks grow with the rows: a new chunk file is sparse past its first :data:`GROW_FIRST_BYTES`,
+and the writer allocates more (``fallocate``, doubling up to :data:`GROW_MAX_STEP_BYTES` a step)
+before it stores rows there, so a store into a mapping never meets a full disk (which would be
+``SIGBUS``): a full disk is a :class:`~trajstore.errors.StoreFullError` before any row of the
+write is stored.  The holes past the written rows read as zeros (zarr's fill value), take no
+disk, and are what a small store saved against chunk files allocated whole (2 MiB per field).
+
+A reader maps the chunk files of the committed rows; a file missing there, or shorter than a
+chunk, is a :class:`~trajstore.errors.DamagedStoreError` naming the field and the rows, raised
+when the chunk is mapped (once per chunk file, not per row).
 """
 
 from __future__ import annotations
@@ -28,7 +38,14 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["MappedField"]
+__all__ = ["GROW_FIRST_BYTES", "GROW_MAX_STEP_BYTES", "MappedField"]
+
+#: Bytes of a new chunk file allocated when it is created (the rest is a hole until rows reach it):
+#: a small store's field takes this much, not a whole chunk (2 MiB).
+GROW_FIRST_BYTES = 16 << 10
+#: Each later allocation doubles what a chunk file has, by at most this many bytes: a few
+#: ``fallocate`` calls per chunk file (8 for a 2 MiB chunk), never more than this ahead of the rows.
+GROW_MAX_STEP_BYTES = 1 << 20
 
 
 class MappedField:
@@ -44,6 +61,9 @@ class MappedField:
         self._synced: set[int] = set()  # chunks written since the last fsync
         self._last_k = -1
         self._fds: dict[int, int] = {}  # writer: open chunk files for pwrite of large blocks
+        # Writer: bytes at the start of chunk file k known to have disk blocks (allocated by this
+        # process, or found so); stores into the mapping stay below it (see _make_room).
+        self._room: dict[int, int] = {}
         self._va = self._reserve(allocated)
         self.allocated = allocated
 
@@ -78,26 +98,43 @@ class MappedField:
             return
         with self.loc.held_root():
             for k in (todo + k_lo).tolist():
-                if self._map(k) or not create:
-                    continue  # a reader leaves a never-written chunk unmapped: zeros, as zarr reads it
-                self._create_chunk_file(self._path(k))
+                if self._map(k):
+                    continue
+                if not create:
+                    # Rows the commit record counts (a reader maps only those) with no chunk file:
+                    # deleted, or a record naming rows never written.  Zeros would be wrong data.
+                    lo, hi = max(phys_lo, k * self.C), min(phys_hi, (k + 1) * self.C)
+                    raise DamagedStoreError(f"{self.spec.array_path}: rows {lo}..{hi - 1} (physical) are committed, "
+                                            f"but their chunk file {self._path(k)} is missing; run `trajstore verify` "
+                                            "(and `trajstore repair` to keep the rows before it)")
+                room = self._create_chunk_file(self._path(k))
                 if not self._map(k):
                     raise DamagedStoreError(f"chunk file {self._path(k)} vanished right after it was created")
+                self._room[k] = room
 
-    def _create_chunk_file(self, path: str) -> None:
-        """Create chunk file ``path`` full size, zero-filled and with its blocks allocated.
+    def _create_chunk_file(self, path: str) -> int:
+        """Create chunk file ``path``: full size, zero-filled, its first :data:`GROW_FIRST_BYTES`
+        allocated and the rest a hole (:meth:`_make_room` allocates more before rows reach it).
+        Returns the bytes allocated: the whole chunk where the filesystem cannot preallocate
+        (then zeros are written, which allocates them just as well).
 
-        Allocated, not sparse: the writer stores rows through a shared mapping, and a store into
-        a hole that a full filesystem cannot fill is ``SIGBUS``.  Reserving here turns a full disk
-        into a :class:`StoreFullError` before any row is written.  Built under a temp name and
-        renamed, so a chunk file is never seen half-made; on failure the temp file is removed.
+        A full disk is a :class:`StoreFullError` here, before any row is written.  Built under a
+        temp name and renamed, so a chunk file is never seen half-made; on failure the temp file
+        is removed.
         """
-        tmp = None
+        tmp, size = None, self._va.chunk_bytes
         try:
             tmp = self.loc.new_tmp_path()
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             try:
-                _syscalls.reserve(fd, self._va.chunk_bytes, fresh=True)
+                os.ftruncate(fd, size)  # full size first: allocating then changes no size
+                room = min(GROW_FIRST_BYTES, size)
+                _syscalls.reserve(fd, room, fresh=True)
+                if not _syscalls.reserve_range(fd, 0, room):
+                    # The kernel cannot allocate here without writing (posix_fallocate wrote zeros):
+                    # growing in place would be unsafe, so the file is allocated whole now.
+                    _syscalls.reserve(fd, size, fresh=True)
+                    room = size
             finally:
                 os.close(fd)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -108,7 +145,40 @@ class MappedField:
                     os.unlink(tmp)
                 except OSError:
                     pass
-            raise _full_disk(e, path, f"create chunk file ({self._va.chunk_bytes} bytes)")
+            raise _full_disk(e, path, f"create chunk file ({size} bytes)")
+        return room
+
+    def _make_room(self, phys_lo: int, phys_hi: int) -> None:
+        """Make sure the disk blocks under rows ``[phys_lo, phys_hi)`` are allocated before they are
+        stored through the mapping (a store into a hole on a full disk is ``SIGBUS``).
+
+        Each chunk file touched is allocated from what this process knows it has up to the end of
+        the rows, at least doubled (by at most :data:`GROW_MAX_STEP_BYTES`), so a run of appends
+        calls ``fallocate`` a few times per chunk file.  A chunk file first touched by this process
+        (reopened, or replaced by a rewrite) is allocated from its start: blocks it already has
+        cost nothing to allocate again.
+
+        Raises
+        ------
+        StoreFullError
+            The disk is full: nothing of the write has been stored yet.
+        """
+        C, rb, room = self.C, self._va.row_bytes, self._room
+        for k in range(phys_lo // C, (phys_hi - 1) // C + 1):
+            need = (min(phys_hi - k * C, C)) * rb
+            have = room.get(k, 0)
+            if need <= have:
+                continue
+            size = self._va.chunk_bytes
+            new = min(size, max(-(-need // _syscalls.PAGE) * _syscalls.PAGE,
+                                min(max(2 * have, GROW_FIRST_BYTES), have + GROW_MAX_STEP_BYTES)))
+            try:
+                ok = _syscalls.reserve_range(self._fd(k), have, new - have)
+            except OSError as e:
+                raise _full_disk(e, self._path(k), f"allocate bytes {have}..{new - 1} of chunk file {k}")
+            # Where the filesystem cannot preallocate, the files this version made there were
+            # written whole (_create_chunk_file); nothing more can be done for older sparse ones.
+            room[k] = new if ok else size
 
     def _file_name(self, key: str) -> str:
         """Chunk file ``key`` as errors name it (built only for one: not per file mapped)."""
@@ -134,7 +204,8 @@ class MappedField:
         try:
             self._va.map_chunk(k, fd, lambda: self._file_name(key), st)
         except EOFError as e:
-            raise DamagedStoreError(str(e)) from None
+            raise DamagedStoreError(f"{self.spec.array_path}: rows {k * self.C}..{(k + 1) * self.C - 1} "
+                                    f"(physical): {e}") from None
         except OSError as e:
             name = self._file_name(key)
             if e.errno == errno.ENOMEM:
@@ -148,7 +219,7 @@ class MappedField:
                 raise OSError(e.errno, f"cannot memory-map chunk {k} of {self.spec.array_path} "
                               f"({os.strerror(e.errno)}); set the environment variable {_syscalls.NO_MMAP_ENV}=1 to "
                               "read and write raw fields without memory mappings", name) from None
-            raise _full_disk(e, name, "reserve space for a chunk file created sparse")
+            raise _full_disk(e, name, f"map chunk {k} of {self.spec.array_path}")
         finally:
             os.close(fd)
         return True
@@ -161,6 +232,7 @@ class MappedField:
         """
         self._close_fds(ks)  # they may name replaced files
         for k in ks:
+            self._room.pop(k, None)  # a new file: its blocks are not known
             if not ((prefix and self._map(k, prefix)) or self._map(k)) and self._va.mapped[k]:
                 self._va.unmap_chunk(k)
 
@@ -184,6 +256,7 @@ class MappedField:
         if view is None:
             return None
         self.ensure_mapped(phys_lo, phys_hi, create=True)
+        self._make_room(phys_lo, phys_hi)  # before the caller stores rows into the view
         if not self._va.resident(phys_lo, phys_hi):
             return None  # stores would read the pages from disk first (a new chunk file, or a ring larger than RAM)
         try:
@@ -204,6 +277,8 @@ class MappedField:
         mapped = self._va.mapped
         if not (mapped[k_lo] and mapped[k_hi]) or (k_hi - k_lo > 1 and not mapped[k_lo : k_hi + 1].all()):
             self.ensure_mapped(phys_lo, phys_lo + n, create=True)
+        if (phys_lo + n - k_hi * self.C) * self._va.row_bytes > self._room.get(k_hi, 0) or k_hi != k_lo:
+            self._make_room(phys_lo, phys_lo + n)
         if self._va.holds(phys_lo, data):
             pass  # stored in place already
         elif data.nbytes >= PWRITE_BYTES:
@@ -223,19 +298,24 @@ class MappedField:
         while pos < n:
             k, off = divmod(phys_lo + pos, self.C)
             take = min(self.C - off, n - pos)
-            fd = self._fds.get(k)
-            if fd is None:
-                if len(self._fds) >= 8:  # appends touch one or two chunks at a time
-                    os.close(self._fds.pop(next(iter(self._fds))))
-                # Confined as _map is (no link anywhere on the way, nothing outside the store), in one
-                # openat2 call: resolving the path in Python cost more than the open (1 us per add).
-                fd = self._fds[k] = self.loc.open_inside(chunk_key(self.spec.array_path, k, self._ndim), os.O_WRONLY)
+            fd = self._fd(k)
             try:
                 # numpy's stubs give ndarray __buffer__ only from Python 3.12 on
                 os.pwrite(fd, buf[pos * row_bytes : (pos + take) * row_bytes], off * row_bytes)  # type: ignore[arg-type]
             except OSError as e:  # the chunk's space is reserved, so only a file made elsewhere gets here
                 raise _full_disk(e, self._path(k), f"write rows into chunk {k}")
             pos += take
+
+    def _fd(self, k: int) -> int:
+        """This writer's open descriptor of chunk file ``k`` (for ``pwrite`` and ``fallocate``)."""
+        fd = self._fds.get(k)
+        if fd is None:
+            if len(self._fds) >= 8:  # appends touch one or two chunks at a time
+                os.close(self._fds.pop(next(iter(self._fds))))
+            # Confined as _map is (no link anywhere on the way, nothing outside the store), in one
+            # openat2 call: resolving the path in Python cost more than the open (1 us per add).
+            fd = self._fds[k] = self.loc.open_inside(chunk_key(self.spec.array_path, k, self._ndim), os.O_WRONLY)
+        return fd
 
     def _close_fds(self, ks: list[int] | None = None) -> None:
         for k in list(self._fds) if ks is None else ks:
@@ -258,10 +338,24 @@ class MappedField:
         return self._va.chunks[k].copy()
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
-        """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix)."""
+        """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix).
+
+        The zero pages after its last non-zero byte become a hole again (:func:`_syscalls.punch_hole`),
+        so a rewrite (``set_at``, ``remove_at``, episode edits) leaves a partly filled chunk file
+        as small on disk as appends made it; the writer allocates them again before it stores
+        rows there (:meth:`remap` forgets what it knew of the file)."""
         key = chunk_key(self.spec.array_path, k, self._ndim)
+        raw = np.ascontiguousarray(data, dtype=self._va.dtype).reshape(-1).view(np.uint8)
         try:
-            self.loc.put(f"{prefix}/{key}", np.ascontiguousarray(data, dtype=self._va.dtype).tobytes())
+            self.loc.put(f"{prefix}/{key}", raw.tobytes())
+            words = np.flatnonzero(raw.view(np.uint64))  # (a chunk is whole pages: 8-byte words)
+            used = -(-(int(words[-1]) + 1) * 8 // _syscalls.PAGE) * _syscalls.PAGE if len(words) else 0
+            if used < len(raw):
+                fd = self.loc.open_inside(f"{prefix}/{key}", os.O_WRONLY)
+                try:
+                    _syscalls.punch_hole(fd, used, len(raw) - used)
+                finally:
+                    os.close(fd)
         except OSError as e:
             raise _full_disk(e, self.loc.path(f"{prefix}/{key}"), f"stage chunk {k} of {self.spec.array_path}")
         return key

@@ -39,8 +39,8 @@ __all__ = [
 #: slot (_vmap.slot_bytes) and a first read maps its 2 MiB page-cache folio in one fault.  At 1 MiB,
 #: (17,) float32 rows were faulted in 64 KiB at a time (about 8,000 faults over the first 200
 #: sequence batches of a 10 M-row store, 1,300 at 2 MiB) and a first read mapped twice as many
-#: files (916 for that store: 28 ms, 13 ms at 2 MiB).  The price: chunk files are allocated whole,
-#: so a new store takes at least 2 MiB per raw field on disk.
+#: files (916 for that store: 28 ms, 13 ms at 2 MiB).  A small store does not pay a whole chunk on
+#: disk: chunk files get their blocks as rows arrive (trajstore.storage.fields.mapped).
 RAW_CHUNK_BYTES = 2 << 20
 #: ... and hold at least this many rows, up to RAW_CHUNK_MAX_BYTES: every raw chunk file is one
 #: memory mapping, and Linux allows a process 65,530 (vm.max_map_count).  With 1 MiB chunks a
