@@ -21,6 +21,8 @@ from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
 from trajstore.cli._common import CLIError
+from trajstore.cli.parts import folder_hint
+from trajstore.errors import NotATrajstoreError
 
 __all__ = ["main", "build_parser"]
 
@@ -79,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"trajstore {args.command}: error: {e}", file=sys.stderr)
         return e.code
+    except NotATrajstoreError as e:  # a buffer folder or dataset root given to a one-store command
+        if debug:
+            raise
+        hint = folder_hint(getattr(args, "path", None), getattr(args, "storage_options", None))
+        print(f"trajstore {args.command}: error: {' '.join(str(e).split())}{hint}", file=sys.stderr)
+        return 1
     except Exception as e:  # every other failure: one line, the traceback only with --debug
         if debug:
             raise
