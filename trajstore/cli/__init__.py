@@ -7,7 +7,7 @@ traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2
 errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
-:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter).
+:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from trajstore import __version__
 from trajstore.cli import edit as _edit
 from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
@@ -38,6 +39,7 @@ examples:
   trajstore copy runs/apex apex-merged      merge a sharded dataset into one store (verified)
   trajstore split data --ratios train=0.9,val=0.1 data_   episodes into data_train, data_val
   trajstore filter data good --where "return > 100"       keep the episodes that match
+  trajstore convert demo_store demo_traj    a replay store's episodes as a trajectory store
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
 
 'trajstore COMMAND --help' describes each command."""
@@ -52,13 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trajstore", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
         description="Inspect, check, repair, copy and plot trajstore stores (zarr v3 replay and trajectory data).")
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    p.add_argument("--version", action="version", version=f"trajstore {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _show.register(sub, common)
     _maintain.register(sub, common)
     _edit.register(sub, common)
     _interop.register(sub, common)
     # Subcommands in a sensible order in --help.
-    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "combine", "split", "filter", "plot",
+    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
              "demo"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
