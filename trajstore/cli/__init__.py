@@ -95,8 +95,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         msg = " ".join(msg.split()) or type(e).__name__
+        if isinstance(e, OSError):
+            msg = _where_failed(args, e, msg)
         print(f"trajstore {args.command}: error: {msg}", file=sys.stderr)
         return 1
+
+
+def _where_failed(args: argparse.Namespace, e: OSError, msg: str) -> str:
+    """An I/O error as a user can act on it: the location it came from (the file it names, else the
+    command's stores), and for a refused access (S3's bare "Forbidden") where credentials come from."""
+    where = [str(e.filename)] if e.filename else [str(v) for k in ("path", "src", "dst") if (v := getattr(args, k, None))]
+    where += [str(v) for v in getattr(args, "stores", None) or []]
+    if where and not any(w in msg for w in where):
+        msg = f"{' or '.join(where)}: {msg}"
+    if isinstance(e, PermissionError):
+        msg += (" (access refused: check the credentials and permissions for that location, e.g. --storage-options "
+                "'{\"profile\": ...}' or the AWS_* environment variables)")
+    return msg
 
 
 if __name__ == "__main__":
