@@ -19,26 +19,14 @@ import pytest
 import torch
 
 from trajstore import TrajectoryReplayBuffer
-from trajstore.cli import main
 from trajstore.demo import record_demo
 from trajstore.errors import NotATrajstoreError
 from trajstore.sb3 import DummyVecRolloutBuffer, ZarrReplayBuffer, ZarrRolloutBuffer
 from trajstore.shards import create_shard
+from test_cli import cli, cli_json  # the CLI run in this process, its output captured
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Box(-1, 1, (2,), np.float32)
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def cli_json(capsys, *args: str) -> dict:
-    code, out, err = cli(capsys, *args, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 def replay_root(path: Path, n_envs: int, steps: int = 20) -> Path:

@@ -25,17 +25,11 @@ import pytest
 
 import trajstore
 from trajstore import TrajectoryReplayBuffer
-from trajstore.cli import main
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.maintenance.where import compile_where
+from test_cli import cli  # the CLI run in this process, its output captured
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_version_of_the_package_and_the_command() -> None:

@@ -116,6 +116,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_args(p: argparse.ArgumentParser, overwrite: str = "replace an existing store at DST") -> None:
+    """``--overwrite`` and ``--json``, which every command writing new stores takes."""
+    p.add_argument("--overwrite", action="store_true", help=overwrite)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``combine``, ``split`` and ``filter`` to the subparsers ``sub``; ``common`` holds the
     options every command takes."""
@@ -126,8 +132,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "argument list (0 for A).  DST is written under a temporary name, verified, then "
                                    "renamed; nothing is left behind on error.")
     p.add_argument("stores", nargs="+", metavar="STORE", help="source stores, then the destination DST")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p)
     p.set_defaults(func=_cmd_combine)
 
     p = sub.add_parser("convert", parents=[common], help="a replay store's episodes as a trajectory store (verified)",
@@ -146,8 +151,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--reward-field", default=None, metavar="NAME",
                    help="scalar step field summed into each episode's return (default: reward or rewards)")
     p.add_argument("--storage-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for SRC")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p)
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("split", parents=[common], help="split a store's episodes into several stores (verified)",
@@ -162,8 +166,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst_prefix", metavar="DST_PREFIX", help="each split is written to DST_PREFIX + NAME "
                                                             "(out/pendulum_ gives out/pendulum_train)")
     p.add_argument("--seed", type=int, default=0, help="seed of the episode permutation (default 0)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing stores at the destinations")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p, "replace existing stores at the destinations")
     p.set_defaults(func=_cmd_split)
 
     p = sub.add_parser("filter", parents=[common], help="keep the episodes matching an expression (verified)",
@@ -175,6 +178,5 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="store to filter")
     p.add_argument("dst", metavar="DST", help="destination (a local folder)")
     p.add_argument("--where", required=True, metavar="EXPR", help="which episodes to keep, e.g. 'return > 100'")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p)
     p.set_defaults(func=_cmd_filter)

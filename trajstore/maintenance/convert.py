@@ -93,35 +93,8 @@ def to_trajectory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, r
         eps = episode_table(store, reward_field)  # NoEpisodesError without done-like fields
         if eps["source"] != "terminated/truncated flags":  # pragma: no cover - a ReplayBuffer has no ids
             raise NoEpisodesError(f"convert: {src} has no done-like fields")
-        steps = store.tables[STEPS]
-        plan = ValuePlan(space_from_json(store.attrs["spaces"][STEPS]))
-        starts, n_eps = np.asarray(eps["start"], np.int64), len(eps["episode_id"])
-        returns = eps.get("return", np.zeros(n_eps))
-        live = bool(n_eps and eps["live"][-1])
         tmp = staged.new(out_path)
-        bar = _progress(steps.count, f"convert into {os.path.basename(out_path)}", tqdm, unit="step")
-        try:
-            out = TrajectoryReplayBuffer.create(plan.space, episode_data_instance_space=CONVERTED_EPISODE_SPACE,
-                                                cache_path=tmp)
-            try:
-                for lo, arrays in iter_blocks(steps, list(range(len(steps.fields)))):
-                    rows = np.arange(lo, lo + len(arrays[0]), dtype=np.int64)
-                    ids = np.searchsorted(starts, rows, side="right") - 1  # the episode each row is in
-                    out.extend({"step_data": plan.from_arrays(arrays), "episode_ids": ids})
-                    bar.update(len(rows))
-                for eid in range(n_eps):
-                    out.set_episode_data_at(eid, {"return": np.float64(returns[eid]),
-                                                  "length": np.int64(eps["length"][eid])})
-                # The episode in progress stays current; after a finished one a fresh id is (the
-                # extends left the next fresh id past every id written).
-                if live:
-                    out.current_episode_id = n_eps - 1
-                elif n_eps:
-                    out.mark_episode_end()
-            finally:
-                out.close()
-        finally:
-            bar.close()
+        _write_episodes(store, eps, tmp, f"convert into {os.path.basename(out_path)}", tqdm)
         verify_written(tmp)
         staged.commit(overwrite)
     except BaseException:
@@ -129,5 +102,37 @@ def to_trajectory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, r
         raise
     finally:
         store.close()
-    return {"source": os.fspath(src), "destination": out_path, "episodes": n_eps, "in_progress": live,
-            "steps": int(steps.count), "reward_field": eps["reward_field"], "verified": True}
+    n_eps = len(eps["episode_id"])
+    return {"source": os.fspath(src), "destination": out_path, "episodes": n_eps,
+            "in_progress": bool(n_eps and eps["live"][-1]), "steps": int(store.tables[STEPS].count),
+            "reward_field": eps["reward_field"], "verified": True}
+
+
+def _write_episodes(store: Any, eps: dict[str, Any], tmp: str, label: str, tqdm: bool | None) -> None:
+    """The rows of ``store`` into a new trajectory store at ``tmp``, with the episodes of
+    ``eps`` (its ``episode_table``) as ids and their return and length as episode data;
+    ``label`` names the progress bar."""
+    steps = store.tables[STEPS]
+    plan = ValuePlan(space_from_json(store.attrs["spaces"][STEPS]))
+    starts, n_eps = np.asarray(eps["start"], np.int64), len(eps["episode_id"])
+    returns = eps.get("return", np.zeros(n_eps))
+    bar = _progress(steps.count, label, tqdm, unit="step")
+    out = TrajectoryReplayBuffer.create(plan.space, episode_data_instance_space=CONVERTED_EPISODE_SPACE,
+                                        cache_path=tmp)
+    try:
+        for lo, arrays in iter_blocks(steps, list(range(len(steps.fields)))):
+            rows = np.arange(lo, lo + len(arrays[0]), dtype=np.int64)
+            ids = np.searchsorted(starts, rows, side="right") - 1  # the episode each row is in
+            out.extend({"step_data": plan.from_arrays(arrays), "episode_ids": ids})
+            bar.update(len(rows))
+        for eid in range(n_eps):
+            out.set_episode_data_at(eid, {"return": np.float64(returns[eid]), "length": np.int64(eps["length"][eid])})
+        # The episode in progress stays current; after a finished one a fresh id is (the extends
+        # left the next fresh id past every id written).
+        if n_eps and eps["live"][-1]:
+            out.current_episode_id = n_eps - 1
+        elif n_eps:
+            out.mark_episode_end()
+    finally:
+        out.close()
+        bar.close()
