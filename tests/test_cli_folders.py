@@ -81,6 +81,16 @@ def test_verify_of_a_buffer_folder_finds_damage_inside_and_a_missing_store(tmp_p
     assert code == 1 and "problem: store 'transitions' is missing: the ZarrReplayBuffer cannot be reopened" in out
 
 
+def test_a_malformed_record_is_a_problem_of_the_folder(tmp_path: Path, capsys) -> None:
+    root = replay_root(tmp_path / "sac", n_envs=1)
+    (root / "sb3.json").write_text("{not json")
+    code, out, _ = cli(capsys, "verify", str(root))
+    assert code == 1 and "problem: sb3.json is not JSON" in out and f"OK: {root / 'transitions'}" in out
+    (root / "sb3.json").write_text('{"kind": "ZarrReplayBuffer"}')  # no trajstore_sb3 version
+    rep = json.loads(cli(capsys, "verify", str(root), "--json")[1])
+    assert rep["problems"] == ["sb3.json is not a trajstore stable-baselines3 record (no trajstore_sb3 and kind)"]
+
+
 def test_rollout_history_episodes_are_listed_per_env(tmp_path: Path, capsys) -> None:
     ro = ZarrRolloutBuffer(9, OBS, ACT, n_envs=2, cache_path=tmp_path / "ppo", keep_history=True)
     _rollout_steps(ro, 2, 9)
