@@ -99,8 +99,8 @@ def test_demo_records_reopens_and_prints_info(tmp_path: Path) -> None:
     assert "kind           ReplayBuffer" in out.stdout
     rb = ReplayBuffer.load_from(tmp_path / "demo", read_only=True)
     # Random CartPole episodes end with exactly three terminal or truncated rows.
-    flags = rb.get_column(["terminated"]).to_numpy()[:, 0] | rb.get_column(["truncated"]).to_numpy()[:, 0]
-    assert int(flags.sum()) == 3 and flags[-1] == 1
+    flags = rb.get_column(["terminated"]).to_numpy() | rb.get_column(["truncated"]).to_numpy()
+    assert flags.dtype == np.bool_ and int(flags.sum()) == 3 and flags[-1]
     # Within an episode, each row's next_obs is the following row's obs.
     cont = ~flags[:-1].astype(bool)
     np.testing.assert_array_equal(rb[:-1]["next_obs"][cont], rb[1:]["obs"][cont])

@@ -12,7 +12,9 @@ Sections: the runnable blocks under one heading (any level, up to the next headi
 ``<file>::<heading>``. They run in document order in one fresh interpreter (a subprocess with a
 timeout): the Python blocks share one namespace, and each shell command runs through
 ``bash -o pipefail -c`` from that interpreter, with this venv's ``bin`` first on PATH (so
-``trajstore`` and ``python`` are the venv's) and stdin closed. Sections run with
+``trajstore`` and ``python`` are the venv's) and stdin closed, in the environment the section started
+with: a variable a Python block sets (``os.environ[...] = ...``) is not seen by the shell commands,
+as it would not be in the shell a reader pastes them into. Sections run with
 ``OMP_NUM_THREADS=1``: the examples' small torch networks gain nothing from a second thread, and on
 busy shared cores two threads per process slowed SAC's training steps 7x (230 against 33 ms). No section sees another's Python
 names, so each section's imports are complete as a reader would paste them. Working directory:
@@ -241,11 +243,12 @@ def _uses_s3(steps: list[Step]) -> bool:
 
 
 _RUNNER = r'''
-import json, subprocess, sys
+import json, os, subprocess, sys
 
 
 def main() -> None:
     doc, steps = json.load(open(sys.argv[1]))
+    env = dict(os.environ)  # what a reader's shell has: not the variables a Python block sets
     ns = {"__name__": "__main__"}
     for kind, line, code, cwd in steps:
         if kind == "python":
@@ -255,7 +258,7 @@ def main() -> None:
         sys.stdout.flush()
         print(f"{doc}:{line}: $ {code}", flush=True)
         proc = subprocess.run(["bash", "-o", "pipefail", "-c", code], cwd=cwd, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         sys.stdout.write(proc.stdout)
         sys.stderr.write(proc.stderr)
         if proc.returncode != 0:

@@ -190,3 +190,30 @@ def test_an_info_key_missing_after_the_first_step_is_refused_and_nothing_of_that
     assert len(rec.buffer) == 2
     np.testing.assert_array_equal(rec.buffer[:]["step_data"]["info"]["step"], [1, 2])
     rec.close()
+
+
+def test_demo_and_recorder_store_the_same_fields_with_the_same_dtypes(tmp_path) -> None:
+    """Issue 36.6: ``trajstore demo`` and ``RecordEpisodes`` write reward as float64 and the flags as
+    scalar bools (recording.REWARD_DTYPE / FLAG_DTYPE), so both reach numpy and torch alike."""
+    from trajstore import ReplayBuffer
+    from trajstore.demo import record_demo
+    from trajstore.recording import FLAG_DTYPE, REWARD_DTYPE
+
+    demo = record_demo(str(tmp_path / "demo"), episodes=2)
+    env = RecordEpisodes(gym.make("CartPole-v1"), cache_path=str(tmp_path / "rec"), record_next_obs=True)
+    env.reset(seed=0)
+    done = False
+    while not done:
+        _o, _r, te, tr, _i = env.step(env.action_space.sample())
+        done = te or tr
+    env.close()
+    with ReplayBuffer.load_from(demo, read_only=True, backend="torch") as rb, \
+            TrajectoryReplayBuffer.load_from(str(tmp_path / "rec"), read_only=True, backend="torch") as tb:
+        a, b = rb[:4], tb[:4]["step_data"]
+        assert sorted(a) == sorted(b) == ["action", "next_obs", "obs", "reward", "terminated", "truncated"]
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape[1:] == b[k].shape[1:], k
+        import torch
+
+        assert a["reward"].dtype == torch.float64 and REWARD_DTYPE == np.float64
+        assert a["terminated"].dtype == torch.bool and a["terminated"].shape == (4,) and FLAG_DTYPE == np.bool_

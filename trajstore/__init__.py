@@ -5,6 +5,7 @@ any fsspec URL); ``create`` / ``load_from`` / ``dumps`` are metadata operations 
 are lazy.  See README.md and docs/.
 """
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from trajstore import errors
@@ -12,10 +13,15 @@ from trajstore.buffers.replay import ReplayBuffer, ZarrStorage
 from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
 from trajstore.buffers.views import BatchBase, ColumnView, SliceView
 
+try:
+    __version__ = version("trajstore")  # the installed distribution's (pyproject.toml's) version
+except PackageNotFoundError:  # pragma: no cover - imported from a source tree that was never installed
+    __version__ = "unknown"
+
 # Maintenance (verify, repair, combine, split), the prioritized sampler and sharded datasets are imported on first
 # use: most programs never call them, and ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
-_LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "create_shard", "open_sharded",
-         "merge_shards", "break_lease")
+_LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "to_trajectory", "create_shard",
+         "open_sharded", "merge_shards", "break_lease")
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +39,8 @@ def __getattr__(name: str) -> Any:
         from trajstore.maintenance import combine as _combine
 
         value = getattr(_combine, name)
+    elif name == "to_trajectory":
+        from trajstore.maintenance.convert import to_trajectory as value
     elif name in ("create_shard", "open_sharded", "merge_shards"):
         from trajstore import shards as _shards
 
@@ -47,4 +55,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split",
-           "create_shard", "open_sharded", "merge_shards", "break_lease", "errors"]
+           "to_trajectory", "create_shard", "open_sharded", "merge_shards", "break_lease", "errors",
+           "__version__"]

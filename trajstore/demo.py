@@ -5,23 +5,21 @@ from __future__ import annotations
 import os
 
 import gymnasium
-import numpy as np
 
 from trajstore.buffers.replay import ReplayBuffer
+from trajstore.recording import step_space
 
 __all__ = ["record_demo", "transition_space"]
 
 
 def transition_space(env: gymnasium.Env) -> gymnasium.spaces.Dict:
-    """Space of one transition of ``env``: obs, action, reward, next_obs, terminated, truncated."""
-    return gymnasium.spaces.Dict({
-        "obs": env.observation_space,
-        "action": env.action_space,
-        "reward": gymnasium.spaces.Box(-np.inf, np.inf, (), np.float32),
-        "next_obs": env.observation_space,
-        "terminated": gymnasium.spaces.MultiBinary(1),
-        "truncated": gymnasium.spaces.MultiBinary(1),
-    })
+    """Space of one transition of ``env``: the recorders' step space with ``next_obs``.
+
+    ``obs``, ``action``, ``next_obs`` (the env's spaces), ``reward`` (float64, shape ()) and
+    ``terminated`` / ``truncated`` (bool, shape ()): the same fields and dtypes as
+    :func:`trajstore.recording.step_space`, so a demo store and a recorded one read alike.
+    """
+    return step_space(env.observation_space, env.action_space, next_obs=True)
 
 
 def record_demo(path: str | os.PathLike[str], *, env_id: str = "CartPole-v1", episodes: int = 5, seed: int = 0,
@@ -40,8 +38,8 @@ def record_demo(path: str | os.PathLike[str], *, env_id: str = "CartPole-v1", ep
             while not done:
                 action = env.action_space.sample()
                 next_obs, reward, terminated, truncated, _info = env.step(action)
-                rb.append({"obs": obs, "action": action, "reward": np.float32(reward), "next_obs": next_obs,
-                           "terminated": np.array([terminated], np.int8), "truncated": np.array([truncated], np.int8)})
+                rb.append({"obs": obs, "action": action, "reward": float(reward), "next_obs": next_obs,
+                           "terminated": bool(terminated), "truncated": bool(truncated)})
                 obs, done = next_obs, terminated or truncated
         out = rb.cache_path
     env.close()

@@ -27,7 +27,7 @@ from trajstore.errors import (
     UnsupportedSpaceError,
 )
 
-__all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE"]
+__all__ = ["RecordEpisodes", "RecordVectorEpisodes", "step_space", "EPISODE_SPACE", "REWARD_DTYPE", "FLAG_DTYPE"]
 
 EPISODE_SPACE = Dict({
     "seed": Box(-(2**62), 2**62, (), np.int64),
@@ -48,15 +48,43 @@ def _info_space(value: Any) -> Box:
     raise UnsupportedSpaceError(f"info value of dtype {a.dtype} cannot be recorded (numbers and bools only)")
 
 
+#: dtype of the ``reward`` step field of every recorded, imported and demo store: float64, so the
+#: rewards of any source (float32 or float64) are kept exactly and episode returns sum exactly.
+REWARD_DTYPE = np.dtype(np.float64)
+#: dtype of the ``terminated`` / ``truncated`` step fields (shape ()): one bool per step.
+FLAG_DTYPE = np.dtype(np.bool_)
+
+
 def step_space(observation_space: gymnasium.Space, action_space: gymnasium.Space, *, next_obs: bool = False,
                info_spaces: Mapping[str, gymnasium.Space] | None = None) -> Dict:
-    """The step space the recorders use."""
+    """The step space of one recorded step: what :class:`RecordEpisodes`, :class:`RecordVectorEpisodes`,
+    ``trajstore demo`` and the importers of :mod:`trajstore.interop` write.
+
+    Parameters
+    ----------
+    observation_space : gymnasium.Space
+        Space of one observation (a single env's, not a vector env's batch); stored as ``obs``.
+    action_space : gymnasium.Space
+        Space of one action; stored as ``action``.
+    next_obs : bool
+        Also store ``next_obs`` (the observation after the step, ``observation_space``).
+    info_spaces : mapping of str to gymnasium.Space, optional
+        Info entries to store, as ``info/<key>`` (a nested Dict ``info``).
+
+    Returns
+    -------
+    gymnasium.spaces.Dict
+        ``obs``, ``action``, ``reward`` (shape (), :data:`REWARD_DTYPE` float64), ``terminated``
+        and ``truncated`` (shape (), :data:`FLAG_DTYPE` bool), then ``next_obs`` and ``info``
+        when asked for.  Create a buffer to pass to ``RecordEpisodes(env, buffer)`` with it and
+        ``episode_data_instance_space=EPISODE_SPACE``.
+    """
     parts: dict[str, gymnasium.Space] = {
         "obs": observation_space,
         "action": action_space,
-        "reward": Box(-np.inf, np.inf, (), np.float64),
-        "terminated": Box(0, 1, (), np.bool_),
-        "truncated": Box(0, 1, (), np.bool_),
+        "reward": Box(-np.inf, np.inf, (), REWARD_DTYPE),
+        "terminated": Box(0, 1, (), FLAG_DTYPE),
+        "truncated": Box(0, 1, (), FLAG_DTYPE),
     }
     if next_obs:
         parts["next_obs"] = observation_space

@@ -37,6 +37,7 @@ from trajstore.core.episodes import EpisodeIndex, RunIndex
 from trajstore.core.stager import RowStager
 from trajstore.core.store import Store, TableSpec
 from trajstore.errors import (
+    BadArgumentError,
     BadOptionError,
     BadValueError,
     SpaceMismatchError,
@@ -189,6 +190,10 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
         """
         for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
             _storage_cls_check(c)
+        if "capacity" in kwargs:  # ReplayBuffer.create's name; here steps and episode data each have one
+            raise BadArgumentError(f"TrajectoryReplayBuffer.create takes step_data_capacity= (steps kept in the ring) "
+                                   f"and episode_data_capacity= (episode-data rows), not capacity=; got "
+                                   f"capacity={kwargs['capacity']!r}")
         if step_episode_id_capacity is not None and step_episode_id_capacity != step_data_capacity:
             raise BadOptionError(f"step_episode_id_capacity={step_episode_id_capacity} must equal step_data_capacity="
                              f"{step_data_capacity}: the id ring is aligned with the step ring")

@@ -7,7 +7,7 @@ traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2
 errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
-:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter).
+:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert).
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import argparse
 import sys
 from typing import Sequence
 
+from trajstore import __version__
 from trajstore.cli import edit as _edit
 from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
 from trajstore.cli._common import CLIError
+from trajstore.cli.parts import folder_hint
+from trajstore.errors import NotATrajstoreError
 
 __all__ = ["main", "build_parser"]
 
@@ -36,6 +39,7 @@ examples:
   trajstore copy runs/apex apex-merged      merge a sharded dataset into one store (verified)
   trajstore split data --ratios train=0.9,val=0.1 data_   episodes into data_train, data_val
   trajstore filter data good --where "return > 100"       keep the episodes that match
+  trajstore convert demo_store demo_traj    a replay store's episodes as a trajectory store
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
 
 'trajstore COMMAND --help' describes each command."""
@@ -50,13 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trajstore", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
         description="Inspect, check, repair, copy and plot trajstore stores (zarr v3 replay and trajectory data).")
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    p.add_argument("--version", action="version", version=f"trajstore {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _show.register(sub, common)
     _maintain.register(sub, common)
     _edit.register(sub, common)
     _interop.register(sub, common)
     # Subcommands in a sensible order in --help.
-    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "combine", "split", "filter", "plot",
+    order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
              "demo"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
@@ -79,13 +84,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"trajstore {args.command}: error: {e}", file=sys.stderr)
         return e.code
+    except NotATrajstoreError as e:  # a buffer folder or dataset root given to a one-store command
+        if debug:
+            raise
+        hint = folder_hint(getattr(args, "path", None), getattr(args, "storage_options", None))
+        print(f"trajstore {args.command}: error: {' '.join(str(e).split())}{hint}", file=sys.stderr)
+        return 1
     except Exception as e:  # every other failure: one line, the traceback only with --debug
         if debug:
             raise
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         msg = " ".join(msg.split()) or type(e).__name__
+        if isinstance(e, OSError):
+            msg = _where_failed(args, e, msg)
         print(f"trajstore {args.command}: error: {msg}", file=sys.stderr)
         return 1
+
+
+def _where_failed(args: argparse.Namespace, e: OSError, msg: str) -> str:
+    """An I/O error as a user can act on it: the location it came from (the file it names, else the
+    command's stores), and for a refused access (S3's bare "Forbidden") where credentials come from."""
+    where = [str(e.filename)] if e.filename else [str(v) for k in ("path", "src", "dst") if (v := getattr(args, k, None))]
+    where += [str(v) for v in getattr(args, "stores", None) or []]
+    if where and not any(w in msg for w in where):
+        msg = f"{' or '.join(where)}: {msg}"
+    if isinstance(e, PermissionError):
+        msg += (" (access refused: check the credentials and permissions for that location, e.g. --storage-options "
+                "'{\"profile\": ...}' or the AWS_* environment variables)")
+    return msg
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Commands that write new stores from episodes of existing ones: ``combine``, ``split``, ``filter``.
+"""Commands that write new stores from episodes of existing ones: ``combine``, ``split``, ``filter``,
+and ``convert`` (a replay store's episodes as a trajectory store).
 
 Each streams a bounded block of steps at a time, writes its destination(s) under a temporary
 name, verifies them and only then renames them into place (nothing is left behind on error);
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trajstore.cli._common import CLIError, print_json
+from trajstore.cli._common import CLIError, json_arg, print_json
 
 __all__ = ["register", "parse_ratios"]
 
@@ -79,6 +80,48 @@ def _cmd_filter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_source(args: argparse.Namespace) -> str:
+    """The store to convert: SRC itself, or the ``transitions`` store of a stable-baselines3
+    replay buffer's folder (one env: a row of several envs holds one done flag per env)."""
+    from trajstore.cli.parts import sb3_folder
+
+    folder = sb3_folder(args.src, args.storage_options)
+    if folder is None:
+        return str(args.src)
+    parts = dict(folder.parts)
+    n_envs = (folder.record or {}).get("n_envs")
+    if "transitions" not in parts:
+        raise CLIError(f"{args.src}: a stable-baselines3 {folder.kind} folder; convert takes a replay buffer's "
+                       f"folder (its transitions store) or a store with terminated/truncated flags, e.g. one of "
+                       f"{', '.join(parts) or 'its stores'} (rollout histories already are trajectory stores)")
+    if n_envs != 1:
+        raise CLIError(f"{args.src}: a stable-baselines3 {folder.kind} of n_envs={n_envs}: each row holds every env's "
+                       "transition, so rows do not form episodes; convert takes buffers of n_envs=1")
+    return parts["transitions"]
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from trajstore.maintenance.convert import to_trajectory
+
+    src = _convert_source(args)
+    out = to_trajectory(src, args.dst, reward_field=args.reward_field, storage_options=args.storage_options,
+                        tqdm=_bar(args), overwrite=args.overwrite)
+    if args.json:
+        print_json(out)
+    else:
+        what = f"{out['episodes']} episodes" + (" (the last one in progress)" if out["in_progress"] else "")
+        returns = f"returns from {out['reward_field']}" if out["reward_field"] else "no reward field: returns 0"
+        print(f"converted {src} into the trajectory store {out['destination']}: {what}, {out['steps']} steps, "
+              f"episode data return and length ({returns}); verified")
+    return 0
+
+
+def _output_args(p: argparse.ArgumentParser, overwrite: str = "replace an existing store at DST") -> None:
+    """``--overwrite`` and ``--json``, which every command writing new stores takes."""
+    p.add_argument("--overwrite", action="store_true", help=overwrite)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``combine``, ``split`` and ``filter`` to the subparsers ``sub``; ``common`` holds the
     options every command takes."""
@@ -89,9 +132,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "argument list (0 for A).  DST is written under a temporary name, verified, then "
                                    "renamed; nothing is left behind on error.")
     p.add_argument("stores", nargs="+", metavar="STORE", help="source stores, then the destination DST")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p)
     p.set_defaults(func=_cmd_combine)
+
+    p = sub.add_parser("convert", parents=[common], help="a replay store's episodes as a trajectory store (verified)",
+                       description="Write a ReplayBuffer store whose rows flag episode ends (terminated/truncated "
+                                   "or done fields: trajstore demo, a stable-baselines3 replay buffer of one env) "
+                                   "to a new TrajectoryReplayBuffer store DST: the same rows, the episodes "
+                                   "'trajstore episodes SRC' lists as episode ids, and each episode's return and "
+                                   "length as episode data.  combine, split, filter and "
+                                   "TrajectoryReplayBuffer.load_from then take DST.  SRC may be a "
+                                   "stable-baselines3 buffer's cache_path (its transitions store is converted).  DST "
+                                   "is written under a temporary name, verified, then renamed.")
+    p.add_argument("src", metavar="SRC", help="replay store (folder, .zip or URL) or a stable-baselines3 cache_path")
+    p.add_argument("dst", metavar="DST", help="destination (a local folder)")
+    p.add_argument("--to", choices=("trajectory",), default="trajectory",
+                   help="kind of the new store (trajectory: the only one)")
+    p.add_argument("--reward-field", default=None, metavar="NAME",
+                   help="scalar step field summed into each episode's return (default: reward or rewards)")
+    p.add_argument("--storage-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for SRC")
+    _output_args(p)
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("split", parents=[common], help="split a store's episodes into several stores (verified)",
                        description="Share the episodes of SRC out among new stores DST_PREFIX + NAME, one per "
@@ -105,8 +166,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst_prefix", metavar="DST_PREFIX", help="each split is written to DST_PREFIX + NAME "
                                                             "(out/pendulum_ gives out/pendulum_train)")
     p.add_argument("--seed", type=int, default=0, help="seed of the episode permutation (default 0)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing stores at the destinations")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p, "replace existing stores at the destinations")
     p.set_defaults(func=_cmd_split)
 
     p = sub.add_parser("filter", parents=[common], help="keep the episodes matching an expression (verified)",
@@ -118,6 +178,5 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="store to filter")
     p.add_argument("dst", metavar="DST", help="destination (a local folder)")
     p.add_argument("--where", required=True, metavar="EXPR", help="which episodes to keep, e.g. 'return > 100'")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _output_args(p)
     p.set_defaults(func=_cmd_filter)

@@ -17,6 +17,7 @@ from trajstore.cli._common import (
     print_json,
     progress,
 )
+from trajstore.cli.parts import run_on_parts, sb3_folder
 from trajstore.cli.shards import is_sharded_root, merge_copy, print_sharded_verify, verify_copy, verify_sharded
 from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
@@ -59,6 +60,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         else:
             print_sharded_verify(out)
         return 0 if out["ok"] else 1
+    folder = sb3_folder(args.path, args.storage_options)
+    if folder is not None:  # a stable-baselines3 buffer's cache_path: its record and every store inside
+        reps = run_on_parts(folder, args.json, lambda url: verify_store(
+            url, storage_options=args.storage_options, deep=args.deep, progress=lambda n, d: progress(n, d, unit="chunk")),
+            _print_verify, lambda rep: rep.to_json())
+        ok = not folder.problems and all(rep.ok for rep in reps)
+        if not args.json:
+            print(f"\n{'OK' if ok else 'FAULTS'}: {folder.path} ({len(reps)} store(s)"
+                  + (f", {len(folder.problems)} problem(s) with the folder" if folder.problems else "") + ")")
+        return 0 if ok else 1
     rep = verify_store(args.path, storage_options=args.storage_options, deep=args.deep,
                        progress=lambda n, d: progress(n, d, unit="chunk"))
     if args.json:

@@ -20,6 +20,7 @@ from trajstore.cli._common import (
     print_table,
     progress,
 )
+from trajstore.cli.parts import run_on_parts, sb3_folder, shard_folder
 from trajstore.cli.shards import (
     is_sharded_root,
     print_sharded_info,
@@ -85,13 +86,23 @@ def print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    folder = sb3_folder(args.path, args.storage_options)
+    if folder is not None:  # a stable-baselines3 buffer's cache_path: each store inside it
+        run_on_parts(folder, args.json, lambda url: store_info(url, storage_options=args.storage_options), print_info,
+                     _info_json)
+        return 0
     sharded = is_sharded_root(args.path, args.storage_options)
     info = (sharded_info if sharded else store_info)(args.path, storage_options=args.storage_options)
     if args.json:
-        print_json({k: v for k, v in info.items() if k != "spaces_text"})
+        print_json(_info_json(info))
     else:
         (print_sharded_info if sharded else print_info)(info)
     return 0
+
+
+def _info_json(info: dict[str, Any]) -> dict[str, Any]:
+    """``info --json``: the info without its text rendering of the spaces."""
+    return {k: v for k, v in info.items() if k != "spaces_text"}
 
 
 # -- ls --------------------------------------------------------------------------------------------
@@ -101,22 +112,34 @@ def _array_ratio(a: dict[str, Any]) -> str:
     return "-" if a["ratio"] is None else f"{a['ratio']:.2f}x"
 
 
-def _cmd_ls(args: argparse.Namespace) -> int:
+def _arrays(path: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
     from trajstore.maintenance.summary import array_list
 
-    store = open_store(args.path, args.storage_options)
+    store = open_store(path, storage_options)
     try:
-        arrays = array_list(store)
+        return array_list(store)
     finally:
         store.close()
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    folder = sb3_folder(args.path, args.storage_options) or shard_folder(args.path, args.storage_options)
+    if folder is not None:  # every store of a buffer folder, every shard of a dataset
+        run_on_parts(folder, args.json, lambda url: _arrays(url, args.storage_options), _print_arrays)
+        return 0
+    arrays = _arrays(args.path, args.storage_options)
     if args.json:
         print_json(arrays)
         return 0
+    _print_arrays(arrays)
+    return 0
+
+
+def _print_arrays(arrays: list[dict[str, Any]]) -> None:
     print_table(["path", "shape", "rows", "dtype", "chunks", "codec", "stored", "ratio"],
                 [[a["path"], str(tuple(a["shape"])), a["committed_rows"], a["dtype"], str(tuple(a["chunks"])), a["codec"],
                   fmt_bytes(a["stored_bytes"]), _array_ratio(a)] for a in arrays],
                 right=("rows", "stored", "ratio"))
-    return 0
 
 
 # -- episodes ----------------------------------------------------------------------------------------
@@ -130,8 +153,8 @@ def _episodes(args: argparse.Namespace) -> dict[str, Any]:
         store.close()
 
 
-def _cmd_episodes(args: argparse.Namespace) -> int:
-    eps = _episodes(args)
+def _listing(args: argparse.Namespace, eps: dict[str, Any]) -> dict[str, Any]:
+    """``episodes --json`` of the table ``eps``, sorted and limited as ``args`` say."""
     n = len(eps["episode_id"])
     order = np.arange(n)
     if args.sort == "length":
@@ -146,19 +169,51 @@ def _cmd_episodes(args: argparse.Namespace) -> int:
     sharded = "shard" in eps  # ids are global; the table shows each episode's shard and its id there
     cols = ["episode_id"] + (["shard", "shard_episode_id"] if sharded else []) + ["start", "length"] + extra
     records = [{c: eps[c][i] if c == "shard" else eps[c][i].item() for c in cols} for i in order.tolist()]
-    if args.json:
-        print_json({"source": eps["source"], "reward_field": eps["reward_field"], "episodes_total": n,
-                    "episodes": [{("id" if c == "episode_id" else c): r[c] for c in cols} for r in records]})
-        return 0
-    print(f"{n} episode(s) (from {eps['source']}" + (f", returns from {eps['reward_field']}" if eps["reward_field"] else
-                                                    ", no reward field") + ")")
-    if sharded:
-        cols = cols[1:]
+    return {"source": eps["source"], "reward_field": eps["reward_field"], "episodes_total": n,
+            "episodes": [{("id" if c == "episode_id" else c): r[c] for c in cols} for r in records]}
+
+
+def _print_listing(out: dict[str, Any]) -> None:
+    """Print an ``episodes`` listing (:func:`_listing`); a store without episodes: why."""
+    if "error" in out:
+        print(f"no episodes: {out['error']}")
+        return
+    n, rows = out["episodes_total"], out["episodes"]
+    print(f"{n} episode(s) (from {out['source']}" + (f", returns from {out['reward_field']}" if out["reward_field"]
+                                                    else ", no reward field") + ")")
+    sharded = bool(rows) and "shard" in rows[0]
+    extra = [c for c in ("return", "terminated", "truncated", "live") if rows and c in rows[0]]
+    cols = (["shard", "shard_episode_id"] if sharded else ["id"]) + ["start", "length"] + extra
     headers = (["shard", "id"] if sharded else ["id"]) + ["first row", "length"] + extra
-    print_table(headers, [[fmt_num(r[c]) for c in cols] for r in records],
-                right=("id", "first row", "length", "return"))
-    if args.limit is not None and n > args.limit:
-        print(f"... {n - args.limit} more (raise --limit)")
+    print_table(headers, [[fmt_num(r[c]) for c in cols] for r in rows], right=("id", "first row", "length", "return"))
+    if n > len(rows):
+        print(f"... {n - len(rows)} more (raise --limit)")
+
+
+def _part_listing(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """The listing of one store of a buffer folder, or ``{"error": why}`` when it has no episodes
+    (a replay buffer of several envs keeps one done flag per env in a row)."""
+    from trajstore.errors import NoEpisodesError
+
+    store = open_store(url, args.storage_options)
+    try:
+        return _listing(args, episode_table(store, args.reward_field))
+    except NoEpisodesError as e:
+        return {"error": str(e)}
+    finally:
+        store.close()
+
+
+def _cmd_episodes(args: argparse.Namespace) -> int:
+    folder = sb3_folder(args.path, args.storage_options)
+    if folder is not None:  # every store of a stable-baselines3 buffer's cache_path
+        run_on_parts(folder, args.json, lambda url: _part_listing(args, url), _print_listing)
+        return 0
+    out = _listing(args, _episodes(args))
+    if args.json:
+        print_json(out)
+    else:
+        _print_listing(out)
     return 0
 
 
@@ -192,7 +247,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if is_sharded_root(args.path, args.storage_options):
         stats = sharded_stats(args.path, args.storage_options, args.field, lambda n, d: progress(n, d, unit="row"))
         return _print_stats(args, stats)
-    store = open_store(args.path, args.storage_options)
+    folder = sb3_folder(args.path, args.storage_options)
+    if folder is not None:  # every store of a stable-baselines3 buffer's cache_path
+        run_on_parts(folder, args.json, lambda url: _store_stats(url, args), _stats_table)
+        return 0
+    return _print_stats(args, _store_stats(args.path, args))
+
+
+def _store_stats(path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    store = open_store(path, args.storage_options)
     try:
         if args.field is None:
             total = sum(t.count for t in store.tables.values())
@@ -207,18 +270,22 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             bar.close()
     finally:
         store.close()
-    return _print_stats(args, stats)
+    return stats
 
 
 def _print_stats(args: argparse.Namespace, stats: list[dict[str, Any]]) -> int:
     if args.json:
         print_json(stats)
-        return 0
+    else:
+        _stats_table(stats)
+    return 0
+
+
+def _stats_table(stats: list[dict[str, Any]]) -> None:
     print_table(["path", "rows", "dtype", "min", "max", "mean", "std", "nan", "inf"],
                 [[s["path"], s["rows"], s["dtype"], fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["mean"]),
                   fmt_num(s["std"]), s["nan"], s["inf"]] for s in stats],
                 right=("rows", "min", "max", "mean", "std", "nan", "inf"))
-    return 0
 
 
 # -- plot ------------------------------------------------------------------------------------------------
@@ -277,7 +344,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                        "or name a new folder") from None
     info = store_info(path)
     if args.json:
-        print_json({k: v for k, v in info.items() if k != "spaces_text"})  # as `info --json`
+        print_json(_info_json(info))  # as `info --json`
         return 0
     print(f"recorded {args.episodes} episodes of {args.env} into {path}; reopened read-only:\n")
     print_info(info)

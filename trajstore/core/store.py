@@ -292,7 +292,11 @@ class Store(StoreCommits):
         attrs = check_attrs(loc, root["attributes"][ATTRS_KEY])
         kinds = (kind,) if isinstance(kind, str) else kind
         if kinds is not None and attrs.get("kind") not in kinds:
-            raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}")
+            hint = ("; a ReplayBuffer whose rows flag episode ends (terminated/truncated or done) becomes one with "
+                    "`trajstore convert SRC DST` (trajstore.to_trajectory)"
+                    if attrs.get("kind") == "ReplayBuffer" and "TrajectoryReplayBuffer" in kinds else "")
+            raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}"
+                                     + hint)
         schema = check_schema(attrs, where)
         # Every array's metadata is checked (local arrays' own zarr.json files too: cheap, and zarr
         # reads them when a writer grows); the rows they record are not used (see below).

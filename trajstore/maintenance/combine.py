@@ -44,7 +44,7 @@ from trajstore.maintenance.staged import (
 )
 from trajstore.maintenance.where import compile_where, where_fields
 
-__all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space"]
+__all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space", "space_difference"]
 
 #: The episode field :func:`combine` adds: the index of the episode's source in ``sources``.
 SOURCE_FIELD = "source"
@@ -65,15 +65,37 @@ def _episode_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray) -> Iterator[tu
         yield part, buf._episodes.lookup(part) >= 0, buf._episode_rows(part, fields)
 
 
+def space_difference(got: gymnasium.Space | None, want: gymnasium.Space | None, got_name: str = "the first",
+                     want_name: str = "the second", at: str = "") -> str:
+    """Where two unequal spaces first differ, for messages: ``"at key 'obs/pos': Box(...) in A, Box(...)
+    in B"``, ``"key 'reward' is in B, not in A"`` (Dict and Tuple spaces are walked key by key), or
+    the two spaces themselves."""
+    if isinstance(got, gymnasium.spaces.Dict) and isinstance(want, gymnasium.spaces.Dict):
+        for key in want.spaces:
+            if key not in got.spaces:
+                return f"key {at + key!r} is in {want_name}, not in {got_name}"
+            if got.spaces[key] != want.spaces[key]:
+                return space_difference(got.spaces[key], want.spaces[key], got_name, want_name, f"{at}{key}/")
+        extra = [key for key in got.spaces if key not in want.spaces]
+        if extra:
+            return f"key {at + extra[0]!r} is in {got_name}, not in {want_name}"
+    if (isinstance(got, gymnasium.spaces.Tuple) and isinstance(want, gymnasium.spaces.Tuple)
+            and len(got.spaces) == len(want.spaces)):
+        for i, (g, w) in enumerate(zip(got.spaces, want.spaces)):
+            if g != w:
+                return space_difference(g, w, got_name, want_name, f"{at}{i}/")
+    where = f"at key {at.rstrip('/')!r}: " if at else ""
+    return f"{where}{got} in {got_name}, {want} in {want_name}"
+
+
 def _spaces_equal(bufs: Sequence[TrajectoryReplayBuffer], names: Sequence[str]) -> None:
     first = bufs[0]
     for k, b in enumerate(bufs[1:], 1):
-        if b.step_space != first.step_space:
-            raise SpaceMismatchError(f"combine: {names[k]} has step space {b.step_space}; expected {first.step_space} "
-                                     f"(the step space of {names[0]})")
-        if b.episode_space != first.episode_space:
-            raise SpaceMismatchError(f"combine: {names[k]} has episode space {b.episode_space}; expected "
-                                     f"{first.episode_space} (the episode space of {names[0]})")
+        for what, got, want in (("step", b.step_space, first.step_space),
+                                ("episode", b.episode_space, first.episode_space)):
+            if got != want:
+                raise SpaceMismatchError(f"combine: the {what} space of {names[k]} differs from that of {names[0]}, "
+                                         f"{space_difference(got, want, str(names[k]), str(names[0]))}")
 
 
 def combined_episode_space(episode_space: gymnasium.Space | None, n_sources: int) -> gymnasium.spaces.Dict:

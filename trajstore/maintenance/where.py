@@ -42,7 +42,7 @@ def _refuse(expr: str, node: ast.AST, what: str) -> BadOptionError:
     col = getattr(node, "col_offset", None)
     at = f" at column {col + 1}" if col is not None else ""
     return BadOptionError(f"--where {expr!r}: {what}{at}; allowed: numbers, field names, comparisons "
-                          "(== != < <= > >=), and/or/not, parentheses")
+                          "(== != < <= > >=), and/or/not, parentheses" + _operator_hint(expr))
 
 
 def _field_name(node: ast.AST) -> str | None:
@@ -70,7 +70,22 @@ def _parse(expr: str) -> ast.Expression:
     except (SyntaxError, RecursionError, ValueError) as e:
         col = getattr(e, "offset", None)
         raise BadOptionError(f"--where {expr!r}: not an expression" + (f" (column {col})" if col else "") +
-                             f": {getattr(e, 'msg', e)}") from None
+                             f": {getattr(e, 'msg', e)}" + _operator_hint(expr)) from None
+
+
+#: Operators of other languages users type, and this language's word for them.
+_OTHER_OPERATORS = (("&&", "and"), ("||", "or"), ("!=", None), ("!", "not"), ("&", "and"), ("|", "or"))
+
+
+def _operator_hint(expr: str) -> str:
+    """``"; use 'and' instead of '&&'"`` for the first C/shell-style operator in ``expr`` ("" if none)."""
+    for op, word in _OTHER_OPERATORS:
+        if op in expr:
+            if word is None:  # "!=" is ours: take it out before looking for "!"
+                expr = expr.replace(op, " ")
+                continue
+            return f"; use {word!r} instead of {op!r} (this language writes and, or, not)"
+    return ""
 
 
 _KEYWORD_MARK = "__kw_"
