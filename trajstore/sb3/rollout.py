@@ -280,7 +280,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         return self._views("obs")
 
     def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return positions, positions < self.pos
+        return positions, positions < len(self._rb)
 
     # -- pickling ----------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:
