@@ -267,7 +267,7 @@ def record_path(algo: Any | None, given: Any, root: StoreRoot) -> None:
     kwargs = getattr(algo, "replay_buffer_kwargs", None)
     if root.temporary or root.is_url or not isinstance(kwargs, dict) or kwargs.get("cache_path") is not given:
         return
-    if not os.path.isabs(os.fspath(given)) or not isinstance(given, str):
+    if not (isinstance(given, str) and os.path.isabs(given)):  # relative, or a path object: the resolved str
         kwargs["cache_path"] = root.path
 
 

@@ -321,8 +321,9 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         space, lay, k = self._row_space().spaces, self._layout, len(positions)
         names = [n for n, _ in lay.leaves("obs")] + ([] if self.optimize_memory_usage else
                                                        [n for n, _ in lay.leaves("next_obs")])
-        rows = {n: (np.zeros((k, *space[n].shape), space[n].dtype) if obs_leaves is None else obs_leaves[i])
-                for i, n in enumerate(names)}
+        boxes = [cast(spaces.Box, space[n]) for n in names]
+        rows = {n: (np.zeros((k, *box.shape), box.dtype) if obs_leaves is None else obs_leaves[i])
+                for i, (n, box) in enumerate(zip(names, boxes))}
         rows.update({name: arr[positions] for name, arr in self._small().items()})
         rows["step"] = self._steps + np.arange(k, dtype=np.int64)
         return rows
