@@ -237,7 +237,8 @@ def announce_resume(resume: bool | None, kind: str, path: str, held: str) -> Non
 class NewBufferWarning(UserWarning):
     """A model that has trained (``SAC.load`` of a saved run) got a new, empty buffer: nothing was
     at its ``cache_path``.  The message names the folder; pass the run's folder with
-    ``replay_buffer_kwargs=dict(cache_path=...)`` to ``load`` to continue with its data."""
+    ``replay_buffer_kwargs=dict(cache_path=...)`` to ``load`` to continue with its data, or
+    ``resume=False`` (or ``overwrite=True``) to say that a new buffer is wanted."""
 
 
 def building_algorithm() -> Any | None:
@@ -281,7 +282,7 @@ def announce_new(algo: Any | None, kind: str, root: StoreRoot) -> None:
     warnings.warn(f"{kind}: {type(algo).__name__} has trained {steps:,} timesteps but {root.path} held no buffer; "
                   "a new, empty one was created there.  If the run's buffer is elsewhere (a relative cache_path "
                   "saved from another working directory), load with replay_buffer_kwargs=dict(cache_path=<that "
-                  "folder>)", NewBufferWarning, stacklevel=4)
+                  "folder>); pass resume=False to say a new buffer is what you want", NewBufferWarning, stacklevel=4)
 
 
 def space_config(observation_space: gymnasium.Space, action_space: gymnasium.Space) -> dict[str, Any]:
