@@ -417,6 +417,10 @@ def test_a_trained_model_given_a_new_empty_buffer_says_where(tmp_path: Path, mon
     assert loaded.replay_buffer.size() == 0
     loaded.replay_buffer.close()
     with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resume=False: a new buffer is what was asked for
+        SAC.load(tmp_path / "model.zip", env=gym.make("Pendulum-v1"),
+                 replay_buffer_kwargs=dict(cache_path="elsewhere", resume=False)).replay_buffer.close()
+    with warnings.catch_warnings():
         warnings.simplefilter("error")  # a model that has not trained yet gets a new buffer silently
         SAC("MlpPolicy", "Pendulum-v1", buffer_size=100, replay_buffer_class=ZarrReplayBuffer,
             replay_buffer_kwargs=dict(cache_path="fresh")).replay_buffer.close()

@@ -58,17 +58,28 @@ _OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
 def _flush_all() -> None:
     for s in list(_OPEN):
         try:
-            s.close()
+            s.flush()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
 
 
-# Samplers left open are closed at exit before anything is shut down: a threading exit hook runs
-# before Python's thread pools stop taking work (concurrent.futures' own threading hook, registered
-# earlier, runs after ours) and before every atexit hook, so the buffers are still open and zarr's
-# IO (which reads the sidecar through the loop's thread pool) still works.  From a plain atexit
-# hook the pool is already shut down: the write failed ("cannot schedule new futures after
-# shutdown") and left a sidecar the next open had to write anew.
+@atexit.register
+def _close_all() -> None:
+    # After _flush_all: Python's thread pools, which zarr's reads go through, are shut down now, so
+    # a sampler with nothing changed since is released without touching the sidecar.
+    for s in list(_OPEN):
+        try:
+            s.close()  # writes only if a thread that ran on after the main thread updated priorities
+        except Exception:
+            pass
+
+
+# Samplers left open write their priorities at exit before anything is shut down: a threading exit
+# hook runs before Python's thread pools stop taking work (concurrent.futures' own threading hook,
+# registered earlier, runs after ours) and before every atexit hook, so the buffers are still open
+# and zarr's IO still works.  From a plain atexit hook the pool is already shut down: the write
+# failed ("cannot schedule new futures after shutdown") and left a sidecar the next open had to
+# write anew.  The samplers stay open (threads that still run may use them) until _close_all.
 _register_exit = getattr(threading, "_register_atexit", atexit.register)
 _register_exit(_flush_all)
 
@@ -442,6 +453,10 @@ class PrioritizedSampler:
         self._last_flush = time.monotonic()
         self._write(fsync)
 
+    def changed(self) -> bool:
+        """Whether priorities were updated since they were last written."""
+        return bool(self._writable and not self._closed and self._live.dirty.any())
+
     def buffer_closing(self) -> None:
         """Called by the buffer (see ``attach``) as it closes: write the priorities and release
         the sidecar, so the buffer can be reopened with a new sampler."""
@@ -461,12 +476,14 @@ class PrioritizedSampler:
         live.dirty[slots] = False
 
     def close(self) -> None:
-        """Flush (writers) and release the sidecar store and its writer lock.  The buffer stays
-        open.  (In a process forked from the writer nothing is written: the parent writes.)"""
+        """Flush (writers, when priorities changed since they were last written) and release the
+        sidecar store and its writer lock.  The buffer stays open.  (In a process forked from the
+        writer nothing is written: the parent writes.)  Rows added since the last write need no
+        write: they count as the ``max_priority`` stored with it, which only updates change."""
         if self._closed:
             return
         try:
-            if os.getpid() == self._pid:
+            if os.getpid() == self._pid and self.changed():
                 self.flush()
         finally:
             self._release()

@@ -287,7 +287,8 @@ class _PrioritizedMixin(_ZarrReplayMixin):
     def flush(self, fsync: bool = False) -> None:
         """Commit the transitions (see ``ZarrReplayBuffer.flush``), then the priorities."""
         super().flush(fsync)
-        self._sampler.flush(fsync)
+        if fsync or self._sampler.changed():  # (at exit, after the sampler's own exit flush: no IO)
+            self._sampler.flush(fsync)
 
     def _release(self, strict: bool = False) -> None:
         sampler = self.__dict__.get("_sampler")
