@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -506,3 +508,29 @@ def test_rollout_pos_set_by_hand_follows_sb3(paths: Any) -> None:
     b = next(sb3.get(4))
     assert th.equal(a.observations, b.observations) and th.equal(a.returns, b.returns)
     ours.close()
+
+
+EXIT_WITHOUT_CLOSING = """
+import sys
+import numpy as np
+from trajstore.sb3 import PrioritizedDQN
+model = PrioritizedDQN("MlpPolicy", "CartPole-v1", learning_starts=50, buffer_size=1000, train_freq=4, seed=0,
+                       replay_buffer_kwargs=dict(cache_path=sys.argv[1]))
+model.learn(200)
+np.save(sys.argv[2], model.replay_buffer.priorities())
+"""
+
+
+def test_prioritized_dqn_exiting_without_closing_keeps_its_priorities(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-W", "always", "-c", EXIT_WITHOUT_CLOSING, str(tmp_path / "per"),
+                          str(tmp_path / "want.npy")], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "cannot schedule" not in out.stderr and "Warning" not in out.stderr, out.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buf = ZarrPrioritizedReplayBuffer.open(tmp_path / "per")
+    assert np.array_equal(buf.priorities(), np.load(tmp_path / "want.npy"))
+    assert len(np.unique(buf.priorities())) > 20  # |TD error|s, not the priority new rows enter with
+    buf.close()
