@@ -460,6 +460,57 @@ def test_a_zip_of_the_buffer_leaves_the_priorities_out(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# priorities committed with the buffer: its close, its flush, the process's exit
+# ---------------------------------------------------------------------------------------------
+def test_closing_the_buffer_alone_keeps_the_priorities(tmp_path: Path) -> None:
+    """``buf.close()`` without ``sampler.close()``, inside the flush interval: the priorities are
+    written and the sidecar released, so the same process reopens both at once."""
+    path = tmp_path / "b"
+    pri = np.linspace(0.5, 8.0, 40)
+    buf = _buffer(path, 40)
+    s = PrioritizedSampler(buf, alpha=1.0, flush_interval=3600)
+    s.sample(4, rng=0)
+    s.update_priorities(np.arange(40), pri)
+    buf.close()
+    with ReplayBuffer.load_from(str(path)) as again, PrioritizedSampler(again, alpha=1.0) as s2:
+        assert np.allclose(s2.priorities(np.arange(40)), pri)
+        s2.update_priorities(np.arange(40), pri[::-1])  # last sample: none, so all rows
+        again.flush()  # a flush of the buffer writes them too, sampler left open
+        with ReplayBuffer.load_from(str(path), read_only=True) as ro:
+            reader = PrioritizedSampler(ro, alpha=1.0)
+            assert np.allclose(reader.priorities(np.arange(40)), pri[::-1])
+            reader.close()
+
+
+EXIT_WITHOUT_CLOSING = """
+import sys, numpy as np
+from gymnasium.spaces import Box
+from trajstore import PrioritizedSampler, ReplayBuffer
+buf = ReplayBuffer.create(Box(-np.inf, np.inf, (1,), np.float64), cache_path=sys.argv[1])
+buf.extend(np.arange(30, dtype=np.float64)[:, None])
+s = PrioritizedSampler(buf, alpha=1.0, flush_interval=3600)
+s.sample(4, rng=0)
+s.update_priorities(np.arange(30), np.arange(30) + 0.5)
+"""
+
+
+def test_a_process_exiting_without_closing_keeps_its_priorities(tmp_path: Path) -> None:
+    """Exit hooks: the sampler writes its priorities before Python's thread pools stop, so the
+    write neither fails ("cannot schedule new futures after shutdown") nor leaves a sidecar that
+    the next open must write anew."""
+    path = tmp_path / "b"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-W", "always", "-c", EXIT_WITHOUT_CLOSING, str(path)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "cannot schedule" not in out.stderr and "Warning" not in out.stderr, out.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "the stored priorities cannot be read ... written anew" would fail here
+        with ReplayBuffer.load_from(str(path)) as buf, PrioritizedSampler(buf, alpha=1.0) as s:
+            assert np.allclose(s.priorities(np.arange(30)), np.arange(30) + 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
 # SIGKILL while priorities are written
 # ---------------------------------------------------------------------------------------------
 def test_sigkill_during_update_priorities(tmp_path: Path, procs: list) -> None:

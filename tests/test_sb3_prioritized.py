@@ -257,7 +257,10 @@ def test_train_is_sb3_dqn_train_with_unit_weights(tmp_path: Path) -> None:
                     replay_buffer_kwargs=dict(cache_path=tmp_path / name, alpha=0.0, beta=0.0))
         return model.learn(400)
 
-    ref, ours = train(DQN, "dqn"), train(PrioritizedDQN, "per")
+    class SB3Train(DQN):
+        updates_priorities = True  # (it does not: the oracle opts in, as a user's own subclass would)
+
+    ref, ours = train(SB3Train, "dqn"), train(PrioritizedDQN, "per")
     assert ours.replay_buffer.full and ours._n_updates == ref._n_updates > 0
     sa, sb = ours.policy.state_dict(), ref.policy.state_dict()
     for k in sa:

@@ -80,6 +80,8 @@ class StoredBuffer(BatchBase):
         self._open_args = open_args
         self._rng = np.random.default_rng()
         self._closed = False
+        # Objects committed with this buffer (PrioritizedSampler: its priorities), held weakly.
+        self._followers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._stagers = []
         _OPEN.add(self)
 
@@ -270,9 +272,18 @@ class StoredBuffer(BatchBase):
                 self._drain()
                 if fsync:
                     self._store.commit(fsync=True, state=self._state())
-            return
-        self._drain()
-        self._store.commit(fsync=fsync, state=self._state())
+        else:
+            self._drain()
+            self._store.commit(fsync=fsync, state=self._state())
+        for follower in list(self._followers):
+            follower.buffer_flushed(fsync)
+
+    def attach(self, follower: Any) -> None:
+        """Commit ``follower`` with this buffer: every :meth:`flush` ends with
+        ``follower.buffer_flushed(fsync)`` and :meth:`close` calls ``follower.buffer_closing()``
+        before it releases the store (a :class:`~trajstore.PrioritizedSampler` writes and releases
+        its priorities there, so ``buffer.close()`` alone keeps them).  Held weakly."""
+        self._followers.add(follower)
 
     def _state(self) -> dict[str, Any] | None:
         """Buffer-specific state saved in the commit record (None: keep what is there)."""
@@ -324,6 +335,8 @@ class StoredBuffer(BatchBase):
                 self.flush()
                 if not self.read_only:
                     self._after_last_commit()
+                for follower in list(self._followers):
+                    follower.buffer_closing()
         finally:
             self._release()
 

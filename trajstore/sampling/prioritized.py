@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -54,15 +55,33 @@ __all__ = ["PrioritizedSampler", "PRIORITIES_DIR", "ACCEPT_ROUNDS", "REBUILD_FRA
 _OPEN: "weakref.WeakSet[PrioritizedSampler]" = weakref.WeakSet()
 
 
-@atexit.register
 def _flush_all() -> None:
-    # Registered after the buffers' own exit hook (buffers are imported first), so it runs before
-    # it: the buffer is still open when the sampler flushes it and then its priorities.
     for s in list(_OPEN):
         try:
-            s.close()
+            s.flush()
         except Exception:  # exiting anyway: one broken sampler must not stop the others
             pass
+
+
+@atexit.register
+def _close_all() -> None:
+    # After _flush_all: Python's thread pools, which zarr's reads go through, are shut down now, so
+    # a sampler with nothing changed since is released without touching the sidecar.
+    for s in list(_OPEN):
+        try:
+            s.close()  # writes only if a thread that ran on after the main thread updated priorities
+        except Exception:
+            pass
+
+
+# Samplers left open write their priorities at exit before anything is shut down: a threading exit
+# hook runs before Python's thread pools stop taking work (concurrent.futures' own threading hook,
+# registered earlier, runs after ours) and before every atexit hook, so the buffers are still open
+# and zarr's IO still works.  From a plain atexit hook the pool is already shut down: the write
+# failed ("cannot schedule new futures after shutdown") and left a sidecar the next open had to
+# write anew.  The samplers stay open (threads that still run may use them) until _close_all.
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(_flush_all)
 
 
 class PrioritizedSampler:
@@ -133,6 +152,7 @@ class PrioritizedSampler:
         self._side = PriorityStore(buffer, self._writable, self._src.capacity, self._side_state)
         self._live = LiveRows(self._src, self._side, self._alpha, self._eps)
         self._last_flush = time.monotonic()
+        self._flushing = False
         try:
             self._side.open(create=False)
             self._live.follow()
@@ -141,6 +161,9 @@ class PrioritizedSampler:
             raise
         self._closed = False
         _OPEN.add(self)
+        attach = getattr(buffer, "attach", None)
+        if attach is not None and self._writable:
+            attach(self)  # the buffer's flush and close commit the priorities too
 
     # -- parameters --------------------------------------------------------------------------
     @property
@@ -413,12 +436,39 @@ class PrioritizedSampler:
         self._last_flush = time.monotonic()
         if not self._writable or self._side.url is None or self._closed:
             return
-        live = self._live
+        self._flushing = True  # the buffer's flush calls buffer_flushed: written once, below
         try:
             self.buffer.flush(fsync)
-            live.follow()
         except ClosedError:
             pass  # the buffer was closed first: its last commit stands; write priorities up to it
+        finally:
+            self._flushing = False
+        self._write(fsync)
+
+    def buffer_flushed(self, fsync: bool | None = None) -> None:
+        """Called by the buffer (see ``attach``) after each of its flushes: write the priorities
+        up to the rows it committed."""
+        if self._flushing or self._closed or not self._writable or self._side.url is None:
+            return
+        self._last_flush = time.monotonic()
+        self._write(fsync)
+
+    def changed(self) -> bool:
+        """Whether priorities were updated since they were last written."""
+        return bool(self._writable and not self._closed and self._live.dirty.any())
+
+    def buffer_closing(self) -> None:
+        """Called by the buffer (see ``attach``) as it closes: write the priorities and release
+        the sidecar, so the buffer can be reopened with a new sampler."""
+        self.close()
+
+    def _write(self, fsync: bool | None) -> None:
+        """Bring the sidecar up to the buffer's committed rows and commit the changed priorities."""
+        live = self._live
+        try:
+            live.follow()
+        except ClosedError:
+            pass
         main_start, main_end = self._src.committed
         slots = np.flatnonzero(live.dirty)
         self._side.write(live.epoch, (main_start, min(main_end, live.end)), max(main_start, live.start),
@@ -426,12 +476,14 @@ class PrioritizedSampler:
         live.dirty[slots] = False
 
     def close(self) -> None:
-        """Flush (writers) and release the sidecar store and its writer lock.  The buffer stays
-        open.  (In a process forked from the writer nothing is written: the parent writes.)"""
+        """Flush (writers, when priorities changed since they were last written) and release the
+        sidecar store and its writer lock.  The buffer stays open.  (In a process forked from the
+        writer nothing is written: the parent writes.)  Rows added since the last write need no
+        write: they count as the ``max_priority`` stored with it, which only updates change."""
         if self._closed:
             return
         try:
-            if os.getpid() == self._pid:
+            if os.getpid() == self._pid and self.changed():
                 self.flush()
         finally:
             self._release()

@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     raise missing("stable_baselines3", "trajstore.sb3") from None
 
-from trajstore.sb3._root import ResumedBufferWarning  # noqa: E402
+from trajstore.sb3._root import NewBufferWarning, ResumedBufferWarning  # noqa: E402
 from trajstore.sb3.dummy_vec import DummyVecRolloutBuffer  # noqa: E402
 from trajstore.sb3.her import ZarrHerReplayBuffer  # noqa: E402
 from trajstore.sb3.nstep import ZarrNStepReplayBuffer  # noqa: E402
@@ -40,4 +40,5 @@ from trajstore.sb3.rollout import ZarrDictRolloutBuffer, ZarrRolloutBuffer  # no
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer", "ZarrRolloutBuffer", "ZarrDictRolloutBuffer",
            "DummyVecRolloutBuffer", "ZarrNStepReplayBuffer", "ZarrHerReplayBuffer", "ZarrPrioritizedReplayBuffer",
-           "ZarrPrioritizedDictReplayBuffer", "PrioritizedReplayBufferSamples", "PrioritizedDQN", "ResumedBufferWarning"]
+           "ZarrPrioritizedDictReplayBuffer", "PrioritizedReplayBufferSamples", "PrioritizedDQN", "ResumedBufferWarning",
+           "NewBufferWarning"]

@@ -5,6 +5,7 @@ observations, read-only SB3-shaped views, committing, closing and pickling as a 
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import weakref
 from typing import TYPE_CHECKING, Any, Sequence
@@ -13,10 +14,12 @@ import gymnasium
 import numpy as np
 
 from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
+from trajstore.buffers.replay import ZarrStorage
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.buffers.views import ColumnView
 from trajstore.core.ring import distinct
 from trajstore.errors import (
+    BadArgumentError,
     ClosedError,
     DamagedStoreError,
     ReadOnlyError,
@@ -117,8 +120,19 @@ class ZarrBufferMixin:
     def _init_root(self, cache_path: Any, storage_options: dict[str, Any] | None, overwrite: bool,
                    config: dict[str, Any], parts: list[str], storage_kwargs: dict[str, Any],
                    resume: bool | None = None) -> bool:
-        """Resolve ``cache_path``, check or prepare its record; True when the buffer is new."""
+        """Resolve ``cache_path``, check or prepare its record; True when the buffer is new.
+
+        Raises
+        ------
+        BadArgumentError
+            A keyword argument that is neither SB3's nor a trajstore storage option (a
+            ``TypeError`` worded as Python's own, which SB3's callers match on).
+        """
         self.closed = True
+        unknown = sorted(set(storage_kwargs) - set(ZarrStorage.CREATE_OPTIONS))
+        if unknown:
+            raise BadArgumentError(f"{type(self).__name__}.__init__() got an unexpected keyword argument "
+                                   f"{unknown[0]!r} (trajstore storage options: {', '.join(ZarrStorage.CREATE_OPTIONS)})")
         self._stores: dict[str, Any] = {}
         self._cols: dict[str, ColumnView] = {}
         self._root = _root.StoreRoot(cache_path, storage_options)
@@ -192,8 +206,19 @@ class ZarrBufferMixin:
         """Observations of store rows ``logical`` (B,), env ``env_indices[b]`` for row b (None: env 0).
 
         Returns ``{key: (B, *shape)}``; each env's leaf is read once, results land in batch order.
+        Rows the store does not hold (a buffer whose ``full`` was set by hand, as SB3's tests do)
+        read as zeros, as SB3's preallocated arrays do.
         """
         lay = self._layout
+        held = len(self._stores[self._main])
+        if len(logical) and int(logical.max()) >= held:
+            out = lay.zeros(len(logical))
+            have = np.flatnonzero(logical < held)
+            if have.size:
+                part = self._gather(prefix, logical[have], None if env_indices is None else env_indices[have])
+                for k in lay.keys:
+                    out[k][have] = part[k]
+            return out
         if lay.n_envs == 1 or env_indices is None:
             return {k: self._column(lay.leaf(prefix, 0, k))[logical] for k in lay.keys}
         out = lay.empty(len(logical))
@@ -205,9 +230,17 @@ class ZarrBufferMixin:
         return out
 
     def _read_env(self, prefix: str, env: int, lo: int, hi: int) -> PerKey:
-        """Contiguous store rows ``[lo, hi)`` of env ``env``: ``{key: (hi - lo, *shape)}``."""
+        """Contiguous store rows ``[lo, hi)`` of env ``env``: ``{key: (hi - lo, *shape)}`` (zeros
+        past the rows the store holds, as in :meth:`_gather`)."""
         lay = self._layout
-        return {k: self._column(lay.leaf(prefix, env, k))[lo:hi] for k in lay.keys}
+        end = min(hi, len(self._stores[self._main]))
+        if end >= hi:
+            return {k: self._column(lay.leaf(prefix, env, k))[lo:hi] for k in lay.keys}
+        out = lay.zeros(hi - lo)
+        if end > lo:
+            for k in lay.keys:
+                out[k][:end - lo] = self._column(lay.leaf(prefix, env, k))[lo:end]
+        return out
 
     def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store rows of SB3 positions and which positions hold a row."""
@@ -327,6 +360,32 @@ class ZarrBufferMixin:
 
     def _restore(self, snap: dict[str, Any]) -> None:
         raise NotImplementedError  # abstract
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """An independent copy of the buffer in a new temporary folder (its ``cache_path``,
+        deleted when the copy is closed or collected; ``temporary`` is True).
+
+        The copy holds every committed row and the RAM arrays (actions, rewards, dones, ...) as
+        they are now, so it compares equal to this buffer and stays as it is while this buffer
+        goes on (what SB3's ``deepcopy(buffer)`` gives); this buffer is committed first.  An env
+        the buffer refers to (HER's ``env``) is shared, not copied.  Copying reads every row: use
+        it for small buffers and tests.
+        """
+        self._check_open()
+        kwargs = dict(self._ctor_kwargs(), observation_space=self.observation_space, action_space=self.action_space,
+                      **self._sizes_from_config(self._config), **self._create_opts)
+        dup = _restore(type(self), kwargs, str(self.device), self._snapshot())
+        memo[id(self)] = dup
+        for name, value in vars(self).items():  # RAM state as it is now (edits not in the store included)
+            mine = vars(dup).get(name)
+            if isinstance(value, np.ndarray) and isinstance(mine, np.ndarray) and mine.shape == value.shape:
+                mine[...] = copy.deepcopy(value, memo) if value.dtype == object else value  # (HER's infos)
+        dup.pos, dup.full = self.pos, self.full
+        self._after_copy(dup)
+        return dup
+
+    def _after_copy(self, dup: Any) -> None:
+        """Hook of :meth:`__deepcopy__`: share what the copy refers to but does not own (HER's env)."""
 
     @classmethod
     def open(cls, cache_path: str | os.PathLike[str], *, device: Any = "auto",

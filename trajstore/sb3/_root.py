@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 import weakref
@@ -33,7 +34,7 @@ from trajstore.errors import (
 from trajstore.spaces import space_from_json, space_to_json
 from trajstore.storage.location import fsspec_options
 
-__all__ = ["StoreRoot", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
+__all__ = ["StoreRoot", "NewBufferWarning", "building_algorithm", "record_path", "announce_new", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
 
 CONFIG_KEY = "sb3.json"
 CONFIG_VERSION = 1
@@ -231,6 +232,57 @@ def announce_resume(resume: bool | None, kind: str, path: str, held: str) -> Non
         warnings.warn(f"{kind}: {path} already holds a buffer; reopened it with {held} from an earlier run. "
                       "Pass resume=True to continue with them (silences this warning), overwrite=True to start "
                       "empty, or resume=False to refuse an existing buffer", ResumedBufferWarning, stacklevel=3)
+
+
+class NewBufferWarning(UserWarning):
+    """A model that has trained (``SAC.load`` of a saved run) got a new, empty buffer: nothing was
+    at its ``cache_path``.  The message names the folder; pass the run's folder with
+    ``replay_buffer_kwargs=dict(cache_path=...)`` to ``load`` to continue with its data, or
+    ``resume=False`` (or ``overwrite=True``) to say that a new buffer is wanted."""
+
+
+def building_algorithm() -> Any | None:
+    """The stable-baselines3 algorithm whose ``_setup_model`` is constructing a buffer now, or None.
+
+    A buffer cannot be told which model it serves (SB3 passes only ``replay_buffer_kwargs``), but
+    two things need the model: recording the resolved ``cache_path`` in the kwargs the model saves,
+    and refusing a prioritized buffer to an algorithm that never updates priorities.  The model is
+    the ``self`` of the ``_setup_model`` frame a few frames up; a buffer made by hand finds none.
+    """
+    from stable_baselines3.common.base_class import BaseAlgorithm
+
+    frame = sys._getframe(1)
+    for _ in range(16):  # the buffer's own constructors lie between; never further than this
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_setup_model":
+            algo = frame.f_locals.get("self")
+            return algo if isinstance(algo, BaseAlgorithm) else None
+    return None
+
+
+def record_path(algo: Any | None, given: Any, root: StoreRoot) -> None:
+    """Replace a relative ``cache_path`` in ``algo.replay_buffer_kwargs`` by the folder it resolved
+    to, so the saved model reopens this buffer from any working directory."""
+    kwargs = getattr(algo, "replay_buffer_kwargs", None)
+    if root.temporary or root.is_url or not isinstance(kwargs, dict) or kwargs.get("cache_path") is not given:
+        return
+    if not (isinstance(given, str) and os.path.isabs(given)):  # relative, or a path object: the resolved str
+        kwargs["cache_path"] = root.path
+
+
+def announce_new(algo: Any | None, kind: str, root: StoreRoot) -> None:
+    """Warn that a model that has already trained got a new, empty ``kind`` at ``root``."""
+    steps = int(getattr(algo, "num_timesteps", 0) or 0)
+    if algo is None or root.temporary or steps <= 0:
+        return
+    import warnings
+
+    warnings.warn(f"{kind}: {type(algo).__name__} has trained {steps:,} timesteps but {root.path} held no buffer; "
+                  "a new, empty one was created there.  If the run's buffer is elsewhere (a relative cache_path "
+                  "saved from another working directory), load with replay_buffer_kwargs=dict(cache_path=<that "
+                  "folder>); pass resume=False to say a new buffer is what you want", NewBufferWarning, stacklevel=4)
 
 
 def space_config(observation_space: gymnasium.Space, action_space: gymnasium.Space) -> dict[str, Any]:

@@ -271,6 +271,9 @@ class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[mi
                     self.ep_length[np.arange(start, end) % size, e] = length
 
     # -- pickling ----------------------------------------------------------------------------------
+    def _after_copy(self, dup: Any) -> None:
+        dup.env = self.env
+
     def _ctor_kwargs(self) -> dict[str, Any]:
         return dict(super()._ctor_kwargs(), n_sampled_goal=self.n_sampled_goal,
                     goal_selection_strategy=self.goal_selection_strategy.name.lower(),

@@ -138,6 +138,17 @@ class _PrioritizedMixin(_ZarrReplayMixin):
         self.beta_final = None if beta_final is None else float(beta_final)
         self._gen: np.random.Generator | None = None
 
+    def _check_algorithm(self, algo: Any | None) -> None:
+        """Refuse a model whose training never calls :meth:`update_priorities` (SAC, TD3, DQN...):
+        every priority would stay equal and it would train on uniform samples without a word."""
+        if algo is not None and not getattr(algo, "updates_priorities", False):
+            raise BadOptionError(
+                f"{type(self).__name__} needs an algorithm that updates priorities; {type(algo).__name__}'s train() "
+                "never calls update_priorities, so it would sample uniformly.  Use trajstore.sb3.PrioritizedDQN, "
+                f"or subclass {type(algo).__name__} so that train() passes each batch's indices and |TD error| to "
+                "replay_buffer.update_priorities (and weights its loss by batch.weights), and set the class "
+                "attribute updates_priorities = True")
+
     # -- parameters ----------------------------------------------------------------------------
     @property
     def alpha(self) -> float:
@@ -276,7 +287,8 @@ class _PrioritizedMixin(_ZarrReplayMixin):
     def flush(self, fsync: bool = False) -> None:
         """Commit the transitions (see ``ZarrReplayBuffer.flush``), then the priorities."""
         super().flush(fsync)
-        self._sampler.flush(fsync)
+        if fsync or self._sampler.changed():  # (at exit, after the sampler's own exit flush: no IO)
+            self._sampler.flush(fsync)
 
     def _release(self, strict: bool = False) -> None:
         sampler = self.__dict__.get("_sampler")
@@ -379,7 +391,13 @@ class PrioritizedDQN(DQN):
     transitions' priorities become ``|TD error|`` (the sampler adds ``eps``).  Before every
     training round ``beta`` is annealed towards ``beta_final`` when that is given.
     Gradient clipping, target updates and the logged keys are SB3's.
+
+    ``updates_priorities = True`` is what the prioritized buffers check when a model sets them up:
+    an algorithm whose ``train`` never calls ``update_priorities`` is refused (``BadOptionError``).
     """
+
+    #: ``train`` calls ``replay_buffer.update_priorities`` (see ``_PrioritizedMixin._check_algorithm``).
+    updates_priorities = True
 
     def _setup_model(self) -> None:
         if self.replay_buffer_class is None:

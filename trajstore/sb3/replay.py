@@ -31,12 +31,12 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from trajstore.buffers.replay import ReplayBuffer as StoreBuffer
 from trajstore.core.stager import RowStager
-from trajstore.errors import UnsupportedSpaceError
+from trajstore.errors import BadOptionError, UnsupportedSpaceError
 from trajstore.sampling.source import check_batch_size
 from trajstore.sb3._base import PositionView, ZarrBufferMixin
 from trajstore.sb3._inplace import InPlaceRows
 from trajstore.sb3._layout import ObsLayout, scalar_box, storage_box
-from trajstore.sb3._root import announce_resume, space_config
+from trajstore.sb3._root import announce_new, announce_resume, building_algorithm, record_path, space_config
 
 __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
 
@@ -92,6 +92,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self.dones = np.zeros((size, n), dtype=np.float32)
         self.timeouts = np.zeros((size, n), dtype=np.float32)
         self._count = 0  # rows held (== buffer_size when full)
+        self._head = 0  # position of the store's next row: ``pos`` unless pos was set by hand
         self._steps = 0  # transitions ever added (the ``step`` of the next row)
         self._step = np.zeros((), np.int64)
         self._obs_slots = [(k, e) for e in range(n) for k in self._layout.keys]  # obs leaves, in order
@@ -111,8 +112,11 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._oldest_add: float | None = None
         config = {**space_config(observation_space, action_space), "n_envs": n, "buffer_size": size,
                   "optimize_memory_usage": bool(optimize_memory_usage)}
+        algo = building_algorithm()
+        self._check_algorithm(algo)
         created = self._init_root(cache_path, storage_options, overwrite, config, ["transitions", "pending"],
                                   storage_kwargs, resume)
+        record_path(algo, cache_path, self._root)
         try:
             self._rb = self._open_replay("transitions", self._row_space(), size, created)
             if optimize_memory_usage:
@@ -124,9 +128,14 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         except BaseException:
             self._release()
             raise
+        if created and not overwrite and resume is not False:
+            announce_new(algo, type(self).__name__, self._root)
         if not created and self._count:  # an empty buffer carries nothing of an earlier run
             held = f"{self._count * n:,} transitions" + (f" ({self._count:,} positions x {n} envs)" if n > 1 else "")
             announce_resume(resume, type(self).__name__, self._root.path, held)
+
+    def _check_algorithm(self, algo: Any | None) -> None:
+        """Hook: refuse an algorithm this buffer cannot serve (``algo``: the model being set up, if any)."""
 
     # -- layout ---------------------------------------------------------------------------------
     @staticmethod
@@ -153,7 +162,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     @property
     def _offset(self) -> int:
         """Position of the oldest row (0 until the ring wraps; ``pos`` once full)."""
-        return (self.pos - self._count) % self.buffer_size
+        return (self._head - self._count) % self.buffer_size
 
     def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logical = (positions - self._offset) % self.buffer_size
@@ -164,6 +173,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         rb, size = self._rb, self.buffer_size
         count, offset = len(rb), rb.offset
         self._count, self.full, self.pos = count, count == size, (offset + count) % size
+        self._head = self.pos
         if count:
             phys = (offset + np.arange(count)) % size
             for name, arr in self._small().items():
@@ -199,10 +209,11 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         """
         self._check_open()
         lay, p, size = self._layout, self.pos, self.buffer_size
+        rewrite = p != self._head and self._align_head()  # pos was set by hand
         if self._count and self.dones[p - 1].tobytes() != self._last_done:  # (p - 1 = -1: the last position)
             # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
             self._persist_edits(np.array([(p - 1) % size]))
-        st = self._stage if self._stage_chosen else self._adopt_stager()
+        st = None if rewrite else self._stage if self._stage_chosen else self._adopt_stager()
         shape, dtype = self._frame
         if (st is not None and type(obs) is np.ndarray and type(next_obs) is np.ndarray and obs.shape == shape
                 and next_obs.shape == shape and obs.dtype is dtype and next_obs.dtype is dtype):
@@ -242,18 +253,27 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             values = lay.row_values(o)
             if not self.optimize_memory_usage:
                 values += lay.row_values(no)
-            self._step[...] = self._steps
-            values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
-            self._rb._append_leaves(values)
+            if rewrite:
+                rows = self._rows_at(np.array([p]), [v[None] for v in values])
+                self._stores[self._main].set_at(self._logical_of(np.array([p]))[0], rows)
+            else:
+                self._step[...] = self._steps
+                values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
+                self._rb._append_leaves(values)
         if self.optimize_memory_usage:
             for k in lay.keys:
                 self._pending[k][:] = next_obs if no is None else no[k]
-        self._last_done = self.dones[p].tobytes()
+        if not rewrite:
+            self._last_done = self.dones[p].tobytes()
         self._steps += 1
-        if self._count < size:
+        if rewrite:
+            self.full = self.full or p + 1 == size  # SB3: full once pos wraps
+        elif self._count < size:
             self._count += 1
             self.full = self._count == size
         self.pos = p + 1 if p + 1 < size else 0
+        if not rewrite:
+            self._head = self.pos
         if st is not None:
             st.added(commit_timer=False)  # this method's own timer below commits
         now = time.monotonic()
@@ -266,6 +286,47 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             # after a pause (reopening, a long training step) commits nothing but itself otherwise.
             self._rb.flush()
             self._oldest_add = None
+
+    def _align_head(self) -> bool:
+        """Prepare an ``add`` at a ``pos`` set by hand (SB3 writes there): True when ``pos`` holds a
+        stored row, which the add rewrites in place; otherwise the positions from the store's next
+        row up to ``pos`` get rows of zeros (as SB3's preallocated arrays hold there) and the add
+        appends at ``pos``.
+
+        Raises
+        ------
+        BadOptionError
+            With ``optimize_memory_usage`` (the next observation of a row is the next row's).
+        """
+        if self.optimize_memory_usage:
+            raise BadOptionError(f"{type(self).__name__}: pos was set by hand to {self.pos} (the next row goes to "
+                                 f"{self._head}); not supported with optimize_memory_usage=True")
+        p, size = self.pos, self.buffer_size
+        store = self._stores[self._main]
+        store.flush()  # staged rows are handed over at the positions they were added at
+        if self._logical_of(np.array([p]))[1][0]:
+            return True
+        k = (p - self._head) % size  # empty positions only: the held ones end at _head - 1
+        store.extend(self._rows_at((self._head + np.arange(k)) % size, None))
+        self._steps += k
+        self._count += k
+        self._head = p
+        self._last_done = self.dones[(p - 1) % size].tobytes()
+        return False
+
+    def _rows_at(self, positions: np.ndarray, obs_leaves: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+        """Store rows for SB3 ``positions`` (k,): the observation leaves given ((k, *leaf shape)
+        each, in the order of ``_row_space``; None: zeros), the RAM fields at those positions and
+        consecutive steps from the next one."""
+        space, lay, k = self._row_space().spaces, self._layout, len(positions)
+        names = [n for n, _ in lay.leaves("obs")] + ([] if self.optimize_memory_usage else
+                                                       [n for n, _ in lay.leaves("next_obs")])
+        boxes = [cast(spaces.Box, space[n]) for n in names]
+        rows = {n: (np.zeros((k, *box.shape), box.dtype) if obs_leaves is None else obs_leaves[i])
+                for i, (n, box) in enumerate(zip(names, boxes))}
+        rows.update({name: arr[positions] for name, arr in self._small().items()})
+        rows["step"] = self._steps + np.arange(k, dtype=np.int64)
+        return rows
 
     def _adopt_stager(self) -> RowStager | None:
         """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
@@ -286,7 +347,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     def _fill_staged(self, bufs: list[np.ndarray], n: int) -> None:
         """Rows ``[0, n)`` of the staged leaves after the observations (action, reward, done,
         timeout: (n, n_envs, ...) from the RAM arrays; step: (n,) int64) for the last ``n`` adds."""
-        at = (self.pos - n + np.arange(n)) % self.buffer_size
+        at = (self._head - n + np.arange(n)) % self.buffer_size
         first = len(bufs) - len(SMALL) - 1
         for b, arr in zip(bufs[first:], self._small().values()):
             np.take(arr, at, axis=0, out=b[:n])
@@ -309,7 +370,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._check_open()
         check_batch_size(batch_size, "sample")  # before any draw: np.random's state is SB3's
         size = self.buffer_size
-        if not (self.full or self._offset == 0):
+        if not self.full and self._count < size and self._offset != 0:
             # Only after reopening a store killed while full: rows offset .. offset+count-1.
             batch_inds = (self._offset + np.random.randint(0, self._count, size=batch_size)) % size
         elif not self.optimize_memory_usage:
@@ -328,7 +389,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         obs = lay.wrap(self._gather("obs", logical, env_indices))
         if self.optimize_memory_usage:
             nxt = (batch_inds + 1) % self.buffer_size
-            pending = nxt == self.pos
+            pending = nxt == self._head
             rows, _ = self._logical_of(np.where(pending, batch_inds, nxt))
             per_key = self._gather("obs", rows, env_indices)
             if pending.any():
@@ -363,7 +424,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             arr[:] = 0
         for k in self._layout.keys:
             self._pending[k][:] = 0
-        self._count = self.pos = 0
+        self._count = self.pos = self._head = 0
         self.full = False
 
     def size(self) -> int:
@@ -384,7 +445,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
     def _patch_grid(self, prefix: str, key: str | None, positions: np.ndarray, out: np.ndarray) -> None:
         if self.optimize_memory_usage and prefix == "obs" and self._count:
-            out[positions == self.pos] = self._pending[key]
+            out[positions == self._head] = self._pending[key]
 
     # -- committing --------------------------------------------------------------------------------
     def _before_commit(self) -> None:

@@ -214,8 +214,18 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
 
     def _add_obs(self, obs: dict[str | None, np.ndarray]) -> None:
         """Store one step's observations ``{key: (n_envs, *shape)}`` and advance ``pos``; the
-        per-step RAM arrays of this step are the caller's to write."""
-        self._rb._append_leaves(self._layout.row_values(obs))  # leaves in the order of layout.leaves("obs")
+        per-step RAM arrays of this step are the caller's to write.  At a ``pos`` set by hand the
+        step goes where SB3 puts it: over the row held there, or after rows of zeros."""
+        values = self._layout.row_values(obs)  # leaves in the order of layout.leaves("obs")
+        held = len(self._rb)
+        if self.pos < held:
+            names = [name for name, _ in self._layout.leaves("obs")]
+            self._rb.set_at(np.array([self.pos]), {name: v[None] for name, v in zip(names, values)})
+        else:
+            if self.pos > held:
+                self._rb.extend({name: np.zeros((self.pos - held, *box.shape), box.dtype)
+                                 for name, box in self._layout.leaves("obs")})
+            self._rb._append_leaves(values)
         self._written = True
         self.pos += 1
         if self.pos == self.buffer_size:
@@ -280,7 +290,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
         return self._views("obs")
 
     def _logical_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return positions, positions < self.pos
+        return positions, positions < len(self._rb)
 
     # -- pickling ----------------------------------------------------------------------------------
     def _ctor_kwargs(self) -> dict[str, Any]:
