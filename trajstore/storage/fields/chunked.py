@@ -113,7 +113,14 @@ class ChunkedField:
                 plain.append(k)
             else:
                 out[k] = staged
-        if plain and self._partial:
+        if plain:
+            out.update(self._decode_chunks(plain))
+        return out
+
+    def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
+        """Decode whole chunks ``plain`` from their files (one concurrent zarr read for all of them)."""
+        out: dict[int, np.ndarray] = {}
+        if self._partial:
             # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
             frames = self._get_frames(plain, keep=False)
             for k in plain:
@@ -427,9 +434,7 @@ class ChunkedField:
                 continue  # the chunk a ring is filling: written once it is complete
             hi = min((k + 1) * self.C, shape0)
             try:
-                # zarr writes the chunk to a temp file and renames it (removing the temp on error):
-                # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
-                self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+                self._write_chunk(k, hi)
             except OSError as e:
                 raise _full_disk(e, self._where(chunk_key("", k, self._ndim).lstrip("/")),
                                  f"write chunk {k} of {self.spec.array_path}")
@@ -450,6 +455,12 @@ class ChunkedField:
                 fsync_dir(d)
             self._written.clear()
         self._evict()
+
+    def _write_chunk(self, k: int, hi: int) -> None:
+        """Write decoded chunk ``k`` (rows up to ``hi``) out whole."""
+        # zarr writes the chunk to a temp file and renames it (removing the temp on error):
+        # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
+        self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
 
     def close(self) -> None:
         self._cache.clear()
