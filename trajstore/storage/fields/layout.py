@@ -42,6 +42,7 @@ from trajstore.storage.fields.image import ImageField
 from trajstore.storage.fields.mapped import MappedField
 from trajstore.storage.fields.spec import (
     FieldSpec,
+    check_compressor_keys,
     chunk_key,
     create_codecs,
     make_field_spec,
@@ -55,6 +56,7 @@ __all__ = [
     "FieldSpec",
     "ImageField",
     "MappedField",
+    "check_compressor_keys",
     "chunk_key",
     "create_codecs",
     "gather_windows_by_rows",

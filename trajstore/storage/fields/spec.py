@@ -75,7 +75,9 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
     if isinstance(compressor, str):
         names: dict[str, tuple[Literal["lz4", "zstd"], int]] = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
         if compressor not in names:
-            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd', an image codec ('jpeg:90', 'png', "
+                                 f"'webp-lossless'...: trajstore.storage.fields.image_codecs.FORMATS) or a codec "
+                                 f"object; got {compressor!r}")
         cname, level = names[compressor]
         codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
         return codec, compressor
