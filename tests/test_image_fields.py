@@ -364,3 +364,52 @@ def test_sigkill_during_appends_of_an_image_field(tmp_path):
             assert np.array_equal(got["img"], imgs[np.arange(n) % 64])  # lossless: every frame exact
         report = verify_store(str(store), deep=True)
         assert report.ok, report
+
+
+# -- stable-baselines3 buffers ----------------------------------------------------------------------
+def _atari_like(t: int) -> np.ndarray:
+    """A channel-first (4, 84, 84) frame stack that depends on ``t`` only."""
+    y, x = np.mgrid[0:84, 0:84]
+    return np.stack([(128 + 60 * np.sin((x + t + c) / 7) + 50 * np.cos(y / 9)).astype(np.uint8) for c in range(4)])
+
+
+@pytest.mark.parametrize("compressor,omu", [({"obs": "png"}, False), ({"obs": "jpeg:90"}, True),
+                                            ({"obs": "webp-lossless", "*": "zstd"}, False)])
+def test_sb3_replay_buffer_with_an_image_codec(tmp_path, compressor, omu):
+    pytest.importorskip("stable_baselines3")
+    import gymnasium as gym
+
+    from trajstore.sb3 import ZarrReplayBuffer
+
+    obs_space, act = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(4)
+    kw = dict(cache_path=str(tmp_path / "b"), n_envs=2, compressor=compressor, optimize_memory_usage=omu,
+              handle_timeout_termination=not omu)
+    rb = ZarrReplayBuffer(64, obs_space, act, **kw)
+    for t in range(100):  # the ring wraps
+        o = np.stack([_atari_like(t)] * 2)
+        rb.add(o, np.stack([_atari_like(t + 1)] * 2), np.zeros((2, 1)), np.full(2, float(t)), np.zeros(2), [{}, {}])
+    rb.close()
+    rb = ZarrReplayBuffer(64, obs_space, act, resume=True, **kw)  # reopened: the frames come from the shards
+    s = rb.sample(48)
+    ts = s.rewards.numpy().ravel().astype(int)
+    ref = np.stack([_atari_like(t) for t in ts])
+    nxt = np.stack([_atari_like(t + 1) for t in ts])
+    obs, next_obs = s.observations.numpy(), s.next_observations.numpy()
+    if "png" in compressor["obs"] or "lossless" in compressor["obs"]:
+        assert np.array_equal(obs, ref) and np.array_equal(next_obs, nxt)
+    else:
+        assert psnr(obs, ref) > 35 and psnr(next_obs, nxt) > 35
+    rb.close()
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "b").rglob("obs.0/zarr.json")]
+    assert metas and all(m["codecs"][0]["name"] == "sharding_indexed" for m in metas)
+
+
+def test_sb3_compressor_key_that_names_nothing(tmp_path):
+    pytest.importorskip("stable_baselines3")
+    import gymnasium as gym
+
+    from trajstore.sb3 import ZarrReplayBuffer
+
+    with pytest.raises(BadOptionError, match="name nothing stored"):
+        ZarrReplayBuffer(16, gym.spaces.Box(0, 255, (8, 8), np.uint8), gym.spaces.Discrete(2),
+                         cache_path=str(tmp_path / "b"), compressor={"observation": "png"})
