@@ -181,9 +181,8 @@ def test_ring_overwrite_of_image_rows(tmp_path):
 @pytest.mark.parametrize("codec", ["jpeg:90", "webp:80", "avif"])
 def test_float_frames_refused_at_create_with_the_allowed_list(tmp_path, codec):
     with pytest.raises(BadOptionError, match="uint8") as e:
-        make(tmp_path / "s", (16, 16, 3), codec, dtype="float32") if False else ReplayBuffer.create(
-            Dict({"img": Box(0, 1, (16, 16, 3), np.float32)}), cache_path=str(tmp_path / "s"), capacity=8,
-            compressor={"img": codec})
+        ReplayBuffer.create(Dict({"img": Box(0, 1, (16, 16, 3), np.float32)}), cache_path=str(tmp_path / "s"),
+                            capacity=8, compressor={"img": codec})
     assert "float32" in str(e.value)
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())  # nothing written
 
@@ -221,7 +220,7 @@ def test_damaged_frame_raises_naming_field_and_row(tmp_path):
     data[off : off + size] = b"\x00" * size  # frame 5's bytes, index and checksum intact
     shard.write_bytes(bytes(data))
     with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
-        assert np.array_equal(ro[4]["img"], ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True)[4]["img"])
+        assert psnr(ro[4]["img"], imgs[4]) > 30  # its neighbours still read
         with pytest.raises(DamagedStoreError, match=r"step_data/img: row 5 \(chunk 0\) does not decode"):
             ro[np.arange(16)]
         with pytest.raises(DamagedStoreError, match="row 5"):
@@ -245,9 +244,9 @@ def test_damaged_shard_index_raises(tmp_path, damage):
     else:
         data = data[:20]
     shard.write_bytes(bytes(data))
-    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
-        with pytest.raises(DamagedStoreError, match="step_data/img: chunk 0 does not decode"):
-            ro[np.arange(8)]
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro, \
+            pytest.raises(DamagedStoreError, match="step_data/img: chunk 0 does not decode"):
+        ro[np.arange(8)]
 
 
 def _rewrite_meta(store: Path, change) -> None:
@@ -304,7 +303,7 @@ def test_missing_imagecodecs_names_the_extra(tmp_path):
         "    rb[0]\n"
         "except MissingDependencyError as e:\n"
         "    print('READ', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout
     assert "CREATE" in out and "READ" in out and "LEN 8" in out, out
     assert out.count("pip install 'trajstore[images]'") == 2, out
@@ -382,8 +381,8 @@ def test_sb3_replay_buffer_with_an_image_codec(tmp_path, compressor, omu):
     from trajstore.sb3 import ZarrReplayBuffer
 
     obs_space, act = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(4)
-    kw = dict(cache_path=str(tmp_path / "b"), n_envs=2, compressor=compressor, optimize_memory_usage=omu,
-              handle_timeout_termination=not omu)
+    kw = {"cache_path": str(tmp_path / "b"), "n_envs": 2, "compressor": compressor, "optimize_memory_usage": omu,
+          "handle_timeout_termination": not omu}
     rb = ZarrReplayBuffer(64, obs_space, act, **kw)
     for t in range(100):  # the ring wraps
         o = np.stack([_atari_like(t)] * 2)

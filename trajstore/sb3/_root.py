@@ -69,7 +69,7 @@ def part_compressor(compressor: Any, leaves: list[str], strict: bool) -> Any:
 
     def names(key: str, leaf: str) -> bool:
         parts = leaf.split(".")
-        head = parts[0][5:] if parts[0].startswith("next_") else parts[0]
+        head = parts[0].removeprefix("next_")
         return key in (leaf, parts[0], head) or (head == "obs" and len(parts) > 2 and key == ".".join(parts[2:]))
 
     out = {leaf: v for leaf in leaves for k, v in compressor.items() if k != "*" and names(k, leaf)}

@@ -234,7 +234,7 @@ class ImageField(ChunkedField):
                     codec.decode_into(data, out[i])
                 except TrajstoreError:
                     raise
-                except Exception as e:
+                except Exception as e:  # a frame is input: whatever garbage makes a codec raise
                     raise self._damaged(k, r, e) from None
 
         parallel(run, jobs)
