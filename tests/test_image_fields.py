@@ -412,3 +412,46 @@ def test_sb3_compressor_key_that_names_nothing(tmp_path):
     with pytest.raises(BadOptionError, match="name nothing stored"):
         ZarrReplayBuffer(16, gym.spaces.Box(0, 255, (8, 8), np.uint8), gym.spaces.Discrete(2),
                          cache_path=str(tmp_path / "b"), compressor={"observation": "png"})
+
+
+# -- Diffusion Policy's JPEG 2000 frames ----------------------------------------------------------
+def _dp_jpeg2k_store(path: Path, imgs: np.ndarray) -> None:
+    """A Diffusion Policy replay buffer (zarr format 2) whose frames are imagecodecs' JPEG 2000 chunks
+    of one frame, as its real-robot datasets store them."""
+    import numcodecs
+    import zarr
+    from imagecodecs.numcodecs import Jpeg2k
+
+    numcodecs.register_codec(Jpeg2k)
+    root = zarr.open_group(str(path), mode="w", zarr_format=2)
+    a = root.create_array("data/img", shape=imgs.shape, chunks=(1, *imgs.shape[1:]), dtype="u1",
+                          compressors=Jpeg2k(level=50))
+    a[:] = imgs
+    root.create_array("data/action", shape=(len(imgs), 2), chunks=(len(imgs), 2), dtype="f4")[:] = 0
+    root.create_array("meta/episode_ends", shape=(2,), chunks=(2,), dtype="i8")[:] = [len(imgs) // 2, len(imgs)]
+
+
+def test_diffusion_policy_jpeg2k_frames_import_and_stay_jpeg2k(tmp_path):
+    import zarr
+
+    from trajstore import TrajectoryReplayBuffer
+    from trajstore.interop.diffusion_policy import import_diffusion_policy
+    from trajstore.interop.dp_open import open_diffusion_policy
+
+    imgs = frames(20, (48, 64, 3))
+    _dp_jpeg2k_store(tmp_path / "dp.zarr", imgs)
+    source = zarr.open_array(str(tmp_path / "dp.zarr" / "data" / "img"), mode="r")[:]  # JPEG 2000 decoded
+    assert psnr(source, imgs) > 30
+    import_diffusion_policy(str(tmp_path / "dp.zarr"), str(tmp_path / "ts")).close()
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "ts"), read_only=True) as tb:
+        got = tb[:]["step_data"]["obs"]["img"]
+    assert np.array_equal(got, source)  # kept as lossless JPEG 2000 of the decoded source: exact
+    meta = json.loads((tmp_path / "ts" / "step_data" / "obs" / "img" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["codecs"][0]["configuration"]["format"] == "jpeg2k"
+    # A codec chosen by the user instead
+    import_diffusion_policy(str(tmp_path / "dp.zarr"), str(tmp_path / "jpeg"), compressor={"obs/img": "jpeg:90"}).close()
+    meta = json.loads((tmp_path / "jpeg" / "step_data" / "obs" / "img" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["codecs"][0]["configuration"]["format"] == "jpeg"
+    # Opened in place, the JPEG 2000 frames decode as zarr decodes them
+    with open_diffusion_policy(str(tmp_path / "dp.zarr")) as dp:
+        assert np.array_equal(dp[np.arange(20)]["step_data"]["img"], source)

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
     from zarr.core.array_spec import ArraySpec
 
-__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "codec_from_config", "parse_image_compressor"]
+__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "codec_from_config", "parse_image_compressor",
+           "register_numcodecs_jpeg2k", "unreadable_codec"]
 
 #: The zarr v3 codec name of :class:`ImageCodec`.
 CODEC_NAME = "trajstore.image"
@@ -104,7 +105,10 @@ def _encoder(fmt: str, level: int | None, lossless: bool) -> Callable[[np.ndarra
         def webp(a: np.ndarray) -> bytes:
             if a.ndim == 2:  # libwebp holds RGB(A) only: a grey frame goes as three equal channels
                 a = np.repeat(a[:, :, None], 3, axis=2)
-            return ic.webp_encode(a, level=None if lossless else level, lossless=lossless)
+            # Lossless: encoder method 0, the fastest (84x84 photos: 2.3 ms a frame against 58 ms at
+            # libwebp's default method 4, for 7 % more bytes).
+            return ic.webp_encode(a, level=None if lossless else level, lossless=lossless,
+                                  method=0 if lossless else None)
         return webp
     if fmt == "avif":
         return lambda a: ic.avif_encode(a, level=level, speed=8)
@@ -334,6 +338,36 @@ def codec_from_config(cfg: Any) -> ImageCodec:
     if not isinstance(cfg, dict) or cfg.get("name") != CODEC_NAME:
         raise ValueError(f"not a {CODEC_NAME} codec: {cfg!r}")
     return ImageCodec.from_dict(cfg)
+
+
+def register_numcodecs_jpeg2k() -> bool:
+    """Register imagecodecs' numcodecs JPEG 2000 codec (id ``imagecodecs_jpeg2k``: what Diffusion
+    Policy's real-robot datasets compress their frames with) so zarr reads such arrays; False when
+    imagecodecs is not installed.  A fixed codec, never one a file names."""
+    try:
+        from imagecodecs.numcodecs import Jpeg2k
+    except ImportError:
+        return False
+    import numcodecs
+
+    numcodecs.register_codec(Jpeg2k)
+    return True
+
+
+def unreadable_codec(e: Exception, where: str) -> Exception | None:
+    """The trajstore error for zarr's ``UnknownCodecError`` ``e`` while opening the foreign arrays
+    at ``where``: MissingDependencyError naming the extra for an imagecodecs codec when imagecodecs
+    is missing, else BadValueError naming the codec; None for any other exception."""
+    from numcodecs.errors import UnknownCodecError
+
+    from trajstore.errors import BadValueError
+
+    if not isinstance(e, UnknownCodecError):
+        return None
+    if "imagecodecs_" in str(e) and not register_numcodecs_jpeg2k():
+        return MissingDependencyError(f"{where}: its arrays are compressed with imagecodecs ({e}): {_EXTRA}")
+    return BadValueError(f"{where}: an array names a codec trajstore does not read ({e}); expected numcodecs' "
+                         "built-in codecs or imagecodecs' JPEG 2000")
 
 
 register_codec(CODEC_NAME, ImageCodec)
