@@ -19,7 +19,7 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import zarr
@@ -39,7 +39,7 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["ChunkedField"]
+__all__ = ["ChunkedField", "cached_split"]
 
 #: A batch decodes a chunk whole (not row by row) once it wants more than this share of its rows.
 WHOLE_CHUNK_SHARE = 0.25
@@ -49,6 +49,22 @@ ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
 #: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
 MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
+
+
+T = TypeVar("T")
+
+
+def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T], list[int]]:
+    """``({k: cache[k]} for the ``ks`` held (marked recently used), [the others])``."""
+    out: dict[int, T] = {}
+    missing = []
+    for k in ks:
+        if k in cache:
+            cache.move_to_end(k)
+            out[k] = cache[k]
+        else:
+            missing.append(k)
+    return out, missing
 
 
 class ChunkedField:
@@ -290,23 +306,11 @@ class ChunkedField:
         """The encoded frames of chunks ``ks`` (cached unless not ``keep``; fetched concurrently from
         a remote store); None for a chunk that is read whole instead (missing file, not a blosc 1
         frame)."""
-        out: dict[int, _Frame | None] = {}
-        missing = []
-        for k in ks:
-            if k in self._frames:
-                self._frames.move_to_end(k)
-                out[k] = self._frames[k]
-            else:
-                missing.append(k)
+        out, missing = cached_split(self._frames, ks)
         if not missing:
             return out
         nbytes = self.C * self.spec.row_bytes
-        keys = [chunk_key(self.spec.array_path, k, self._ndim) for k in missing]
-        if self.loc.is_local:
-            got = [self._map(key, nbytes) for key in keys]
-        else:
-            blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
-            got = [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
+        got = self._read_encoded([chunk_key(self.spec.array_path, k, self._ndim) for k in missing], nbytes)
         for k, (buf, owner) in zip(missing, got):
             frame = None
             if buf is not None:
@@ -326,6 +330,15 @@ class ChunkedField:
             self._frame_bytes -= self._frame_cost(f)
             out.setdefault(k, f)  # still used by this batch (the reference keeps it alive)
         return out
+
+    def _read_encoded(self, keys: list[str], nbytes: int) -> list[tuple[np.ndarray | None, object]]:
+        """Chunk files ``keys`` (of at most about ``nbytes``) as uint8 arrays and the object that
+        owns their memory: memory-mapped (local), else fetched concurrently; ``(None, None)`` for a
+        missing file (and, locally, an empty or implausibly large one)."""
+        if self.loc.is_local:
+            return [self._map(key, nbytes) for key in keys]
+        blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
+        return [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
 
     def _frame_cost(self, frame: _Frame | None) -> int:
         """Bytes of RAM a cached frame holds: a fetched one its size; a memory-mapped one (local

@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
-from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField
+from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
 from trajstore.storage.fields.image_codecs import ImageCodec
 from trajstore.storage.fields.spec import FieldSpec, chunk_key
 from trajstore.storage.location import Location
@@ -176,22 +176,11 @@ class ImageField(ChunkedField):
     def _get_shards(self, ks: list[int], keep: bool = True) -> dict[int, _Shard | None]:
         """The checked shards of chunks ``ks`` (None: no file, every row empty), cached unless not
         ``keep``; fetched concurrently from a remote store."""
-        out: dict[int, _Shard | None] = {}
-        missing = []
-        for k in ks:
-            if k in self._shards:
-                self._shards.move_to_end(k)
-                out[k] = self._shards[k]
-            else:
-                missing.append(k)
+        out, missing = cached_split(self._shards, ks)
         if not missing:
             return out
         keys = [chunk_key(self.spec.array_path, k, self._ndim) for k in missing]
-        if self.loc.is_local:
-            got = [self._map(key, self._limit) for key in keys]
-        else:
-            blobs = self.loc.get_many(keys, limit=self._limit, stats=self.stats)
-            got = [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
+        got = self._read_encoded(keys, self._limit)
         for k, key, (buf, owner) in zip(missing, keys, got):
             shard = None
             if buf is None and self.loc.exists(key):  # there, but empty or larger than any shard
