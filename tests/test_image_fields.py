@@ -455,3 +455,39 @@ def test_diffusion_policy_jpeg2k_frames_import_and_stay_jpeg2k(tmp_path):
     # Opened in place, the JPEG 2000 frames decode as zarr decodes them
     with open_diffusion_policy(str(tmp_path / "dp.zarr")) as dp:
         assert np.array_equal(dp[np.arange(20)]["step_data"]["img"], source)
+
+
+# -- every read path decodes frames: sequences, torch datasets, DataLoader workers ---------------
+def test_sequences_and_torch_dataloader_workers_read_image_frames(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from trajstore import TrajectoryReplayBuffer
+    from trajstore.torch.datasets import TransitionDataset
+
+    imgs = frames(60, (32, 32, 3))
+    space = Dict({"img": Box(0, 255, (32, 32, 3), np.uint8), "t": Box(0, 100, (), np.int64)})
+    with TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"), compressor={"img": "png"},
+                                       chunk_rows=16) as tb:
+        for ep in range(3):
+            tb.extend({"img": imgs[ep * 20 : ep * 20 + 20], "t": np.arange(ep * 20, ep * 20 + 20)})
+            tb.mark_episode_end()
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        ti.set_decode_threads(2)  # the parent's pool exists before DataLoader forks its workers
+        try:
+            data, _valid = ro.get_sequences(np.array([5, 25, 59]), [-3, -2, -1, 0])
+            windows = data["step_data"]["img"]
+            for b, anchor in enumerate((5, 25, 59)):
+                assert np.array_equal(windows[b], imgs[anchor - 3 : anchor + 1])
+            data, _ = ro.sample_sequences(16, 4, rng=0, within_episode=True)
+            t = data["step_data"]["t"]
+            assert np.array_equal(data["step_data"]["img"], imgs[t])
+            ds = TransitionDataset(str(tmp_path / "s"), ["img", "t"])
+            loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork")
+            seen = 0
+            for batch in loader:
+                assert torch.equal(batch["img"], torch.from_numpy(imgs[batch["t"].numpy()]))
+                seen += len(batch["t"])
+            assert seen == 60
+        finally:
+            ti.set_decode_threads(None)
