@@ -50,7 +50,7 @@ def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(peak**2 / mse)
 
 
-def make(path: Path, shape: tuple[int, ...], compressor, dtype: str = "uint8", capacity: int | None = None,
+def make(path: Path | str, shape: tuple[int, ...], compressor, dtype: str = "uint8", capacity: int | None = None,
          **kw) -> ReplayBuffer:
     space = Dict({"img": Box(0, np.iinfo(dtype).max, shape, np.dtype(dtype)), "seq": Box(0, 2**62, (), np.int64)})
     return ReplayBuffer.create(space, cache_path=str(path), capacity=capacity, compressor={"img": compressor}, **kw)
@@ -491,3 +491,25 @@ def test_sequences_and_torch_dataloader_workers_read_image_frames(tmp_path):
             assert seen == 60
         finally:
             ti.set_decode_threads(None)
+
+
+def test_image_field_on_a_remote_store():
+    """A non-local store (fsspec's memory filesystem): shards are written with one put each and
+    fetched concurrently for a batch."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://trajstore-image-tests/{uuid.uuid4().hex}"
+    imgs = frames(40, (24, 32, 3))
+    try:
+        with make(url, (24, 32, 3), "webp-lossless", chunk_rows=8) as rb:
+            fill(rb, imgs, step=6)
+        with ReplayBuffer.load_from(url, read_only=True) as ro:
+            idx = np.random.default_rng(2).integers(0, 40, 30)
+            assert np.array_equal(ro[idx]["img"], imgs[idx])
+            assert np.array_equal(ro[:]["img"], imgs)
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
