@@ -513,3 +513,19 @@ def test_image_field_on_a_remote_store():
         fs = fsspec.filesystem("memory")
         if fs.exists(url):
             fs.rm(url, recursive=True)
+
+
+def test_set_at_and_remove_at_rewrite_image_rows(tmp_path):
+    from trajstore.maintenance.verify import verify_store
+
+    imgs, new = frames(40, (24, 24, 3)), frames(3, (24, 24, 3), seed=9)
+    with make(tmp_path / "s", (24, 24, 3), "png", chunk_rows=8) as rb:
+        fill(rb, imgs)
+        rb.set_at(np.array([3, 17, 30]), {"img": new, "seq": np.array([100, 101, 102])})
+        expect = imgs.copy()
+        expect[[3, 17, 30]] = new
+        assert np.array_equal(rb[:]["img"], expect)
+        rb.remove_at(np.array([5]))
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert np.array_equal(ro[:]["img"], np.delete(expect, 5, axis=0))
+    assert verify_store(str(tmp_path / "s"), deep=True).ok
