@@ -21,6 +21,7 @@ Medians over ``--calls`` batches after 3 warm-up batches, page cache warm.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [((84, 84, 3), 2000 if a.quick else 20_000, a.codecs),
              ((480, 640, 3), 300 if a.quick else 2000, a.big_codecs)]
     rows = []
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_codecs_") as d:
         for shape, n, codecs in sizes:
@@ -173,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     took = time.perf_counter() - t0
     text = (f"Random `rb[idx]` batches of {BATCH} frames, median of {calls} batches after 3 warm-up ones, page "
             f"cache warm; frames cut from a photo (matplotlib's grace_hopper.jpg); {time.strftime('%Y-%m-%d')}, "
-            f"imagecodecs {imagecodecs.__version__}, took {took:.0f} s. \"2 vs 1\": store frames/s with 2 decode "
+            f"imagecodecs {imagecodecs.__version__}, took {took:.0f} s, one run; load average {load0:.1f} at the "
+            f"start and {os.getloadavg()[0]:.1f} at the end (on a machine shared with other jobs, absolute "
+            "frames/s and the thread ratios are those of the CPU time this process got). \"2 vs 1\": store frames/s with 2 decode "
             "threads over 1; \"store / own\": the store's 1-thread frames/s over imagecodecs' own loop decoding "
             "the same 256 encoded frames into a preallocated array.\n\n" + table(rows))
     print(text)
