@@ -138,8 +138,8 @@ def bench_one(tmp: Path, frames: np.ndarray, codec: str, calls: int) -> dict[str
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| frame | codec | frames | size vs raw | PSNR dB | write s | store 1 thread frames/s | "
-             "store 2 threads frames/s | 2 vs 1 | codec's own loop frames/s | store / own |",
+    lines = [("| frame | codec | frames | size vs raw | PSNR dB | write s | store 1 thread frames/s | "
+              "store 2 threads frames/s | 2 vs 1 | codec's own loop frames/s | store / own |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         own = r.get("own")
