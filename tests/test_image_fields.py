@@ -529,3 +529,12 @@ def test_set_at_and_remove_at_rewrite_image_rows(tmp_path):
     with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
         assert np.array_equal(ro[:]["img"], np.delete(expect, 5, axis=0))
     assert verify_store(str(tmp_path / "s"), deep=True).ok
+
+
+def test_info_names_the_frames_codec(tmp_path):
+    from trajstore.maintenance.summary import store_info
+
+    with make(tmp_path / "s", (16, 16, 3), "jpeg:80", capacity=8) as rb:
+        fill(rb, frames(8, (16, 16, 3)))
+    rows = {r["path"]: r for r in store_info(str(tmp_path / "s"))["arrays"]}
+    assert rows["step_data/img"]["codec"] == "jpeg:80" and rows["step_data/img"]["layout"] == "image"
