@@ -538,3 +538,25 @@ def test_info_names_the_frames_codec(tmp_path):
         fill(rb, frames(8, (16, 16, 3)))
     rows = {r["path"]: r for r in store_info(str(tmp_path / "s"))["arrays"]}
     assert rows["step_data/img"]["codec"] == "jpeg:80" and rows["step_data/img"]["layout"] == "image"
+
+
+def test_frame_of_another_size_is_damage_not_an_allocation(tmp_path):
+    """A shard holding a valid image of another size (a hostile store's 200x300 frame in a 16x16
+    field): the decoder refuses it before it allocates; DamagedStoreError names the row.  (A shard
+    far larger than its frames could be is refused before any decode: see the assertion below.)"""
+    import imagecodecs
+
+    from trajstore.storage.fields.image import write_shard
+
+    with make(tmp_path / "s", (16, 16, 3), "jpeg:90", capacity=8, chunk_rows=8) as rb:
+        fill(rb, frames(8, (16, 16, 3)))
+    big = imagecodecs.jpeg8_encode(np.zeros((200, 300, 3), np.uint8), level=10)
+    _shard_file(tmp_path / "s").write_bytes(write_shard([b"", b"", big, b"", b"", b"", b"", b""]))
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert not ro[1]["img"].any()  # a row the index says was never written reads as 0
+        with pytest.raises(DamagedStoreError, match=r"row 2 \(chunk 0\) does not decode"):
+            ro[2]
+    _shard_file(tmp_path / "s").write_bytes(write_shard([big * 8] * 8))
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro, \
+            pytest.raises(DamagedStoreError, match="implausibly large"):
+        ro[2]

@@ -130,8 +130,10 @@ def _decoder(fmt: str) -> Callable[[Any, np.ndarray], None]:
     ic = _imagecodecs()
     if fmt == "webp":
         def webp(b: Any, out: np.ndarray) -> None:
-            if out.ndim == 2:
-                out[:] = ic.webp_decode(b)[..., 0]
+            if out.ndim == 2:  # (into a buffer of the frame's size: a header never sizes an allocation)
+                rgb = np.empty((*out.shape, 3), out.dtype)
+                ic.webp_decode(b, out=rgb)
+                out[:] = rgb[..., 0]
             else:
                 ic.webp_decode(b, out=out)
         return webp
