@@ -23,7 +23,7 @@ from trajstore.core.stager import RowStager
 from trajstore.core.store import Store, TableSpec, _progress
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.spaces import ValuePlan, flatdim, space_to_json
-from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
 
 __all__ = ["ReplayBuffer", "ZarrStorage"]
 
@@ -60,9 +60,12 @@ class ZarrStorage:
         Rows per chunk for every field.  Default: ~1 MiB per uncompressed chunk, ~1 MiB of data
         per compressed chunk.  Uncompressed chunks are always rounded up to whole memory pages
         (e.g. a multiple of 1024 rows for (17,) float32) so they can be mapped side by side.
-    compressor : None, "lz4", "zstd", zarr codec or numcodecs codec
+    compressor : None, "lz4", "zstd", an image codec, zarr codec, numcodecs codec, or a dict of those
         Default None (raw) on local folders and in memory: raw chunks are memory-mapped and
-        sample at numpy-memmap speed (docs/benchmarks.md); "lz4" on remote stores.
+        sample at numpy-memmap speed (docs/benchmarks.md); "lz4" on remote stores.  Image codecs
+        (``"jpeg:90"``, ``"png"``, ``"webp-lossless"``, ``"avif:80"``, ``"jpegxl:90"``,
+        ``"jpeg2k"``... or an ``ImageCodec``) encode each frame alone (docs/format.md, "Image
+        fields"); a dict gives each leaf its own (``{"obs": "jpeg:90"}``, ``"*"``: the others).
     fsync : bool
         Make every commit durable against power loss (default False: SIGKILL-safe only).
     commit_interval : float
@@ -405,10 +408,9 @@ class ReplayBuffer(StoredBuffer):
 
 
 def _table_spec(name: str, plan: ValuePlan, capacity: int | None, compressor: Any, chunk_rows: int | None) -> TableSpec:
-    """One field per leaf of ``plan`` under ``name/``."""
-    fields = [
-        make_field_spec(f"{name}/{leaf.name}" if leaf.name else name, leaf.shape, leaf.dtype, capacity=capacity,
-                        compressor=compressor, chunk_rows=chunk_rows)
-        for leaf in plan.leaves
-    ]
+    """One field per leaf of ``plan`` under ``name/``; ``compressor`` may be a dict by leaf name."""
+    paths = [f"{name}/{leaf.name}" if leaf.name else name for leaf in plan.leaves]
+    check_compressor_keys(compressor, paths)
+    fields = [make_field_spec(p, leaf.shape, leaf.dtype, capacity=capacity, compressor=compressor, chunk_rows=chunk_rows)
+              for p, leaf in zip(paths, plan.leaves)]
     return TableSpec(name, capacity, fields)

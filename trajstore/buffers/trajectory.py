@@ -46,7 +46,7 @@ from trajstore.errors import (
     UnsupportedSpaceError,
 )
 from trajstore.spaces import ValuePlan, space_to_json
-from trajstore.storage.fields.layout import make_field_spec
+from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
 from trajstore.storage.runs_file import SavedRuns, load_runs, save_runs
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
@@ -210,6 +210,7 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
             raise UnsupportedSpaceError(f"episode space key {EP_ID_FIELD!r} is reserved for the episode ids")
         compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
         chunk_rows = opts.pop("chunk_rows", None)
+        check_compressor_keys(compressor, _field_paths(STEPS, step_plan, None))  # (a dict by leaf name)
         step_fields = _specs(_field_paths(STEPS, step_plan, None), step_plan, step_data_capacity, compressor,
                              chunk_rows, [])
         id_field = _specs([], step_plan, step_data_capacity, id_opts.get("compressor", compressor),

@@ -33,7 +33,7 @@ from trajstore.errors import (
 from trajstore.spaces import space_from_json
 from trajstore.storage.array_meta import array_rows, read_root
 from trajstore.storage.confined import OPEN_FLAGS
-from trajstore.storage.fields.layout import FieldSpec, open_field, parse_compressor
+from trajstore.storage.fields.layout import FieldSpec, create_codecs, open_field
 from trajstore.storage.head import (
     FORMAT_VERSION,
     HEAD_KEY,
@@ -247,12 +247,11 @@ class Store(StoreCommits):
         for t in tables:
             alloc = t.capacity if t.capacity is not None else max(f.chunk_rows for f in t.fields)
             for f in t.fields:
-                compressors, _label = parse_compressor(f.compressor if f.layout != "raw" else None, f.dtype)
                 # Shape: what plain zarr readers see, the committed rows (none yet; a ring: its slots).
                 group.create_array(
                     f.array_path, shape=(alloc if t.capacity is not None else 0, *f.row_shape),
                     chunks=(f.chunk_rows, *f.row_shape), dtype=f.dtype,
-                    compressors=compressors, filters=None, fill_value=np.zeros((), f.dtype)[()],
+                    **create_codecs(f), filters=None, fill_value=np.zeros((), f.dtype)[()],
                     config={"write_empty_chunks": True}, dimension_names=dimension_names(f.array_path, len(f.row_shape)),
                 )
             head.tables[t.name] = TableState(0, 0, alloc)

@@ -41,6 +41,7 @@ from trajstore.interop._common import (
 )
 from trajstore.interop.foreign_gate import check_expansion, check_folder, check_rows, open_zarr, zarr_stored_bytes
 from trajstore.storage.fields.foreign import foreign_spec
+from trajstore.storage.fields.image_codecs import register_numcodecs_jpeg2k, unreadable_codec
 
 __all__ = ["import_diffusion_policy", "export_diffusion_policy", "diffusion_policy_to_store", "CHUNK_BYTES",
            "check_layout", "read_layout"]
@@ -126,7 +127,14 @@ def check_layout(root: Any, src: str) -> dict[str, Any]:
     ends_arr = node("meta/episode_ends")
     if not isinstance(ends_arr, zarr.Array):
         raise NotATrajstoreError(f"{src}: expected the array meta/episode_ends; meta/ holds {sorted(meta.keys())}")
-    arrays = {k: a for k, a in sorted(data.arrays())}
+    register_numcodecs_jpeg2k()  # real-robot datasets keep frames as imagecodecs' JPEG 2000
+    try:
+        arrays = {k: a for k, a in sorted(data.arrays())}
+    except Exception as e:  # noqa: BLE001  # only a codec it does not know is turned into another error
+        err = unreadable_codec(e, src)
+        if err is None:
+            raise
+        raise err from None
     groups = sorted(k for k, _ in data.groups())
     if groups:
         raise NotATrajstoreError(f"{src}: data/ holds groups {groups}; Diffusion Policy keeps one array per key there")
@@ -190,6 +198,19 @@ def _read(a: Any, lo: int, hi: int, where: str) -> np.ndarray:
                                 "damaged") from None
 
 
+def _keep_jpeg2k(arrays: dict[str, Any], create_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``create_kwargs`` where frames stored as JPEG 2000 stay JPEG 2000: each such ``data/<key>``
+    (uint8/uint16 frames) gets compressor ``"jpeg2k"`` (lossless, so the frames are the source's
+    decoded pixels exactly) unless a ``compressor`` is given for it or for all fields."""
+    comp = create_kwargs.get("compressor", {})
+    if not isinstance(comp, dict):
+        return create_kwargs
+    keep = {f"obs/{k}": "jpeg2k" for k, a in arrays.items()
+            if k != "action" and getattr(getattr(a.metadata, "compressor", None), "codec_id", None) == "imagecodecs_jpeg2k"
+            and a.dtype in (np.uint8, np.uint16) and a.ndim in (3, 4)}
+    return {**create_kwargs, "compressor": {**keep, **comp}} if keep else create_kwargs
+
+
 def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
                               **create_kwargs: Any) -> dict[str, Any]:
     """Write the Diffusion Policy store ``path`` to a new store at ``cache_path`` (see
@@ -227,6 +248,7 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
         info = {"imported_from": {"format": "diffusion_policy", "path": src, "zarr_format": lay["zarr_format"],
                                   "keys": sorted(arrays)}}
         done_all_at = ends - 1  # last row of each episode
+        create_kwargs = _keep_jpeg2k(arrays, create_kwargs)
         with ImportWriter(cache_path, lay["space"], what="import_diffusion_policy", create_kwargs=create_kwargs,
                           total=n, tqdm=tqdm, overwrite=overwrite) as w:
             for lo in range(0, n, step):
@@ -250,7 +272,9 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
     new trajectory store with the recorders' schema.
 
     Mapping: ``data/action`` -> ``action``; every other ``data/<key>`` (N, ...) -> ``obs/<key>``
-    (a Dict observation space, dtypes and shapes kept); ``meta/episode_ends`` -> episode ids 0, 1,
+    (a Dict observation space, dtypes and shapes kept; frames stored as imagecodecs' JPEG 2000, as
+    real-robot datasets keep them, stay JPEG 2000: an image field of compressor ``"jpeg2k"``,
+    lossless, unless ``compressor`` says otherwise, e.g. ``compressor={"obs/img": "jpeg:90"}``); ``meta/episode_ends`` -> episode ids 0, 1,
     ... (episode e is rows ``ends[e-1]:ends[e]``).  Diffusion Policy records demonstrations
     without rewards or terminal states: ``reward`` is 0, ``terminated`` False, ``truncated`` True
     at the last step of each episode.  Episode data: ``seed`` -1, ``return`` 0, ``length``.

@@ -63,6 +63,10 @@ def _codec_label(z: Any) -> str:
         if d["name"] == "bytes":
             continue
         cname = (d.get("configuration") or {}).get("cname")
+        inner: Any = getattr(c, "codecs", ())  # an image field's shard: name its frames' codec ("jpeg:90")
+        if len(inner) == 1 and hasattr(inner[0], "label"):
+            names.append(inner[0].label)
+            continue
         names.append(f"{d['name']}:{cname}" if cname else d["name"])
     return "+".join(names) or "none"
 

@@ -151,10 +151,14 @@ class ZarrBufferMixin:
         self._root.drop_parts(self._parts, {name.split("/")[0] for name in self._stores})
         self._root.write_config({"kind": self.KIND, **self._config})
 
-    def _store_opts(self, create: bool) -> dict[str, Any]:
+    def _store_opts(self, create: bool, name: str = "", space: gymnasium.Space | None = None) -> dict[str, Any]:
         """Storage options for creating or for reopening a part (trajstore's defaults otherwise:
-        raw memory-mapped chunks on local folders, lz4 on remote URLs)."""
-        return dict(self._create_opts if create else self._open_opts)
+        raw memory-mapped chunks on local folders, lz4 on remote URLs); a ``compressor`` dict by SB3
+        name (``{"obs": "jpeg:90"}``) is resolved to the leaves of part ``name`` (of ``space``)."""
+        opts = dict(self._create_opts if create else self._open_opts)
+        if create and isinstance(opts.get("compressor"), dict) and isinstance(space, gymnasium.spaces.Dict):
+            opts["compressor"] = _root.part_compressor(opts["compressor"], list(space.spaces), name == self._main)
+        return opts
 
     def _open_replay(self, name: str, space: gymnasium.Space, capacity: int | None, create: bool,
                      required: bool = True) -> StoreBuffer:
@@ -169,7 +173,7 @@ class ZarrBufferMixin:
             raise DamagedStoreError(f"{self._root.path}: {_root.CONFIG_KEY} is there but part {name!r} is missing")
         if create or not self._root.exists(name):
             rb = StoreBuffer.create(space, cache_path=path, capacity=capacity, storage_options=so, overwrite=True,
-                                    **self._store_opts(True))
+                                    **self._store_opts(True, name, space))
         else:
             rb = StoreBuffer.load_from(path, storage_options=so, single_instance_space=space, **self._store_opts(False))
             if rb.capacity != capacity:
@@ -190,7 +194,8 @@ class ZarrBufferMixin:
                 raise SpaceMismatchError(f"{path}: stored step space {tb.step_space} differs from {step_space}")
         else:
             tb = TrajectoryReplayBuffer.create(step_space, step_data_capacity=capacity, cache_path=path,
-                                               storage_options=so, overwrite=True, **self._store_opts(True))
+                                               storage_options=so, overwrite=True,
+                                               **self._store_opts(True, name, step_space))
         self._stores[name] = tb
         return tb
 

@@ -26,6 +26,7 @@ import fsspec
 import gymnasium
 
 from trajstore.errors import (
+    BadOptionError,
     FormatVersionError,
     NotATrajstoreError,
     SpaceMismatchError,
@@ -53,6 +54,32 @@ def storage_split(storage_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[
     """
     opts = dict(storage_kwargs)
     return opts, {k: v for k, v in opts.items() if k not in CREATE_ONLY_OPTIONS}
+
+
+def part_compressor(compressor: Any, leaves: list[str], strict: bool) -> Any:
+    """The ``compressor`` option of one part, whose stored leaves are ``leaves`` (``"obs.0"``,
+    ``"next_obs.0"``, ``"obs.0.image"``, ``"action"``...).
+
+    A dict by SB3 name applies to each leaf it names: ``"obs"`` the observations and next
+    observations of every env, a Dict observation's key (``"image"``) that key's leaves, any other
+    key the leaf of that name (``"*"``: the others).  ``strict``: refuse (BadOptionError) a key that
+    names no leaf (the main part holds every name; another part may hold few).
+    """
+    if not isinstance(compressor, dict):
+        return compressor
+
+    def names(key: str, leaf: str) -> bool:
+        parts = leaf.split(".")
+        head = parts[0].removeprefix("next_")
+        return key in (leaf, parts[0], head) or (head == "obs" and len(parts) > 2 and key == ".".join(parts[2:]))
+
+    out = {leaf: v for leaf in leaves for k, v in compressor.items() if k != "*" and names(k, leaf)}
+    unknown = [k for k in compressor if k != "*" and not any(names(k, leaf) for leaf in leaves)]
+    if strict and unknown:
+        raise BadOptionError(f"compressor keys {unknown} name nothing stored; the buffer stores {leaves}")
+    if "*" in compressor:
+        out["*"] = compressor["*"]
+    return out
 
 
 def _versions() -> dict[str, str]:

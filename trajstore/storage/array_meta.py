@@ -69,12 +69,15 @@ def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
     if not isinstance(dt, str) or DTYPE_NAMES.get(dt) != f.dtype:
         raise DamagedStoreError(f"{where}: {key} data type is {name_value(dt)}; the schema says {f.dtype.name}")
     codecs = as_list(meta.get("codecs"), f"{key} codecs", where, 16)
+    if f.layout == "image":
+        _check_image_codecs(codecs, f, where, key)
+        codecs = []
     names: list[Any] = [c.get("name") if isinstance(c, dict) else None for c in codecs]
     first = codecs[0] if codecs else None
     endian = (first.get("configuration") or {}).get("endian", "little") if isinstance(first, dict) and isinstance(
         first.get("configuration", {}), dict) else None
-    if not names or names[0] != "bytes" or endian != "little" or any(not isinstance(n, str) for n in names) \
-            or (f.layout == "raw" and len(names) != 1):
+    if f.layout != "image" and (not names or names[0] != "bytes" or endian != "little" or any(
+            not isinstance(n, str) for n in names) or (f.layout == "raw" and len(names) != 1)):
         raise DamagedStoreError(f"{where}: {key} codecs are {name_value(names)}; expected 'bytes' (little-endian)"
                                 + (" alone (raw layout)" if f.layout == "raw" else " then compressors"))
     unknown = [n for n in names[1:] if not _known_codec(n)]
@@ -91,6 +94,34 @@ def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
     if not (type(fill) in (int, float, bool) or (isinstance(fill, str) and len(fill) <= 32)):
         raise DamagedStoreError(f"{where}: {key} fill_value is {name_value(fill)}; expected a number")
     return rows
+
+
+def _check_image_codecs(codecs: list[Any], f: FieldSchema, where: str, key: str) -> None:
+    """An image field's codecs: one ``sharding_indexed`` of ``(1, *row shape)`` inner chunks, each
+    encoded by a ``trajstore.image`` codec this version knows for the field's frames, its index
+    ``bytes`` (little-endian) then ``crc32c``, at the end.  Nothing is imported: the formats are a
+    fixed table (:data:`trajstore.storage.fields.image_codecs.FORMATS`)."""
+    from trajstore.storage.fields.image_codecs import codec_from_config
+
+    expect = (f"one sharding_indexed codec of [1, {', '.join(map(str, f.shape))}] inner chunks encoded by a "
+              "trajstore.image codec, its index 'bytes' (little-endian) then 'crc32c' at the end")
+    shard = codecs[0] if len(codecs) == 1 and isinstance(codecs[0], dict) else {}
+    cfg = shard.get("configuration")
+    if shard.get("name") != "sharding_indexed" or not isinstance(cfg, dict):
+        raise DamagedStoreError(f"{where}: {key} codecs are {name_value(codecs)}; expected {expect}")
+    index = cfg.get("index_codecs")
+    inner = cfg.get("codecs")
+    if cfg.get("chunk_shape") != [1, *f.shape] or cfg.get("index_location", "end") != "end" or not (
+            isinstance(index, list) and len(index) == 2 and isinstance(index[0], dict) and isinstance(index[1], dict)
+            and index[0].get("name") == "bytes" and (index[0].get("configuration") or {}).get("endian") == "little"
+            and index[1].get("name") == "crc32c") or not (isinstance(inner, list) and len(inner) == 1):
+        raise DamagedStoreError(f"{where}: {key} sharding configuration is {name_value(cfg)}; expected {expect}")
+    try:
+        codec = codec_from_config(inner[0])
+        codec.check(f.shape, f.dtype)
+    except (ValueError, TypeError) as e:  # (BadOptionError is a ValueError)
+        raise DamagedStoreError(f"{where}: {key} image codec {name_value(inner[0])} is not one this version of "
+                                f"trajstore reads ({e})") from None
 
 
 def _known_codec(name: str) -> bool:

@@ -20,7 +20,7 @@ import mmap
 import os
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import zarr
@@ -41,7 +41,7 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["ChunkedField"]
+__all__ = ["ChunkedField", "cached_split"]
 
 #: A batch decodes a chunk whole (not row by row) once it wants more than this share of its rows.
 WHOLE_CHUNK_SHARE = 0.25
@@ -51,6 +51,22 @@ ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
 #: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
 MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
+
+
+T = TypeVar("T")
+
+
+def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T], list[int]]:
+    """``({k: cache[k]} for the ``ks`` held (marked recently used), [the others])``."""
+    out: dict[int, T] = {}
+    missing = []
+    for k in ks:
+        if k in cache:
+            cache.move_to_end(k)
+            out[k] = cache[k]
+        else:
+            missing.append(k)
+    return out, missing
 
 
 class ChunkedField:
@@ -146,7 +162,14 @@ class ChunkedField:
                 plain.append(k)
             else:
                 out[k] = staged
-        if plain and self._partial:
+        if plain:
+            out.update(self._decode_chunks(plain))
+        return out
+
+    def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
+        """Decode whole chunks ``plain`` from their files (one concurrent zarr read for all of them)."""
+        out: dict[int, np.ndarray] = {}
+        if self._partial:
             # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
             frames = self._get_frames(plain, keep=False)
             for k in plain:
@@ -317,23 +340,11 @@ class ChunkedField:
         """The encoded frames of chunks ``ks`` (cached unless not ``keep``; fetched concurrently from
         a remote store); None for a chunk that is read whole instead (missing file, not a blosc 1
         frame)."""
-        out: dict[int, _Frame | None] = {}
-        missing = []
-        for k in ks:
-            if k in self._frames:
-                self._frames.move_to_end(k)
-                out[k] = self._frames[k]
-            else:
-                missing.append(k)
+        out, missing = cached_split(self._frames, ks)
         if not missing:
             return out
         nbytes = self.C * self.spec.row_bytes
-        keys = [chunk_key(self.spec.array_path, k, self._ndim) for k in missing]
-        if self.loc.is_local:
-            got = [self._map(key, nbytes) for key in keys]
-        else:
-            blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
-            got = [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
+        got = self._read_encoded([chunk_key(self.spec.array_path, k, self._ndim) for k in missing], nbytes)
         for k, (buf, owner) in zip(missing, got):
             frame = None
             if buf is not None:
@@ -353,6 +364,15 @@ class ChunkedField:
             self._frame_bytes -= self._frame_cost(f)
             out.setdefault(k, f)  # still used by this batch (the reference keeps it alive)
         return out
+
+    def _read_encoded(self, keys: list[str], nbytes: int) -> list[tuple[np.ndarray | None, object]]:
+        """Chunk files ``keys`` (of at most about ``nbytes``) as uint8 arrays and the object that
+        owns their memory: memory-mapped (local), else fetched concurrently; ``(None, None)`` for a
+        missing file (and, locally, an empty or implausibly large one)."""
+        if self.loc.is_local:
+            return [self._map(key, nbytes) for key in keys]
+        blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
+        return [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
 
     def _frame_cost(self, frame: _Frame | None) -> int:
         """Bytes of RAM a cached frame holds: a fetched one its size; a memory-mapped one (local
@@ -461,9 +481,7 @@ class ChunkedField:
                 continue  # the chunk a ring is filling: written once it is complete
             hi = min((k + 1) * self.C, shape0)
             try:
-                # zarr writes the chunk to a temp file and renames it (removing the temp on error):
-                # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
-                self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
+                self._write_chunk(k, hi)
             except OSError as e:
                 raise _full_disk(e, self._where(chunk_key("", k, self._ndim).lstrip("/")),
                                  f"write chunk {k} of {self.spec.array_path}")
@@ -484,6 +502,12 @@ class ChunkedField:
                 fsync_dir(d)
             self._written.clear()
         self._evict()
+
+    def _write_chunk(self, k: int, hi: int) -> None:
+        """Write decoded chunk ``k`` (rows up to ``hi``) out whole."""
+        # zarr writes the chunk to a temp file and renames it (removing the temp on error):
+        # a failed write leaves the old chunk whole, and it stays dirty for the next flush.
+        self.z[k * self.C : hi] = self._cache[k][: hi - k * self.C]
 
     def close(self) -> None:
         self._cache.clear()

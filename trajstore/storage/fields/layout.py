@@ -8,6 +8,9 @@ Two layouts, both ordinary zarr v3 arrays that any zarr reader opens:
     writer copies rows straight into the page cache and readers gather with one numpy
     fancy index.  zarr-python is used only for metadata.
 
+``ImageField`` ("image" layout: frames encoded one by one, :mod:`.image`)
+    Shards of one-frame inner chunks; a row decodes its frame alone, a batch on a thread pool.
+
 ``ChunkedField`` (compressed layouts, and every non-local store)
     Reads and writes go through zarr-python a whole chunk at a time.  The writer keeps
     the chunks it is filling in RAM and writes them out complete on ``flush``; decoded
@@ -36,10 +39,13 @@ from trajstore.errors import DamagedStoreError
 from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields.base import Field, gather_windows_by_rows
 from trajstore.storage.fields.chunked import ChunkedField
+from trajstore.storage.fields.image import ImageField
 from trajstore.storage.fields.mapped import MappedField
 from trajstore.storage.fields.spec import (
     FieldSpec,
+    check_compressor_keys,
     chunk_key,
+    create_codecs,
     make_field_spec,
     parse_compressor,
     sized_array,
@@ -49,8 +55,11 @@ from trajstore.storage.location import Location
 __all__ = [
     "ChunkedField",
     "FieldSpec",
+    "ImageField",
     "MappedField",
+    "check_compressor_keys",
     "chunk_key",
+    "create_codecs",
     "gather_windows_by_rows",
     "make_field_spec",
     "mapping_ok",
@@ -98,4 +107,6 @@ def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int
         return MappedField(loc, spec, allocated, writable)
     # Sized from the commit record's allocation: the shape in zarr.json is the published rows.
     zarray = sized_array(group[spec.array_path], allocated).with_config({"write_empty_chunks": True})  # type: ignore[arg-type]
+    if spec.layout == "image":
+        return ImageField(loc, spec, zarray, writable)
     return ChunkedField(loc, spec, zarray, writable)

@@ -27,7 +27,10 @@ __all__ = [
     "RAW_CHUNK_MIN_ROWS",
     "SMALL_ROWS_BLOCK_BYTES",
     "FieldSpec",
+    "check_compressor_keys",
     "chunk_key",
+    "create_codecs",
+    "field_compressor",
     "make_field_spec",
     "open_zarr_array",
     "parse_compressor",
@@ -72,7 +75,9 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
     if isinstance(compressor, str):
         names: dict[str, tuple[Literal["lz4", "zstd"], int]] = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
         if compressor not in names:
-            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd' or a codec object; got {compressor!r}")
+            raise BadOptionError(f"compressor must be None, 'lz4', 'zstd', an image codec ('jpeg:90', 'png', "
+                                 f"'webp-lossless'...: trajstore.storage.fields.image_codecs.FORMATS) or a codec "
+                                 f"object; got {compressor!r}")
         cname, level = names[compressor]
         codec = zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize)
         return codec, compressor
@@ -142,7 +147,7 @@ class FieldSpec:
         self.row_shape = tuple(int(s) for s in row_shape)
         self.dtype = np.dtype(dtype)
         self.chunk_rows = int(chunk_rows)
-        self.layout = layout  # "raw" or "compressed"
+        self.layout = layout  # "raw", "compressed" or "image"
 
     @property
     def row_bytes(self) -> int:
@@ -160,6 +165,37 @@ def _raw_row_align(row_bytes: int) -> int:
     return _syscalls.PAGE // math.gcd(row_bytes, _syscalls.PAGE)
 
 
+def _names(key: str, array_path: str) -> bool:
+    """Whether the ``compressor`` dict key ``key`` names the field ``array_path``: its whole path,
+    its leaf name (the path after the table) or a leading part of that name up to a ``.`` or ``/``."""
+    leaf = array_path.split("/", 1)[-1]
+    return key in (array_path, leaf) or leaf.startswith((key + ".", key + "/"))
+
+
+def field_compressor(compressor: Any, array_path: str) -> Any:
+    """The compressor of field ``array_path`` when ``compressor`` is a dict ``{leaf name: compressor}``
+    (key ``"*"``: every other field; without it other fields are raw); else ``compressor``."""
+    if not isinstance(compressor, dict):
+        return compressor
+    return next((v for k, v in compressor.items() if k != "*" and _names(k, array_path)), compressor.get("*"))
+
+
+def check_compressor_keys(compressor: Any, array_paths: list[str]) -> None:
+    """Refuse (BadOptionError) a ``compressor`` dict with a key that names none of ``array_paths``."""
+    if not isinstance(compressor, dict):
+        return
+    bad = [k for k in compressor if k != "*" and not (isinstance(k, str) and any(_names(k, p) for p in array_paths))]
+    if bad:
+        leaves = [p.split("/", 1)[-1] for p in array_paths]
+        raise BadOptionError(f"compressor keys {bad} name no field; the fields are {leaves} (or '*' for all others)")
+
+
+#: Image fields: shards of at most this many decoded bytes (the writer holds the one it fills
+#: decoded) and at most IMAGE_SHARD_MAX_ROWS frames.
+IMAGE_SHARD_BYTES = 32 << 20
+IMAGE_SHARD_MAX_ROWS = 1024
+
+
 def make_field_spec(
     array_path: str,
     row_shape: tuple[int, ...],
@@ -169,8 +205,24 @@ def make_field_spec(
     compressor: Any,
     chunk_rows: int | None,
 ) -> FieldSpec:
-    """Choose the chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES)."""
+    """Choose the layout and chunk rows of a new field (see RAW_CHUNK_BYTES / COMPRESSED_CHUNK_BYTES /
+    IMAGE_SHARD_BYTES); ``compressor`` may be a dict by field (:func:`field_compressor`).
+
+    Raises
+    ------
+    BadOptionError
+        An image codec for frames it cannot hold (:func:`~.image_codecs.parse_image_compressor`).
+    """
+    from trajstore.storage.fields.image_codecs import parse_image_compressor
+
+    compressor = field_compressor(compressor, array_path)
     row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    image = parse_image_compressor(compressor, tuple(row_shape), np.dtype(dtype))
+    if image is not None:
+        rows = chunk_rows or 1 << int(math.log2(min(max(IMAGE_SHARD_BYTES // row_bytes, 1), IMAGE_SHARD_MAX_ROWS)))
+        if capacity is not None:
+            rows = min(rows, capacity)
+        return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "image", image)
     if compressor is not None and compressor != "none":
         rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
         if capacity is not None:
@@ -184,6 +236,18 @@ def make_field_spec(
         rows = min(rows, capacity)
     rows = -(-rows // align) * align  # round up to whole pages
     return FieldSpec(array_path, row_shape, dtype, rows, "raw")
+
+
+def create_codecs(spec: FieldSpec) -> dict[str, Any]:
+    """zarr ``create_array`` codec arguments of a new field: ``compressors`` (raw: none), or for an
+    image field a ``sharding_indexed`` serializer of one-frame inner chunks encoded by its
+    :class:`~.image_codecs.ImageCodec` (index: ``bytes`` little-endian then ``crc32c``, at the end)."""
+    if spec.layout == "image":
+        sharding = zarr.codecs.ShardingCodec(
+            chunk_shape=(1, *spec.row_shape), codecs=[spec.compressor],
+            index_codecs=[zarr.codecs.BytesCodec(endian="little"), zarr.codecs.Crc32cCodec()], index_location="end")
+        return {"serializer": sharding, "compressors": None}
+    return {"compressors": parse_compressor(spec.compressor if spec.layout != "raw" else None, spec.dtype)[0]}
 
 
 def open_zarr_array(loc: Location, spec: FieldSpec, allocated: int, writable: bool) -> zarr.Array[Any]:

@@ -1,0 +1,19 @@
+"""Image fields: per-frame image codecs and the threads that decode them.
+
+Importing this module registers the zarr v3 codec ``"trajstore.image"`` (importing trajstore's
+storage does too; so does the ``zarr.codecs`` entry point of the installed package), which is
+what a plain zarr-python reader needs to open an image field::
+
+    import trajstore.images  # registers the codec
+    frames = zarr.open_array("store/step_data/obs", mode="r")[:16]
+
+- :class:`ImageCodec`: a codec object for ``compressor=`` (e.g. ``ImageCodec("webp", 90)``, or
+  ``ImageCodec("png", planes=None)`` to keep an ``(H, W, 4)`` frame as RGBA instead of 4 grey planes);
+  strings such as ``"jpeg:90"`` name the same codecs.
+- :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames.
+"""
+
+from trajstore.storage.fields.image import decode_threads, set_decode_threads
+from trajstore.storage.fields.image_codecs import CODEC_NAME, FORMATS, ImageCodec
+
+__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "decode_threads", "set_decode_threads"]

@@ -1,0 +1,296 @@
+"""``ImageField``: a field of image frames, one encoded frame per zarr inner chunk.
+
+The array's chunks are ``sharding_indexed`` shards (:mod:`.image_codecs`): the frames' bytes, then
+an index of ``(offset, nbytes)`` u64 pairs (one per row, ``2**64-1`` twice for a row never written)
+and its crc32c.  A random row is read by looking its frame up in the shard's index (the file is
+memory-mapped locally, fetched elsewhere; the index is checked once per shard) and decoding that
+frame alone; the frames of a batch decode on a bounded thread pool (:func:`decode_threads`) into
+one preallocated array.  The codecs release the GIL, so threads add up.
+
+The writer keeps each frame it has encoded: a flush encodes only the rows written since (on the
+same pool) and writes the shard whole (temp file + rename, as every chunk), so committed frames
+are never encoded twice (a lossy codec would lose quality each time).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import google_crc32c
+import numpy as np
+import zarr
+
+from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
+from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
+from trajstore.storage.fields.image_codecs import ImageCodec
+from trajstore.storage.fields.spec import FieldSpec, chunk_key
+from trajstore.storage.location import Location
+
+__all__ = ["ImageField", "decode_threads", "parallel", "set_decode_threads"]
+
+T = TypeVar("T")
+_MISSING = np.uint64(2**64 - 1)
+#: A batch smaller than this decodes in the calling thread (a pool hand-off costs ~20-50 us).
+_MIN_PER_THREAD = 2
+
+# -- the decode pool ----------------------------------------------------------------------------
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_threads: int | None = None  # set_decode_threads; None: the default
+
+
+def decode_threads() -> int:
+    """Threads that decode (and encode) image frames: what :func:`set_decode_threads` set, else the
+    environment variable ``TRAJSTORE_DECODE_THREADS``, else the CPUs this process may run on
+    (``os.sched_getaffinity``)."""
+    if _threads is not None:
+        return _threads
+    env = os.environ.get("TRAJSTORE_DECODE_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), 256)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def set_decode_threads(n: int | None) -> None:
+    """Decode image frames on ``n`` threads (1: in the calling thread only; None: the default of
+    :func:`decode_threads`).  A process-wide setting, also for DataLoader workers forked later."""
+    global _threads
+    if n is not None and (type(n) is not int or not 1 <= n <= 256):
+        raise BadOptionError(f"decode threads must be an int in 1..256 or None; got {n!r}")
+    _threads = n
+
+
+def _get_pool(n: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size != n:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _pool_size = ThreadPoolExecutor(n, thread_name_prefix="trajstore-decode"), n
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
+    global _pool, _pool_size, _lock
+    _pool, _pool_size, _lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def parallel(fn: Callable[[Sequence[T]], Any], items: Sequence[T]) -> list[Any]:
+    """``fn`` over contiguous parts of ``items``, one part per decode thread (the first in the
+    calling thread); the parts' results in order.  An exception of any part is raised."""
+    n = min(decode_threads(), max(1, len(items) // _MIN_PER_THREAD))
+    if n <= 1:
+        return [fn(items)]
+    bounds = [len(items) * i // n for i in range(n + 1)]
+    pool = _get_pool(n - 1)
+    futures = [pool.submit(fn, items[bounds[i]:bounds[i + 1]]) for i in range(1, n)]
+    first = fn(items[: bounds[1]])
+    return [first, *(f.result() for f in futures)]
+
+
+# -- shards -------------------------------------------------------------------------------------
+class _Shard:
+    """One shard file's bytes and its checked index: ``offsets``/``sizes`` (C,) int64, -1 where
+    the row was never written."""
+
+    __slots__ = ("buf", "offsets", "owner", "sizes")
+
+    def __init__(self, buf: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, owner: object):
+        self.buf, self.offsets, self.sizes, self.owner = buf, offsets, sizes, owner
+
+    def frame(self, i: int) -> np.ndarray | None:
+        o = int(self.offsets[i])
+        return None if o < 0 else self.buf[o : o + int(self.sizes[i])]
+
+
+def read_index(buf: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and sizes (int64, -1: empty row) of the ``rows`` frames of shard ``buf`` (uint8),
+    after checking the index's crc32c and that every frame lies inside the shard before the index.
+
+    Raises ValueError naming what is wrong."""
+    n, ib = len(buf), 16 * rows
+    if n < ib + 4:
+        raise ValueError(f"{n} bytes cannot hold an index of {rows} frames")
+    idx = buf[n - ib - 4 : n - 4]
+    if google_crc32c.value(idx.tobytes()) != int.from_bytes(buf[n - 4 :].tobytes(), "little"):
+        raise ValueError("the shard index checksum does not match")
+    pairs = idx.view("<u8").reshape(rows, 2)
+    empty = (pairs[:, 0] == _MISSING) & (pairs[:, 1] == _MISSING)
+    end = np.uint64(n - ib - 4)
+    bad = ~empty & ((pairs[:, 0] > end) | (pairs[:, 1] > end - np.minimum(pairs[:, 0], end)) | (pairs[:, 1] == 0))
+    if bad.any():
+        raise ValueError(f"the index places frame {int(np.flatnonzero(bad)[0])} outside the shard")
+    offsets = np.where(empty, -1, pairs[:, 0].astype(np.int64))
+    return offsets, np.where(empty, 0, pairs[:, 1].astype(np.int64))
+
+
+def write_shard(frames: Sequence[bytes]) -> bytes:
+    """A shard of ``frames`` (``b""``: a row never written) as zarr's ``sharding_indexed`` lays it out
+    with the index at the end (``bytes`` little-endian, then ``crc32c``)."""
+    index = np.full((len(frames), 2), _MISSING, dtype="<u8")
+    pos = 0
+    for i, f in enumerate(frames):
+        if f:
+            index[i] = (pos, len(f))
+            pos += len(f)
+    ib = index.tobytes()
+    return b"".join(frames) + ib + google_crc32c.value(ib).to_bytes(4, "little")
+
+
+class ImageField(ChunkedField):
+    """A field of frames encoded one by one (a :class:`~trajstore.storage.fields.base.Field`)."""
+
+    def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
+        super().__init__(loc, spec, zarray, writable)
+        codecs = zarray.metadata.codecs  # type: ignore[union-attr]  # checked (array_meta) before opening
+        codec = codecs[0].codecs[0] if len(codecs) == 1 and isinstance(codecs[0], zarr.codecs.ShardingCodec) else None
+        if not isinstance(codec, ImageCodec):
+            raise DamagedStoreError(f"{loc.url}: {spec.array_path}: image layout without a trajstore.image codec")
+        self.codec = codec
+        self._shards: OrderedDict[int, _Shard | None] = OrderedDict()
+        self._shard_bytes = 0
+        # Largest plausible shard: every frame as big as raw twice over (PNG of noise is a bit over raw).
+        self._limit = 2 * self.C * self._rb + 16 * self.C + 4096
+        # Writer: chunk -> each row's encoded frame (None: written since, to encode; b"": never written).
+        self._blobs: dict[int, list[bytes | None]] = {}
+
+    # -- reads ------------------------------------------------------------------------------------
+    def _damaged(self, k: int, row: int | None, e: BaseException) -> DamagedStoreError:
+        what = f"chunk {k}" if row is None else f"row {row} (chunk {k})"
+        return DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: {what} does not decode "
+                                 f"({type(e).__name__}: {e})")
+
+    def _get_shards(self, ks: list[int], keep: bool = True) -> dict[int, _Shard | None]:
+        """The checked shards of chunks ``ks`` (None: no file, every row empty), cached unless not
+        ``keep``; fetched concurrently from a remote store."""
+        out, missing = cached_split(self._shards, ks)
+        if not missing:
+            return out
+        keys = [chunk_key(self.spec.array_path, k, self._ndim) for k in missing]
+        got = self._read_encoded(keys, self._limit)
+        for k, key, (buf, owner) in zip(missing, keys, got):
+            shard = None
+            if buf is None and self.loc.exists(key):  # there, but empty or larger than any shard
+                raise self._damaged(k, None, ValueError("the shard file is empty or implausibly large"))
+            if buf is not None:
+                try:
+                    shard = _Shard(buf, *read_index(buf, self.C), owner)
+                except ValueError as e:
+                    raise self._damaged(k, None, e) from None
+            out[k] = shard
+            if keep:
+                self._shards[k] = shard
+                self._shard_bytes += self._shard_cost(shard)
+        while self._shards and (len(self._shards) > MAX_ENCODED or self._shard_bytes > ENCODED_BYTES):
+            k, s = self._shards.popitem(last=False)
+            self._shard_bytes -= self._shard_cost(s)
+            out.setdefault(k, s)
+        return out
+
+    def _shard_cost(self, shard: _Shard | None) -> int:
+        return 0 if shard is None or self.loc.is_local else len(shard.buf)
+
+    def _forget_frames(self, ks: list[int] | None = None) -> None:
+        super()._forget_frames(ks)
+        for k in (list(self._shards) if ks is None else ks):
+            self._shard_bytes -= self._shard_cost(self._shards.pop(k, None))
+
+    def _decode_into(self, out: np.ndarray, jobs: list[tuple[int, int, int]], shards: dict[int, _Shard | None]) -> None:
+        """Decode ``jobs`` ``(i, k, r)`` (row ``r`` of chunk ``k`` into ``out[i]``) on the decode threads."""
+        codec, C = self.codec, self.C
+
+        def run(part: Sequence[tuple[int, int, int]]) -> None:
+            for i, k, r in part:
+                s = shards[k]
+                data = None if s is None else s.frame(r - k * C)
+                if data is None:
+                    out[i] = 0  # a row never written reads as the fill value, as zarr gives it
+                    continue
+                try:
+                    codec.decode_into(data, out[i])
+                except TrajstoreError:
+                    raise
+                except Exception as e:  # a frame is input: whatever garbage makes a codec raise
+                    raise self._damaged(k, r, e) from None
+
+        parallel(run, jobs)
+
+    def gather(self, phys: np.ndarray) -> np.ndarray:
+        phys = np.asarray(phys, dtype=np.int64)
+        ks = phys // self.C
+        held = set(self._cache) | set(self._override)
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        rest = np.arange(len(phys))
+        if held:
+            # Rows of chunks held decoded (the writer's, or staged by a rewrite) come from there.
+            inside = np.isin(ks, np.fromiter(held, np.int64, len(held)))
+            if inside.any():
+                out[inside] = self._gather_whole(phys[inside], ks[inside])
+                rest = np.flatnonzero(~inside)
+        if len(rest):
+            shards = self._get_shards(list(dict.fromkeys(ks[rest].tolist())))
+            self._decode_into(out, list(zip(rest.tolist(), ks[rest].tolist(), phys[rest].tolist())), shards)
+        return out
+
+    def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
+        shards = self._get_shards(plain, keep=False)
+        out: dict[int, np.ndarray] = {}
+        for k in plain:
+            chunk = out[k] = self._empty_chunk()
+            self._decode_into(chunk, [(i, k, k * self.C + i) for i in range(self.C)], shards)
+            if self.writable:  # keep the encoded frames: a flush encodes only rows written since
+                s = shards[k]
+                self._blobs[k] = [b""] * self.C if s is None else [
+                    b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
+        return out
+
+    # -- writes -----------------------------------------------------------------------------------
+    def write(self, phys_lo: int, data: np.ndarray) -> None:
+        C, n = self.C, len(data)
+        ks = range(phys_lo // C, (phys_lo + n - 1) // C + 1) if n else range(0)
+        for k in ks:
+            if k not in self._cache:
+                self._blobs.pop(k, None)  # (evicted or remapped since: its frames are read again)
+        super().write(phys_lo, data)
+        for k in ks:
+            # A chunk held without its frames (read from a staging area) is encoded whole again.
+            blobs = self._blobs.setdefault(k, [None] * C)
+            lo, hi = max(phys_lo, k * C) - k * C, min(phys_lo + n, (k + 1) * C) - k * C
+            blobs[lo:hi] = [None] * (hi - lo)
+
+    def _write_chunk(self, k: int, hi: int) -> None:
+        blobs = self._blobs.setdefault(k, [None] * self.C)
+        chunk = self._cache[k]
+        todo = [i for i in range(hi - k * self.C) if blobs[i] is None]
+        codec = self.codec
+
+        def run(part: Sequence[int]) -> None:
+            for i in part:
+                blobs[i] = codec.encode_frame(chunk[i])
+
+        parallel(run, todo)
+        frames = [b if b is not None else b"" for b in blobs]
+        frames[hi - k * self.C :] = [b""] * (self.C - (hi - k * self.C))
+        self.loc.put(chunk_key(self.spec.array_path, k, self._ndim), write_shard(frames))
+
+    def _evict(self) -> None:
+        super()._evict()
+        for k in [k for k in self._blobs if k not in self._cache]:
+            del self._blobs[k]
+
+    def close(self) -> None:
+        super().close()
+        self._blobs.clear()
