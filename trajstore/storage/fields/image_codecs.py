@@ -200,6 +200,9 @@ class ImageCodec(ArrayBytesCodec):
     # -- zarr's codec interface ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
+        """The codec a ``zarr.json`` names (``{"name": "trajstore.image", "configuration": {...}}``).
+
+        Raises ValueError (zarr's convention for codec metadata) on unknown keys or settings."""
         _, cfg = parse_named_configuration(data, CODEC_NAME)
         keys = {"format", "level", "lossless", "planes"}
         if set(cfg) - keys or "format" not in cfg:
@@ -210,14 +213,17 @@ class ImageCodec(ArrayBytesCodec):
             raise ValueError(str(e)) from None
 
     def to_dict(self) -> dict[str, JSON]:
+        """The codec's ``zarr.json`` entry: its name and its four settings."""
         return {"name": CODEC_NAME, "configuration": {"format": self.format, "level": self.level,
                                                      "lossless": self.lossless, "planes": self.planes}}
 
     def validate(self, *, shape: tuple[int, ...], dtype: Any, chunk_grid: Any) -> None:
+        """zarr's check at array creation: the frame shape ``shape[1:]`` and dtype must fit the format."""
         native = dtype.to_native_dtype() if hasattr(dtype, "to_native_dtype") else np.dtype(dtype)
         self.check(tuple(shape[1:]), np.dtype(native))
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
+        """Not known ahead: an encoded frame's size depends on its content (zarr then asks no size)."""
         raise NotImplementedError  # variable size
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
