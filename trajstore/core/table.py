@@ -201,10 +201,6 @@ class Table:
         self.store.metadata_changed()
         self.state.allocated = new  # only once readers' metadata says so (else grown again next time)
 
-    def invalidate_reads(self) -> None:
-        """Chunk files were replaced: map them again before the next read."""
-        self._mapped_upto = None
-
     def _match_allocation(self) -> None:
         """Grow this process's view of the arrays after another process grew the table."""
         for f in self.fields:
