@@ -1,4 +1,4 @@
-"""Kill loops (DESIGN.md 3.3, 3.8; docs/reliability.md): every write path SIGKILLed at random
+"""Kill loops (docs/design.md 3.3, 3.8; docs/reliability.md): every write path SIGKILLed at random
 instants, about 500 kills per run.
 
 Each round starts a writer child (``_kill_workers``; forked from a server that has already
@@ -8,7 +8,7 @@ while it is still opening the store, i.e. during crash recovery), then checks, i
 * a read-only open changes no file, and every row is whole (its leaves agree) and committed;
 * nothing acknowledged is lost: every row committed before a ``flush()`` returned is there;
 * a ring is as full as it can be: at least ``capacity - 2 * guard`` rows once that many were
-  written (eviction never shows as missing rows, DESIGN.md 3.8);
+  written (eviction never shows as missing rows, docs/design.md 3.8);
 * ``verify_store(deep=True)`` finds no fault;
 * every other round, a writer reopens the store (recovery) and sees the same rows.
 """

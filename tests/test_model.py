@@ -1,10 +1,10 @@
 """Model-based tests (hypothesis stateful testing): ReplayBuffer and TrajectoryReplayBuffer
-against plain-Python models of DESIGN.md's semantics, on real local stores.
+against plain-Python models of docs/design.md's semantics, on real local stores.
 
 Machine A (:class:`ReplayMachine`) drives a ReplayBuffer (rings of 7 and 13 rows, so wraps
 are frequent, and unbounded; numpy and torch backends; raw and lz4 layouts with chunk edges
 inside the ring) with extend / append / set_at / remove_at / clear / flush / close-and-reopen
-and compares every kind of read with a list of rows that applies DESIGN.md's ring rules:
+and compares every kind of read with a list of rows that applies docs/design.md's ring rules:
 logical row i is physical (offset + i) % capacity; an extend of B rows with count + B >
 capacity advances offset by the overflow; a batch of B >= capacity keeps only its last
 capacity rows; remove_at deletes rows and later rows move up; clear empties.
@@ -170,7 +170,7 @@ def resolve(idx: Any, n: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------
-# the ring model (DESIGN.md 1 "Ring rules")
+# the ring model (docs/design.md 1 "Ring rules")
 # ----------------------------------------------------------------------------------------
 class RingModel:
     """Rows of a ring (capacity) or a growing list (None), with absolute row numbers: logical row
@@ -541,7 +541,7 @@ def test_replay_buffer_model(capacity, backend, layout, options, examples):
 # ----------------------------------------------------------------------------------------
 def model_sequences(ids: list[int], vals: list[int], anchors: list[int], offsets: list[int], pad: str
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """DESIGN.md's get_sequences over the model's rows, leaf by leaf (the frame-by-frame reference
+    """docs/design.md's get_sequences over the model's rows, leaf by leaf (the frame-by-frame reference
     of test_trajectory_sequences: valid when the row exists and has the anchor's episode id;
     "edge" fills with the earliest / latest valid frame, "zero" with zeros)."""
     rows, out, mask = encode(vals), {}, np.zeros((len(anchors), len(offsets)), bool)
@@ -927,7 +927,7 @@ SCALAR_STEP = Dict({"obs": Box(-np.inf, np.inf, (), np.float32)})
 
 @pytest.mark.parametrize("capacity", [2, 64], ids=["guard1", "guard2"])
 def test_ring_keeps_episode_data_of_an_episode_that_gets_steps_in_the_same_extend(tmp_path, capacity):
-    """DESIGN.md: episode data is evicted when the last step of its episode leaves the step ring.
+    """docs/design.md: episode data is evicted when the last step of its episode leaves the step ring.
     Here episode 5's only old step leaves the ring during an extend whose last row is a new step
     of episode 5, so after the call episode 5 has a step and must still have its data, whatever
     the ring's block size (Table.guard rows: 1 and 2 here)."""

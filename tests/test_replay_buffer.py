@@ -147,7 +147,7 @@ def test_unbounded_fill_sequence(buffers, backend, space_name, layout):
 
 
 def test_ring_example_from_design(buffers):
-    """DESIGN.md: capacity 10, extend 8 then 5 gives count 10, offset 3; extend 9 then 1 gives offset 0."""
+    """docs/design.md: capacity 10, extend 8 then 5 gives count 10, offset 3; extend 9 then 1 gives offset 0."""
     rb = buffers.create(box_space(), capacity=10)
     rows = random_rows(rb.single_space, 13, 0)
     rb.extend(stack(rows[:8]))

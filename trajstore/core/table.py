@@ -1,6 +1,6 @@
 """A table: several fields (zarr arrays) whose rows form one ring (or one growing list).
 
-The table applies DESIGN.md's ring rules and the commit protocol for the rows it
+The table applies docs/design.md's ring rules and the commit protocol for the rows it
 writes; the :class:`trajstore.core.store.Store` it belongs to owns the commit record.
 """
 
