@@ -16,8 +16,10 @@ deletes an episode's last step, emptied by clear), get_sequences (valid mask, "e
 "zero" padding), episodes() / get_episode and episode_id_to_episode_data_index.
 
 Every row carries a unique counter value (obs = [v, v + 0.5, -v], d = v % 11), so a mismatch
-names the rows involved.  Runs are derandomized and use no example database, so CI is
-reproducible (hypothesis still caches source constants in .hypothesis/, which it gitignores).
+names the rows involved.  Under the suite's default hypothesis profile (``ci``, tests/conftest.py)
+runs are derandomized and use no example database, so CI is reproducible (hypothesis still caches
+source constants in .hypothesis/, which it gitignores); ``--hypothesis-profile=long`` explores with
+random seeds and larger budgets.
 Bugs the machines found have minimal reproducers at the end of this file.
 """
 
@@ -34,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.spaces import Box, Dict, Discrete
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -57,10 +59,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {"raw": {}, "lz4": {"compressor": "lz4", "c
 
 
 def _settings(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, stateful_step_count=30, deadline=None, derandomize=True,
-                    database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+    """The loaded profile (tests/conftest.py) with this variant's budget: ``ci`` (derandomized) runs
+    ``max_examples`` programs of 30 steps; an exploring profile (``--hypothesis-profile=long``) runs
+    at least its own ``max_examples`` and ``stateful_step_count``."""
+    profile = settings.default
+    if profile.derandomize:
+        return settings(profile, max_examples=max_examples, stateful_step_count=30)
+    return settings(profile, max_examples=max(max_examples, profile.max_examples),
+                    stateful_step_count=max(30, profile.stateful_step_count))
 
 
 # ----------------------------------------------------------------------------------------
