@@ -705,7 +705,9 @@ def test_process_exits_with_unclosed_writers(buffers):
     procs = {layout: subprocess.Popen([sys.executable, "-c", script, layout, str(buffers.path(layout))], cwd=root,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for layout in ("raw", "lz4", "memory", "memory_url")}  # in parallel: one timeout for all
-    hung, deadline = [], time.monotonic() + 15
+    # A hang never ends; 120 s only bounds the wait.  (15 s was too short for four cold interpreter
+    # starts on 2 cores shared with a parallel test run: all four were reported hung.)
+    hung, deadline = [], time.monotonic() + 120
     for layout, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
