@@ -7,8 +7,8 @@ Every buffer a test opens goes through the ``buffers`` fixture, which closes it 
 (also when the test fails), so no writer is left for the garbage collector at exit.
 
 Parallel runs (pytest-xdist).  The README's test command is ``python -m pytest -q -n auto
---dist loadgroup`` (.ci/run runs exactly that): one worker process per CPU, each test sent to
-whichever worker is free.  ``python -m pytest -p no:xdist`` (or without ``-n``) runs the same
+--dist loadfile`` (.ci/run runs exactly that): one worker process per CPU, each test file sent
+whole to whichever worker is free and run there in file order.  ``python -m pytest -p no:xdist`` (or without ``-n``) runs the same
 tests serially and must pass as well.  Every test must therefore hold when any other test runs at
 the same time in another process, in any order:
 
@@ -21,14 +21,14 @@ the same time in another process, in any order:
 - a session- or module-scoped fixture is built once per worker that runs a test using it
   (``-n 2``: at most twice), so it must not assume it is the only one on the machine.
 
-Tests that must run in one process together carry ``pytest.mark.xdist_group(name)`` (module-wide:
-``pytestmark``); with ``--dist loadgroup`` a group goes to one worker as one unit.  Today:
-``docs`` (tests/test_docs.py: the sections of a docs page are a walkthrough in one folder, and its
-second lane runs the sections this process collected), ``kill_loops`` (tests/test_kill_loops.py:
-its last test adds up the kills of the tests before it, in the same process) and ``ray``
-(tests/test_ray.py: one local Ray cluster, started once).  A test that checks what other tests
-did (a total, a count) must share their group and come after them in its file.  Group a new
-test only for such a reason: a group is a unit no other worker can help with.
+Tests that must run in one process together live in one file.  Today: tests/test_docs.py (the
+sections of a docs page are a walkthrough in one folder, and its second lane runs every section
+this process collected), tests/test_kill_loops.py (test_total_kills adds up the kills of the tests
+before it) and tests/test_ray.py (one local Ray cluster for the module).  A test that checks what
+other tests did (a total, a count) comes after them in their file.  (``--dist loadgroup`` with
+``xdist_group`` marks would let a file's tests spread where no such reason holds, but with
+pytest 9.2 and pytest-xdist 3.8 it does not group: xdist's rewrite of the node ids does not take,
+and marked tests went to both workers.  Check before switching.)
 
 In a worker, torch uses one thread (``torch.set_num_threads(1)``): the workers already fill the
 cores, and two threads per process on busy cores made small networks several times slower.

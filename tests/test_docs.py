@@ -82,10 +82,6 @@ from typing import Any, Iterator
 
 import pytest
 
-#: The whole module runs in one worker of a parallel run (tests/conftest.py): a docs page's sections
-#: are a walkthrough in one folder, and the second lane runs every section this process collected.
-pytestmark = pytest.mark.xdist_group("docs")
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent

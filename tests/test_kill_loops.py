@@ -39,9 +39,9 @@ import _workers as W  # noqa: E402
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store  # noqa: E402
 from trajstore.errors import TrajstoreError  # noqa: E402
 
-#: One worker runs the whole module in a parallel run (tests/conftest.py): test_total_kills adds up
-#: the kills of the tests before it in this process.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("kill_loops")]
+#: test_total_kills adds up the kills of the tests before it in this process: a parallel run keeps a
+#: file in one worker (``--dist loadfile``, tests/conftest.py).
+pytestmark = pytest.mark.slow
 
 KILLS: dict[str, int] = {}  # test id -> kills done (the module's total is asserted at the end)
 

@@ -30,8 +30,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 import trajstore.ray as tray  # noqa: E402  (after the importorskip: it imports ray)
 
-pytestmark = [pytest.mark.slow,  # a Ray cluster start alone takes 10-20 s here
-              pytest.mark.xdist_group("ray")]  # one cluster per run, in one worker (tests/conftest.py)
+pytestmark = pytest.mark.slow  # a Ray cluster start alone takes 10-20 s here
 
 CARTPOLE = functools.partial(gymnasium.make, "CartPole-v1")
 #: Dummy credentials the actors find in their environment (inherited from this process, which

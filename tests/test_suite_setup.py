@@ -35,4 +35,6 @@ def test_the_readme_test_command_needs_only_the_test_extra() -> None:
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     if " -n " in pytest_step or "--dist" in pytest_step:
         assert any(req.startswith("pytest-xdist") for req in extra), extra
+        # test_kill_loops.py's total and test_docs.py's walkthroughs need each file in one worker
+        assert "--dist loadfile" in pytest_step, pytest_step
     assert "--hypothesis-profile" not in pytest_step, "CI runs the default (derandomized) hypothesis profile"
