@@ -1,4 +1,4 @@
-"""How full does a live ring look to a reader?  (docs/reliability.md, DESIGN.md 3.8)
+"""How full does a live ring look to a reader?  (docs/reliability.md, docs/design.md 3.8)
 
 One writer process appends single rows as fast as it can to a full ring; this process opens the
 store read-only and polls ``len()`` and ``sample(32)`` for the same time.  Prints, per capacity,

@@ -1,10 +1,43 @@
 """Shared helpers and fixtures of the ReplayBuffer tests (test_replay_buffer.py, test_views.py,
-test_locations.py, test_errors.py).
+test_locations.py, test_errors.py), the suite's hypothesis profiles and its rules for parallel runs.
 
 Values are generated per leaf with a seeded numpy Generator (much faster than
 ``space.sample()`` for image leaves) and compared leaf by leaf, dtype and backend included.
 Every buffer a test opens goes through the ``buffers`` fixture, which closes it at teardown
 (also when the test fails), so no writer is left for the garbage collector at exit.
+
+Parallel runs (pytest-xdist).  The README's test command is ``python -m pytest -q -n auto
+--dist loadfile`` (.ci/run runs exactly that): one worker process per CPU, each test file sent
+whole to whichever worker is free and run there in file order.  ``python -m pytest -p no:xdist`` (or without ``-n``) runs the same
+tests serially and must pass as well.  Every test must therefore hold when any other test runs at
+the same time in another process, in any order:
+
+- files only under ``tmp_path`` / ``tmp_path_factory`` (each worker has its own base temp folder)
+  or ``tempfile.mkdtemp()``; never a fixed path, the working directory (``monkeypatch.chdir``
+  only) or a file shared between tests;
+- servers on port 0 (the OS picks a free one: test_remote.py's moto server), never a fixed port;
+- environment variables through ``monkeypatch.setenv`` (a worker runs many tests in turn);
+- no assertion on wall-clock time: a worker shares the cores with the others;
+- a session- or module-scoped fixture is built once per worker that runs a test using it
+  (``-n 2``: at most twice), so it must not assume it is the only one on the machine.
+
+Tests that must run in one process together live in one file.  Today: tests/test_docs.py (the
+sections of a docs page are a walkthrough in one folder, and its second lane runs every section
+this process collected), tests/test_kill_loops.py (test_total_kills adds up the kills of the tests
+before it) and tests/test_ray.py (one local Ray cluster for the module).  A test that checks what
+other tests did (a total, a count) comes after them in their file.  (``--dist loadgroup`` with
+``xdist_group`` marks would let a file's tests spread where no such reason holds, but with
+pytest 9.2 and pytest-xdist 3.8 it does not group: xdist's rewrite of the node ids does not take,
+and marked tests went to both workers.  Check before switching.)
+
+In a worker, torch uses one thread (``torch.set_num_threads(1)``): the workers already fill the
+cores, and two threads per process on busy cores made small networks several times slower.
+
+Hypothesis: the profile ``ci`` (loaded by default) is derandomized (fixed seeds: every run draws
+the same examples) with no example database and no deadline; each test keeps its own example
+budget.  ``python -m pytest tests/test_model.py --hypothesis-profile=long`` explores instead:
+random seeds, at least 1,000 examples per state machine, 50 steps each, and failures kept in
+``.hypothesis/`` to replay first on the next run.
 """
 
 from __future__ import annotations
@@ -23,8 +56,21 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tuple
+from hypothesis import HealthCheck, settings
 
 from trajstore import ReplayBuffer
+
+# ---------------------------------------------------------------------------- run settings
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=False,
+                          suppress_health_check=_HEALTH)
+settings.register_profile("long", derandomize=False, max_examples=1000, stateful_step_count=50, deadline=None,
+                          print_blob=True, suppress_health_check=_HEALTH)
+settings.load_profile("ci")  # --hypothesis-profile=long loads the other one after this module
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # ---------------------------------------------------------------------------- spaces
 

@@ -1,5 +1,5 @@
 """One writer and many readers, the writer lock, and multiprocessing=True writers
-(DESIGN.md 1 "multiprocessing=True", 3.4, 3.6), with real processes on real stores.
+(docs/design.md 1 "Writers, readers and processes", 3.4, 3.6), with real processes on real stores.
 
 Child code lives in ``_workers.py`` (see its docstring for the start method).
 """
@@ -73,7 +73,7 @@ def test_head_watch_sees_every_replacement(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
-# readers next to an appending writer (DESIGN 3.1, 3.2, 3.4)
+# readers next to an appending writer (docs/design.md 3.1, 3.2, 3.4)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 2000], ids=["unbounded", "ring2000"])
@@ -137,7 +137,7 @@ def test_reader_during_set_at_and_remove_at(tmp_path, procs, compressor):
 
 
 # ----------------------------------------------------------------------------------------
-# writer lock (DESIGN 1 "multiprocessing=True", 3.4)
+# writer lock (docs/design.md 1 "Writers, readers and processes", 3.4)
 # ----------------------------------------------------------------------------------------
 def test_writer_lock(tmp_path, procs):
     store = str(tmp_path / "store")
@@ -187,7 +187,7 @@ def test_writer_lock(tmp_path, procs):
 
 
 # ----------------------------------------------------------------------------------------
-# multiprocessing=True (DESIGN 1)
+# multiprocessing=True (docs/design.md 1)
 # ----------------------------------------------------------------------------------------
 def test_create_multiprocessing_store_on_fresh_path(tmp_path):
     store = str(tmp_path / "store")

@@ -1,4 +1,4 @@
-"""Crash safety (DESIGN.md 3.1-3.4): real writer processes on real stores, killed with
+"""Crash safety (docs/design.md 3.1-3.4): real writer processes on real stores, killed with
 SIGKILL at random moments; the parent then reopens the store read-only and as the writer
 and checks that nothing committed was lost and nothing half-written is visible.
 
@@ -29,7 +29,7 @@ STAGING = ".trajstore-staging"
 
 
 # ----------------------------------------------------------------------------------------
-# append loops killed at random (DESIGN 3.1-3.3)
+# append loops killed at random (docs/design.md 3.1-3.3)
 # ----------------------------------------------------------------------------------------
 def _check_append_rows(rb: ReplayBuffer, capacity: int | None, flushed: int, who: str) -> tuple[int, int]:
     """Rows of an append-only store: whole rows, consecutive numbers, nothing flushed lost."""
@@ -128,7 +128,7 @@ def test_sigkill_during_ring_overwrite(tmp_path, procs, compressor):
 
 
 # ----------------------------------------------------------------------------------------
-# set_at / remove_at killed at random: before or after, never a mix (DESIGN 1, 3.1)
+# set_at / remove_at killed at random: before or after, never a mix (docs/design.md 1, 3.1)
 # ----------------------------------------------------------------------------------------
 def _parse_log(path: str) -> tuple[list[tuple], tuple | None]:
     """Completed operations and the one in flight (logged but not marked done)."""
@@ -255,7 +255,7 @@ def test_read_only_open_with_pending_rewrite(tmp_path, procs, compressor, rename
 
 
 # ----------------------------------------------------------------------------------------
-# orphans (DESIGN 3.4, 3.6)
+# orphans (docs/design.md 3.4, 3.6)
 # ----------------------------------------------------------------------------------------
 def test_orphans_removed_by_writer_open_not_by_reader(tmp_path, procs):
     store = str(tmp_path / "store")
@@ -290,7 +290,7 @@ def test_orphans_removed_by_writer_open_not_by_reader(tmp_path, procs):
 
 
 # ----------------------------------------------------------------------------------------
-# flush(fsync=True) (DESIGN 3.3): the call path runs, and it syncs data, folder, then head
+# flush(fsync=True) (docs/design.md 3.3): the call path runs, and it syncs data, folder, then head
 # ----------------------------------------------------------------------------------------
 class _SyncSpy:
     """Counting wrappers around ``os.fsync`` and the ``msync`` trajstore calls for memory-mapped

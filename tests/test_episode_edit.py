@@ -93,7 +93,7 @@ def _build(path: str | None, lengths: list[int], *, data: bool = True, seed: int
 
 def _ref_windows(ids: np.ndarray, obs: np.ndarray, anchors: np.ndarray, offsets: list[int],
                  pad: str) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md's sequence rule on plain arrays: frame valid when its row exists and has the
+    """docs/design.md's sequence rule on plain arrays: frame valid when its row exists and has the
     anchor's id; "edge" repeats the earliest valid frame before the anchor, the latest after."""
     n, offs = len(ids), np.asarray(offsets)
     valid = np.zeros((len(anchors), len(offs)), bool)

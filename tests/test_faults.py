@@ -1,4 +1,4 @@
-"""Faults of the filesystem and of the process around a store (DESIGN.md 3, invariants 3, 5, 9).
+"""Faults of the filesystem and of the process around a store (docs/design.md 3, invariants 3, 5, 9).
 
 - A real full disk: a 24 MiB tmpfs mounted here (root only; skipped otherwise).  The writer
   runs in a subprocess, so a ``SIGBUS`` (a store through a mapping into a hole the full

@@ -1,4 +1,4 @@
-"""Hostile and damaged stores (DESIGN.md 3, invariants 5-7): a store on disk is input.
+"""Hostile and damaged stores (docs/design.md 3, invariants 5-7): a store on disk is input.
 
 A corpus of tampered stores, each built from a real store (ReplayBuffer and
 TrajectoryReplayBuffer, raw and lz4 layouts).  For every case, in a forked child with a

@@ -1,10 +1,10 @@
 """Model-based tests (hypothesis stateful testing): ReplayBuffer and TrajectoryReplayBuffer
-against plain-Python models of DESIGN.md's semantics, on real local stores.
+against plain-Python models of docs/design.md's semantics, on real local stores.
 
 Machine A (:class:`ReplayMachine`) drives a ReplayBuffer (rings of 7 and 13 rows, so wraps
 are frequent, and unbounded; numpy and torch backends; raw and lz4 layouts with chunk edges
 inside the ring) with extend / append / set_at / remove_at / clear / flush / close-and-reopen
-and compares every kind of read with a list of rows that applies DESIGN.md's ring rules:
+and compares every kind of read with a list of rows that applies docs/design.md's ring rules:
 logical row i is physical (offset + i) % capacity; an extend of B rows with count + B >
 capacity advances offset by the overflow; a batch of B >= capacity keeps only its last
 capacity rows; remove_at deletes rows and later rows move up; clear empties.
@@ -16,8 +16,10 @@ deletes an episode's last step, emptied by clear), get_sequences (valid mask, "e
 "zero" padding), episodes() / get_episode and episode_id_to_episode_data_index.
 
 Every row carries a unique counter value (obs = [v, v + 0.5, -v], d = v % 11), so a mismatch
-names the rows involved.  Runs are derandomized and use no example database, so CI is
-reproducible (hypothesis still caches source constants in .hypothesis/, which it gitignores).
+names the rows involved.  Under the suite's default hypothesis profile (``ci``, tests/conftest.py)
+runs are derandomized and use no example database, so CI is reproducible (hypothesis still caches
+source constants in .hypothesis/, which it gitignores); ``--hypothesis-profile=long`` explores with
+random seeds and larger budgets.
 Bugs the machines found have minimal reproducers at the end of this file.
 """
 
@@ -34,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.spaces import Box, Dict, Discrete
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -57,10 +59,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {"raw": {}, "lz4": {"compressor": "lz4", "c
 
 
 def _settings(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, stateful_step_count=30, deadline=None, derandomize=True,
-                    database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+    """The loaded profile (tests/conftest.py) with this variant's budget: ``ci`` (derandomized) runs
+    ``max_examples`` programs of 30 steps; an exploring profile (``--hypothesis-profile=long``) runs
+    at least its own ``max_examples`` and ``stateful_step_count``."""
+    profile = settings.default
+    if profile.derandomize:
+        return settings(profile, max_examples=max_examples, stateful_step_count=30)
+    return settings(profile, max_examples=max(max_examples, profile.max_examples),
+                    stateful_step_count=max(30, profile.stateful_step_count))
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,7 +176,7 @@ def resolve(idx: Any, n: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------
-# the ring model (DESIGN.md 1 "Ring rules")
+# the ring model (docs/design.md 1 "Ring rules")
 # ----------------------------------------------------------------------------------------
 class RingModel:
     """Rows of a ring (capacity) or a growing list (None), with absolute row numbers: logical row
@@ -541,7 +547,7 @@ def test_replay_buffer_model(capacity, backend, layout, options, examples):
 # ----------------------------------------------------------------------------------------
 def model_sequences(ids: list[int], vals: list[int], anchors: list[int], offsets: list[int], pad: str
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """DESIGN.md's get_sequences over the model's rows, leaf by leaf (the frame-by-frame reference
+    """docs/design.md's get_sequences over the model's rows, leaf by leaf (the frame-by-frame reference
     of test_trajectory_sequences: valid when the row exists and has the anchor's episode id;
     "edge" fills with the earliest / latest valid frame, "zero" with zeros)."""
     rows, out, mask = encode(vals), {}, np.zeros((len(anchors), len(offsets)), bool)
@@ -927,7 +933,7 @@ SCALAR_STEP = Dict({"obs": Box(-np.inf, np.inf, (), np.float32)})
 
 @pytest.mark.parametrize("capacity", [2, 64], ids=["guard1", "guard2"])
 def test_ring_keeps_episode_data_of_an_episode_that_gets_steps_in_the_same_extend(tmp_path, capacity):
-    """DESIGN.md: episode data is evicted when the last step of its episode leaves the step ring.
+    """docs/design.md: episode data is evicted when the last step of its episode leaves the step ring.
     Here episode 5's only old step leaves the ring during an extend whose last row is a new step
     of episode 5, so after the call episode 5 has a step and must still have its data, whatever
     the ring's block size (Table.guard rows: 1 and 2 here)."""

@@ -347,7 +347,7 @@ def test_put_refuses_a_link_where_a_folder_belongs(tmp_path, where):
 
 
 def test_put_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
-    """``fsync=True``: the temp file before its move and the key's folder after (DESIGN.md 3.3)."""
+    """``fsync=True``: the temp file before its move and the key's folder after (docs/design.md 3.3)."""
     import stat as st
 
     loc = _location(tmp_path / "s")

@@ -147,7 +147,7 @@ def test_unbounded_fill_sequence(buffers, backend, space_name, layout):
 
 
 def test_ring_example_from_design(buffers):
-    """DESIGN.md: capacity 10, extend 8 then 5 gives count 10, offset 3; extend 9 then 1 gives offset 0."""
+    """docs/design.md: capacity 10, extend 8 then 5 gives count 10, offset 3; extend 9 then 1 gives offset 0."""
     rb = buffers.create(box_space(), capacity=10)
     rows = random_rows(rb.single_space, 13, 0)
     rb.extend(stack(rows[:8]))
@@ -705,7 +705,9 @@ def test_process_exits_with_unclosed_writers(buffers):
     procs = {layout: subprocess.Popen([sys.executable, "-c", script, layout, str(buffers.path(layout))], cwd=root,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for layout in ("raw", "lz4", "memory", "memory_url")}  # in parallel: one timeout for all
-    hung, deadline = [], time.monotonic() + 15
+    # A hang never ends; 120 s only bounds the wait.  (15 s was too short for four cold interpreter
+    # starts on 2 cores shared with a parallel test run: all four were reported hung.)
+    hung, deadline = [], time.monotonic() + 120
     for layout, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))

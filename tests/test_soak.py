@@ -1,5 +1,5 @@
 """Soak: one writer appending to a full ring as fast as it can, four read-only readers next to
-it (DESIGN.md 3.1, 3.2, 3.4, 3.8), for a bounded time on real stores and real processes.
+it (docs/design.md 3.1, 3.2, 3.4, 3.8), for a bounded time on real stores and real processes.
 
 The writer appends single rows and batches of 2..32 rows; every reader loops len(), rb[-1],
 rb[i], rb[:], get_slice(slice(0, 48))[:] and sample(256) and checks each row it gets (see

@@ -1,6 +1,6 @@
-"""TrajectoryReplayBuffer (DESIGN.md 1 "TrajectoryReplayBuffer", issue 3): the acceptance
+"""TrajectoryReplayBuffer (docs/design.md 1 "TrajectoryReplayBuffer", issue 3): the acceptance
 cases of reference/unienv.md section 4 written against trajstore's intended semantics,
-episode-data eviction in a ring, and bad input refused before any write (DESIGN 3.5).
+episode-data eviction in a ring, and bad input refused before any write (docs/design.md 3.5).
 
 Sequences are in ``test_trajectory_sequences.py`` (which also holds acceptance case 9,
 episode-aware frame stacking); crash, fork/spawn and lock tests in
@@ -531,7 +531,7 @@ def test_remove_at_in_wrapped_ring(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
-# episode eviction in a long run (DESIGN: the episode store never fills with dead episodes)
+# episode eviction in a long run (docs/design.md: the episode store never fills with dead episodes)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ep_capacity", [4, 21])
 def test_episode_eviction_long_run(tmp_path, ep_capacity):
@@ -671,7 +671,7 @@ def test_writer_reopen_of_ring_keeps_evicting(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
-# bad input raises before any write (DESIGN 3.5)
+# bad input raises before any write (docs/design.md 3.5)
 # ----------------------------------------------------------------------------------------
 BAD_INPUTS = {
     "step_shape_extend": lambda b: b.extend({"obs": np.zeros((2, 4), np.float32)}),

@@ -1,4 +1,4 @@
-"""TrajectoryReplayBuffer with real processes (DESIGN.md 1 "multiprocessing=True", 3.3-3.4;
+"""TrajectoryReplayBuffer with real processes (docs/design.md 1 "Writers, readers and processes", 3.3-3.4;
 issue 3 items 2 and 9): a writer recording episodes SIGKILLed at random moments, writers
 in several processes (fork and spawn), pickling as a handle, and the single-writer lock.
 

@@ -1,5 +1,5 @@
-"""TrajectoryReplayBuffer sequences (DESIGN.md 1 "Sequences", issue 3 items 7-8):
-``get_sequences`` (DESIGN's worked example = unienv.md acceptance case 9, episode-aware
+"""TrajectoryReplayBuffer sequences (docs/design.md 1 "Sequences", issue 3 items 7-8):
+``get_sequences`` (docs/design.md's worked example = unienv.md acceptance case 9, episode-aware
 frame stacking), frames beyond the buffer's ends, ``sample_sequences`` inside and across
 episodes, torch shapes, a ring across its wrap point, ``episodes()`` / ``get_episode``.
 
@@ -52,7 +52,7 @@ def record(buf, lengths, *, row=0, with_data=True, end_last=True) -> int:
 
 
 def reference(ids: np.ndarray, values: np.ndarray, idx, offsets, pad: str):
-    """DESIGN.md's definition, frame by frame, over the logical rows of the buffer."""
+    """docs/design.md's definition, frame by frame, over the logical rows of the buffer."""
     n = len(ids)
     idx = np.arange(n)[idx] if not isinstance(idx, np.ndarray) else idx
     offsets = np.asarray(offsets)
@@ -78,7 +78,7 @@ def logical_ids(buf) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------
-# DESIGN.md's worked example (unienv.md acceptance case 9: episode-aware frame stacking)
+# docs/design.md's worked example (unienv.md acceptance case 9: episode-aware frame stacking)
 # ----------------------------------------------------------------------------------------
 WORKED_MASK = [[0, 1, 1], [1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 1, 0], [0, 1, 0]]
 WORKED = {

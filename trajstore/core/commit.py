@@ -1,4 +1,4 @@
-"""The commit protocol of an open store (DESIGN.md 3), the base class of :class:`~trajstore.core.store.Store`.
+"""The commit protocol of an open store (docs/design.md 3), the base class of :class:`~trajstore.core.store.Store`.
 
 1. data first: rows go into chunk files (written whole, or into pre-sized mapped files
    beyond the committed rows);

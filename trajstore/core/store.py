@@ -135,7 +135,7 @@ class Store(StoreCommits):
         # A writer's open removes the saved run index (storage.runs_file) and hands it over here.
         self.saved_runs: SavedRuns | None = None
         # Every name, shape and count is checked before it becomes a path, a mapping or a loop
-        # (DESIGN.md 3.7); a record read later by refresh is checked against the same schema.
+        # (docs/design.md 3.7); a record read later by refresh is checked against the same schema.
         self.schema = schema = check_schema(attrs, str(loc.url)) if schema is None else schema
         check_head_tables(head, schema, str(loc.url))
         self._watch.check = lambda h: check_head_tables(h, schema, str(loc.url))
@@ -270,7 +270,7 @@ class Store(StoreCommits):
              storage_options: dict[str, Any] | None, options: dict[str, Any]) -> "Store":
         """Open an existing store.
 
-        A store is input (DESIGN.md 3.7): its root metadata, every field's array metadata and the
+        A store is input (docs/design.md 3.7): its root metadata, every field's array metadata and the
         commit record are read as bounded regular files inside the root and checked against each
         other (:mod:`trajstore.schema`) before zarr parses them, anything is mapped or allocated, or
         a writer cleans or rolls anything forward.

@@ -1,6 +1,6 @@
 """A table: several fields (zarr arrays) whose rows form one ring (or one growing list).
 
-The table applies DESIGN.md's ring rules and the commit protocol for the rows it
+The table applies docs/design.md's ring rules and the commit protocol for the rows it
 writes; the :class:`trajstore.core.store.Store` it belongs to owns the commit record.
 """
 
@@ -200,10 +200,6 @@ class Table:
             f.grow(new)
         self.store.metadata_changed()
         self.state.allocated = new  # only once readers' metadata says so (else grown again next time)
-
-    def invalidate_reads(self) -> None:
-        """Chunk files were replaced: map them again before the next read."""
-        self._mapped_upto = None
 
     def _match_allocation(self) -> None:
         """Grow this process's view of the arrays after another process grew the table."""

@@ -63,7 +63,9 @@ class RowSource(Protocol):
     committed : tuple (int, int)
         Absolute rows ``[start, end)`` that record names (a writer may hold more, uncommitted).
     last_read : Head or None
-        The record whose rows the last consistent read returned (set by the retry loop).
+        The record whose rows the last consistent read returned (set by the retry loop).  The
+        package never reads it back: it is how the concurrency tests (tests/_workers.py,
+        tests/test_live_readers.py) learn which record a read that raced a writer returned.
     reopen : tuple (callable, args) or None
         Picklable recipe that opens the same rows read-only in another process
         (``fn(*args)`` returns a RowSource); None for in-memory sources.

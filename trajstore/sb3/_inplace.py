@@ -14,7 +14,7 @@ owner's drains before every read and commit.
 Rows of a block are stored before it is handed over, where the stager stored them at the hand-over.
 So before a block starts, the rows its slots hold must be out of the commit record:
 :meth:`InPlaceRows.begin` commits a record that no longer counts them
-(``Table.free_slots``, DESIGN.md 3.2, the same call the hand-over makes for its own
+(``Table.free_slots``, docs/design.md 3.2, the same call the hand-over makes for its own
 rows); the hand-over's own eviction then finds nothing to do.  Until the hand-over every commit
 is preceded by a drain, so no record counts a slot being written; rows stored but never handed
 over (a SIGKILL) lie beyond the record's end.

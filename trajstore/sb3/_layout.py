@@ -103,10 +103,6 @@ class ObsLayout:
             return storage_box(self.shape[None], self.dtype[None])
         return spaces.Dict([(k, storage_box(self.shape[k], self.dtype[k])) for k in self.keys])  # type: ignore[misc]
 
-    def describe(self) -> str:
-        """``"key: shape dtype"`` of every key (``obs`` for a non-Dict space), for messages."""
-        return ", ".join(f"{k or 'obs'}: {self.shape[k]} {self.dtype[k]}" for k in self.keys)
-
     # -- input --------------------------------------------------------------------------------
     def batch(self, obs: Any, n: int | None = None) -> PerKey:
         """SB3's normalisation of one ``add`` call's observations.

@@ -7,7 +7,7 @@
 
 The root record is published with exclusive-create semantics (:func:`trajstore.storage.lease.exclusive_put`),
 so of two first shards created at once exactly one records the dataset's spaces.  Everything here
-reads the root as input (DESIGN.md 3.7): the record is a bounded regular file, checked field by field;
+reads the root as input (docs/design.md 3.7): the record is a bounded regular file, checked field by field;
 a shard name read from a listing is used only when it is a plain name (no ``/``, no ``..``, nothing
 hidden) and, locally, only when it is a real folder inside ``<root>/shards`` (never a symbolic link).
 """

@@ -1,4 +1,4 @@
-"""Confinement of a local store (DESIGN.md 3.7: a store is input): which files trajstore may
+"""Confinement of a local store (docs/design.md 3.7: a store is input): which files trajstore may
 open, read, write or delete below a store's root, and how much of them it reads.
 
 Every file of a local store goes through these checks: a key cannot climb out of the root, no

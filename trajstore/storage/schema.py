@@ -1,4 +1,4 @@
-"""Checking what a store says about itself before any of it is used (DESIGN.md 3, invariant 7).
+"""Checking what a store says about itself before any of it is used (docs/design.md 3, invariant 7).
 
 A store on disk is input.  Its root attributes (the schema), each array's ``zarr.json`` and the
 commit record name paths, shapes, dtypes, chunk sizes and row counts; trajstore turns those into

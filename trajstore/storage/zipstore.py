@@ -123,9 +123,6 @@ class ZipWriter(ZipStore):
     async def _open(self) -> None:
         self._sync_open()
 
-    def _showing_old(self) -> bool:
-        return self._old is not None
-
     def _erase_old(self) -> None:
         """Drop the target's old content from view (it is replaced on disk at :meth:`close`)."""
         if self._old is not None:
