@@ -37,7 +37,7 @@ LAYERS = [
     ("sampling", ("trajstore.sampling",)),
     ("buffers", ("trajstore.buffers",)),
     ("maintenance", ("trajstore.maintenance",)),
-    ("records", ("trajstore.metadata", "trajstore.recording")),
+    ("records", ("trajstore.metadata", "trajstore.recording", "trajstore.images")),
     ("shards", ("trajstore.shards",)),
     ("integrations", INTEGRATIONS),
     ("public", ("trajstore",)),
