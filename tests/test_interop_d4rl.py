@@ -377,7 +377,7 @@ def _import_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_keys: int)
     calls and bytes of every read of the store's files (``Confinement.read``: zarr's reads and
     trajstore's), of trajstore's writes (``Location.put``) and zarr's (``ConfinedLocalStore._set``),
     and ``os.pwrite`` calls; counted by wrappers that call the real methods."""
-    from trajstore.storage.confined import Confinement, ConfinedLocalStore
+    from trajstore.storage.confined import ConfinedLocalStore, Confinement
     from trajstore.storage.location import Location
 
     counts: dict[str, int] = {}
