@@ -370,3 +370,73 @@ def test_cli_import_export_json_and_errors(tmp_path: Path, capsys: pytest.Captur
     assert err.startswith("trajstore import: error:") and "no such file" in err
     assert main(["episodes", str(tmp_path / "s"), "--json"]) == 0  # the store works with the other commands
     assert json.loads(capsys.readouterr().out)
+
+
+def _import_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_keys: int) -> dict[str, int]:
+    """Store operations of one import of a 40-row D4RL file with ``n_keys`` more ``infos/*`` keys:
+    calls and bytes of every read of the store's files (``Confinement.read``: zarr's reads and
+    trajstore's), of trajstore's writes (``Location.put``) and zarr's (``ConfinedLocalStore._set``),
+    and ``os.pwrite`` calls; counted by wrappers that call the real methods."""
+    from trajstore.storage.confined import ConfinedLocalStore, Confinement
+    from trajstore.storage.location import Location
+
+    counts: dict[str, int] = {}
+
+    def count(tag: str, nbytes: int) -> None:
+        counts[f"{tag} calls"] = counts.get(f"{tag} calls", 0) + 1
+        counts[f"{tag} bytes"] = counts.get(f"{tag} bytes", 0) + nbytes
+
+    read, put, zset, pwrite = Confinement.read, Location.put, ConfinedLocalStore._set, os.pwrite
+
+    def counted_read(self: Any, *a: Any, **k: Any) -> Any:
+        out = read(self, *a, **k)
+        count("read", len(out or b""))
+        return out
+
+    def counted_put(self: Any, key: str, data: bytes, **k: Any) -> None:
+        count("put", len(data))
+        put(self, key, data, **k)
+
+    async def counted_set(self: Any, key: str, value: Any, exclusive: bool = False) -> None:
+        count("zarr set", len(value))
+        await zset(self, key, value, exclusive)
+
+    def counted_pwrite(fd: int, data: Any, offset: int) -> int:
+        counts["pwrite calls"] = counts.get("pwrite calls", 0) + 1
+        return pwrite(fd, data, offset)
+
+    src = tmp_path / f"keys{n_keys}.hdf5"
+    write_d4rl(src, 40)
+    with h5py.File(src, "a") as f:
+        for i in range(n_keys):
+            f.create_dataset(f"infos/k{i:04d}", data=np.full(40, i, np.float32))
+    with monkeypatch.context() as m:
+        m.setattr(Confinement, "read", counted_read)
+        m.setattr(Location, "put", counted_put)
+        m.setattr(ConfinedLocalStore, "_set", counted_set)
+        m.setattr(os, "pwrite", counted_pwrite)
+        buf = import_d4rl(src, tmp_path / f"store{n_keys}")
+    try:
+        last = np.asarray(buf.get_column(["step_data", "info", f"k{n_keys - 1:04d}"])[:])
+    finally:
+        buf.close()
+    np.testing.assert_array_equal(last, np.full(40, n_keys - 1, np.float32))
+    return counts
+
+
+def test_import_cost_per_info_key_is_constant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a D4RL file with 3,000 ``infos/*`` keys took minutes to import.  The store
+    operations an import does (reads and writes of the store's files, their bytes) grow by the same
+    amount for keys 40..120 as for keys 120..200: linear in the number of fields, where anything
+    that reads or rewrites a file listing every field once per field (the root ``zarr.json``, the
+    consolidated metadata) grows twice as fast over the second 80 keys.  Each key costs at most 10
+    store calls (7 today: zarr used to read and write every parent group's ``zarr.json`` for each
+    array it created), and its first rows go into its new chunk file by ``pwrite`` (a first store
+    through a new file's mapping faults into the filesystem's journal, milliseconds on a busy disk)."""
+    a, b, c = (_import_counts(tmp_path, monkeypatch, n) for n in (40, 120, 200))
+    for key in sorted(set(a) | set(b) | set(c)):
+        first, second = b.get(key, 0) - a.get(key, 0), c.get(key, 0) - b.get(key, 0)
+        assert second <= first * 1.05 + 64, (key, a.get(key), b.get(key), c.get(key))
+    calls = sum(c[k] - b[k] for k in c if k.endswith("calls") and k != "pwrite calls")
+    assert calls <= 10 * 80, (b, c)
+    assert c["pwrite calls"] - b["pwrite calls"] >= 80, (b, c)
