@@ -85,7 +85,8 @@ def _forget_pool() -> None:
     _pool, _pool_size, _lock = None, 0, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+if hasattr(os, "register_at_fork"):  # no fork on Windows
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def parallel(fn: Callable[[Sequence[T]], Any], items: Sequence[T]) -> list[Any]:
