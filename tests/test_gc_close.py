@@ -83,3 +83,67 @@ def test_a_closed_mapping_maps_nothing(tmp_path: Path) -> None:
             va.unmap_chunk(1)
     finally:
         os.close(fd)
+
+
+_GC_INSIDE_SYNC = r"""
+import concurrent.futures._base as futures_base, gc, sys
+import numpy as np, zarr
+from gymnasium import spaces
+from zarr.storage import MemoryStore
+from trajstore import ReplayBuffer
+
+armed = []
+enter = futures_base._AcquireFutures.__enter__
+
+def enter_then_collect(self):
+    # The cyclic collector running inside zarr's sync(), while concurrent.futures.wait holds the
+    # outer future's lock (what a collection triggered by an allocation there does).
+    enter(self)
+    if armed:
+        armed.clear()
+        gc.collect()
+
+futures_base._AcquireFutures.__enter__ = enter_then_collect
+gc.disable()
+buf = ReplayBuffer.create(spaces.Box(-1, 1, (2,), np.float32), cache_path=sys.argv[1], compressor="lz4")
+buf.extend(np.full((7, 2), 0.5, np.float32))  # not committed yet: the collector's close commits it
+buf.cycle = buf
+del buf
+armed.append(1)
+zarr.open_group(MemoryStore(), mode="w")  # a sync() call: the collection happens inside it
+print("returned")
+"""
+
+
+def test_writer_collected_inside_a_zarr_sync_call_never_deadlocks(tmp_path: Path) -> None:
+    """A collection inside zarr's ``sync`` wait defers the writer's commit (to the next open or
+    exit) instead of committing there: the loop thread waits on the lock that wait holds, so a
+    commit started there never returned (a hung tests/test_views.py under pytest-xdist)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "store"
+    p = subprocess.run([sys.executable, "-c", _GC_INSIDE_SYNC, str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "returned" in p.stdout, p.stderr[-3000:]
+    with ReplayBuffer.load_from(path, read_only=True) as r:  # committed at exit
+        np.testing.assert_array_equal(r[:], np.full((7, 2), 0.5, np.float32))
+
+
+@pytest.mark.parametrize("compressor", [None, "lz4"])
+def test_writer_left_open_at_exit_is_committed(tmp_path: Path, compressor: str | None) -> None:
+    """A writer still open when the interpreter exits is committed, compressed fields included:
+    their commit encodes on Python's default executor, which is shut down before atexit hooks run
+    (the rows since the last commit were lost), so the commit runs from a threading exit hook."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "store"
+    code = ("import sys, numpy as np\nfrom gymnasium import spaces\nfrom trajstore import ReplayBuffer\n"
+            "buf = ReplayBuffer.create(spaces.Box(-1, 1, (2,), np.float32), cache_path=sys.argv[1], "
+            f"compressor={compressor!r}, commit_interval=1000)\n"
+            "buf.extend(np.full((7, 2), 0.5, np.float32))\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    with ReplayBuffer.load_from(path, read_only=True) as r:
+        np.testing.assert_array_equal(r[:], np.full((7, 2), 0.5, np.float32))

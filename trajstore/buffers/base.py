@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -45,6 +46,28 @@ def _close_deferred() -> None:
 
 
 BEFORE_OPEN.append(_close_deferred)
+
+
+def _commit_all_before_pools_stop() -> None:
+    """Commit every open writer, and the deferred ones, while Python's thread pools still take work.
+
+    A threading exit hook: it runs when the main thread ends, before concurrent.futures' own hook
+    (registered earlier, run later) stops the pools, and before any atexit hook.  From an atexit
+    hook a compressed field's commit fails (zarr encodes on the default executor: "cannot schedule
+    new futures after shutdown") and the rows written since the last commit were lost.  While
+    other non-daemon threads still run, they may be writing into these buffers: then nothing is
+    done here and the atexit hook commits after they are joined, as before."""
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        return
+    _close_deferred()
+    for buf in list(_OPEN):
+        try:
+            buf.flush()
+        except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
+            pass
+
+
+getattr(threading, "_register_atexit", atexit.register)(_commit_all_before_pools_stop)
 
 
 @atexit.register

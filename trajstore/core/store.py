@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import sys
 import time
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -78,15 +80,32 @@ BEFORE_OPEN: list[Callable[[], None]] = []
 
 
 def in_zarr_loop() -> bool:
-    """Whether this thread runs zarr's event loop, which a commit (zarr's ``sync``) waits on:
-    an object collected there must not commit.  Any other running loop (Jupyter's, a user's
-    ``asyncio.run``) does not stop a commit."""
+    """Whether a commit (zarr's ``sync``) must not start here: this thread runs zarr's event loop,
+    which the commit would wait on, or this thread is inside a ``sync`` call of its own.
+
+    Objects collected there must not commit.  The second case is the cyclic collector running a
+    finalizer while ``sync`` waits in ``concurrent.futures.wait``, which holds the outer future's
+    lock: the loop thread then blocks on that lock to report the outer call done, and a commit
+    started from the finalizer waits on the loop for ever (seen as a hung test_views.py under
+    pytest-xdist).  Any other running loop (Jupyter's, a user's ``asyncio.run``) does not stop a
+    commit."""
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
-        return False
+        running = None
     zarr_loop = getattr(zarr_sync, "loop", [None])[0]
-    return zarr_loop is not None and running is zarr_loop
+    if zarr_loop is not None and running is zarr_loop:
+        return True
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:  # a finalizer's stack is short above the interrupted code: cheap
+        if frame.f_code is _ZARR_SYNC_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: The code of zarr's blocking ``sync`` (a frame of it on a thread's stack: a call waiting on the loop).
+_ZARR_SYNC_CODE = zarr_sync.sync.__code__
 
 
 def _before_open() -> None:
