@@ -291,6 +291,18 @@ def test_a_torn_or_foreign_journal_is_never_followed(tmp_path: Path) -> None:
     assert (dst / "keep").read_text() == "keep" and outside.is_dir()
 
 
+def test_a_journal_nested_past_the_parsers_depth_is_not_followed(tmp_path: Path) -> None:
+    """A journal file of nested brackets (under the size bound) is not one of ours: no
+    RecursionError escapes recover, and the destination is untouched."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep").write_text("keep")
+    bomb = tmp_path / f".out.trajstore-publish-{publish.HOST}-{_dead_pid()}-89abcdef.json"
+    bomb.write_text("[" * 200_000)
+    publish.recover(str(dst))
+    assert (dst / "keep").read_text() == "keep"
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -18,7 +18,7 @@ from trajstore.buffers.backend import Backend
 from trajstore.buffers.rows import BufferRows
 from trajstore.buffers.views import BatchBase
 from trajstore.core.stager import RowStager
-from trajstore.core.store import BEFORE_OPEN, Store, in_zarr_loop
+from trajstore.core.store import BEFORE_OPEN, Store, in_zarr_loop, register_before_pools_stop
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ClosedError
 from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
@@ -60,23 +60,25 @@ def _commit_all_before_pools_stop() -> None:
     if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
         return
     _close_deferred()
-    for buf in list(_OPEN):
-        try:
-            buf.flush()
-        except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
-            pass
+    _each_open("flush")
 
 
-getattr(threading, "_register_atexit", atexit.register)(_commit_all_before_pools_stop)
+register_before_pools_stop(_commit_all_before_pools_stop)
 
 
 @atexit.register
 def _close_all() -> None:
     _close_deferred()
+    _each_open("close")
+
+
+def _each_open(method: str) -> None:
+    """Call ``method`` ("flush" or "close") of every open buffer, exiting anyway: one broken
+    buffer must not stop the others' commits."""
     for buf in list(_OPEN):
         try:
-            buf.close()
-        except Exception:  # exiting anyway: one broken buffer must not stop the others' commits
+            getattr(buf, method)()
+        except Exception:
             pass
 
 

@@ -8,9 +8,11 @@ The commit protocol a store follows while it is open is :mod:`trajstore.core.com
 from __future__ import annotations
 
 import asyncio
+import atexit
 import datetime
 import os
 import sys
+import threading
 import time
 import types
 from typing import Any, Callable
@@ -102,6 +104,17 @@ def in_zarr_loop() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def register_before_pools_stop(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the main thread ends, before Python's thread pools stop taking work.
+
+    A threading exit hook (``threading._register_atexit``; a plain atexit hook where CPython has
+    none): it runs before concurrent.futures' own hook, registered earlier and so run later, and
+    before every atexit hook.  Writes through zarr (its codecs encode on the default executor) only
+    work until then: from an atexit hook they fail with "cannot schedule new futures after
+    shutdown".  Every exit-time commit of trajstore registers here."""
+    getattr(threading, "_register_atexit", atexit.register)(fn)
 
 
 #: The code of zarr's blocking ``sync`` (a frame of it on a thread's stack: a call waiting on the loop).

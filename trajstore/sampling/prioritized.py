@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from trajstore.core.store import in_zarr_loop
+from trajstore.core.store import in_zarr_loop, register_before_pools_stop
 from trajstore.errors import (
     BadOptionError,
     BadValueError,
@@ -80,8 +79,7 @@ def _close_all() -> None:
 # and zarr's IO still works.  From a plain atexit hook the pool is already shut down: the write
 # failed ("cannot schedule new futures after shutdown") and left a sidecar the next open had to
 # write anew.  The samplers stay open (threads that still run may use them) until _close_all.
-_register_exit = getattr(threading, "_register_atexit", atexit.register)
-_register_exit(_flush_all)
+register_before_pools_stop(_flush_all)
 
 
 class PrioritizedSampler:

@@ -271,7 +271,7 @@ def _read_journal(fd: int, path: str) -> dict[str, Any] | None:
     data = os.read(fd, _JOURNAL_MAX + 1)
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: not ours
         return None
     ok = (isinstance(doc, dict) and isinstance(doc.get("overwrite"), bool) and isinstance(doc.get("pairs"), list)
           and len(data) <= _JOURNAL_MAX)
