@@ -21,7 +21,8 @@ from trajstore.cli import edit as _edit
 from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
-from trajstore.cli._common import CLIError
+from trajstore.cli import view as _view
+from trajstore.cli._common import CLIError, error_text
 from trajstore.cli.parts import folder_hint
 from trajstore.errors import NotATrajstoreError
 
@@ -60,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     _maintain.register(sub, common)
     _edit.register(sub, common)
     _interop.register(sub, common)
+    _view.register(sub, common)
     # Subcommands in a sensible order in --help.
     order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
-             "demo"]
+             "view", "demo"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
 
@@ -93,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # every other failure: one line, the traceback only with --debug
         if debug:
             raise
-        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        msg = " ".join(msg.split()) or type(e).__name__
+        msg = error_text(e)
         if isinstance(e, OSError):
             msg = _where_failed(args, e, msg)
         print(f"trajstore {args.command}: error: {msg}", file=sys.stderr)

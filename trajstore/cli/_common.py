@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["CLIError", "json_arg", "add_store_args", "print_json", "fmt_bytes", "fmt_num", "print_table", "progress"]
+__all__ = ["CLIError", "json_arg", "add_store_args", "print_json", "sanitize_json", "error_text", "fmt_bytes", "fmt_num",
+           "print_table", "progress"]
 
 
 class CLIError(Exception):
@@ -80,16 +81,17 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def _sanitize(o: Any) -> Any:
-    """NaN becomes null and infinities strings, so the output is strict JSON."""
+def sanitize_json(o: Any) -> Any:
+    """``o`` as strict JSON values: NaN becomes null and infinities strings, numpy scalars and
+    arrays numbers and lists."""
     if isinstance(o, float):
         return _finite(o)
     if isinstance(o, dict):
-        return {k: _sanitize(v) for k, v in o.items()}
+        return {k: sanitize_json(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_sanitize(v) for v in o]
+        return [sanitize_json(v) for v in o]
     if isinstance(o, np.ndarray):
-        return _sanitize(o.tolist())
+        return sanitize_json(o.tolist())
     if isinstance(o, np.generic):
         return _finite(o.item())
     return o
@@ -98,7 +100,14 @@ def _sanitize(o: Any) -> Any:
 def print_json(obj: Any) -> None:
     """Print ``obj`` as indented strict JSON: numpy scalars and arrays as numbers and lists, NaN
     as null, infinities as strings."""
-    print(json.dumps(_sanitize(obj), indent=2, default=_default, allow_nan=False))
+    print(json.dumps(sanitize_json(obj), indent=2, default=_default, allow_nan=False))
+
+
+def error_text(e: BaseException) -> str:
+    """An error as the CLI prints it: one line (a KeyError's message without its quotes; the
+    type's name when it has no message)."""
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(msg.split()) or type(e).__name__
 
 
 def fmt_bytes(n: float | None) -> str:

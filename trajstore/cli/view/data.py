@@ -1,0 +1,321 @@
+"""What ``trajstore view`` shows, as JSON-ready dicts and decoded frames: one store opened read-only.
+
+A :class:`StorePart` is one store (a plain store, one store of a stable-baselines3 buffer folder,
+one shard of a sharded dataset).  It opens the store read-only with the CLI's
+:func:`~trajstore.maintenance.summary.open_store` (nothing is ever written: no lock file, no temp
+file) and answers the page's questions: the overview (:func:`~trajstore.maintenance.summary.store_info`,
+what ``trajstore info --json`` prints), the episode table (:func:`~trajstore.maintenance.summary.episode_table`,
+plus every scalar episode-data column of a trajectory store) filtered with ``trajstore filter
+--where``'s language (:mod:`trajstore.maintenance.where`), one episode's scalar and small vector
+fields, and single frames of its image fields.
+
+Every name in a request (episode id, field path, step, sort column) is checked against what the
+store holds before anything is read; nothing in a request becomes a file path.  Before each
+answer the store adopts the newest commit record (a ``stat`` for a local store), so a page over a
+store a writer is filling sees new rows, and a ring's evicted episodes disappear.  Reads of one
+store are serialised by a lock: a reader handle is not shared by threads mid-read.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from trajstore.core.store import Store
+from trajstore.core.table import Table
+from trajstore.errors import BadOptionError, IndexOutOfRangeError, UnknownEpisodeError, UnknownFieldError
+from trajstore.maintenance.summary import STEP_IDS, STEPS, episode_table, open_store, store_info
+from trajstore.maintenance.where import MAX_WHERE_CHARS, compile_where
+
+__all__ = ["StorePart", "MAX_PAGE", "MAX_SERIES_STEPS", "MAX_SERIES_WIDTH", "is_image_shape"]
+
+#: Most episodes one page of the table holds.
+MAX_PAGE = 500
+#: Most steps of one episode sent as series; a longer episode is sent every k-th step.
+MAX_SERIES_STEPS = 20_000
+#: A field with at most this many numbers per step is plotted (one line per element).
+MAX_SERIES_WIDTH = 16
+#: Episodes whose step rows are kept (an LRU of the last few opened).
+_ROW_CACHE = 8
+
+
+def is_image_shape(shape: tuple[int, ...], dtype: np.dtype, layout: str) -> bool:
+    """Whether rows of ``shape`` and ``dtype`` are shown as frames: image fields, and uint8 rows of
+    shape (H, W) or (H, W, C) with C in 1, 3, 4 and H, W >= 8 (raw Atari or camera frames)."""
+    if layout == "image":
+        return True
+    if dtype != np.uint8 or len(shape) not in (2, 3) or min(shape[:2]) < 8:
+        return False
+    return len(shape) == 2 or shape[2] in (1, 3, 4)
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return str(v)
+    return v
+
+
+class StorePart:
+    """One store of what ``trajstore view`` was given, opened read-only on first use.
+
+    Parameters
+    ----------
+    name : str
+        Its name on the page ("" for a lone store, ``shards/00003``, ``transitions``...).
+    url : str
+        Its path or URL, as the CLI opens it.
+    storage_options : dict or None
+        fsspec options for a URL (``--storage-options``).
+    """
+
+    def __init__(self, name: str, url: str, storage_options: dict[str, Any] | None) -> None:
+        self.name, self.url, self.storage_options = name, url, storage_options
+        self.lock = threading.Lock()
+        self._store: Store | None = None
+        self._buf: Any = None  # a read-only TrajectoryReplayBuffer, for episode-data columns
+        self._cache: dict[str, tuple[int, Any]] = {}  # what -> (generation, value)
+        self._rows: dict[int, np.ndarray] = {}  # episode id -> logical step rows (this generation)
+        self._rows_gen = -1
+
+    # -- opening and refreshing ------------------------------------------------------------------
+    def store(self) -> Store:
+        """The open store, at its newest commit record (opened on first use; a store that cannot
+        be opened raises the error the CLI reports, each time it is asked for)."""
+        if self._store is None:
+            self._store = open_store(self.url, self.storage_options)
+        else:
+            self._store.refresh()
+        return self._store
+
+    def close(self) -> None:
+        """Close the store (and the episode-data reader) if open."""
+        for h in (self._buf, self._store):
+            if h is not None:
+                h.close()
+        self._store = self._buf = None
+
+    def _cached(self, what: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per commit record."""
+        gen = self.store().committed.generation
+        hit = self._cache.get(what)
+        if hit is not None and hit[0] == gen:
+            return hit[1]
+        value = make()
+        self._cache[what] = (gen, value)
+        return value
+
+    # -- questions ------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What changes while a writer fills the store: ``generation``, rows per table and the
+        episode count (None for a store without episode boundaries)."""
+        store = self.store()
+        eps = self._episodes_or_none()
+        return {"generation": store.committed.generation,
+                "rows": {n: t.count for n, t in store.tables.items()},
+                "episodes": None if eps is None else len(eps["episode_id"])}
+
+    def overview(self) -> dict[str, Any]:
+        """``trajstore info --json`` of the store (its text rendering of the spaces included)."""
+        self.store()
+        return self._cached("overview", lambda: store_info(self.url, storage_options=self.storage_options))
+
+    def _episodes_or_none(self) -> dict[str, np.ndarray] | None:
+        from trajstore.errors import NoEpisodesError
+
+        try:
+            return self.episode_columns()
+        except NoEpisodesError:
+            return None
+
+    def episode_columns(self) -> dict[str, np.ndarray]:
+        """The episode table as columns: ``episode_id, start, length, live``, ``return`` (when the
+        store has a reward field), ``terminated``/``truncated`` (when recorded), and every scalar
+        episode-data column of a trajectory store (``task``, ``info/success``...).  Raises
+        NoEpisodesError for a replay buffer without done flags."""
+        return self._cached("episodes", self._read_episodes)  # type: ignore[no-any-return]
+
+    def _read_episodes(self) -> dict[str, np.ndarray]:
+        store = self.store()
+        eps = episode_table(store)
+        cols = {k: np.asarray(v) for k, v in eps.items() if isinstance(v, np.ndarray)}
+        if "episode_data" in store.tables and store.tables["episode_data"].count:
+            cols.update(self._episode_data(cols["episode_id"]))
+        return cols
+
+    def _episode_data(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Scalar episode-data columns aligned with ``ids`` (read through the buffer's
+        :func:`~trajstore.buffers.episode_edit.episode_columns`, the columns ``filter --where`` sees)."""
+        from trajstore.buffers.episode_edit import TABLE_COLUMNS, episode_columns
+        from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+
+        if self._buf is None:
+            self._buf = TrajectoryReplayBuffer.load_from(self.url, read_only=True, storage_options=self.storage_options)
+        data = episode_columns(self._buf)
+        # The buffer may have read a newer record than the table: align its rows on the ids.
+        sorter = np.argsort(data["episode_id"], kind="stable")
+        sorted_ids = data["episode_id"][sorter]
+        pos = np.minimum(np.searchsorted(sorted_ids, ids), max(len(sorted_ids) - 1, 0))
+        found = sorted_ids[pos] == ids if len(sorted_ids) else np.zeros(len(ids), bool)
+        src = sorter[pos] if len(sorted_ids) else pos
+        out: dict[str, np.ndarray] = {}
+        for k, v in data.items():
+            if k in ("episode_id", "start", "length", "live") or np.ndim(v) != 1 or v.dtype.kind not in "biuf":
+                continue
+            col = np.where(found, v[src], np.zeros((), v.dtype)) if len(v) else np.zeros(len(ids), v.dtype)
+            out[k if k not in TABLE_COLUMNS or k == "has_data" else f"data.{k}"] = col
+        return out
+
+    def episodes(self, where: str = "", sort: str = "", desc: bool = False, offset: int = 0,
+                 limit: int = 100) -> dict[str, Any]:
+        """One page of the episode table.
+
+        Parameters
+        ----------
+        where : str
+            An expression of ``trajstore filter --where`` over the columns ("" keeps all).
+        sort : str
+            A column to order by ("": by first step); ties keep first-step order.
+        desc : bool
+            Largest first.
+        offset, limit : int
+            The page: rows ``[offset, offset + limit)`` of the ordered, filtered table
+            (``limit`` <= :data:`MAX_PAGE`).
+
+        Returns
+        -------
+        dict
+            ``columns`` (names), ``total`` (episodes), ``matched`` (after ``where``), ``offset``,
+            ``rows`` (lists of values, in ``columns`` order).
+
+        Raises
+        ------
+        BadOptionError
+            A bad ``where``, ``sort``, ``offset`` or ``limit``.
+        UnknownFieldError
+            ``where`` names no column.
+        """
+        if not 1 <= limit <= MAX_PAGE or offset < 0:
+            raise BadOptionError(f"limit must be 1..{MAX_PAGE} and offset >= 0; got limit={limit}, offset={offset}")
+        if len(where) > MAX_WHERE_CHARS:
+            raise BadOptionError(f"where: {len(where)} characters; at most {MAX_WHERE_CHARS}")
+        cols = self.episode_columns()
+        names = list(cols)
+        n = len(cols["episode_id"])
+        keep = np.arange(n)
+        if where.strip():
+            keep = np.flatnonzero(compile_where(where, cols)(cols))
+        if sort:
+            if sort not in cols:
+                raise BadOptionError(f"sort: no column {sort!r}; the columns are {names}")
+            key = cols[sort][keep]
+            order = np.argsort(-key if desc and key.dtype.kind in "iuf" else key, kind="stable")
+            if desc and key.dtype.kind not in "iuf":
+                order = order[::-1]
+            keep = keep[order]
+        page = keep[offset:offset + limit]
+        rows = [[_json_value(cols[c][i]) for c in names] for i in page.tolist()]
+        return {"columns": names, "total": n, "matched": int(len(keep)), "offset": offset, "rows": rows}
+
+    # -- one episode ------------------------------------------------------------------------------
+    def _episode(self, eid: int) -> tuple[int, int]:
+        """(first step row, length) of episode ``eid``; UnknownEpisodeError when it has no steps."""
+        cols = self.episode_columns()
+        k = np.flatnonzero(cols["episode_id"] == eid)
+        if k.size == 0:
+            raise UnknownEpisodeError(f"episode {eid} has no steps in the store ({len(cols['episode_id'])} "
+                                      "episode(s); a ring may have evicted it)")
+        return int(cols["start"][k[0]]), int(cols["length"][k[0]])
+
+    def episode_rows(self, eid: int) -> np.ndarray:
+        """Logical step rows of episode ``eid``, (length,) int64, in step order."""
+        store = self.store()
+        gen = store.committed.generation
+        if gen != self._rows_gen:
+            self._rows, self._rows_gen = {}, gen
+        hit = self._rows.get(eid)
+        if hit is not None:
+            return hit
+        start, length = self._episode(eid)
+        rows = np.arange(start, start + length, dtype=np.int64)
+        t = store.tables[STEPS]
+        j = _field_index(t, STEP_IDS)
+        if j is not None:  # a trajectory store: its steps are contiguous unless episodes interleave
+            ids = t.read_contiguous(start, start + length, [j])[0].reshape(-1)
+            if not np.all(ids == eid):
+                rows = np.flatnonzero(t.read_contiguous(0, t.count, [j])[0].reshape(-1) == eid).astype(np.int64)
+        if len(self._rows) >= _ROW_CACHE:
+            self._rows.pop(next(iter(self._rows)))
+        self._rows[eid] = rows
+        return rows
+
+    def fields(self) -> list[dict[str, Any]]:
+        """The step table's fields: ``path``, ``shape``, ``dtype``, ``kind`` ("series": plotted,
+        "image": frames, "other": listed only)."""
+        t = self.store().tables[STEPS]
+        out = []
+        for f in t.fields:
+            s = f.spec
+            if s.array_path == f"{STEPS}/{STEP_IDS}" or s.array_path == STEP_IDS:
+                continue
+            width = int(np.prod(s.row_shape, dtype=np.int64))
+            kind = ("image" if is_image_shape(s.row_shape, s.dtype, s.layout)
+                    else "series" if width <= MAX_SERIES_WIDTH and s.dtype.kind in "biuf" else "other")
+            out.append({"path": s.array_path, "shape": list(s.row_shape), "dtype": str(s.dtype), "kind": kind})
+        return out
+
+    def episode(self, eid: int) -> dict[str, Any]:
+        """Episode ``eid``: ``id, length, rows`` (first and last step row), ``stride`` (every k-th
+        step is in the series), ``steps`` (the step numbers sent), ``fields`` (as :meth:`fields`)
+        and ``series``: field path -> list of per-element lists (one per number of the row)."""
+        rows = self.episode_rows(eid)
+        t = self.store().tables[STEPS]
+        fields = self.fields()
+        stride = max(1, -(-len(rows) // MAX_SERIES_STEPS))
+        steps = np.arange(0, len(rows), stride)
+        plotted = [f for f in fields if f["kind"] == "series"]
+        which = [_field_index(t, f["path"]) for f in plotted]
+        arrays = t.gather(rows[steps], [j for j in which if j is not None]) if len(rows) and plotted else []
+        series = {}
+        for f, a in zip(plotted, arrays):
+            flat = np.asarray(a).reshape(len(steps), -1).astype(np.float64)
+            series[f["path"]] = [[_json_value(x) for x in flat[:, k].tolist()] for k in range(flat.shape[1])]
+        return {"id": eid, "length": int(len(rows)), "rows": [int(rows[0]), int(rows[-1])] if len(rows) else [],
+                "stride": stride, "steps": steps.tolist(), "fields": fields, "series": series}
+
+    def frame(self, eid: int, field: str, step: int) -> np.ndarray:
+        """Frame ``step`` of image field ``field`` in episode ``eid``, decoded: (H, W) or (H, W, C)
+        uint8.  Read through the field's own read path (:meth:`Table.read_contiguous`), so any
+        field engine that decodes rows (per-frame codecs, video) serves frames the same way.
+
+        Raises
+        ------
+        UnknownFieldError
+            ``field`` is no image field of the store.
+        UnknownEpisodeError, IndexOutOfRangeError
+            No such episode, or ``step`` outside ``[0, length)``.
+        """
+        images = [f["path"] for f in self.fields() if f["kind"] == "image"]
+        if field not in images:
+            raise UnknownFieldError(f"no image field {field!r}; the image fields are {images}")
+        rows = self.episode_rows(eid)
+        if not 0 <= step < len(rows):
+            raise IndexOutOfRangeError(f"step {step} is outside episode {eid} (steps 0..{len(rows) - 1})")
+        t = self.store().tables[STEPS]
+        j = _field_index(t, field)
+        assert j is not None  # listed by fields()
+        r = int(rows[step])
+        return np.asarray(t.read_contiguous(r, r + 1, [j])[0][0])
+
+
+def _field_index(t: Table, path: str) -> int | None:
+    """Index of the field of ``t`` whose array path is ``path`` (or ``step_data/path``), or None."""
+    for j, f in enumerate(t.fields):
+        if f.spec.array_path in (path, f"{STEPS}/{path}"):
+            return j
+    return None
