@@ -138,7 +138,8 @@ class StorePart:
         store has a reward field), ``terminated``/``truncated`` (when recorded), and every scalar
         episode-data column of a trajectory store (``task``, ``info/success``...).  Raises
         NoEpisodesError for a replay buffer without done flags."""
-        return self._cached("episodes", self._read_episodes)  # type: ignore[no-any-return]
+        cols: dict[str, np.ndarray] = self._cached("episodes", self._read_episodes)
+        return cols
 
     def _read_episodes(self) -> dict[str, np.ndarray]:
         store = self.store()
