@@ -76,7 +76,7 @@ class _Served:
 
     def __init__(self, path: str) -> None:
         self.server = open_view(path)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
         self.local = threading.local()
 

@@ -71,7 +71,7 @@ def serving(path: str | os.PathLike[str], **kw: Any) -> Iterator[Any]:
     from trajstore.cli.view import open_view
 
     server = open_view(path, **kw)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     try:
         yield server

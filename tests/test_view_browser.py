@@ -61,6 +61,7 @@ def test_cartpole_store_table_sort_and_episode_plots(browser, tmp_path):
         page.goto(s.url)
         page.wait_for_function("document.getElementById('episode-count').textContent === '6 episodes'", timeout=WAIT_MS)
         assert page.locator("#fields-table").inner_text().count("step_data/") == 6
+        assert page.locator("#store-path").inner_text() == path and page.locator("#error").is_hidden()
         page.locator('#episodes-table th[data-col="return"]').click()
         page.wait_for_selector('#episodes-table th.sorted[data-col="return"]', timeout=WAIT_MS)
         cols = page.locator("#episodes-table th").all_inner_texts()
@@ -131,4 +132,19 @@ def test_live_page_shows_appended_episodes_and_drops_evicted_ones(browser, tmp_p
             buf.close()
         assert done.is_set()
         page.screenshot(path=str(tmp_path / "live.png"))
+    page.close()
+
+
+def test_a_damaged_store_shows_the_clis_message_on_the_page(browser, tmp_path, capsys):
+    from trajstore.cli import main
+
+    path = image_store(tmp_path / "bad", episodes=1, length=4)
+    (tmp_path / "bad" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    assert main(["info", path]) == 1
+    cli = capsys.readouterr().err.strip().split("error: ", 1)[1]
+    page = browser.new_page()
+    with serving(path) as s:
+        page.goto(s.url)
+        page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
+        assert page.locator("#error").inner_text() == cli
     page.close()

@@ -183,3 +183,18 @@ def test_status_follows_a_writer_and_a_rings_evictions(tmp_path):
         status, err = get_json(s, "/api/frame?id=0&field=step_data/cam&step=0")
         assert status == 404 and "episode 0 has no steps" in err["error"]
     assert os.path.isdir(path)
+
+
+def test_bench_view_quick(tmp_path):
+    """scripts/bench_view.py runs (timings printed, never asserted) and returns its markdown section."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_view.py"
+    md = tmp_path / "view.md"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--dir", str(tmp_path), "--markdown", str(md)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    text = md.read_text()
+    assert text.startswith("## trajstore view") and "thumbnails of random steps, 4 connections" in text

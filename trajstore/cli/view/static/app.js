@@ -10,7 +10,7 @@
                   episode: null, step: 0, plots: [], playing: null };
 
   async function api(what, q) {
-    const url = "/api/" + what + "?" + new URLSearchParams(Object.assign({ part: state.part }, q || {}));
+    const url = "/api/" + what + "?" + new URLSearchParams(Object.assign(what === "parts" ? {} : { part: state.part }, q || {}));
     const r = await fetch(url, { cache: "no-store" });
     const body = await r.json();
     if (!r.ok) { const e = new Error(body.error || r.statusText); e.status = r.status; throw e; }
@@ -148,7 +148,7 @@
   }
   async function showEpisode(part, id) {
     $("list-view").hidden = true; $("episode-view").hidden = false;
-    state.part = part;
+    state.part = part; $("part-select").value = String(part);
     const ep = await api("episode", { id: id });
     state.episode = ep; state.step = 0;
     $("ep-title").textContent = "episode " + ep.id + ": " + ep.length + " steps" + (ep.stride > 1 ? " (plots show every " + ep.stride + "th step)" : "");
@@ -197,7 +197,7 @@
       const p = await api("parts");
       state.parts = p.parts;
       $("store-path").textContent = p.folder.describe;
-      if (p.folder.problems.length) showError(p.folder.problems.join("\n"));
+      if (p.folder.problems.length) { $("problems").textContent = p.folder.problems.join("\n"); $("problems").hidden = false; }
       const sel = $("part-select");
       if (p.parts.length > 1) {
         sel.hidden = false;
