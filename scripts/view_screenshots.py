@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -72,6 +73,15 @@ def record(path: str, episodes: int = 8, seed: int = 0) -> str:
     return path
 
 
+def _shrink(path: Path) -> None:
+    """Re-save a screenshot as a 128-colour palette PNG (a third of the bytes; text stays sharp)."""
+    from PIL import Image  # matplotlib's dependency: installed with the test extra
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+
+
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     """Write the screenshots; returns their paths."""
     from playwright.sync_api import sync_playwright
@@ -82,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     args = ap.parse_args(argv)
     out = Path(args.out)
     shots = [out / "view-episodes.png", out / "view-episode.png"]
+    here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
-        server = open_view(record(str(Path(tmp) / "cartpole")))
+        os.chdir(tmp)  # the page shows the path it was given: "cartpole", as a user would type it
+        server = open_view(record("cartpole"))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             with sync_playwright() as p:
@@ -108,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         finally:
             server.shutdown()
             server.server_close()
+            os.chdir(here)
     for s in shots:
+        _shrink(s)
         print(f"wrote {s} ({s.stat().st_size / 1024:.0f} KiB)")
     return shots
 

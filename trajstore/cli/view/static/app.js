@@ -117,7 +117,7 @@
       div.append(el("h3", path)); box.append(div);
       const series = [{ label: "step" }].concat(cols.map((_c, k) => ({ label: cols.length > 1 ? "[" + k + "]" : path.split("/").pop(), stroke: COLORS[k % COLORS.length], width: 1 })));
       const u = new uPlot({ width: width, height: 160, series: series, plugins: [cursorPlugin()], scales: { x: { time: false } },
-                            legend: { show: cols.length > 1 } }, [ep.steps].concat(cols), div);
+                            legend: { show: cols.length > 1, live: false } }, [ep.steps].concat(cols), div);
       u.over.addEventListener("click", () => { const v = u.posToVal(u.cursor.left, "x"); if (Number.isFinite(v)) setStep(Math.round(v)); });
       state.plots.push(u);
     }
