@@ -198,3 +198,34 @@ def test_bench_view_quick(tmp_path):
     assert out.returncode == 0, out.stderr
     text = md.read_text()
     assert text.startswith("## trajstore view") and "thumbnails of random steps, 4 connections" in text
+
+
+def test_the_view_command_serves_until_stopped(stores):
+    """`python -m trajstore view PATH --port 0` prints its address, answers there, and stops on SIGINT."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore", "view", stores["cartpole"], "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "read-only at http://127.0.0.1:" in line, line + proc.stderr.read()
+        url = line.split(" at ", 1)[1].split()[0]
+        with urllib.request.urlopen(url + "api/status", timeout=30) as r:
+            assert json.loads(r.read())["episodes"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 130
+
+
+def test_a_remote_store_is_served(tmp_path):
+    """An fsspec URL (memory://, in this process) is opened as the CLI opens it."""
+    url = f"memory://view-{os.getpid()}-{tmp_path.name}/cp"
+    record_demo(url, episodes=2)
+    with serving(url) as s:
+        status, page = get_json(s, "/api/episodes")
+        assert status == 200 and page["total"] == 2
+        assert get_json(s, "/api/overview")[1]["path"] == url

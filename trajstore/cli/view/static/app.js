@@ -168,6 +168,19 @@
     setStep(0);
   }
 
+  async function refreshEpisode() {
+    // A new commit while an episode is shown: a live episode grows; an evicted one is gone.
+    const id = state.episode.id;
+    let ep;
+    try { ep = await api("episode", { id: id }); } catch (e) { showError(e); return; }
+    if (!state.episode || state.episode.id !== id || ep.length === state.episode.length) return;
+    state.episode = ep;
+    $("ep-title").textContent = "episode " + ep.id + ": " + ep.length + " steps";
+    $("scrubber").max = String(Math.max(0, ep.length - 1));
+    drawPlots(ep);
+    setStep(state.step);
+  }
+
   // -- routing, parts and live polling ---------------------------------------------------------
   async function route() {
     showError(null);
@@ -186,7 +199,7 @@
       const s = await api("status");
       $("live").className = "";
       if (state.generation !== null && s.generation !== state.generation) {
-        if (!state.episode) { await loadEpisodes(); await loadOverview(); }
+        if (!state.episode) { await loadEpisodes(); await loadOverview(); } else await refreshEpisode();
       }
       state.generation = s.generation;
     } catch (e) { $("live").className = "stale"; $("live").title = String(e.message || e); }
