@@ -602,7 +602,7 @@ def test_errors_are_one_line_with_exit_status(tmp_path: Path) -> None:
 
 
 def test_help_reads_well(capsys) -> None:
-    commands = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "plot", "demo"]
+    commands = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "plot", "view", "demo"]
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0

@@ -7,7 +7,8 @@ traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2
 errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
-:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert).
+:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert);
+:mod:`.view` serves the read-only web page of ``trajstore view``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ examples:
   trajstore split data --ratios train=0.9,val=0.1 data_   episodes into data_train, data_val
   trajstore filter data good --where "return > 100"       keep the episodes that match
   trajstore convert demo_store demo_traj    a replay store's episodes as a trajectory store
+  trajstore view demo_store --open          browse its episodes, plots and frames in a web page
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
 
 'trajstore COMMAND --help' describes each command."""
