@@ -45,7 +45,7 @@ def image_store(path: Path, episodes: int = 3, length: int = 12, capacity: int |
 def append_episode(buf: TrajectoryReplayBuffer, e: int, length: int) -> None:
     """Episode ``e`` (returns grow with ``e``), its data set, ended and committed."""
     steps = np.arange(length, dtype=np.float32)
-    buf.extend({"cam": frames_of(e, length), "grey": np.full((length, 16, 16), e * 10, np.uint8),
+    buf.extend({"cam": frames_of(e, length), "grey": np.full((length, 16, 16), e * 10 % 256, np.uint8),
                 "action": np.stack([np.sin(steps / 3), np.cos(steps / 3)], 1).astype(np.float32),
                 "reward": np.full(length, 0.1 * (e + 1), np.float32)})
     buf.set_current_episode_data({"task": e % 3, "success": np.float32(e % 2)})

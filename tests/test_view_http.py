@@ -229,3 +229,44 @@ def test_a_remote_store_is_served(tmp_path):
         status, page = get_json(s, "/api/episodes")
         assert status == 200 and page["total"] == 2
         assert get_json(s, "/api/overview")[1]["path"] == url
+
+
+def test_frames_read_while_a_writer_turns_the_ring_are_the_episodes_own(tmp_path):
+    """A frame answered while a writer evicts and refills ring slots is the asked episode's frame (never
+    another episode's, nor a slot's new contents), or a 404."""
+    import threading
+
+    path = image_store(tmp_path / "turning", episodes=3, length=6, capacity=18)
+    stop = threading.Event()
+
+    def write() -> None:
+        buf = TrajectoryReplayBuffer.load_from(path)
+        try:
+            e = 3
+            while not stop.is_set() and e < 200:
+                append_episode(buf, e, 6)
+                e += 1
+        finally:
+            buf.close()
+
+    writer = threading.Thread(target=write)
+    rng = np.random.default_rng(0)
+    answered = 0
+    with serving(path) as s:
+        writer.start()
+        try:
+            for _ in range(80):
+                ids = [r[0] for r in get_json(s, "/api/episodes")[1]["rows"]]
+                eid, step = int(rng.choice(ids)), int(rng.integers(0, 6))
+                status, body, _ = get(s, f"/api/frame?id={eid}&field=step_data/cam&step={step}")
+                if status == 404 or (status == 400 and b"is outside episode" in body):  # evicted meanwhile
+                    continue
+                assert status == 200, body
+                # A ring keeps the last steps of an episode it is evicting: step 0 is then a later one.
+                frame, own = imagecodecs.png_decode(body), frames_of(eid, 6)
+                assert any(np.array_equal(frame, own[k]) for k in range(step, 6)), (eid, step)
+                answered += 1
+        finally:
+            stop.set()
+            writer.join(60)
+    assert answered > 0

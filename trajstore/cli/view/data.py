@@ -39,6 +39,8 @@ MAX_SERIES_STEPS = 20_000
 MAX_SERIES_WIDTH = 16
 #: Episodes whose step rows are kept (an LRU of the last few opened).
 _ROW_CACHE = 8
+#: Reads redone when a writer turned the ring under them, before the episode is reported gone.
+_TRIES = 3
 
 
 def is_image_shape(shape: tuple[int, ...], dtype: np.dtype, layout: str) -> bool:
@@ -270,7 +272,26 @@ class StorePart:
             out.append({"path": s.array_path, "shape": list(s.row_shape), "dtype": str(s.dtype), "kind": kind})
         return out
 
+    def _consistent(self, read: Callable[[], Any]) -> Any:
+        """``read()`` with every row it read still stored under the newest record: a writer that
+        turned a ring meanwhile may have put other steps in those slots, so the read is redone
+        (rows found again) at most :data:`_TRIES` times, then the episode is reported gone."""
+        for _ in range(_TRIES):
+            store = self.store()
+            before = store.committed
+            out = read()
+            store.refresh()
+            if store.rows_intact(before):
+                return out
+        raise UnknownEpisodeError(f"{self.url}: a writer turned the ring {_TRIES} times while the rows were read; "
+                                  "the episode may be evicted, ask again")
+
     def episode(self, eid: int) -> dict[str, Any]:
+        """Episode ``eid`` as :meth:`_episode_now` reads it, from one commit record's rows."""
+        out: dict[str, Any] = self._consistent(lambda: self._episode_now(eid))
+        return out
+
+    def _episode_now(self, eid: int) -> dict[str, Any]:
         """Episode ``eid``: ``id, length, rows`` (first and last step row), ``stride`` (every k-th
         step is in the series), ``steps`` (the step numbers sent), ``fields`` (as :meth:`fields`)
         and ``series``: field path -> list of per-element lists (one per number of the row)."""
@@ -304,14 +325,19 @@ class StorePart:
         images = [f["path"] for f in self.fields() if f["kind"] == "image"]
         if field not in images:
             raise UnknownFieldError(f"no image field {field!r}; the image fields are {images}")
-        rows = self.episode_rows(eid)
-        if not 0 <= step < len(rows):
-            raise IndexOutOfRangeError(f"step {step} is outside episode {eid} (steps 0..{len(rows) - 1})")
         t = self.store().tables[STEPS]
         j = _field_index(t, field)
         assert j is not None  # listed by fields()
-        r = int(rows[step])
-        return np.asarray(t.read_contiguous(r, r + 1, [j])[0][0])
+
+        def read() -> np.ndarray:
+            rows = self.episode_rows(eid)  # of the newest record: a ring may have dropped steps since
+            if not 0 <= step < len(rows):
+                raise IndexOutOfRangeError(f"step {step} is outside episode {eid} (steps 0..{len(rows) - 1})")
+            r = int(rows[step])
+            return np.asarray(t.read_contiguous(r, r + 1, [j])[0][0])
+
+        frame: np.ndarray = self._consistent(read)
+        return frame
 
 
 def _field_index(t: Table, path: str) -> int | None:
