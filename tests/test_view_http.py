@@ -270,3 +270,17 @@ def test_frames_read_while_a_writer_turns_the_ring_are_the_episodes_own(tmp_path
             stop.set()
             writer.join(60)
     assert answered > 0
+
+
+def test_a_stable_baselines3_buffer_folder_lists_its_stores(tmp_path):
+    """A buffer's cache_path (sb3.json and its stores inside, as trajstore.sb3 lays it out) is served
+    store by store, its problems named; the folder is recognised from its record alone."""
+    folder = tmp_path / "sac_buffer"
+    image_store(folder / "transitions", episodes=2, length=5)
+    (folder / "sb3.json").write_text(json.dumps({"trajstore_sb3": 1, "kind": "ZarrRolloutBuffer"}))
+    with serving(folder) as s:
+        status, parts = get_json(s, "/api/parts")
+        assert status == 200 and parts["folder"]["layout"] == "sb3"
+        assert [p["name"] for p in parts["parts"]] == ["transitions"]
+        assert parts["folder"]["problems"] == ["store 'rollout' is missing: the ZarrRolloutBuffer cannot be reopened"]
+        assert get_json(s, "/api/status?part=0")[1]["episodes"] == 2
