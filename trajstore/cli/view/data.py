@@ -216,10 +216,8 @@ class StorePart:
         if sort:
             if sort not in cols:
                 raise BadOptionError(f"sort: no column {sort!r}; the columns are {names}")
-            key = cols[sort][keep]
-            order = np.argsort(-key if desc and key.dtype.kind in "iuf" else key, kind="stable")
-            if desc and key.dtype.kind not in "iuf":
-                order = order[::-1]
+            key = cols[sort][keep].astype(np.float64)  # bools and unsigned ints negate as numbers
+            order = np.argsort(-key if desc else key, kind="stable")  # ties keep first-step order
             keep = keep[order]
         page = keep[offset:offset + limit]
         rows = [[_json_value(cols[c][i]) for c in names] for i in page.tolist()]
