@@ -78,6 +78,10 @@ def test_cartpole_store_table_sort_and_episode_plots(browser, tmp_path):
         page.keyboard.press("ArrowRight")
         page.wait_for_function("document.getElementById('step-label').textContent.startsWith('step 1 /')",
                                timeout=WAIT_MS)
+        box = page.locator("#plots .plot .u-over").first.bounding_box()
+        page.mouse.click(box["x"] + box["width"] - 2, box["y"] + box["height"] / 2)  # a click on a plot scrubs
+        page.wait_for_function("""() => { const m = document.getElementById('step-label').textContent.match(/step (\\d+) \\/ (\\d+)/);
+            return m && m[1] === m[2]; }""", timeout=WAIT_MS)
         page.screenshot(path=str(tmp_path / "cartpole-episode.png"))
     page.close()
     assert not errors

@@ -53,6 +53,10 @@ def test_overview_and_episode_table_match_the_cli(stores, capsys):
     assert page["total"] == cli["episodes_total"] == 4 and page["matched"] == 4
     ids = [r[page["columns"].index("episode_id")] for r in page["rows"]]
     assert ids == [e["id"] for e in cli["episodes"][:2]]
+    with serving(stores["cartpole"]) as s:
+        pages = [get_json(s, f"/api/episodes?sort=return&desc=1&offset={o}&limit=3")[1] for o in (0, 3, 6)]
+    assert [len(p["rows"]) for p in pages] == [3, 1, 0]
+    assert [r[0] for p in pages for r in p["rows"]] == [e["id"] for e in cli["episodes"]]
 
 
 def test_filter_uses_the_where_language_over_episode_data(stores):

@@ -29,12 +29,14 @@ from trajstore.errors import BadOptionError, IndexOutOfRangeError, UnknownEpisod
 from trajstore.maintenance.summary import STEP_IDS, STEPS, episode_table, open_store, store_info
 from trajstore.maintenance.where import MAX_WHERE_CHARS, compile_where
 
-__all__ = ["StorePart", "MAX_PAGE", "MAX_SERIES_STEPS", "MAX_SERIES_WIDTH", "is_image_shape"]
+__all__ = ["StorePart", "MAX_PAGE", "MAX_SERIES_STEPS", "MAX_SERIES_VALUES", "MAX_SERIES_WIDTH", "is_image_shape"]
 
 #: Most episodes one page of the table holds.
 MAX_PAGE = 500
 #: Most steps of one episode sent as series; a longer episode is sent every k-th step.
 MAX_SERIES_STEPS = 20_000
+#: Most numbers one episode's answer holds (steps x plotted numbers per step); more: a larger stride.
+MAX_SERIES_VALUES = 1_000_000
 #: A field with at most this many numbers per step is plotted (one line per element).
 MAX_SERIES_WIDTH = 16
 #: Episodes whose step rows are kept (an LRU of the last few opened).
@@ -296,9 +298,10 @@ class StorePart:
         rows = self.episode_rows(eid)
         t = self.store().tables[STEPS]
         fields = self.fields()
-        stride = max(1, -(-len(rows) // MAX_SERIES_STEPS))
-        steps = np.arange(0, len(rows), stride)
         plotted = [f for f in fields if f["kind"] == "series"]
+        width = sum(max(1, int(np.prod(f["shape"], dtype=np.int64))) for f in plotted)
+        stride = max(1, -(-len(rows) // MAX_SERIES_STEPS), -(-len(rows) * width // MAX_SERIES_VALUES))
+        steps = np.arange(0, len(rows), stride)
         which = [_field_index(t, f["path"]) for f in plotted]
         arrays = t.gather(rows[steps], [j for j in which if j is not None]) if len(rows) and plotted else []
         series = {}
