@@ -288,3 +288,11 @@ def test_a_stable_baselines3_buffer_folder_lists_its_stores(tmp_path):
         assert [p["name"] for p in parts["parts"]] == ["transitions"]
         assert parts["folder"]["problems"] == ["store 'rollout' is missing: the ZarrRolloutBuffer cannot be reopened"]
         assert get_json(s, "/api/status?part=0")[1]["episodes"] == 2
+
+
+def test_the_view_command_refuses_a_path_with_no_store(tmp_path, capsys):
+    assert main(["view", str(tmp_path / "nothing"), "--port", "0"]) == 1
+    assert "no store at" in capsys.readouterr().err
+    (tmp_path / "folder" / "x").mkdir(parents=True)
+    assert main(["view", str(tmp_path / "folder"), "--port", "0"]) == 1
+    assert "not a trajstore store" in capsys.readouterr().err

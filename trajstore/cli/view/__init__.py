@@ -50,7 +50,20 @@ def open_view(path: str | os.PathLike[str], *, storage_options: dict[str, Any] |
 
 
 def _cmd_view(args: argparse.Namespace) -> int:
+    from trajstore.errors import NotATrajstoreError, StoreNotFoundError, TrajstoreError
+
     server = open_view(args.path, storage_options=args.storage_options, host=args.host, port=args.port)
+    if len(server.parts) == 1:
+        # Nothing to show at all (no store there): say so now, as the other commands do.  A store
+        # that is there but damaged is served: the page shows what is wrong with it.
+        try:
+            with server.parts[0].lock:
+                server.parts[0].store()
+        except (StoreNotFoundError, NotATrajstoreError):
+            server.server_close()
+            raise
+        except (TrajstoreError, OSError, ValueError):
+            pass
     print(f"trajstore view: serving {args.path} read-only at {server.url} (Ctrl-C stops)", flush=True)
     if args.open:
         import webbrowser
