@@ -260,10 +260,14 @@ def test_frames_read_while_a_writer_turns_the_ring_are_the_episodes_own(tmp_path
         writer.start()
         try:
             for _ in range(80):
-                ids = [r[0] for r in get_json(s, "/api/episodes")[1]["rows"]]
+                status, page = get_json(s, "/api/episodes")
+                if status == 503:  # the ring turned under the table's read three times: ask again
+                    continue
+                ids = [r[0] for r in page["rows"]]
+                assert ids == sorted(ids) and len(ids) <= 4, ids  # 3 episodes, a 4th being evicted
                 eid, step = int(rng.choice(ids)), int(rng.integers(0, 6))
                 status, body, _ = get(s, f"/api/frame?id={eid}&field=step_data/cam&step={step}")
-                if status == 404 or (status == 400 and b"is outside episode" in body):  # evicted meanwhile
+                if status in (404, 503) or (status == 400 and b"is outside episode" in body):  # evicted meanwhile
                     continue
                 assert status == 200, body
                 # A ring keeps the last steps of an episode it is evicting: step 0 is then a later one.

@@ -25,7 +25,13 @@ import numpy as np
 
 from trajstore.core.store import Store
 from trajstore.core.table import Table
-from trajstore.errors import BadOptionError, IndexOutOfRangeError, UnknownEpisodeError, UnknownFieldError
+from trajstore.errors import (
+    BadOptionError,
+    ConcurrentWriteError,
+    IndexOutOfRangeError,
+    UnknownEpisodeError,
+    UnknownFieldError,
+)
 from trajstore.maintenance.summary import STEP_IDS, STEPS, episode_table, open_store, store_info
 from trajstore.maintenance.where import MAX_WHERE_CHARS, compile_where
 
@@ -142,7 +148,7 @@ class StorePart:
         store has a reward field), ``terminated``/``truncated`` (when recorded), and every scalar
         episode-data column of a trajectory store (``task``, ``info/success``...).  Raises
         NoEpisodesError for a replay buffer without done flags."""
-        cols: dict[str, np.ndarray] = self._cached("episodes", self._read_episodes)
+        cols: dict[str, np.ndarray] = self._cached("episodes", lambda: self._consistent(self._read_episodes))
         return cols
 
     def _read_episodes(self) -> dict[str, np.ndarray]:
@@ -275,7 +281,7 @@ class StorePart:
     def _consistent(self, read: Callable[[], Any]) -> Any:
         """``read()`` with every row it read still stored under the newest record: a writer that
         turned a ring meanwhile may have put other steps in those slots, so the read is redone
-        (rows found again) at most :data:`_TRIES` times, then the episode is reported gone."""
+        (rows found again) at most :data:`_TRIES` times, then ConcurrentWriteError says to ask again."""
         for _ in range(_TRIES):
             store = self.store()
             before = store.committed
@@ -283,8 +289,8 @@ class StorePart:
             store.refresh()
             if store.rows_intact(before):
                 return out
-        raise UnknownEpisodeError(f"{self.url}: a writer turned the ring {_TRIES} times while the rows were read; "
-                                  "the episode may be evicted, ask again")
+        raise ConcurrentWriteError(f"{self.url}: a writer turned the ring {_TRIES} times while its rows were read; "
+                                   "ask again")
 
     def episode(self, eid: int) -> dict[str, Any]:
         """Episode ``eid`` as :meth:`_episode_now` reads it, from one commit record's rows."""

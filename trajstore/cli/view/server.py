@@ -32,6 +32,7 @@ from trajstore.cli.view.data import StorePart
 from trajstore.cli.view.frames import FORMATS, encode_frame, thumbnail
 from trajstore.errors import (
     BadOptionError,
+    ConcurrentWriteError,
     IndexOutOfRangeError,
     NoEpisodesError,
     UnknownEpisodeError,
@@ -72,6 +73,8 @@ def _status_of(e: Exception) -> int:
         return 400
     if isinstance(e, NoEpisodesError):
         return 409
+    if isinstance(e, ConcurrentWriteError):
+        return 503  # a writer turned the ring under the read: asking again answers
     return 422  # the store cannot be read (damaged, hostile, gone): the CLI's message
 
 
