@@ -107,6 +107,8 @@
       ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke(); ctx.restore();
     }] } };
   }
+  // A constant series (flags that never fire) gets the band around its value, not 0..100.
+  const yRange = (_u, lo, hi) => (lo === hi ? [lo - 1, hi + 1] : uPlot.rangeNum(lo, hi, 0.1, true));
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
   function drawPlots(ep) {
     state.plots.forEach((p) => p.destroy()); state.plots = [];
@@ -116,7 +118,7 @@
       const div = el("div", null, "plot"); div.dataset.field = path;
       div.append(el("h3", path)); box.append(div);
       const series = [{ label: "step" }].concat(cols.map((_c, k) => ({ label: cols.length > 1 ? "[" + k + "]" : path.split("/").pop(), stroke: COLORS[k % COLORS.length], width: 1 })));
-      const u = new uPlot({ width: width, height: 160, series: series, plugins: [cursorPlugin()], scales: { x: { time: false } },
+      const u = new uPlot({ width: width, height: 160, series: series, plugins: [cursorPlugin()], scales: { x: { time: false }, y: { range: yRange } },
                             legend: { show: cols.length > 1, live: false } }, [ep.steps].concat(cols), div);
       u.over.addEventListener("click", () => { const v = u.posToVal(u.cursor.left, "x"); if (Number.isFinite(v)) setStep(Math.round(v)); });
       state.plots.push(u);
