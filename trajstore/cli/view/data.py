@@ -29,6 +29,7 @@ from trajstore.errors import (
     BadOptionError,
     ConcurrentWriteError,
     IndexOutOfRangeError,
+    NoEpisodesError,
     UnknownEpisodeError,
     UnknownFieldError,
 )
@@ -136,8 +137,6 @@ class StorePart:
         return self._cached("overview", lambda: store_info(self.url, storage_options=self.storage_options))
 
     def _episodes_or_none(self) -> dict[str, np.ndarray] | None:
-        from trajstore.errors import NoEpisodesError
-
         try:
             return self.episode_columns()
         except NoEpisodesError:
