@@ -41,6 +41,9 @@ class Field(Protocol):
     keeps_partial_chunk : bool
         Whether the engine holds the chunk being filled in memory and writes chunks whole (so a
         ring's eviction record may leave that chunk out; see ``Table.flush``).
+    open_from : int or None
+        First physical row a flush left in memory only (a video field's episode still being
+        recorded): a commit counts rows up to there.  None for engines that write every row out.
     """
 
     loc: Location
@@ -49,6 +52,10 @@ class Field(Protocol):
     C: int
     allocated: int
     keeps_partial_chunk: bool
+    open_from: int | None
+
+    def end_run(self, row: int) -> None:
+        """An episode ends before physical row ``row`` (a video field encodes it; others: nothing)."""
 
     def grow(self, allocated: int) -> None:
         """Size the array for ``allocated`` rows (the writer resizes the zarr array first)."""
