@@ -175,19 +175,21 @@ class VideoField:
         return f"{self.loc.url}: {self.spec.array_path}: {rows}"
 
     # -- the index and segments ---------------------------------------------------------------
-    def _load_index(self) -> None:
+    def _load_index(self, row: int) -> None:
+        """Read the segment index again (``row``: the physical row that needs it, for messages)."""
         limit = 8 * (self.allocated + 2) + 64
+        where = self._where(f"row {row} (physical): the video segment index {index_key(self.spec.array_path)}")
         try:
             data = self.loc.get(index_key(self.spec.array_path), limit=limit)
         except DamagedStoreError as e:
-            raise DamagedStoreError(self._where(f"the video segment index is unreadable ({e})")) from None
+            raise DamagedStoreError(f"{where} is unreadable ({e})") from None
         if data is None:
             self._bounds = np.zeros(1, np.int64)
             return
         try:
             self._bounds = read_index(data, self.allocated)
         except ValueError as e:
-            raise DamagedStoreError(self._where(f"the video segment index is damaged ({e})")) from None
+            raise DamagedStoreError(f"{where} is damaged ({e})") from None
 
     def _segment(self, i: int) -> Segment:
         lo, hi = int(self._bounds[i]), int(self._bounds[i + 1])
@@ -231,7 +233,7 @@ class VideoField:
             return out
         rows = phys[rest]
         if int(rows.max()) >= int(self._bounds[-1]):
-            self._load_index()
+            self._load_index(int(rows.max()))
             if int(rows.max()) >= int(self._bounds[-1]):
                 r = int(rows[rows >= self._bounds[-1]][0])
                 raise DamagedStoreError(self._where(f"row {r} (physical) is past the video segments, which end at "
@@ -280,7 +282,7 @@ class VideoField:
     def read_chunk(self, k: int) -> np.ndarray:
         """Rows of chunk ``k`` that are in segments or held; zeros for the others."""
         lo, hi = k * self.C, (k + 1) * self.C
-        self._load_index()
+        self._load_index(lo)
         top = max(int(self._bounds[-1]), self._open_lo + self._held)
         out = np.zeros((self.C, *self.spec.row_shape), self.spec.dtype)
         if top > lo:
@@ -297,7 +299,7 @@ class VideoField:
         if phys_lo != self._open_lo + self._held or not self._started:
             if self._held or (self._started and phys_lo < self._open_lo):
                 raise self._refuse("writing committed rows again (set_at, remove_at, episode edits, a ring)")
-            self._load_index()  # a writer's first write: rows past the committed ones are dropped
+            self._load_index(phys_lo)  # a writer's first write: rows past the committed ones are dropped
             keep = self._bounds[self._bounds <= phys_lo]
             if int(keep[-1]) != phys_lo:
                 raise DamagedStoreError(self._where(f"the committed rows end at {phys_lo}, inside a video segment "
@@ -369,3 +371,59 @@ class VideoField:
     def close(self) -> None:
         self._segments.clear()
         self._blocks, self._held = [], 0
+
+
+def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], settings: Any, end: int,
+                deep: bool) -> tuple[list[tuple[str, str, int, int]], int, list[str]]:
+    """Verify a video field's committed rows ``[0, end)``: the index covers them, every segment of
+    them is there and its frame table checks; ``deep``: every frame decodes, of ``row_shape``.
+
+    Returns ``(faults, segments decoded, keys holding no committed row)``, each fault
+    ``(kind, key, message, first row, end row)`` with kind ``missing-chunk``, ``bad-chunk`` or
+    ``undecodable-chunk``.  Reads go through the confined, bounded reader; sizes are checked first.
+    """
+    faults: list[tuple[str, str, int, int]] = []
+    ikey = index_key(array_path)
+    row_bytes = int(np.prod(row_shape, dtype=np.int64))
+    try:
+        codec = codec_from_attrs(settings)
+        data = loc.get(ikey, limit=8 * (end + 2) + 64 + (1 << 20))
+        bounds = read_index(data, 1 << 62) if data is not None else np.zeros(1, np.int64)
+    except (ValueError, DamagedStoreError) as e:
+        return [("bad-chunk", ikey, f"{ikey}: the video settings or segment index are damaged ({e}); rows "
+                 f"[0, {end}) are unreadable", 0, end)], 0, []
+    if int(bounds[-1]) < end:
+        lo = int(bounds[-1])
+        faults.append(("missing-chunk", ikey, f"{ikey}: the video segments end at row {lo} but {end} rows are "
+                       f"committed; rows [{lo}, {end}) are lost", lo, end))
+    decoded = 0
+    extra = [segment_key(array_path, int(b)) for b in bounds[:-1] if int(b) >= end]
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if lo >= end:
+            break
+        key = segment_key(array_path, lo)
+        try:
+            blob = loc.get(key, limit=(hi - lo) * (2 * row_bytes + 88) + 4096)
+            if blob is None:
+                faults.append(("missing-chunk", key, f"{key}: video segment missing; rows [{lo}, {hi}) are lost",
+                               lo, hi))
+                continue
+            seg = read_segment(np.frombuffer(blob, np.uint8), hi - lo, blob)
+        except (ValueError, DamagedStoreError) as e:
+            faults.append(("bad-chunk", key, f"{key}: damaged video segment ({e}); rows [{lo}, {hi}) are unreadable",
+                           lo, hi))
+            continue
+        if not deep:
+            continue
+        out = np.empty((1, *row_shape), np.uint8)
+        try:
+            starts = seg.keys.tolist() + [hi - lo]
+            for a, b in zip(starts[:-1], starts[1:]):
+                codec.decode(seg.packets(a, b), b - a, {}, out)
+            decoded += 1
+        except TrajstoreError:
+            raise
+        except Exception as e:  # the packets are input
+            faults.append(("undecodable-chunk", key, f"{key}: video segment does not decode ({type(e).__name__}: "
+                           f"{e}); rows [{lo}, {hi}) are damaged", lo, hi))
+    return faults, decoded, extra

@@ -1,0 +1,289 @@
+"""Video fields (issue 31 point 3): a step field kept as one H.264 / AV1 stream per episode.
+
+Real stores on disk, real PyAV encoders and decoders (FFmpeg's libx264, libsvtav1, libdav1d), a
+real writer process killed with SIGKILL at several instants, damaged segment and index bytes
+written into a real store, and a fresh process where PyAV cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium.spaces import Box, Dict
+
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.errors import BadOptionError, DamagedStoreError, MissingDependencyError
+from trajstore.maintenance.verify import verify_store
+
+pytest.importorskip("av")
+
+ROOT = str(Path(__file__).resolve().parents[1])
+H, W = 48, 64
+SPACE = Dict({"obs": Box(0, 255, (H, W, 3), np.uint8), "t": Box(0, 2**62, (), np.int64)})
+
+
+def frames(n: int, seed: int = 0) -> np.ndarray:
+    """``n`` smooth (H, W, 3) uint8 frames drifting over time, as a camera sees a scene move."""
+    y, x = np.mgrid[0:H, 0:W].astype(np.float64)
+    rng = np.random.default_rng(seed)
+    fx, fy = rng.uniform(5, 9, 2)
+    out = np.empty((n, H, W, 3), np.uint8)
+    for i in range(n):
+        out[i] = np.stack([128 + 60 * np.sin((x + 2 * i + 5 * c + seed) / fx) + 50 * np.cos((y - i) / fy)
+                           for c in range(3)], -1).clip(0, 255).astype(np.uint8)
+    return out
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def record(path: Path, lengths: list[int], compressor: str = "h264:crf=18:g=4", **kw) -> np.ndarray:
+    """A store of episodes of ``lengths`` frames (step by step, then an episode end); all frames."""
+    allf = np.concatenate([frames(n, seed=e) for e, n in enumerate(lengths)])
+    t = 0
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=str(path), compressor={"obs": compressor}, **kw) as tb:
+        for n in lengths:
+            for _ in range(n):
+                tb.append({"obs": allf[t], "t": np.int64(t)})
+                t += 1
+            tb.mark_episode_end()
+    return allf
+
+
+@pytest.mark.parametrize("compressor,min_db", [("h264:crf=18:g=4", 35), ("av1", 30), ("lerobot", 30),
+                                               ("h264:crf=10:g=3:pix_fmt=yuv444p:preset=ultrafast", 40)])
+def test_round_trip_within_a_psnr_bound_one_stream_per_episode(tmp_path, compressor, min_db):
+    allf = record(tmp_path / "s", [12, 9, 15], compressor)
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert len(ro) == 36
+        got = ro[:]["step_data"]
+        assert np.array_equal(got["t"], np.arange(36))
+        assert got["obs"].shape == allf.shape and got["obs"].dtype == np.uint8
+        assert psnr(got["obs"], allf) >= min_db
+    video = tmp_path / "s" / "step_data" / "obs" / "video"
+    assert sorted(os.listdir(video)) == ["0", "12", "21", "index"]  # one segment per episode
+    attrs = json.loads((tmp_path / "s" / "step_data" / "obs" / "zarr.json").read_text())["attributes"]
+    assert attrs["trajstore_video"]["codec"] == ("h264" if compressor.startswith("h264") else "av1")
+    if compressor == "lerobot":
+        assert attrs["trajstore_video"] | {"preset": "10"} == {"codec": "av1", "crf": 30, "gop": 2,
+                                                                "pix_fmt": "yuv420p", "preset": "10"}
+    assert not list((tmp_path / "s").rglob("obs/c"))  # no zarr chunks: the frames are in the segments
+
+
+def test_random_frames_equal_sequential_decode_and_windows_decode_each_gop_once(tmp_path):
+    record(tmp_path / "s", [17, 11, 20])
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        seq = ro[:]["step_data"]["obs"]
+        rng = np.random.default_rng(1)
+        idx = rng.permutation(48)
+        assert np.array_equal(ro[idx]["step_data"]["obs"], seq[idx])
+        for i in (0, 3, 4, 16, 17, 30, 47):  # keyframes, frames after them, episode firsts and lasts
+            assert np.array_equal(ro[i]["step_data"]["obs"], seq[i])
+        anchors = np.array([5, 17, 30, 47])
+        data, valid = ro.get_sequences(anchors, list(range(-4, 4)))
+        rows = np.clip(anchors[:, None] + np.arange(-4, 4), 0, 47)
+        w = data["step_data"]["obs"]
+        assert w.shape == (4, 8, H, W, 3)
+        assert np.array_equal(w[valid], seq[rows][valid])
+        data, _ = ro.sample_sequences(6, 5, rng=0, within_episode=True)
+        t = data["step_data"]["t"]
+        assert np.array_equal(data["step_data"]["obs"], seq[t])
+        batch = ro.sample(16, rng=np.random.default_rng(2))
+        assert np.array_equal(batch["step_data"]["obs"], seq[batch["step_data"]["t"]])
+        view = ro.get_slice(np.arange(10, 30))
+        assert np.array_equal(view[:]["step_data"]["obs"], seq[10:30])
+
+
+def test_torch_dataloader_workers_read_video_frames(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from trajstore.torch.datasets import TransitionDataset
+
+    record(tmp_path / "s", [10, 14])
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        seq = ro[:]["step_data"]["obs"]
+    ds = TransitionDataset(str(tmp_path / "s"), ["obs", "t"])
+    seen = 0
+    for batch in DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork"):
+        assert torch.equal(batch["obs"], torch.from_numpy(seq[batch["t"].numpy()]))
+        seen += len(batch["t"])
+    assert seen == 24
+
+
+def test_a_timed_commit_counts_only_ended_episodes_and_close_seals_the_last(tmp_path):
+    allf = frames(30)
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "s"), compressor={"obs": "h264"},
+                                       commit_interval=0) as tb:
+        tb.extend({"obs": allf[:12], "t": np.arange(12)})
+        tb.mark_episode_end()
+        tb.extend({"obs": allf[12:20], "t": np.arange(12, 20)})  # the timed commit: episode 2 is held
+        with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+            assert len(ro) == 12
+        assert np.array_equal(tb[12:20]["step_data"]["obs"], allf[12:20])  # the writer reads what it holds
+        tb.extend({"step_data": {"obs": allf[20:30], "t": np.arange(20, 30)},
+                   "episode_ids": np.full(10, 7)})  # an explicit new id ends episode 2
+        with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+            assert len(ro) == 20
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert len(ro) == 30 and psnr(ro[:]["step_data"]["obs"], allf) > 30
+    assert sorted(os.listdir(tmp_path / "s" / "step_data" / "obs" / "video")) == ["0", "12", "20", "index"]
+    assert verify_store(str(tmp_path / "s"), deep=True).ok
+
+
+def test_refused_where_there_are_no_episodes_or_rows_change(tmp_path):
+    with pytest.raises(BadOptionError, match="ReplayBuffer has no episodes"):
+        ReplayBuffer.create(SPACE, cache_path=str(tmp_path / "r"), compressor={"obs": "h264"})
+    with pytest.raises(BadOptionError, match="ring"):
+        ReplayBuffer.create(SPACE, cache_path=str(tmp_path / "r2"), capacity=100, compressor={"obs": "h264"})
+    with pytest.raises(BadOptionError, match="ring"):
+        TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "t"), step_data_capacity=100,
+                                      compressor={"obs": "av1"})
+    for bad, match in [("h264:crf=99", "crf"), ("h264:q=3", "video setting"), ("av1:pix_fmt=yuv444p", "pixel"),
+                       ("h264:g=0", "keyframe")]:
+        with pytest.raises(BadOptionError, match=match):
+            TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "b"), compressor={"obs": bad})
+    for shape, dtype in [((47, 64, 3), np.uint8), ((48, 64), np.uint8), ((48, 64, 3), np.float32)]:
+        with pytest.raises(BadOptionError, match=r"uint8 RGB frames \(H, W, 3\)"):
+            TrajectoryReplayBuffer.create(Dict({"obs": Box(0, 255, shape, dtype)}), cache_path=str(tmp_path / "c"),
+                                          compressor={"obs": "h264"})
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    record(tmp_path / "s", [6, 6])
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s")) as tb:
+        with pytest.raises(BadOptionError, match="written once, in order"):
+            tb.set_at(2, {"obs": np.zeros((H, W, 3), np.uint8), "t": np.int64(0)})
+    assert verify_store(str(tmp_path / "s"), deep=True).ok
+
+
+def _damage(store: Path, what: str) -> None:
+    video = store / "step_data" / "obs" / "video"
+    seg = video / "9"
+    if what == "packets":
+        b = bytearray(seg.read_bytes())
+        b[8:200] = bytes(192)
+        seg.write_bytes(bytes(b))
+    elif what == "short":
+        seg.write_bytes(seg.read_bytes()[:-50])
+    elif what == "missing":
+        seg.unlink()
+    elif what == "index-crc":
+        b = bytearray((video / "index").read_bytes())
+        b[20] ^= 1
+        (video / "index").write_bytes(bytes(b))
+    else:  # an index that disagrees with the segments (a valid index: other bounds)
+        from trajstore.storage.fields.video import write_index
+
+        (video / "index").write_bytes(write_index([0, 9, 16, 21]))
+
+
+@pytest.mark.parametrize("what", ["packets", "short", "missing", "index-crc", "index-disagrees"])
+def test_damaged_stream_or_index_raises_naming_field_and_row(tmp_path, what):
+    record(tmp_path / "s", [9, 12])
+    _damage(tmp_path / "s", what)
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        if not what.startswith("index"):  # the first episode's segment is intact
+            assert np.array_equal(ro[:9]["step_data"]["t"], np.arange(9))
+        with pytest.raises(DamagedStoreError, match=r"step_data/obs: .*row"):
+            ro[np.arange(21)]
+    report = verify_store(str(tmp_path / "s"), deep=True)
+    assert not report.ok and "step_data/obs" in str(report)
+
+
+def test_missing_pyav_names_the_video_extra(tmp_path):
+    record(tmp_path / "s", [5])
+    code = ("import sys; sys.modules['av'] = None  # as if PyAV were not installed\n"
+            "import numpy as np\n"
+            "from gymnasium.spaces import Box, Dict\n"
+            "from trajstore import TrajectoryReplayBuffer\n"
+            "from trajstore.errors import MissingDependencyError\n"
+            "try:\n"
+            f"    TrajectoryReplayBuffer.create(Dict({{'o': Box(0, 255, (8, 8, 3), np.uint8)}}),\n"
+            f"                                  cache_path={str(tmp_path / 'n')!r}, compressor={{'o': 'av1'}})\n"
+            "except MissingDependencyError as e:\n"
+            "    print('CREATE', e)\n"
+            f"rb = TrajectoryReplayBuffer.load_from({str(tmp_path / 's')!r}, read_only=True)\n"
+            "print('LEN', len(rb))\n"
+            "try:\n"
+            "    rb[0]['step_data']['obs']\n"
+            "except MissingDependencyError as e:\n"
+            "    print('READ', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert "CREATE" in out and "READ" in out and "LEN 5" in out, out
+    assert out.count("pip install 'trajstore[video]'") == 2, out
+    assert issubclass(MissingDependencyError, ImportError)
+
+
+# -- crash safety ---------------------------------------------------------------------------------
+_WRITER = """
+import os, sys, numpy as np
+sys.path.insert(0, {tests!r})
+from test_video_fields import frames
+from trajstore import TrajectoryReplayBuffer
+tb = TrajectoryReplayBuffer.load_from({store!r}, commit_interval=0.05)
+log = os.open({log!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+imgs = frames(64)
+t = len(tb)
+open({ready!r}, "w").close()
+while True:
+    for _ in range(3 + t % 7):
+        tb.append({{"obs": imgs[t % 64], "t": np.int64(t)}})
+        t += 1
+    tb.mark_episode_end()
+    if t % 3 == 0:
+        tb.flush()
+        os.write(log, f"{{t}}\\n".encode())
+"""
+
+
+def test_sigkill_during_video_episode_writes_leaves_the_last_commit(tmp_path):
+    store, log, ready = tmp_path / "s", tmp_path / "log", tmp_path / "ready"
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=str(store), compressor={"obs": "h264:g=3"}):
+        pass
+    imgs = frames(64)
+    for delay in (0.05, 0.3, 0.7):  # several kill instants
+        ready.unlink(missing_ok=True)
+        code = _WRITER.format(tests=str(Path(__file__).parent), store=str(store), log=str(log), ready=str(ready))
+        p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT})
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(delay)
+            assert p.poll() is None, "the writer died before it was killed"
+            p.send_signal(signal.SIGKILL)
+        finally:
+            p.kill()
+            p.wait(30)
+        assert p.returncode == -signal.SIGKILL
+        flushed = max([int(x) for x in log.read_text().split("\n")[:-1] if x.strip()] or [0]) if log.exists() else 0
+        with TrajectoryReplayBuffer.load_from(str(store), read_only=True) as ro:
+            n = len(ro)
+            assert n >= flushed, f"rows lost: {n} in the store, {flushed} committed before the kill"
+            got = ro[:]["step_data"]
+            assert np.array_equal(got["t"], np.arange(n))
+            assert psnr(got["obs"], imgs[np.arange(n) % 64]) > 30
+        report = verify_store(str(store), deep=True)
+        assert report.ok, report
+    assert n > 0
+
+
+def test_cli_show_and_verify_name_the_video_field(tmp_path):
+    record(tmp_path / "s", [8, 8], "av1:crf=35")
+    out = subprocess.run([sys.executable, "-m", "trajstore", "show", str(tmp_path / "s")], capture_output=True,
+                         text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert "av1:crf=35:g=2" in out, out
+    out = subprocess.run([sys.executable, "-m", "trajstore", "verify", "--deep", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stdout + out.stderr
