@@ -280,9 +280,9 @@ def test_sigkill_during_video_episode_writes_leaves_the_last_commit(tmp_path):
 
 def test_cli_show_and_verify_name_the_video_field(tmp_path):
     record(tmp_path / "s", [8, 8], "av1:crf=35")
-    out = subprocess.run([sys.executable, "-m", "trajstore", "show", str(tmp_path / "s")], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "trajstore", "info", str(tmp_path / "s")], capture_output=True,
                          text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
-    assert "av1:crf=35:g=2" in out, out
+    assert "video av1:crf=35:g=2" in out, out
     out = subprocess.run([sys.executable, "-m", "trajstore", "verify", "--deep", str(tmp_path / "s")],
                          capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, "PYTHONPATH": ROOT})
