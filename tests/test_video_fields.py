@@ -287,3 +287,17 @@ def test_cli_show_and_verify_name_the_video_field(tmp_path):
                          capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bench_video_quick_returns_its_markdown_section():
+    """scripts/bench_video.py --quick (timings are printed by the script, never asserted here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_video", Path(ROOT) / "scripts" / "bench_video.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.main(["--quick", "--calls", "2", "--length", "64", "--stores", "raw,jpeg:90,h264,av1 (lerobot)"])
+    assert text.startswith("## Video fields: episode windows and random frames (bench_video.py)")
+    for name in ("| raw |", "| jpeg:90 |", "| h264 |", "| av1 (lerobot) |"):
+        assert name in text, text
