@@ -41,9 +41,6 @@ class Field(Protocol):
     keeps_partial_chunk : bool
         Whether the engine holds the chunk being filled in memory and writes chunks whole (so a
         ring's eviction record may leave that chunk out; see ``Table.flush``).
-    open_from : int or None
-        First physical row a flush left in memory only (a video field's episode still being
-        recorded): a commit counts rows up to there.  None for engines that write every row out.
     """
 
     loc: Location
@@ -52,7 +49,11 @@ class Field(Protocol):
     C: int
     allocated: int
     keeps_partial_chunk: bool
-    open_from: int | None
+
+    @property
+    def open_from(self) -> int | None:
+        """First physical row a flush left in memory only (a video field's episode still being
+        recorded): a commit counts rows up to there.  None for engines that write every row out."""
 
     def end_run(self, row: int) -> None:
         """An episode ends before physical row ``row`` (a video field encodes it; others: nothing)."""

@@ -44,7 +44,6 @@ from trajstore.storage.fields.base import Field, gather_windows_by_rows
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.storage.fields.image import ImageField
 from trajstore.storage.fields.mapped import MappedField
-from trajstore.storage.fields.video import VideoField
 from trajstore.storage.fields.spec import (
     FieldSpec,
     check_compressor_keys,
@@ -54,6 +53,7 @@ from trajstore.storage.fields.spec import (
     parse_compressor,
     sized_array,
 )
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.location import Location
 
 __all__ = [

@@ -374,7 +374,7 @@ class VideoField:
 
 
 def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], settings: Any, end: int,
-                deep: bool) -> tuple[list[tuple[str, str, int, int]], int, list[str]]:
+                deep: bool) -> tuple[list[tuple[str, str, str, int, int]], int, list[str]]:
     """Verify a video field's committed rows ``[0, end)``: the index covers them, every segment of
     them is there and its frame table checks; ``deep``: every frame decodes, of ``row_shape``.
 
@@ -382,7 +382,7 @@ def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], sett
     ``(kind, key, message, first row, end row)`` with kind ``missing-chunk``, ``bad-chunk`` or
     ``undecodable-chunk``.  Reads go through the confined, bounded reader; sizes are checked first.
     """
-    faults: list[tuple[str, str, int, int]] = []
+    faults: list[tuple[str, str, str, int, int]] = []
     ikey = index_key(array_path)
     row_bytes = int(np.prod(row_shape, dtype=np.int64))
     try:

@@ -198,8 +198,8 @@ def parse_video_compressor(compressor: Any, row_shape: tuple[int, ...], dtype: n
         name, *parts = compressor.split(":")
         if name not in VIDEO_CODECS and name not in _PRESETS:
             return None
-        base, kw = _PRESETS.get(name, (name, {}))
-        kw = dict(kw)
+        base, preset = _PRESETS.get(name, (name, {}))
+        kw: dict[str, Any] = dict(preset)
         for part in parts:
             m = _KEY.match(part)
             if m is None:
