@@ -222,6 +222,11 @@ class VideoField:
 
     # -- reads ---------------------------------------------------------------------------------
     def gather(self, phys: np.ndarray) -> np.ndarray:
+        """Rows ``phys`` (B,) int64: a new (B, H, W, 3) uint8 array; held rows from RAM, the others
+        decoded GOP by GOP (each GOP of the batch once).
+
+        Raises DamagedStoreError (a row past the index, a missing, damaged or undecodable segment)
+        naming the field and the row; MissingDependencyError without PyAV."""
         phys = np.asarray(phys, dtype=np.int64).ravel()
         out = np.zeros((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
         held = (phys >= self._open_lo) & (phys < self._open_lo + self._held) if self._held else np.zeros(len(phys), bool)
@@ -274,9 +279,11 @@ class VideoField:
         parallel(run, jobs)
 
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
+        """``length`` consecutive rows from each of ``phys`` (B,), as one gather (one decode per GOP)."""
         return gather_windows_by_rows(self, phys, length)
 
-    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:  # decoded: always a copy
+    def read_range(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
+        """Physical rows ``[lo, hi)``, decoded (always a copy)."""
         return self.gather(np.arange(lo, hi, dtype=np.int64))
 
     def read_chunk(self, k: int) -> np.ndarray:
@@ -296,6 +303,9 @@ class VideoField:
                                           "per-frame image codec such as 'jpeg:90')"))
 
     def write(self, phys_lo: int, data: np.ndarray) -> None:
+        """Hold ``data`` (n, H, W, 3) as rows ``[phys_lo, phys_lo + n)`` until their episode ends.
+
+        Rows are appended once, in order: a write elsewhere (a rewrite, a ring) raises BadOptionError."""
         if phys_lo != self._open_lo + self._held or not self._started:
             if self._held or (self._started and phys_lo < self._open_lo):
                 raise self._refuse("writing committed rows again (set_at, remove_at, episode edits, a ring)")
@@ -350,25 +360,31 @@ class VideoField:
 
     # -- the rest of the Field protocol ----------------------------------------------------------
     def grow(self, allocated: int) -> None:
+        """Rows the table allocates (bounds the index this field accepts)."""
         self.allocated = allocated
 
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
         """Nothing to map: segments are read on demand (the index when a row is past it)."""
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        """Refused: video rows are not rewritten (BadOptionError)."""
         raise self._refuse("rewriting rows")
 
     def remap(self, ks: list[int], prefix: str = "") -> None:
+        """Refused: video rows are not rewritten (BadOptionError)."""
         raise self._refuse("rewriting rows")
 
     def reload(self) -> None:
+        """Read segments and the index afresh."""
         self.drop_cache()
 
     def drop_cache(self) -> None:
+        """Forget open segments (and, reading, the index): another process may have written more."""
         self._segments.clear()
         self._bounds = self._bounds[:1] if not self.writable else self._bounds
 
     def close(self) -> None:
+        """Release segments and held frames."""
         self._segments.clear()
         self._blocks, self._held = [], 0
 
