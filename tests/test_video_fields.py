@@ -301,3 +301,30 @@ def test_bench_video_quick_returns_its_markdown_section():
     assert text.startswith("## Video fields: episode windows and random frames (bench_video.py)")
     for name in ("| raw |", "| jpeg:90 |", "| h264 |", "| av1 (lerobot) |"):
         assert name in text, text
+
+
+def test_filter_combine_and_copy_keep_video_segments_byte_for_byte(tmp_path):
+    from trajstore import combine
+    from trajstore.maintenance.combine import filter_store
+
+    record(tmp_path / "s", [9, 12, 7])
+    src_video = tmp_path / "s" / "step_data" / "obs" / "video"
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        seq = ro[:]["step_data"]["obs"]
+    filter_store(str(tmp_path / "s"), str(tmp_path / "f"), "length < 10")  # episodes 0 and 2 (rows 0..8, 21..27)
+    video = tmp_path / "f" / "step_data" / "obs" / "video"
+    assert sorted(os.listdir(video)) == ["0", "9", "index"]
+    assert (video / "0").read_bytes() == (src_video / "0").read_bytes()
+    assert (video / "9").read_bytes() == (src_video / "21").read_bytes()
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "f"), read_only=True) as ro:
+        assert np.array_equal(ro[:]["step_data"]["obs"], np.concatenate([seq[:9], seq[21:]]))
+    combine([str(tmp_path / "s"), str(tmp_path / "f")], str(tmp_path / "c"))
+    video = tmp_path / "c" / "step_data" / "obs" / "video"
+    assert sorted(os.listdir(video), key=lambda k: (len(k), k)) == ["0", "9", "21", "28", "37", "index"]
+    assert (video / "37").read_bytes() == (src_video / "21").read_bytes()
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "c"), read_only=True) as ro:
+        assert np.array_equal(ro[28:]["step_data"]["obs"], np.concatenate([seq[:9], seq[21:]]))
+    record(tmp_path / "other", [5], "h264:crf=30")
+    with pytest.raises(BadOptionError, match="video"):
+        combine([str(tmp_path / "s"), str(tmp_path / "other")], str(tmp_path / "c2"))
+    assert verify_store(str(tmp_path / "c"), deep=True).ok

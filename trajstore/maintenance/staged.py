@@ -141,6 +141,44 @@ def block_rows(row_bytes: int) -> int:
     return max(1, BLOCK_BYTES // max(int(row_bytes), 1))
 
 
+def video_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
+    """``compressor=`` for a copy of ``buf``'s step data: its video fields keep their settings (so
+    :func:`adopt_video` can pass their segments through); every other field raw.  None: no video."""
+    from trajstore.storage.fields.video import VideoField
+
+    out: dict[str, Any] = {f.spec.array_path: f.codec for f in buf._table.fields if isinstance(f, VideoField)}
+    return (out | {"*": None}) if out else None
+
+
+def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: TrajectoryReplayBuffer) -> int:
+    """Before the steps of episodes ``ids`` of ``src`` (all with None) are appended to ``out`` in
+    row order (:func:`step_blocks`): each video segment of ``src`` whose rows are all copied, in one
+    run, is written to ``out`` byte for byte (same settings) instead of encoded again.  Returns the
+    segments passed through.  (A copy reaches into both buffers' tables, as step_blocks does.)"""
+    from trajstore.storage.fields.video import VideoField
+
+    pairs = [(f, g) for f, g in zip(src._table.fields, out._table.fields)
+             if isinstance(f, VideoField) and isinstance(g, VideoField) and f.codec == g.codec]
+    if not pairs:
+        return 0
+    src._sync()
+    out._drain()
+    t = src._table
+    logical = np.arange(t.count) if ids is None else SelectionRows(src.row_source(), ids).to_parent(
+        np.arange(SelectionRows(src.row_source(), ids).count))
+    phys = np.asarray(t.physical(np.asarray(logical, np.int64)))  # increasing: an unbounded table's rows
+    if not len(phys):
+        return 0
+    start, n = out._table.state.end, 0
+    for f, g in pairs:
+        for a, c in f.segments_within(int(phys[0]), int(phys[-1]) + 1):
+            i = int(np.searchsorted(phys, a))
+            if i + c - a <= len(phys) and phys[i] == a and phys[i + c - a - 1] == c - 1:
+                g.adopt(start + i, c - a, lambda f=f, a=a, c=c: f.segment_bytes(a, c))
+                n += 1
+    return n
+
+
 def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
     order, a bounded block at a time."""

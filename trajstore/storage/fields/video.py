@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import google_crc32c
@@ -165,6 +165,8 @@ class VideoField:
         self._blocks: list[np.ndarray] = []
         self._cuts: set[int] = set()
         self._started = False
+        # Rows lo -> (n, fetch): a copy's pass-through of an encoded segment (:meth:`adopt`).
+        self._adopted: dict[int, tuple[int, Callable[[], bytes]]] = {}
 
     @property
     def open_from(self) -> int | None:
@@ -329,7 +331,8 @@ class VideoField:
         segment, then write the index; the run still open stays held."""
         lo, top = self._open_lo, self._open_lo + self._held
         runs = []
-        for c in sorted(c for c in self._cuts if lo < c <= top):
+        cuts = self._cuts | {x for a, (n, _f) in self._adopted.items() for x in (a, a + n)}
+        for c in sorted(c for c in cuts if lo < c <= top):
             while c - lo > MAX_RUN_ROWS:
                 runs.append((lo, lo + MAX_RUN_ROWS))
                 lo += MAX_RUN_ROWS
@@ -344,8 +347,12 @@ class VideoField:
         bounds = list(self._bounds.tolist())
         try:
             for a, b in runs:
-                packets, keys = self.codec.encode(frames[a - self._open_lo : b - self._open_lo])
-                self.loc.put(segment_key(self.spec.array_path, a), write_segment(packets, keys), fsync=fsync)
+                adopted = self._adopted.get(a)
+                if adopted is not None and adopted[0] == b - a:  # the copy's segment, byte for byte
+                    blob = adopted[1]()
+                else:
+                    blob = write_segment(*self.codec.encode(frames[a - self._open_lo : b - self._open_lo]))
+                self.loc.put(segment_key(self.spec.array_path, a), blob, fsync=fsync)
                 bounds.append(b)
             self.loc.put(index_key(self.spec.array_path), write_index(bounds), fsync=fsync)
         except OSError as e:
@@ -357,6 +364,28 @@ class VideoField:
         self._held -= done - self._open_lo
         self._open_lo = done
         self._cuts = {c for c in self._cuts if c > done}
+        self._adopted = {a: v for a, v in self._adopted.items() if a >= done}
+
+    # -- copies that keep episodes whole -----------------------------------------------------------
+    def segments_within(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The segments ``(first row, end row)`` lying wholly inside physical rows ``[lo, hi)``."""
+        if int(self._bounds[-1]) < hi:
+            self._load_index(hi - 1)
+        b = self._bounds.tolist()
+        return [(a, c) for a, c in zip(b[:-1], b[1:]) if a >= lo and c <= hi]
+
+    def segment_bytes(self, lo: int, hi: int) -> bytes:
+        """The bytes of the segment of rows ``[lo, hi)`` (one of :meth:`segments_within`), checked."""
+        i = int(np.searchsorted(self._bounds, lo))
+        if i >= len(self._bounds) - 1 or int(self._bounds[i]) != lo or int(self._bounds[i + 1]) != hi:
+            raise DamagedStoreError(self._where(f"rows {lo}..{hi - 1} are no longer one video segment"))
+        return self._segment(i).buf.tobytes()
+
+    def adopt(self, lo: int, n: int, fetch: Callable[[], bytes]) -> None:
+        """Rows ``[lo, lo + n)``, about to be written with the frames a segment of another field with
+        the same settings decodes to, are stored as that segment's bytes (``fetch()``), not encoded
+        again: a copy that keeps episodes whole loses nothing more."""
+        self._adopted[lo] = (n, fetch)
 
     # -- the rest of the Field protocol ----------------------------------------------------------
     def grow(self, allocated: int) -> None:
