@@ -34,12 +34,12 @@ from trajstore.errors import (
 )
 from trajstore.maintenance.staged import (
     StagedFolders,
+    adopt_video,
     block_rows,
     check_free,
     local_path,
     not_a_source,
     open_source,
-    adopt_video,
     step_blocks,
     verify_written,
     video_compressors,

@@ -14,6 +14,7 @@ destinations.  Sources are read a bounded block of steps at a time
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -174,7 +175,7 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
         for a, c in f.segments_within(int(phys[0]), int(phys[-1]) + 1):
             i = int(np.searchsorted(phys, a))
             if i + c - a <= len(phys) and phys[i] == a and phys[i + c - a - 1] == c - 1:
-                g.adopt(start + i, c - a, lambda f=f, a=a, c=c: f.segment_bytes(a, c))
+                g.adopt(start + i, c - a, functools.partial(f.segment_bytes, a, c))
                 n += 1
     return n
 
