@@ -176,6 +176,12 @@ def _damage(store: Path, what: str) -> None:
         seg.write_bytes(seg.read_bytes()[:-50])
     elif what == "missing":
         seg.unlink()
+    elif what == "bigger-frames":  # a well-formed segment whose stream announces 96x128 frames
+        from trajstore.images import VideoCodec
+        from trajstore.storage.fields.video import write_segment
+
+        big = np.random.default_rng(0).integers(0, 255, (12, 96, 128, 3), dtype=np.uint8)
+        seg.write_bytes(write_segment(*VideoCodec("h264", gop=4).encode(big)))
     elif what == "index-crc":
         b = bytearray((video / "index").read_bytes())
         b[20] ^= 1
@@ -186,7 +192,7 @@ def _damage(store: Path, what: str) -> None:
         (video / "index").write_bytes(write_index([0, 9, 16, 21]))
 
 
-@pytest.mark.parametrize("what", ["packets", "short", "missing", "index-crc", "index-disagrees"])
+@pytest.mark.parametrize("what", ["packets", "short", "missing", "bigger-frames", "index-crc", "index-disagrees"])
 def test_damaged_stream_or_index_raises_naming_field_and_row(tmp_path, what):
     record(tmp_path / "s", [9, 12])
     _damage(tmp_path / "s", what)

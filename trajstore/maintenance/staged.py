@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from trajstore.buffers.rows import SelectionRows
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.publish import destination_full, partial_path, publish, recover, remove_entry
 
 __all__ = ["BLOCK_BYTES", "local_path", "check_free", "partial_path", "StagedFolders", "not_a_source",
@@ -145,10 +146,14 @@ def block_rows(row_bytes: int) -> int:
 def video_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
     """``compressor=`` for a copy of ``buf``'s step data: its video fields keep their settings (so
     :func:`adopt_video` can pass their segments through); every other field raw.  None: no video."""
-    from trajstore.storage.fields.video import VideoField
-
-    out: dict[str, Any] = {f.spec.array_path: f.codec for f in buf._table.fields if isinstance(f, VideoField)}
+    out: dict[str, Any] = {f.spec.array_path: f.codec for f in _video_fields(buf)}
     return (out | {"*": None}) if out else None
+
+
+def _video_fields(buf: TrajectoryReplayBuffer) -> list[VideoField]:
+    """The step fields of ``buf`` whose layout is "video" (the layout, recorded in the schema, says
+    which engine a field has)."""
+    return [cast(VideoField, f) for f in buf._table.fields if f.spec.layout == "video"]
 
 
 def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: TrajectoryReplayBuffer) -> int:
@@ -156,10 +161,9 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
     row order (:func:`step_blocks`): each video segment of ``src`` whose rows are all copied, in one
     run, is written to ``out`` byte for byte (same settings) instead of encoded again.  Returns the
     segments passed through.  (A copy reaches into both buffers' tables, as step_blocks does.)"""
-    from trajstore.storage.fields.video import VideoField
-
-    pairs = [(f, g) for f, g in zip(src._table.fields, out._table.fields)
-             if isinstance(f, VideoField) and isinstance(g, VideoField) and f.codec == g.codec]
+    theirs = {g.spec.array_path: g for g in _video_fields(out)}
+    pairs = [(f, theirs[f.spec.array_path]) for f in _video_fields(src)
+             if f.spec.array_path in theirs and f.codec == theirs[f.spec.array_path].codec]
     if not pairs:
         return 0
     src._sync()

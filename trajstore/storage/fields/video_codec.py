@@ -153,6 +153,8 @@ class VideoCodec:
         av = _av()
         ctx = av.CodecContext.create(VIDEO_CODECS[self.codec][1], "r")
         h, w = out.shape[1:3]
+        # A stream announcing bigger frames fails inside FFmpeg before it allocates them.
+        ctx.options = {"max_pixels": str(h * w)}
         i = 0
 
         def take(frames: Any) -> None:
