@@ -334,3 +334,33 @@ def test_filter_combine_and_copy_keep_video_segments_byte_for_byte(tmp_path):
     with pytest.raises(BadOptionError, match="video"):
         combine([str(tmp_path / "s"), str(tmp_path / "other")], str(tmp_path / "c2"))
     assert verify_store(str(tmp_path / "c"), deep=True).ok
+
+
+def test_clear_then_record_again_and_repair_removes_stale_segments(tmp_path):
+    from trajstore import repair_store
+
+    allf = record(tmp_path / "s", [10, 12])
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s")) as tb:
+        tb.clear()
+        tb.extend({"obs": allf[10:], "t": np.arange(12)})
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert len(ro) == 12 and psnr(ro[:]["step_data"]["obs"], allf[10:]) > 35
+    report = verify_store(str(tmp_path / "s"), deep=True)
+    assert report.ok and [k for k, _ in report.removable] == ["step_data/obs/video/10"]
+    repair_store(str(tmp_path / "s"))
+    assert sorted(os.listdir(tmp_path / "s" / "step_data" / "obs" / "video")) == ["0", "index"]
+    assert verify_store(str(tmp_path / "s"), deep=True).ok
+
+
+@pytest.mark.parametrize("compressor", ["h264", "av1"])
+def test_frames_whose_size_is_no_multiple_of_the_codec_blocks(tmp_path, compressor):
+    """50x70: H.264 codes 64x80 (16-pixel macroblocks), AV1 pads to 8; the frames read back 50x70."""
+    space = Dict({"cam": Box(0, 255, (50, 70, 3), np.uint8)})
+    y, x = np.mgrid[0:50, 0:70]
+    f = np.stack([np.stack([(x * 3 + i * 4) % 256, (y * 4) % 256, (x + y + i) % 256], -1) for i in range(9)])
+    f = f.astype(np.uint8)
+    with TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"), compressor={"cam": compressor}) as tb:
+        tb.extend({"cam": f})
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        got = ro[np.array([8, 0, 5])]["step_data"]["cam"]
+        assert got.shape == (3, 50, 70, 3) and psnr(got, f[[8, 0, 5]]) > 28

@@ -392,7 +392,7 @@ def _check_video(loc: Location, rep: VerifyReport, a: StoredArray, end: int, dee
         bad.append((lo, hi))
     rep.checked["chunks"] += 1
     rep.checked["decoded"] += decoded
-    rep.removable.extend((k, "uncommitted chunk (a video segment past the committed rows)") for k in extra)
+    rep.removable.extend((k, "uncommitted chunk (a video segment no commit record counts)") for k in extra)
 
 
 def _decode(loc: Location, sc: Scan, rep: VerifyReport, todo: list[tuple[StoredArray, int, list[tuple[int, int]]]],

@@ -309,9 +309,11 @@ class VideoField:
 
         Rows are appended once, in order: a write elsewhere (a rewrite, a ring) raises BadOptionError."""
         if phys_lo != self._open_lo + self._held or not self._started:
-            if self._held or (self._started and phys_lo < self._open_lo):
+            if self._held:
                 raise self._refuse("writing committed rows again (set_at, remove_at, episode edits, a ring)")
-            self._load_index(phys_lo)  # a writer's first write: rows past the committed ones are dropped
+            # A writer's first write, or the first after clear(): segments past the committed rows
+            # (a writer killed before its record, or cleared rows) are dropped from the index.
+            self._load_index(phys_lo)
             keep = self._bounds[self._bounds <= phys_lo]
             if int(keep[-1]) != phys_lo:
                 raise DamagedStoreError(self._where(f"the committed rows end at {phys_lo}, inside a video segment "
@@ -442,7 +444,11 @@ def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], sett
         faults.append(("missing-chunk", ikey, f"{ikey}: the video segments end at row {lo} but {end} rows are "
                        f"committed; rows [{lo}, {end}) are lost", lo, end))
     decoded = 0
-    extra = [segment_key(array_path, int(b)) for b in bounds[:-1] if int(b) >= end]
+    named = {segment_key(array_path, int(b)) for b in bounds[:-1] if int(b) < end} | {ikey}
+    try:  # segments of rows no record counts (a writer killed before its record, cleared rows)
+        extra = [k for k in loc.list_prefix(f"{array_path}/video") if k not in named]
+    except DamagedStoreError:
+        extra = []
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         if lo >= end:
             break

@@ -153,8 +153,9 @@ class VideoCodec:
         av = _av()
         ctx = av.CodecContext.create(VIDEO_CODECS[self.codec][1], "r")
         h, w = out.shape[1:3]
-        # A stream announcing bigger frames fails inside FFmpeg before it allocates them.
-        ctx.options = {"max_pixels": str(h * w)}
+        # A stream announcing bigger frames fails inside FFmpeg before it allocates them (the coded
+        # size is padded: H.264 to 16-pixel macroblocks, AV1 to 8; 64 bounds both).
+        ctx.options = {"max_pixels": str(-(-h // 64) * 64 * (-(-w // 64) * 64))}
         i = 0
 
         def take(frames: Any) -> None:
