@@ -364,3 +364,24 @@ def test_frames_whose_size_is_no_multiple_of_the_codec_blocks(tmp_path, compress
     with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
         got = ro[np.array([8, 0, 5])]["step_data"]["cam"]
         assert got.shape == (3, 50, 70, 3) and psnr(got, f[[8, 0, 5]]) > 28
+
+
+def test_a_long_episode_is_cut_into_bounded_segments(tmp_path):
+    """An episode longer than MAX_RUN_ROWS is held at most 2 x MAX_RUN_ROWS frames at a time, even
+    without a commit, and reads back across its segments."""
+    from trajstore.storage.fields.video import MAX_RUN_ROWS, read_index
+
+    n = 2 * MAX_RUN_ROWS + 52
+    space = Dict({"cam": Box(0, 255, (16, 16, 3), np.uint8)})
+    f = np.zeros((n, 16, 16, 3), np.uint8)
+    f[:, :, :, 0] = (np.arange(n) % 200)[:, None, None]
+    with TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"), commit_interval=3600,
+                                       compressor={"cam": "h264:g=16:preset=ultrafast"}) as tb:
+        for lo in range(0, n, 100):
+            tb.extend({"cam": f[lo : lo + 100]})
+    bounds = read_index((tmp_path / "s" / "step_data" / "cam" / "video" / "index").read_bytes(), n)
+    assert bounds.tolist() == [0, MAX_RUN_ROWS, 2 * MAX_RUN_ROWS, n]
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        idx = np.array([0, MAX_RUN_ROWS - 1, MAX_RUN_ROWS, n - 1, 1500])
+        got = ro[idx]["step_data"]["cam"]
+        assert np.abs(got[..., 0].astype(int) - f[idx, :, :, 0]).max() <= 3

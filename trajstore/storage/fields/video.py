@@ -233,8 +233,10 @@ class VideoField:
         out = np.zeros((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
         held = (phys >= self._open_lo) & (phys < self._open_lo + self._held) if self._held else np.zeros(len(phys), bool)
         if held.any():
-            frames = np.concatenate(self._blocks) if len(self._blocks) > 1 else self._blocks[0]
-            out[held] = frames[phys[held] - self._open_lo]
+            starts = np.cumsum([0] + [len(b) for b in self._blocks])
+            rel = phys[held] - self._open_lo
+            which = np.searchsorted(starts, rel, side="right") - 1
+            out[held] = [self._blocks[k][r - starts[k]] for k, r in zip(which.tolist(), rel.tolist())]
         rest = np.flatnonzero(~held)
         if not len(rest):
             return out
@@ -322,6 +324,18 @@ class VideoField:
         if len(data):
             self._blocks.append(np.array(data, dtype=self.spec.dtype, copy=True))
             self._held += len(data)
+        if self._held >= 2 * MAX_RUN_ROWS:  # a long episode and rare commits: bound the frames held
+            self.flush(False)
+
+    def _held_rows(self, a: int, b: int) -> np.ndarray:
+        """Held physical rows ``[a, b)`` as one array (a view where they lie in one block)."""
+        parts, pos = [], self._open_lo
+        for blk in self._blocks:
+            lo, hi = max(a, pos), min(b, pos + len(blk))
+            if lo < hi:
+                parts.append(blk[lo - pos : hi - pos])
+            pos += len(blk)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def end_run(self, row: int) -> None:
         """An episode ends before physical row ``row``: its frames form one segment."""
@@ -345,7 +359,6 @@ class VideoField:
             lo += MAX_RUN_ROWS
         if not runs:
             return
-        frames = np.concatenate(self._blocks) if len(self._blocks) > 1 else self._blocks[0]
         bounds = list(self._bounds.tolist())
         try:
             for a, b in runs:
@@ -353,7 +366,7 @@ class VideoField:
                 if adopted is not None and adopted[0] == b - a:  # the copy's segment, byte for byte
                     blob = adopted[1]()
                 else:
-                    blob = write_segment(*self.codec.encode(frames[a - self._open_lo : b - self._open_lo]))
+                    blob = write_segment(*self.codec.encode(self._held_rows(a, b)))
                 self.loc.put(segment_key(self.spec.array_path, a), blob, fsync=fsync)
                 bounds.append(b)
             self.loc.put(index_key(self.spec.array_path), write_index(bounds), fsync=fsync)
@@ -361,8 +374,7 @@ class VideoField:
             raise full_disk(e, self.loc.url, f"write the video of {self.spec.array_path}")
         done = runs[-1][1]
         self._bounds = np.asarray(bounds, np.int64)
-        rest = frames[done - self._open_lo :]
-        self._blocks = [rest] if len(rest) else []
+        self._blocks = [self._held_rows(done, self._open_lo + self._held)] if done < self._open_lo + self._held else []
         self._held -= done - self._open_lo
         self._open_lo = done
         self._cuts = {c for c in self._cuts if c > done}
