@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import gymnasium
 import numpy as np
 import pytest
 from gymnasium.spaces import Box, Dict
@@ -385,3 +386,51 @@ def test_a_long_episode_is_cut_into_bounded_segments(tmp_path):
         idx = np.array([0, MAX_RUN_ROWS - 1, MAX_RUN_ROWS, n - 1, 1500])
         got = ro[idx]["step_data"]["cam"]
         assert np.abs(got[..., 0].astype(int) - f[idx, :, :, 0]).max() <= 3
+
+
+class _Camera(gymnasium.Env):
+    """A gymnasium env whose observation is a camera frame of a moving square (episodes of 11 steps)."""
+
+    observation_space = Box(0, 255, (H, W, 3), np.uint8)
+    action_space = Box(-1, 1, (2,), np.float32)
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def _frame(self) -> np.ndarray:
+        f = frames(1, seed=self.t)[0]
+        f[10:20, self.t * 4 : self.t * 4 + 10] = (250, 20, 20)
+        return f
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._frame(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._frame(), 1.0, self.t >= 11, False, {}
+
+
+def test_recorder_writes_each_episode_as_one_segment(tmp_path):
+    from trajstore.recording import RecordEpisodes
+
+    env = RecordEpisodes(_Camera(), cache_path=str(tmp_path / "s"), record_next_obs=True,
+                         compressor={"obs": "h264:crf=18", "next_obs": "h264:crf=18"})
+    for ep in range(3):
+        obs, _ = env.reset(seed=ep)
+        done = False
+        while not done:
+            obs, _r, term, trunc, _ = env.step(env.action_space.sample())
+            done = term or trunc
+    env.reset()
+    env.buffer.close()
+    for field in ("obs", "next_obs"):
+        assert sorted(os.listdir(tmp_path / "s" / "step_data" / field / "video"), key=lambda k: (len(k), k)) == [
+            "0", "11", "22", "index"]
+    env2 = _Camera()
+    expect = [env2.reset()[0]] + [env2.step(None)[0] for _ in range(11)]
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        got = ro[11:22]["step_data"]
+        assert psnr(got["obs"], np.stack(expect[:11])) > 30 and psnr(got["next_obs"], np.stack(expect[1:])) > 30
+    assert verify_store(str(tmp_path / "s"), deep=True).ok
