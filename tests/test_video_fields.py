@@ -183,6 +183,15 @@ def _damage(store: Path, what: str) -> None:
 
         big = np.random.default_rng(0).integers(0, 255, (12, 96, 128, 3), dtype=np.uint8)
         seg.write_bytes(write_segment(*VideoCodec("h264", gop=4).encode(big)))
+    elif what == "segment-link":  # the same bytes, outside the store, through a link: never followed
+        outside = store.parent / "outside-segment"
+        outside.write_bytes(seg.read_bytes())
+        seg.unlink()
+        seg.symlink_to(outside)
+    elif what == "index-huge-count":  # an index announcing 2**60 bounds: refused before any allocation
+        b = bytearray((video / "index").read_bytes())
+        b[8:16] = (2**60).to_bytes(8, "little")
+        (video / "index").write_bytes(bytes(b))
     elif what == "index-crc":
         b = bytearray((video / "index").read_bytes())
         b[20] ^= 1
@@ -193,7 +202,8 @@ def _damage(store: Path, what: str) -> None:
         (video / "index").write_bytes(write_index([0, 9, 16, 21]))
 
 
-@pytest.mark.parametrize("what", ["packets", "short", "missing", "bigger-frames", "index-crc", "index-disagrees"])
+@pytest.mark.parametrize("what", ["packets", "short", "missing", "bigger-frames", "segment-link", "index-huge-count",
+                                  "index-crc", "index-disagrees"])
 def test_damaged_stream_or_index_raises_naming_field_and_row(tmp_path, what):
     record(tmp_path / "s", [9, 12])
     _damage(tmp_path / "s", what)
