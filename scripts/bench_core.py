@@ -34,16 +34,16 @@ from trajstore import ReplayBuffer
 BLOCK, COLD = 25, 200
 
 
-def run_blocks(systems: dict[str, Callable[[], Any]], calls: int) -> dict[str, np.ndarray]:
-    """Seconds of each of ``calls`` consecutive calls per system, in blocks of :data:`BLOCK`, the
+def run_blocks(systems: dict[str, Callable[[], Any]], calls: int, block: int = BLOCK) -> dict[str, np.ndarray]:
+    """Seconds of each of ``calls`` consecutive calls per system, in blocks of ``block`` calls, the
     systems' order rotated every round (neither gets the process's warm-up for free; blocks, not
     single calls interleaved, are how a training loop calls)."""
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(-(-calls // BLOCK)):
+    for r in range(-(-calls // block)):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn, out = systems[name], times[name]
-            for _ in range(BLOCK):
+            for _ in range(block):
                 t = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - t)

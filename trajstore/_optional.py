@@ -30,6 +30,7 @@ EXTRAS: dict[str, str] = {
     "pyarrow": "interop",
     "xarray": "xarray",
     "ray": "ray",
+    "av": "video",
 }
 
 

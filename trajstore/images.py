@@ -10,10 +10,16 @@ what a plain zarr-python reader needs to open an image field::
 - :class:`ImageCodec`: a codec object for ``compressor=`` (e.g. ``ImageCodec("webp", 90)``, or
   ``ImageCodec("png", planes=None)`` to keep an ``(H, W, 4)`` frame as RGBA instead of 4 grey planes);
   strings such as ``"jpeg:90"`` name the same codecs.
-- :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames.
+- :class:`VideoCodec`: a step field kept as one H.264 / AV1 stream per episode (``VideoCodec("h264",
+  crf=23, gop=10)``; strings ``"h264:crf=23:g=10"``, ``"av1"``, ``"lerobot"`` name the same), through
+  PyAV (the ``video`` extra); docs/format.md "Video fields".
+- :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames
+  (image frames and video GOPs).
 """
 
 from trajstore.storage.fields.image import decode_threads, set_decode_threads
 from trajstore.storage.fields.image_codecs import CODEC_NAME, FORMATS, ImageCodec
+from trajstore.storage.fields.video_codec import VIDEO_CODECS, VideoCodec
 
-__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "decode_threads", "set_decode_threads"]
+__all__ = ["CODEC_NAME", "FORMATS", "VIDEO_CODECS", "ImageCodec", "VideoCodec", "decode_threads",
+           "set_decode_threads"]

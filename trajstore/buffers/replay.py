@@ -24,6 +24,7 @@ from trajstore.core.store import Store, TableSpec, _progress
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.spaces import ValuePlan, flatdim, space_to_json
 from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
+from trajstore.storage.fields.spec import refuse_video
 
 __all__ = ["ReplayBuffer", "ZarrStorage"]
 
@@ -413,4 +414,5 @@ def _table_spec(name: str, plan: ValuePlan, capacity: int | None, compressor: An
     check_compressor_keys(compressor, paths)
     fields = [make_field_spec(p, leaf.shape, leaf.dtype, capacity=capacity, compressor=compressor, chunk_rows=chunk_rows)
               for p, leaf in zip(paths, plan.leaves)]
+    refuse_video(fields, "a ReplayBuffer")
     return TableSpec(name, capacity, fields)

@@ -47,6 +47,7 @@ from trajstore.errors import (
 )
 from trajstore.spaces import ValuePlan, space_to_json
 from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
+from trajstore.storage.fields.spec import refuse_video
 from trajstore.storage.runs_file import SavedRuns, load_runs, save_runs
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
@@ -116,6 +117,12 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
         store.op_listeners.append(self._check_fork)
         self._pid = os.getpid()
         self._table.listeners.append(self._episodes.after_step_block)
+        self._last_id: int | None = None  # episode id of the last step written (where video runs end)
+        if any(f.spec.layout == "video" for f in self._table.fields):
+            if store.multiprocessing:
+                raise BadOptionError(f"{store.loc.url}: video fields are written by one process per store "
+                                     "(multiprocessing=False): each encodes the episodes it records")
+            self._table.listeners.append(self._episode_ends)
         self._table.extend_listeners.append(self._episodes.after_step_extend)
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
@@ -211,12 +218,14 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
                              chunk_rows, [])
         id_field = _specs([], step_plan, step_data_capacity, id_opts.get("compressor", compressor),
                           id_opts.get("chunk_rows", chunk_rows), [(STEP_IDS, (), np.dtype(np.int64))])
+        refuse_video(id_field, "the episode ids")
         tables = [TableSpec(STEPS, step_data_capacity, step_fields + id_field)]
         spaces = {STEPS: space_to_json(step_data_instance_space)}
         if ep_plan is not None:
             ep_comp = ep_opts.get("compressor", compressor)
             ep_fields = _specs(_field_paths(EPISODES, ep_plan, "value"), ep_plan, episode_data_capacity, ep_comp,
                                ep_opts.get("chunk_rows"), [(f"{EPISODES}/{EP_ID_FIELD}", (), np.dtype(np.int64))])
+            refuse_video(ep_fields, "episode data (one row per episode)")
             tables.append(TableSpec(EPISODES, episode_data_capacity, ep_fields))
             assert episode_data_instance_space is not None  # (ep_plan is made from it)
             spaces[EPISODES] = space_to_json(episode_data_instance_space)
@@ -292,6 +301,21 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
         with self._store.write_op():
             self._drain()
             self._new_episode()
+            if self._table.capacity is None:
+                self._table.end_run(self._table.state.end)  # a video field encodes the episode
+
+    def _episode_ends(self, lo: int, arrays: Any) -> None:
+        """A block of steps at absolute row ``lo`` was written: where its episode id changes (also
+        from the step before), an episode ended (video fields encode it at the next commit)."""
+        ids = np.asarray(arrays[self._id_field])
+        if not len(ids):
+            return
+        cuts = (lo + 1 + np.flatnonzero(ids[1:] != ids[:-1])).tolist()
+        if self._last_id is not None and int(ids[0]) != self._last_id:
+            cuts.insert(0, lo)
+        self._last_id = int(ids[-1])
+        for c in cuts:
+            self._table.end_run(c)
 
     @property
     def episode_capacity(self) -> int | None:

@@ -106,11 +106,14 @@ class StoreCommits:
         return head
 
     def commit(self, *, fsync: bool | None = None, state: dict[str, Any] | None = None,
-               evict: dict[str, int] | None = None) -> None:
+               evict: dict[str, int] | None = None, seal: bool = True) -> None:
         """Write all buffered data, then the commit record naming it.
 
         ``evict`` maps table names to an absolute row below which the record must not count
         rows (the writer is about to overwrite their slots): see :meth:`ensure_evicted`.
+        ``seal=False`` (the writer's timed commits) lets a video field keep the episode it is
+        recording in memory, and the record then counts rows up to that episode's start
+        (:meth:`Table.flush <trajstore.core.table.Table.flush>`).
         """
         self._check_writable()
         if self.lease is not None:  # remote: not even the data goes out over another writer's commit
@@ -119,7 +122,7 @@ class StoreCommits:
             self._roll_forward(self.committed)
         fsync = self.fsync if fsync is None else fsync
         evict = evict or {}
-        ends = {name: t.flush(fsync, evict.get(name)) for name, t in self.tables.items()}
+        ends = {name: t.flush(fsync, evict.get(name), seal=seal) for name, t in self.tables.items()}
         head = self._current_head()
         for name, end in ends.items():
             head.tables[name].end = end  # an eviction record may leave a compressed ring's last chunk out
@@ -157,7 +160,7 @@ class StoreCommits:
     def after_write(self) -> None:
         """Commit every ``commit_interval`` seconds of writing, so a crash loses little."""
         if not self.multiprocessing and self.commit_due():
-            self.commit(state=self.buffer_state())
+            self.commit(state=self.buffer_state(), seal=False)
 
     state_provider: Callable[[], dict[str, Any]] | None = None
 

@@ -166,7 +166,13 @@ class Table:
         for listener in self.listeners:
             listener(lo, arrays)
 
-    def flush(self, fsync: bool, evicting_to: int | None = None) -> int:
+    def end_run(self, row: int) -> None:
+        """An episode ends before absolute row ``row`` (an unbounded table: physical too): each
+        field is told (:meth:`Field.end_run <trajstore.storage.fields.base.Field.end_run>`)."""
+        for f in self.fields:
+            f.end_run(row)
+
+    def flush(self, fsync: bool, evicting_to: int | None = None, seal: bool = True) -> int:
         """Write buffered rows out (compressed fields keep dirty chunks in RAM); returns the end
         (absolute) of the rows now in the store's files.
 
@@ -176,6 +182,9 @@ class Table:
         row, unless that would leave the ring less than half full.  A chunk that holds the whole
         ring is never held: the writer never leaves it, so its file would keep rows laps old behind
         the write position, which the record counts (a SIGKILL would leave them as committed rows).
+
+        A video field keeps the frames of the episode being recorded in memory unless ``seal``
+        (its ``open_from``): the end returned then stops at that episode's first row.
         """
         end = self.state.end
         holds: list[int | None] = [None] * len(self.fields)
@@ -189,8 +198,13 @@ class Table:
                 for j, k, _r in held:
                     holds[j] = k
                 end -= short
+        if seal and self.capacity is None:
+            self.end_run(self.state.end)  # the episode being recorded goes out as it is
         for f, hold in zip(self.fields, holds):
             f.flush(fsync, hold)
+        opens = [f.open_from for f in self.fields if f.open_from is not None]
+        if opens:  # (only unbounded tables hold rows: their physical rows are absolute)
+            end = min(end, *opens)
         return end
 
     def _grow(self, needed: int) -> None:

@@ -34,6 +34,7 @@ from trajstore.errors import (
 )
 from trajstore.maintenance.staged import (
     StagedFolders,
+    adopt_video,
     block_rows,
     check_free,
     local_path,
@@ -41,6 +42,7 @@ from trajstore.maintenance.staged import (
     open_source,
     step_blocks,
     verify_written,
+    video_compressors,
 )
 from trajstore.maintenance.where import compile_where, where_fields
 
@@ -186,6 +188,11 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         bufs = [b for b, _ in opened]
         names = [b.cache_path or f"sources[{k}]" for k, b in enumerate(bufs)]
         _spaces_equal(bufs, names)
+        videos = [video_compressors(b) for b in bufs]
+        if any(v != videos[0] for v in videos[1:]):  # a second lossy encoding is never chosen silently
+            k = next(k for k, v in enumerate(videos) if v != videos[0])
+            raise BadOptionError(f"combine: the video fields of {names[0]} ({videos[0]}) and {names[k]} "
+                                 f"({videos[k]}) differ; combine stores whose video settings are equal")
         ep_space = combined_episode_space(bufs[0].episode_space, len(bufs))
         tables = [b.episodes() for b in bufs]
         total = sum(len(b) for b in bufs)
@@ -193,7 +200,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         tmp = staged.new(out_path)
         try:
             out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
-                                                cache_path=tmp)
+                                                cache_path=tmp, compressor=video_compressors(bufs[0]))
             try:
                 next_id = 0
                 for k, (b, table) in enumerate(zip(bufs, tables)):
@@ -202,6 +209,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                     fresh = np.empty(len(src_ids), np.int64)
                     fresh[np.searchsorted(src_ids, table["episode_id"])] = np.arange(next_id, next_id + len(src_ids))
                     next_id += len(src_ids)
+                    adopt_video(b, None, out)  # video segments byte for byte (same settings as the first source)
                     for arrays, eids in step_blocks(b, None):
                         ids = fresh[np.searchsorted(src_ids, eids)]
                         out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
@@ -290,10 +298,12 @@ def split_counts(n: int, ratios: Mapping[str, float]) -> dict[str, int]:
 
 def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar: Any) -> int:
     """A store at ``tmp`` with the spaces of ``src`` and its episodes ``ids`` (sorted), ids kept."""
-    out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp)
+    out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp,
+                                        compressor=video_compressors(src))
     steps = 0
     try:
         if len(ids):
+            adopt_video(src, ids, out)  # video segments of whole episodes byte for byte
             for arrays, eids in step_blocks(src, ids):
                 out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": eids})
                 bar.update(len(eids))

@@ -14,9 +14,10 @@ destinations.  Sources are read a bounded block of steps at a time
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from trajstore.buffers.rows import SelectionRows
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.publish import destination_full, partial_path, publish, recover, remove_entry
 
 __all__ = ["BLOCK_BYTES", "local_path", "check_free", "partial_path", "StagedFolders", "not_a_source",
@@ -139,6 +141,47 @@ def open_source(src: Any, what: str) -> tuple[TrajectoryReplayBuffer, bool]:
 def block_rows(row_bytes: int) -> int:
     """Rows per block of about :data:`BLOCK_BYTES` for rows of ``row_bytes`` bytes (at least one)."""
     return max(1, BLOCK_BYTES // max(int(row_bytes), 1))
+
+
+def video_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
+    """``compressor=`` for a copy of ``buf``'s step data: its video fields keep their settings (so
+    :func:`adopt_video` can pass their segments through); every other field raw.  None: no video."""
+    out: dict[str, Any] = {f.spec.array_path: f.codec for f in _video_fields(buf)}
+    return (out | {"*": None}) if out else None
+
+
+def _video_fields(buf: TrajectoryReplayBuffer) -> list[VideoField]:
+    """The step fields of ``buf`` whose layout is "video" (the layout, recorded in the schema, says
+    which engine a field has)."""
+    return [cast(VideoField, f) for f in buf._table.fields if f.spec.layout == "video"]
+
+
+def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: TrajectoryReplayBuffer) -> int:
+    """Before the steps of episodes ``ids`` of ``src`` (all with None) are appended to ``out`` in
+    row order (:func:`step_blocks`): each video segment of ``src`` whose rows are all copied, in one
+    run, is written to ``out`` byte for byte (same settings) instead of encoded again.  Returns the
+    segments passed through.  (A copy reaches into both buffers' tables, as step_blocks does.)"""
+    theirs = {g.spec.array_path: g for g in _video_fields(out)}
+    pairs = [(f, theirs[f.spec.array_path]) for f in _video_fields(src)
+             if f.spec.array_path in theirs and f.codec == theirs[f.spec.array_path].codec]
+    if not pairs:
+        return 0
+    src._sync()
+    out._drain()
+    t = src._table
+    logical = np.arange(t.count) if ids is None else SelectionRows(src.row_source(), ids).to_parent(
+        np.arange(SelectionRows(src.row_source(), ids).count))
+    phys = np.asarray(t.physical(np.asarray(logical, np.int64)))  # increasing: an unbounded table's rows
+    if not len(phys):
+        return 0
+    start, n = out._table.state.end, 0
+    for f, g in pairs:
+        for a, c in f.segments_within(int(phys[0]), int(phys[-1]) + 1):
+            i = int(np.searchsorted(phys, a))
+            if i + c - a <= len(phys) and phys[i] == a and phys[i + c - a - 1] == c - 1:
+                g.adopt(start + i, c - a, functools.partial(f.segment_bytes, a, c))
+                n += 1
+    return n
 
 
 def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:

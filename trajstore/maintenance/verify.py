@@ -250,6 +250,7 @@ def _check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool, progress
     staged = {p: set(ks) for p, ks in (pending.get("chunks") or {}).items()}
     prefix = pending.get("prefix")
     todo: list[tuple[StoredArray, int, list[tuple[int, int]]]] = []
+    videos = {f.path for t in (sc.schema or {}).values() for f in t.fields if f.layout == "video"}
     for name, t in sc.tables.items():
         st, cap = head.tables[name], t["capacity"]
         bad: list[tuple[int, int]] = []
@@ -272,6 +273,9 @@ def _check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool, progress
             a = sc.arrays.get(path)
             if a is None or path in sc.unlistable:
                 bad.append((0, st.count))
+                continue
+            if path in videos:
+                _check_video(loc, rep, a, st.end, deep, bad)
                 continue
             C = a.chunk_rows
             found = sc.chunks.get(path, {})
@@ -370,6 +374,25 @@ def _check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool, progress
                     rep.removable.append((found[k], "uncommitted chunk (holds no committed row)"))
     if deep and todo:
         _decode(loc, sc, rep, todo, progress)
+
+
+def _check_video(loc: Location, rep: VerifyReport, a: StoredArray, end: int, deep: bool,
+                 bad: list[tuple[int, int]]) -> None:
+    """A video field's committed rows (an unbounded table: physical rows are absolute) against
+    its segment index and segments (:func:`trajstore.storage.fields.video.check_video`)."""
+    from trajstore.storage.fields.video import check_video
+    from trajstore.storage.fields.video_codec import VIDEO_ATTR
+
+    meta, _why = read_json_key(loc, f"{a.path}/zarr.json")  # (checked by the scan before)
+    attrs = meta.get("attributes") if isinstance(meta, dict) else None
+    settings = attrs.get(VIDEO_ATTR) if isinstance(attrs, dict) else None
+    faults, decoded, extra = check_video(loc, a.path, a.shape[1:], settings, end, deep)
+    for kind, key, msg, lo, hi in faults:
+        rep.faults.append(Fault(kind, key, f"{msg} (table {a.table!r})", a.table, (lo, hi)))
+        bad.append((lo, hi))
+    rep.checked["chunks"] += 1
+    rep.checked["decoded"] += decoded
+    rep.removable.extend((k, "uncommitted chunk (a video segment no commit record counts)") for k in extra)
 
 
 def _decode(loc: Location, sc: Scan, rep: VerifyReport, todo: list[tuple[StoredArray, int, list[tuple[int, int]]]],

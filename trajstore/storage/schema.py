@@ -224,9 +224,9 @@ def _check_field(fj: Any, table: str, kind: str, capacity: int | None, where: st
     dtype = check_dtype(fj["dtype"], f"{what} dtype", where)
     chunk_rows = check_int(fj["chunk_rows"], f"{what} chunk_rows", where, 1)
     layout = fj["layout"]
-    if layout not in ("raw", "compressed", "image"):
-        raise DamagedStoreError(f"{where}: {what} layout is {name_value(layout)}; expected 'raw', 'compressed' or "
-                                "'image'")
+    if layout not in ("raw", "compressed", "image", "video"):
+        raise DamagedStoreError(f"{where}: {what} layout is {name_value(layout)}; expected 'raw', 'compressed', "
+                                "'image' or 'video'")
     f = FieldSchema(path, shape, dtype, chunk_rows, layout)
     if chunk_rows * max(f.row_bytes, 1) > MAX_CHUNK_BYTES:
         raise DamagedStoreError(f"{where}: {what} chunks of {chunk_rows} rows x {f.row_bytes} bytes exceed "

@@ -50,6 +50,14 @@ class Field(Protocol):
     allocated: int
     keeps_partial_chunk: bool
 
+    @property
+    def open_from(self) -> int | None:
+        """First physical row a flush left in memory only (a video field's episode still being
+        recorded): a commit counts rows up to there.  None for engines that write every row out."""
+
+    def end_run(self, row: int) -> None:
+        """An episode ends before physical row ``row`` (a video field encodes it; others: nothing)."""
+
     def grow(self, allocated: int) -> None:
         """Size the array for ``allocated`` rows (the writer resizes the zarr array first)."""
 

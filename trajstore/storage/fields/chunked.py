@@ -41,7 +41,7 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["ChunkedField", "cached_split"]
+__all__ = ["ChunkedField", "cached_split", "map_file"]
 
 #: A batch decodes a chunk whole (not row by row) once it wants more than this share of its rows.
 WHOLE_CHUNK_SHARE = 0.25
@@ -69,11 +69,34 @@ def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T
     return out, missing
 
 
+def map_file(loc: Location, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
+    """The file ``key`` of local store ``loc`` memory-mapped read-only, as a uint8 array, and the
+    map that owns it; ``(None, None)`` when it is missing, empty, or larger than about ``nbytes``
+    (left to the caller's whole-chunk path or its damage report).  Files are replaced by rename,
+    never truncated, so the map stays valid; it shows the old bytes until mapped again."""
+    try:
+        fd = loc.open_inside(key, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, None
+    try:
+        size = os.fstat(fd).st_size
+        if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
+            return None, None
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, np.uint8), mm
+
+
 class ChunkedField:
     """A field read and written through zarr-python, whole chunks at a time (a
     :class:`~trajstore.storage.fields.base.Field`)."""
 
     keeps_partial_chunk = True  # the chunk being filled stays in memory until flush writes it whole
+    open_from: int | None = None  # every row written goes out at flush
+
+    def end_run(self, row: int) -> None:
+        """Episodes are not this engine's concern (video fields encode them)."""
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
         self.loc, self.spec, self.writable = loc, spec, writable
@@ -380,21 +403,8 @@ class ChunkedField:
         return 0 if frame is None or self.loc.is_local else len(frame.buf)
 
     def _map(self, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
-        """The chunk file ``key`` memory-mapped read-only (None: missing, empty, or implausibly large,
-        left to the whole-chunk path).  Chunk files are replaced by rename, never truncated, so
-        the map stays valid; it shows the old bytes until :meth:`remap`/:meth:`drop_cache`."""
-        try:
-            fd = self.loc.open_inside(key, os.O_RDONLY)
-        except FileNotFoundError:
-            return None, None
-        try:
-            size = os.fstat(fd).st_size
-            if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
-                return None, None
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
-        finally:
-            os.close(fd)
-        return np.frombuffer(mm, np.uint8), mm
+        """The chunk file ``key`` memory-mapped read-only (:func:`map_file`)."""
+        return map_file(self.loc, key, nbytes)
 
     def _forget_frames(self, ks: list[int] | None = None) -> None:
         for k in (list(self._frames) if ks is None else ks):

@@ -183,6 +183,10 @@ class EpisodeIdField:
 
     keeps_partial_chunk = False
     writable = False
+    open_from: int | None = None
+
+    def end_run(self, row: int) -> None:
+        """Read-only: nothing is written."""
 
     def __init__(self, loc: Location, path: str, ends: np.ndarray, chunk_rows: int) -> None:
         self.loc = loc

@@ -11,6 +11,9 @@ Two layouts, both ordinary zarr v3 arrays that any zarr reader opens:
 ``ImageField`` ("image" layout: frames encoded one by one, :mod:`.image`)
     Shards of one-frame inner chunks; a row decodes its frame alone, a batch on a thread pool.
 
+``VideoField`` ("video" layout: one encoded stream per episode, :mod:`.video`)
+    Frames held raw until their episode ends, then encoded as one segment.
+
 ``ChunkedField`` (compressed layouts, and every non-local store)
     Reads and writes go through zarr-python a whole chunk at a time.  The writer keeps
     the chunks it is filling in RAM and writes them out complete on ``flush``; decoded
@@ -50,6 +53,7 @@ from trajstore.storage.fields.spec import (
     parse_compressor,
     sized_array,
 )
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.location import Location
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "FieldSpec",
     "ImageField",
     "MappedField",
+    "VideoField",
     "check_compressor_keys",
     "chunk_key",
     "create_codecs",
@@ -109,4 +114,6 @@ def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int
     zarray = sized_array(group[spec.array_path], allocated).with_config({"write_empty_chunks": True})  # type: ignore[arg-type]
     if spec.layout == "image":
         return ImageField(loc, spec, zarray, writable)
+    if spec.layout == "video":
+        return VideoField(loc, spec, zarray, writable)
     return ChunkedField(loc, spec, zarray, writable)

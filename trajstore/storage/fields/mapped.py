@@ -53,6 +53,10 @@ class MappedField:
     (a :class:`~trajstore.storage.fields.base.Field`)."""
 
     keeps_partial_chunk = False  # rows are in the mapped file as soon as they are written
+    open_from: int | None = None  # every row written goes out at flush
+
+    def end_run(self, row: int) -> None:
+        """Episodes are not this engine's concern (video fields encode them)."""
 
     def __init__(self, loc: Location, spec: FieldSpec, allocated: int, writable: bool):
         self.loc, self.spec, self.writable = loc, spec, writable

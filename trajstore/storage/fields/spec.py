@@ -34,6 +34,7 @@ __all__ = [
     "make_field_spec",
     "open_zarr_array",
     "parse_compressor",
+    "refuse_video",
     "row_block_codec",
     "sized_array",
 ]
@@ -147,7 +148,7 @@ class FieldSpec:
         self.row_shape = tuple(int(s) for s in row_shape)
         self.dtype = np.dtype(dtype)
         self.chunk_rows = int(chunk_rows)
-        self.layout = layout  # "raw", "compressed" or "image"
+        self.layout = layout  # "raw", "compressed", "image" or "video"
 
     @property
     def row_bytes(self) -> int:
@@ -190,6 +191,20 @@ def check_compressor_keys(compressor: Any, array_paths: list[str]) -> None:
         raise BadOptionError(f"compressor keys {bad} name no field; the fields are {leaves} (or '*' for all others)")
 
 
+#: Video fields' nominal chunk rows (their zarr array holds no chunks; the table grows by them).
+VIDEO_CHUNK_ROWS = 256
+
+
+def refuse_video(specs: list[FieldSpec], where: str) -> None:
+    """Raise BadOptionError naming the first video field of ``specs``: ``where`` (e.g. "a
+    ReplayBuffer") keeps no episodes to encode."""
+    for s in specs:
+        if s.layout == "video":
+            raise BadOptionError(f"{s.array_path}: video ({s.compressor.label}) is kept per episode, in the step data "
+                                 f"of an unbounded TrajectoryReplayBuffer; {where} has no episodes to encode: use a "
+                                 "per-frame image codec such as 'jpeg:90'")
+
+
 #: Image fields: shards of at most this many decoded bytes (the writer holds the one it fills
 #: decoded) and at most IMAGE_SHARD_MAX_ROWS frames.
 IMAGE_SHARD_BYTES = 32 << 20
@@ -214,9 +229,17 @@ def make_field_spec(
         An image codec for frames it cannot hold (:func:`~.image_codecs.parse_image_compressor`).
     """
     from trajstore.storage.fields.image_codecs import parse_image_compressor
+    from trajstore.storage.fields.video_codec import parse_video_compressor
 
     compressor = field_compressor(compressor, array_path)
     row_bytes = max(int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    video = parse_video_compressor(compressor, tuple(row_shape), np.dtype(dtype))
+    if video is not None:
+        if capacity is not None:
+            raise BadOptionError(f"{array_path}: video ({video.label}) is kept per episode in unbounded "
+                                 f"TrajectoryReplayBuffer step data; a ring (capacity {capacity}) would overwrite "
+                                 "the middle of episodes: use a per-frame image codec such as 'jpeg:90'")
+        return FieldSpec(array_path, row_shape, dtype, chunk_rows or VIDEO_CHUNK_ROWS, "video", video)
     image = parse_image_compressor(compressor, tuple(row_shape), np.dtype(dtype))
     if image is not None:
         rows = chunk_rows or 1 << int(math.log2(min(max(IMAGE_SHARD_BYTES // row_bytes, 1), IMAGE_SHARD_MAX_ROWS)))
@@ -242,6 +265,10 @@ def create_codecs(spec: FieldSpec) -> dict[str, Any]:
     """zarr ``create_array`` codec arguments of a new field: ``compressors`` (raw: none), or for an
     image field a ``sharding_indexed`` serializer of one-frame inner chunks encoded by its
     :class:`~.image_codecs.ImageCodec` (index: ``bytes`` little-endian then ``crc32c``, at the end)."""
+    if spec.layout == "video":  # no chunks: frames are in the field's video segments (.video)
+        from trajstore.storage.fields.video_codec import VIDEO_ATTR
+
+        return {"compressors": None, "attributes": {VIDEO_ATTR: spec.compressor.to_dict()}}
     if spec.layout == "image":
         sharding = zarr.codecs.ShardingCodec(
             chunk_shape=(1, *spec.row_shape), codecs=[spec.compressor],
