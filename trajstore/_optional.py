@@ -30,6 +30,8 @@ EXTRAS: dict[str, str] = {
     "pyarrow": "interop",
     "xarray": "xarray",
     "ray": "ray",
+    "torchrl": "torchrl",
+    "tensordict": "torchrl",
 }
 
 
