@@ -56,7 +56,7 @@ def _leaf_space(shape: tuple[int, ...], dtype: np.dtype, low: Any = None, high: 
             low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
         else:
             low, high = -np.inf, np.inf
-    return gym.spaces.Box(low, high, shape, dtype)  # type: ignore[arg-type]
+    return gym.spaces.Box(low, high, shape, dtype)
 
 
 def space_from_leaves(leaves: Leaves) -> gym.spaces.Dict:
@@ -104,7 +104,7 @@ def space_from_spec(spec: Any) -> gym.spaces.Dict:
     for k, leaf in spec.items(include_nested=True, leaves_only=True):
         key, shape, dtype = _key(k), tuple(int(s) for s in leaf.shape[nb:]), numpy_dtype(leaf.dtype)
         if isinstance(leaf, Categorical) and shape == () and leaf.n is not None and leaf.n > 0:
-            space: gym.Space = gym.spaces.Discrete(int(leaf.n), dtype=dtype)  # type: ignore[arg-type]
+            space: gym.Space = gym.spaces.Discrete(int(leaf.n), dtype=dtype)
         elif isinstance(leaf, Bounded):
             low = leaf.space.low.reshape(leaf.shape)[(0,) * nb].cpu().numpy().astype(dtype)
             high = leaf.space.high.reshape(leaf.shape)[(0,) * nb].cpu().numpy().astype(dtype)

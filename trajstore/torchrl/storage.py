@@ -63,6 +63,12 @@ def _exists(path: str, storage_options: dict[str, Any] | None) -> str | None:
         store.close()
 
 
+def _step_space(buf: _Buffer) -> Any:
+    """The space of one step row (a trajectory store's ``single_space`` is ``{"step_data", "episode_data"}``)."""
+    space: Any = buf.single_space
+    return space["step_data"] if isinstance(buf, TrajectoryReplayBuffer) else space
+
+
 def _slots(index: Any, n: int) -> tuple[np.ndarray, bool]:
     """TorchRL's index (int, slice over ``0 .. n-1``, list, array or tensor) as int64 slots, and
     whether it was a single int.  A tuple of one index is TorchRL's per-dimension form (``ndim == 1``)."""
@@ -85,7 +91,7 @@ def _slots(index: Any, n: int) -> tuple[np.ndarray, bool]:
     return arr.astype(np.int64), False
 
 
-class TrajstoreStorage(StoreStorage):
+class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no type information
     """A TorchRL storage backed by a trajstore store (local folder, ``.zip`` or fsspec URL).
 
     Parameters
@@ -164,8 +170,7 @@ class TrajstoreStorage(StoreStorage):
         cls = TrajectoryReplayBuffer if kind == "TrajectoryReplayBuffer" else ReplayBuffer
         buf = cls.load_from(self.path, backend="torch", read_only=self.read_only,
                             storage_options=self.storage_options)
-        space = buf.single_space["step_data"] if isinstance(buf, TrajectoryReplayBuffer) else buf.single_space
-        space_leaves(space)  # a layout TensorDicts can hold, else UnsupportedSpaceError now
+        space_leaves(_step_space(buf))  # a layout TensorDicts can hold, else UnsupportedSpaceError now
         return buf
 
     def _traj(self) -> tuple[str, ...]:
@@ -196,11 +201,10 @@ class TrajstoreStorage(StoreStorage):
     def _layout(self) -> Leaves:
         """The store's per-row layout as TorchRL sees it (episode ids under ``traj_key``)."""
         buf = self.buffer
+        leaves = space_leaves(_step_space(buf))
         if isinstance(buf, TrajectoryReplayBuffer):
-            leaves = space_leaves(buf.single_space["step_data"])
             leaves[self._traj()] = ((), np.dtype(np.int64))
-            return leaves
-        return space_leaves(buf.single_space)
+        return leaves
 
     def next_slot(self) -> int:
         """The slot the next appended row goes to (TorchRL's writer cursor)."""
@@ -303,9 +307,11 @@ class TrajstoreStorage(StoreStorage):
         return {"step_data": tree, "episode_ids": data.get(self.traj_key).reshape(-1)}
 
     def _append(self, slots: np.ndarray, value: Any) -> None:
+        # A batch longer than the ring writes every slot, and its last ``max_size`` rows stay: the
+        # store's extend keeps the same rows in the same slots (docs/design.md 1, "Ring rules").
         nxt, cap = self.next_slot(), self.max_size
         want = (nxt + np.arange(len(slots), dtype=np.int64)) % cap
-        if len(slots) > cap or not np.array_equal(slots, want):
+        if not np.array_equal(slots, want):
             raise BadIndexError(
                 f"the writer wrote slots starting at {int(slots[0]) if len(slots) else None}, but this store's next "
                 f"free slot is {nxt} ({len(self)} rows): a writer appends in order; on a store that already holds "
