@@ -36,6 +36,7 @@ __all__ = [
     "UnknownFieldError",
     "UnknownEpisodeError",
     "NoEpisodesError",
+    "BadWeightsError",
 ]
 
 
@@ -171,3 +172,8 @@ class UnknownFieldError(TrajstoreError, KeyError):
 class NoEpisodesError(TrajstoreError, ValueError):
     """Episodes were asked of a store that records no episode boundaries (a ReplayBuffer without
     ``terminated``/``truncated``/``done`` fields); the message names the fields looked for."""
+
+
+class BadWeightsError(BadOptionError):
+    """Sampling weights that cannot make a distribution: a negative, NaN or infinite weight, or
+    weights that are all zero; the message names the dataset (and item) and the weight."""
