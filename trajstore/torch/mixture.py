@@ -172,13 +172,14 @@ class MixtureDataset(Dataset):
         return {k: v[0] for k, v in self.read_batch([i]).items()}
 
 
-def _weights(values: Any, n: int, what: str) -> np.ndarray:
+def _weights(values: Any, n: int, what: str, labels: Sequence[str] | None = None) -> np.ndarray:
     w = np.asarray(values, dtype=np.float64).reshape(-1)
     if w.shape != (n,):
         raise BadOptionError(f"{what}: {n} weights expected, got {w.size}")
     bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
     if bad.size:
-        raise BadWeightsError(f"{what}: weight {w[bad[0]]!r} at position {int(bad[0])} is not a finite number >= 0")
+        at = f"of dataset {labels[bad[0]]!r}" if labels is not None else f"at position {int(bad[0])}"
+        raise BadWeightsError(f"{what}: weight {float(w[bad[0]])} {at} is not a finite number >= 0")
     if n and not w.sum() > 0:
         raise BadWeightsError(f"{what}: every weight is zero, nothing could be drawn")
     return w
@@ -232,7 +233,7 @@ class MixtureSampler(Sampler[list[int]]):
             if unknown:
                 raise BadOptionError(f"weights for unknown datasets {unknown}; the mixture has {names}")
             given = [given.get(n, 0.0) for n in names]
-        w = _weights(given, len(names), "dataset weights")
+        w = _weights(given, len(names), "dataset weights", names)
         empty = [n for n, s, x in zip(names, sizes, w) if s == 0 and x > 0]
         if empty:
             raise EmptyBufferError(f"dataset {empty[0]!r} has weight > 0 but no items")
