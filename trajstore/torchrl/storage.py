@@ -240,6 +240,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
 
     @property
     def shape(self) -> torch.Size:
+        """``(len,)``: the rows written so far (TorchRL's samplers read the storage's length from it)."""
         return torch.Size([len(self)])
 
     def _rows(self, slots: np.ndarray) -> np.ndarray:
@@ -251,6 +252,10 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         return slots if cap is None else (slots - buf.offset) % cap
 
     def get(self, index: Any) -> Any:
+        """The rows at slots ``index`` (int: one unbatched TensorDict; slice, array, tensor: a batch).
+
+        A slice runs over ``0 .. len - 1``; a slot past the rows written raises ``IndexOutOfRangeError``.
+        """
         slots, single = _slots(index, len(self))
         if self._buf is None:
             if slots.size:
@@ -269,6 +274,12 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         return TensorDict(dict(buf.get_at(rows)), batch_size=[len(rows)])
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Write TensorDict ``data`` (one row for an int ``cursor``, else a batch) at slots ``cursor``.
+
+        ``set_cursor=True`` (the writer's ``add``/``extend``) appends: the slots must be the next
+        free ones (``BadIndexError`` otherwise); ``set_cursor=False`` (``rb[idx] = ...``) overwrites
+        rows already written.  The layout is checked first (``SpaceMismatchError``).
+        """
         if isinstance(data, list):
             data = torch.stack(data)  # TorchRL's extend of a list of rows
         if not is_tensor_collection(data):
@@ -319,6 +330,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         self.buffer.extend(value)
 
     def contains(self, item: Any) -> Any:
+        """Whether slot(s) ``item`` hold a row (a bool, or a bool tensor for several)."""
         slots, single = _slots(item, len(self))
         n = len(self)
         inside = torch.as_tensor((slots >= -n) & (slots < n))
