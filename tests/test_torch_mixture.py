@@ -10,9 +10,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
 from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
+from torch.utils.data import DataLoader
 
 from trajstore import TrajectoryReplayBuffer
 from trajstore.errors import BadOptionError, BadWeightsError, SpaceMismatchError, UnknownFieldError
@@ -164,7 +163,7 @@ def test_dataloader_workers_read_the_same_batches(stores) -> None:
         assert set(g) == set(e) and all(torch.equal(g[key], e[key]) for key in e)
 
 
-def test_a_local_and_a_remote_store_mix_through_workers(tmp_path, s3_options) -> None:
+def test_a_local_and_a_remote_store_mix_through_workers(tmp_path, s3_options) -> None:  # noqa: F811 (the fixture)
     remote = make_store(f"s3://trajstore-test/mix-{tmp_path.name}", 5, [6, 6], storage_options=s3_options)
     local = make_store(tmp_path / "local", 6, [5])
     mix = MixtureDataset({"local": local, "remote": remote}, fields=["obs"], storage_options={"remote": s3_options})
