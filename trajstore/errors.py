@@ -37,6 +37,7 @@ __all__ = [
     "UnknownEpisodeError",
     "NoEpisodesError",
     "BadWeightsError",
+    "ResumeStateError",
 ]
 
 
@@ -177,3 +178,8 @@ class NoEpisodesError(TrajstoreError, ValueError):
 class BadWeightsError(BadOptionError):
     """Sampling weights that cannot make a distribution: a negative, NaN or infinite weight, or
     weights that are all zero; the message names the dataset (and item) and the weight."""
+
+
+class ResumeStateError(TrajstoreError, ValueError):
+    """A saved sampler position (``load_state_dict``) that is not this sampler's: another kind of
+    sampler, another seed, rank or dataset; the message names each field that differs."""

@@ -10,6 +10,7 @@ indices they are given, change nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from trajstore.errors import (
 )
 from trajstore.torch._transfer import in_worker, pack
 from trajstore.torch.datasets import SampleBatch, TransitionDataset
+from trajstore.torch.resume import ResumableOrder
 
 __all__ = ["MixtureDataset", "MixtureSampler", "episode_item_weights"]
 
@@ -185,7 +187,7 @@ def _weights(values: Any, n: int, what: str, labels: Sequence[str] | None = None
     return w
 
 
-class MixtureSampler(Sampler[list[int]]):
+class MixtureSampler(ResumableOrder, Sampler[list[int]]):
     """Batches of mixture indices: each item's dataset drawn with probability ``weights[k] /
     sum(weights)``, then an item of that dataset uniformly or with probability proportional to
     its ``item_weights``.
@@ -208,7 +210,9 @@ class MixtureSampler(Sampler[list[int]]):
         fields); the expected share of batches is the weights'.
     seed, rank, num_replicas
         As :class:`~trajstore.torch.RandomBatchSampler`: batches depend only on
-        ``(seed, epoch, rank)`` (:meth:`set_epoch`).
+        ``(seed, epoch, rank)`` (:meth:`set_epoch`); ``state_dict(consumed=k)`` /
+        ``load_state_dict`` resume an epoch after its ``k``-th batch in any process (the
+        datasets' sizes and the weights must be the saved ones: ``ResumeStateError`` otherwise).
 
     Raises
     ------
@@ -255,6 +259,15 @@ class MixtureSampler(Sampler[list[int]]):
         """Start epoch ``epoch``: the batches that follow depend on ``(seed, epoch, rank)``."""
         self.epoch = int(epoch)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The datasets (names, sizes), the weights (a digest) and the batch shape of the draws."""
+        digest = hashlib.sha256(self.probs.tobytes())
+        for k in sorted(self._cum):
+            digest.update(str(k).encode() + self._cum[k].tobytes())
+        return {"datasets": list(self.mixture.names), "sizes": np.diff(self.mixture.offsets).tolist(),
+                "weights": digest.hexdigest()[:16], "batch_size": self.batch_size, "num_batches": self.num_batches,
+                "per_batch": self.per_batch}
+
     def _items(self, rng: np.random.Generator, k: int, n: int) -> np.ndarray:
         cum = self._cum.get(k)
         if cum is None:
@@ -277,10 +290,13 @@ class MixtureSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch, self.rank])
-        drawn = 0
+        start, drawn = self._take_start(), 0
         while self.num_batches is None or drawn < self.num_batches:
             drawn += 1
-            yield self.draw(rng).tolist()
+            batch = self.draw(rng)
+            if drawn > start:  # a resumed epoch draws (and drops) the batches it already gave
+                self._advance()
+                yield batch.tolist()
 
     def __len__(self) -> int:
         if self.num_batches is None:
