@@ -260,3 +260,21 @@ def test_dumps_and_loads_through_the_replay_buffer(tmp_path) -> None:
     ref.extend(rows(11, 2))
     same(fresh.storage[:], ref.storage[:])
     assert len(TrajstoreStorage(tmp_path / "ckpt" / "storage", read_only=True)) == 8
+
+
+def test_tensordict_replay_buffer_and_pickling(tmp_path) -> None:
+    """TensorDictReplayBuffer (which adds "index" to its samples) and a storage crossing processes
+    by pickle: the copy opens the store by path (read-only here, as a second writer is refused)."""
+    import pickle
+
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=TrajstoreStorage(tmp_path / "s", max_size=8), batch_size=4)
+    rb.extend(rows(0, 5))
+    sample = rb.sample()
+    assert torch.equal(sample["obs"][:, 0].long(), sample["index"])
+    rb.storage.close()
+    reader = TrajstoreStorage(tmp_path / "s", read_only=True)
+    copy = pickle.loads(pickle.dumps(reader))
+    same(copy[:], reader[:])
+    assert copy.read_only and len(copy) == 5

@@ -391,14 +391,14 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
     def __getstate__(self) -> dict[str, Any]:
         # The store crosses processes by path: the other side opens it (a second writer is refused).
         self.flush()
-        state = super().__getstate__()
+        state = Storage.__getstate__(self)  # StoreStorage's would look for its Redis length counter
         state["_buf"] = None
         state["_kind"] = None if self._buf is None else type(self._buf).__name__
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kind = state.pop("_kind", None)
-        super().__setstate__(state)
+        Storage.__setstate__(self, state)
         if kind is not None:
             self._buf = self._open(kind)
 
