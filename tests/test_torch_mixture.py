@@ -77,7 +77,8 @@ def test_dataset_weights_give_their_proportions_and_items_are_uniform(stores) ->
     assert not np.array_equal(drawn(sampler), idx)
     per_batch = MixtureSampler(mix, 2, [1, 2, 5], per_batch=True, num_batches=4000, seed=2)
     k = np.array([mix.locate(b)[0] for b in per_batch])
-    assert (k == k[:, :1]).all() and all(within((k[:, 0] == j).sum(), 4000, p) for j, p in enumerate([1 / 8, 2 / 8, 5 / 8]))
+    assert (k == k[:, :1]).all()
+    assert all(within((k[:, 0] == j).sum(), 4000, p) for j, p in enumerate([1 / 8, 2 / 8, 5 / 8]))
     default = MixtureSampler(mix, 470, num_batches=100, seed=1)     # no weights: by size, every item alike
     k, _ = mix.locate(drawn(default))
     for j, size in enumerate([10, 30, 7]):

@@ -94,7 +94,8 @@ class MixtureDataset(Dataset):
 
     def __init__(self, datasets: Sequence[Any] | Mapping[str, Any], *, fields: Sequence[str] | None = None,
                  output: str = "torch", storage_options: Mapping[str, Any] | None = None) -> None:
-        items = list(datasets.items()) if isinstance(datasets, Mapping) else [(str(i), d) for i, d in enumerate(datasets)]
+        items = (list(datasets.items()) if isinstance(datasets, Mapping)
+                 else [(str(i), d) for i, d in enumerate(datasets)])
         if not items:
             raise BadOptionError("a MixtureDataset needs at least one dataset; got none")
         self.names = [str(n) for n, _ in items]
@@ -149,7 +150,8 @@ class MixtureDataset(Dataset):
         k, local = self.locate(indices)
         present = np.unique(k)
         if len(present) > 1 and self.fields is None:
-            raise BadArgumentError(f"a batch mixes datasets {[self.names[i] for i in present]} whose fields may differ: "
+            mixed = [self.names[i] for i in present]
+            raise BadArgumentError(f"a batch mixes datasets {mixed} whose fields may differ: "
                                    "declare the common fields (MixtureDataset(..., fields=[...])) or draw each batch "
                                    "from one dataset (MixtureSampler(..., per_batch=True))")
         parts, where = [], []
@@ -222,7 +224,8 @@ class MixtureSampler(ResumableOrder, Sampler[list[int]]):
         A dataset with a positive weight has no items.
     """
 
-    def __init__(self, mixture: MixtureDataset, batch_size: int, weights: Sequence[float] | Mapping[str, float] | None = None,
+    def __init__(self, mixture: MixtureDataset, batch_size: int,
+                 weights: Sequence[float] | Mapping[str, float] | None = None,
                  *, item_weights: Mapping[str, Any] | None = None, num_batches: int | None = None,
                  per_batch: bool = False, seed: int | None = None, rank: int = 0, num_replicas: int = 1) -> None:
         if batch_size < 1 or (num_batches is not None and num_batches < 0):
@@ -251,8 +254,10 @@ class MixtureSampler(ResumableOrder, Sampler[list[int]]):
         if per_batch is False and mixture.fields is None and len(names) > 1:
             raise BadOptionError("per_batch=False mixes datasets in a batch: declare the mixture's common fields "
                                  "(MixtureDataset(..., fields=[...])) or pass per_batch=True")
-        self.mixture, self.batch_size, self.num_batches, self.per_batch = mixture, int(batch_size), num_batches, per_batch
-        self.seed = int(np.random.SeedSequence().entropy % (2**63)) if seed is None else int(seed)  # type: ignore[operator]
+        self.mixture, self.batch_size, self.num_batches = mixture, int(batch_size), num_batches
+        self.per_batch = per_batch
+        entropy: Any = np.random.SeedSequence().entropy
+        self.seed = int(entropy % (2**63)) if seed is None else int(seed)
         self.rank, self.num_replicas, self.epoch = rank, num_replicas, 0
 
     def set_epoch(self, epoch: int) -> None:

@@ -28,7 +28,8 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     try:
         return np.dtype(torch.empty((), dtype=dtype).numpy().dtype)
     except TypeError:
-        raise UnsupportedSpaceError(f"torch dtype {dtype} has no numpy dtype; a trajstore field cannot hold it") from None
+        raise UnsupportedSpaceError(f"torch dtype {dtype} has no numpy dtype; a trajstore field cannot hold it"
+                                    ) from None
 
 
 def space_leaves(space: gym.Space, prefix: tuple[str, ...] = ()) -> Leaves:

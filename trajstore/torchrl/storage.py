@@ -380,7 +380,8 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         try:
             cap = src.capacity
             if (UNBOUNDED if cap is None else cap) != self.max_size:
-                raise BadOptionError(f"the store at {os.fspath(path)!r} has capacity {cap}; this storage {self.max_size}")
+                raise BadOptionError(f"the store at {os.fspath(path)!r} has capacity {cap}; "
+                                     f"this storage {self.max_size}")
             src.dumps(self.path)
         finally:
             src.close()
