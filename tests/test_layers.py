@@ -24,7 +24,8 @@ from _package_ast import import_origin, module_name
 PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
 
 #: The integrations: siblings of one layer, each on the layers below and never on another one.
-INTEGRATIONS = ("trajstore.sb3", "trajstore.torch", "trajstore.interop", "trajstore.ray", "trajstore.dask",
+INTEGRATIONS = ("trajstore.sb3", "trajstore.torch", "trajstore.torchrl", "trajstore.interop", "trajstore.ray",
+                "trajstore.dask",
                 "trajstore.demo")
 
 #: Bottom to top.  Every module lives in the layer its folder (or its own name) is listed in; the

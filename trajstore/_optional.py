@@ -31,6 +31,8 @@ EXTRAS: dict[str, str] = {
     "xarray": "xarray",
     "ray": "ray",
     "av": "video",
+    "torchrl": "torchrl",
+    "tensordict": "torchrl",
 }
 
 

@@ -36,6 +36,8 @@ __all__ = [
     "UnknownFieldError",
     "UnknownEpisodeError",
     "NoEpisodesError",
+    "BadWeightsError",
+    "ResumeStateError",
 ]
 
 
@@ -171,3 +173,13 @@ class UnknownFieldError(TrajstoreError, KeyError):
 class NoEpisodesError(TrajstoreError, ValueError):
     """Episodes were asked of a store that records no episode boundaries (a ReplayBuffer without
     ``terminated``/``truncated``/``done`` fields); the message names the fields looked for."""
+
+
+class BadWeightsError(BadOptionError):
+    """Sampling weights that cannot make a distribution: a negative, NaN or infinite weight, or
+    weights that are all zero; the message names the dataset (and item) and the weight."""
+
+
+class ResumeStateError(TrajstoreError, ValueError):
+    """A saved sampler position (``load_state_dict``) that is not this sampler's: another kind of
+    sampler, another seed, rank or dataset; the message names each field that differs."""

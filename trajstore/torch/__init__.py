@@ -28,6 +28,8 @@ from trajstore.torch.datasets import (  # noqa: E402
     TransitionDataset,
     collate_batch,
 )
+from trajstore.torch.mixture import MixtureDataset, MixtureSampler, episode_item_weights  # noqa: E402
 from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
 
-__all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
+__all__ = ["MixtureDataset", "MixtureSampler", "RandomBatchSampler", "SampleBatch", "SequenceDataset",
+           "TransitionDataset", "collate_batch", "episode_item_weights"]

@@ -8,12 +8,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from trajstore.errors import BadOptionError, EmptyBufferError
+from trajstore.errors import BadOptionError, EmptyBufferError, ResumeStateError
+from trajstore.torch.resume import ResumableOrder
 
 __all__ = ["RandomBatchSampler"]
 
 
-class RandomBatchSampler(Sampler[list[int]]):
+class RandomBatchSampler(ResumableOrder, Sampler[list[int]]):
     """Endless (or ``num_batches`` long) stream of uniformly random index batches.
 
     Use it as a DataLoader's ``batch_sampler``: each batch is read with one ``__getitems__``
@@ -33,6 +34,10 @@ class RandomBatchSampler(Sampler[list[int]]):
         Batches depend only on ``(seed, epoch, rank)``; ``None`` draws a fresh seed.
     rank, num_replicas : int
         Under DistributedDataParallel give each rank its own stream.
+
+    ``state_dict(consumed=k)`` / ``load_state_dict`` resume an epoch after its ``k``-th batch in
+    any process (``trajstore.torch.resume``).  A sampler built on a store that grew since resumes
+    the saved epoch over the rows it had then; the new rows join at the next epoch.
     """
 
     def __init__(self, data_source: Any, batch_size: int, num_batches: int | None = None, *,
@@ -50,6 +55,29 @@ class RandomBatchSampler(Sampler[list[int]]):
         self.seed = int(np.random.SeedSequence().entropy % (2**63)) if seed is None else int(seed)  # type: ignore[operator]
         self.rank, self.num_replicas = rank, num_replicas
         self.epoch = 0
+        self._resumed_n: tuple[int, int] | None = None  # (epoch, rows) of a resumed epoch
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Batch size, count and replacement (the rows are checked by :meth:`load_state_dict`)."""
+        return {"batch_size": self.batch_size, "num_batches": self.num_batches, "replacement": self.replacement}
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The position (see ``trajstore.torch.resume``) and the rows of the epoch in progress."""
+        state = super().state_dict(consumed)
+        state["rows"] = self._rows(self.epoch)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume ``state``'s epoch (over its rows: a store that grew adds rows from the next epoch)."""
+        rows = state.get("rows")
+        if not isinstance(rows, int) or not 1 <= rows <= self.n:
+            raise ResumeStateError(f"the saved sampler state is not this sampler's: rows: saved {rows!r}, this "
+                                   f"dataset has {self.n} (a resumed epoch needs the rows it had, or more)")
+        super().load_state_dict(state)
+        self._resumed_n = (self.epoch, rows)
+
+    def _rows(self, epoch: int) -> int:
+        return self._resumed_n[1] if self._resumed_n is not None and self._resumed_n[0] == epoch else int(self.n)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: the batches that follow depend on ``(seed, epoch, rank)``
@@ -58,14 +86,17 @@ class RandomBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch, self.rank])
-        drawn = 0
+        n = self._rows(self.epoch)
+        start, drawn = self._take_start(), 0
         while self.num_batches is None or drawn < self.num_batches:
             if self.replacement:
-                idx = rng.integers(0, self.n, size=self.batch_size)
+                idx = rng.integers(0, n, size=self.batch_size)
             else:
-                idx = rng.choice(self.n, size=self.batch_size, replace=False)
+                idx = rng.choice(n, size=self.batch_size, replace=False)
             drawn += 1
-            yield idx.tolist()
+            if drawn > start:  # a resumed epoch draws (and drops) the batches it already gave
+                self._advance()
+                yield idx.tolist()
 
     def __len__(self) -> int:
         if self.num_batches is None:
