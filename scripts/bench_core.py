@@ -39,7 +39,7 @@ from trajstore import ReplayBuffer  # noqa: E402
 BLOCK, COLD = 25, 200
 #: appends are cheap: blocks of 1,000 consecutive calls
 APPEND_BLOCK = 1000
-#: fresh systems per workload: every median in this section is over this many rounds
+#: fresh systems per workload: every median in this section is over this many rounds (--quick: 2)
 ROUNDS = 5
 VEC, IMG = (17,), (84, 84, 4)
 
@@ -117,7 +117,7 @@ def _medians(per_round: list[dict[str, tuple[float, float]]]) -> dict[str, tuple
             for k in per_round[0]}
 
 
-def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int) -> list[dict[str, Any]]:
+def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int, rounds: int) -> list[dict[str, Any]]:
     """``calls`` appends of ``batch`` transitions per system and round, each round on new systems."""
     pool = _pool(obs_shape, 1024 + batch, 0)
     # prepared views, so that every system's call costs the same to feed
@@ -125,7 +125,7 @@ def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int) 
     singles = [{k: v[j] for k, v in pool.items()} for j in range(1024)]
     rows = calls * batch
     per_round = []
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         rb = ReplayBuffer.create(_space(obs_shape), cache_path=tmp / f"append_{rnd}", overwrite=True)
         mm = {k: np.lib.format.open_memmap(tmp / f"append_{rnd}_{k}.npy", mode="w+", dtype=dt, shape=(rows, *shape))
               for k, dt, shape in _fields(obs_shape)}
@@ -194,12 +194,13 @@ def build_sample_store(tmp: Path, obs_shape: tuple[int, ...], n: int) -> tuple[P
     return path, sb3
 
 
-def bench_sample(path: Path, sb3: Any, obs_shape: tuple[int, ...], n: int, calls: int) -> list[dict[str, Any]]:
+def bench_sample(path: Path, sb3: Any, obs_shape: tuple[int, ...], n: int, calls: int,
+                 rounds: int) -> list[dict[str, Any]]:
     """``sample(256)`` of whole transitions: trajstore (numpy and torch backends), the memmap
     gather of the same five fields, SB3's sample; every round opens the stores afresh."""
     rng = np.random.default_rng(1)
     per_round = []
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         ro = ReplayBuffer.load_from(path, read_only=True)
         rt = ReplayBuffer.load_from(path, read_only=True, backend="torch")
         mm = {k: np.load(f"{path}.{k}.npy", mmap_mode="r") for k, _, _ in _fields(obs_shape)}
@@ -234,7 +235,7 @@ def bench_open(path: Path, n: int) -> list[tuple[str, float]]:
             (f"`dumps()` to its own path, {n:,} rows", t_dump)]
 
 
-def bench_layouts(tmp: Path, n: int, calls: int) -> list[dict[str, Any]]:
+def bench_layouts(tmp: Path, n: int, calls: int, rounds: int) -> list[dict[str, Any]]:
     """Per compressor: size against raw, ``extend`` rows/s (8,192-row blocks), and sample(256)
     of (17,) f32 rows (a random walk: continuous states compress little, like real observations)."""
     from trajstore.maintenance.summary import store_info
@@ -244,7 +245,7 @@ def bench_layouts(tmp: Path, n: int, calls: int) -> list[dict[str, Any]]:
     comps = (None, "lz4", "zstd")
     writes: dict[Any, list[float]] = {c: [] for c in comps}
     per_round = []
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         opened = {}
         for comp in comps[rnd % 3:] + comps[:rnd % 3]:
             path = tmp / f"layout_{comp}_{rnd}"
@@ -316,21 +317,22 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     a = p.parse_args(argv)
     q = a.quick
-    vec, img = a.vec_rows or (5_000 if q else 1_000_000), a.img_rows or (500 if q else 10_000)
-    sample_calls, img_calls = (COLD + 50, COLD + 25) if q else (COLD + 800, COLD + 300)
+    vec, img = a.vec_rows or (5_000 if q else 1_000_000), a.img_rows or (300 if q else 10_000)
+    rounds = 2 if q else ROUNDS
+    sample_calls, img_calls = (COLD + 25, COLD + 10) if q else (COLD + 800, COLD + 300)
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         tmp = Path(d)
-        append = bench_append(tmp, VEC, 1, 300 if q else 10_000)
-        append += bench_append(tmp, VEC, 8, 250 if q else 2_500)
-        append += bench_append(tmp, IMG, 1, 250 if q else 2_000)
+        append = bench_append(tmp, VEC, 1, 250 if q else 10_000, rounds)
+        append += bench_append(tmp, VEC, 8, 250 if q else 2_500, rounds)
+        append += bench_append(tmp, IMG, 1, 250 if q else 2_000, rounds)
         sample = []
         for shape, n, calls in ((VEC, vec, sample_calls), (IMG, img, img_calls)):
             path, sb3 = build_sample_store(tmp, shape, n)
-            sample += bench_sample(path, sb3, shape, n, calls)
+            sample += bench_sample(path, sb3, shape, n, calls, rounds)
             if shape == VEC:
                 opens = bench_open(path, n)
             del sb3
-        layouts = bench_layouts(tmp, 20_000 if q else 200_000, sample_calls)
+        layouts = bench_layouts(tmp, 5_000 if q else 200_000, sample_calls, rounds)
     body = (
         "A training loop's calls on `ReplayBuffer`: appending transitions (5 fields) and `sample(256)` of "
         "whole transitions, against a numpy memmap of the same five fields (one `.npy` file each: the "
@@ -342,8 +344,8 @@ def main(argv: list[str] | None = None) -> str:
         "The compressor rows write the same random walk (continuous states compress little, like real "
         "observations); `size vs raw` is the store's stored bytes against its raw bytes.")
     return section("Core store (scripts/bench_core.py)", "bench_core.py", argv,
-                   runs=f"every cold and steady figure is the median of {ROUNDS} rounds, each on freshly created "
-                        f"(append) or opened (sample) systems; extend rows/s: median of {ROUNDS} writes; open: "
+                   runs=f"every cold and steady figure is the median of {rounds} rounds, each on freshly created "
+                        f"(append) or opened (sample) systems; extend rows/s: median of {rounds} writes; open: "
                         "median of 9 opens.",
                    body=body, quick=q, started=started, packages=("stable-baselines3", "torch"))
 
