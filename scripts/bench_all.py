@@ -146,6 +146,15 @@ def run_section(s: Section, quick: bool, extra: list[str], scratch: Path, script
     return out.read_text()
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (the child runs there; the section's
+    command line then reads ``--png docs/bench_peers.png``)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, every section in seconds (a smoke run)")
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {name}: skipped, scripts/{s.script} is not in this tree (its old section is kept)",
                       flush=True)
                 continue
-            extra = ["--png", str((out.parent if out is not None else Path(d)) / "bench_peers.png")] \
+            extra = ["--png", _shown((out.parent if out is not None else Path(d)) / "bench_peers.png")] \
                 if s.script == "bench_peers.py" else []
             text = run_section(s, a.quick, extra, Path(d), a.scripts)
             if text is None:

@@ -77,7 +77,7 @@ def test_quick_passes_the_quick_arguments_and_writes_no_file_unless_told(tmp_pat
 def test_a_section_never_generated_says_how_to_generate_it() -> None:
     text = BA.compose({})
     assert "Not generated yet: `python scripts/bench_all.py --only core`." in text
-    assert BA.split(text)["core"].startswith("## core")
+    assert BA.split(text)["core"].startswith("## Core store (scripts/bench_core.py)\n")
     # about 25 minutes on 2 cores in all (the sizes are chosen so; each estimate from a recorded run)
     assert sum(s.estimate_s for s in BA.SECTIONS) <= 25 * 60
 
