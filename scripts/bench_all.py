@@ -59,7 +59,7 @@ SECTIONS = (
             (), ("--quick",), 60),
     Section("images", "bench_images.py",
             "Image rows: every read path against the memmap limit (scripts/bench_images.py)",
-            (), ("--quick", "--rows", "1000", "--sb3-sizes", "300"), 180),
+            (), ("--quick", "--rows", "1000", "--sb3-sizes", "300", "--calls", "210"), 180),
     Section("sb3", "bench_sb3.py", "stable-baselines3 training (scripts/bench_sb3.py)", (), ("--quick",), 210),
     Section("offline", "bench_offline.py", "Offline datasets (scripts/bench_offline.py)", (), ("--quick",), 120),
     Section("shards", "bench_shards.py", "Sharded datasets (scripts/bench_shards.py)",

@@ -107,9 +107,9 @@ def _sb3(capacity: int, obs_shape: tuple[int, ...], n_envs: int) -> Any:
                            handle_timeout_termination=False)
 
 
-def _phases(ts: np.ndarray) -> tuple[float, float]:
-    """(cold, steady) mean seconds per call: the first :data:`COLD` calls, the rest."""
-    return float(ts[:COLD].mean()), float(ts[COLD:].mean()) if len(ts) > COLD else float("nan")
+def _phases(ts: np.ndarray, cold: int) -> tuple[float, float]:
+    """(cold, steady) mean seconds per call: the first ``cold`` calls, the rest."""
+    return float(ts[:cold].mean()), float(ts[cold:].mean()) if len(ts) > cold else float("nan")
 
 
 def _medians(per_round: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
@@ -117,7 +117,8 @@ def _medians(per_round: list[dict[str, tuple[float, float]]]) -> dict[str, tuple
             for k in per_round[0]}
 
 
-def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int, rounds: int) -> list[dict[str, Any]]:
+def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int, rounds: int,
+                 cold: int) -> list[dict[str, Any]]:
     """``calls`` appends of ``batch`` transitions per system and round, each round on new systems."""
     pool = _pool(obs_shape, 1024 + batch, 0)
     # prepared views, so that every system's call costs the same to feed
@@ -160,7 +161,7 @@ def bench_append(tmp: Path, obs_shape: tuple[int, ...], batch: int, calls: int, 
         rb.close()
         for a in mm.values():
             a._mmap.close()
-        per_round.append({k: _phases(v) for k, v in t.items()})
+        per_round.append({k: _phases(v, cold) for k, v in t.items()})
     what = (f"append transitions (obs + next_obs {'x'.join(map(str, obs_shape))} "
             f"{'u8' if obs_shape == IMG else 'f32'}, action (6,), reward, done), {batch} per call")
     return [{"what": what, "system": k, "cold": c_, "steady": s, "batch": batch, "calls": calls}
@@ -195,7 +196,7 @@ def build_sample_store(tmp: Path, obs_shape: tuple[int, ...], n: int) -> tuple[P
 
 
 def bench_sample(path: Path, sb3: Any, obs_shape: tuple[int, ...], n: int, calls: int,
-                 rounds: int) -> list[dict[str, Any]]:
+                 rounds: int, cold: int) -> list[dict[str, Any]]:
     """``sample(256)`` of whole transitions: trajstore (numpy and torch backends), the memmap
     gather of the same five fields, SB3's sample; every round opens the stores afresh."""
     rng = np.random.default_rng(1)
@@ -219,7 +220,7 @@ def bench_sample(path: Path, sb3: Any, obs_shape: tuple[int, ...], n: int, calls
         t = run_blocks(systems, calls)
         ro.close()
         rt.close()
-        per_round.append({k: _phases(v) for k, v in t.items()})
+        per_round.append({k: _phases(v, cold) for k, v in t.items()})
     what = f"sample(256) transitions, obs {'x'.join(map(str, obs_shape))} {'u8' if obs_shape == IMG else 'f32'}"
     return [{"what": what, "n": n, "system": k, "cold": c_, "steady": s, "calls": calls}
             for k, (c_, s) in _medians(per_round).items()]
@@ -235,7 +236,7 @@ def bench_open(path: Path, n: int) -> list[tuple[str, float]]:
             (f"`dumps()` to its own path, {n:,} rows", t_dump)]
 
 
-def bench_layouts(tmp: Path, n: int, calls: int, rounds: int) -> list[dict[str, Any]]:
+def bench_layouts(tmp: Path, n: int, calls: int, rounds: int, cold: int) -> list[dict[str, Any]]:
     """Per compressor: size against raw, ``extend`` rows/s (8,192-row blocks), and sample(256)
     of (17,) f32 rows (a random walk: continuous states compress little, like real observations)."""
     from trajstore.maintenance.summary import store_info
@@ -260,7 +261,7 @@ def bench_layouts(tmp: Path, n: int, calls: int, rounds: int) -> list[dict[str, 
         t = run_blocks({str(c): (lambda ro=ro: ro.sample(256, rng=rng)) for c, ro in opened.items()}, calls)
         for ro in opened.values():
             ro.close()
-        per_round.append({k: _phases(v) for k, v in t.items()})
+        per_round.append({k: _phases(v, cold) for k, v in t.items()})
     med = _medians(per_round)
     out = []
     for comp in comps:
@@ -319,25 +320,26 @@ def main(argv: list[str] | None = None) -> str:
     q = a.quick
     vec, img = a.vec_rows or (5_000 if q else 1_000_000), a.img_rows or (300 if q else 10_000)
     rounds = 2 if q else ROUNDS
-    sample_calls, img_calls = (COLD + 25, COLD + 10) if q else (COLD + 800, COLD + 300)
+    cold = 20 if q else COLD  # --quick: a smoke test of every row, cold over fewer calls
+    sample_calls, img_calls = (cold + 25, cold + 10) if q else (cold + 800, cold + 300)
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         tmp = Path(d)
-        append = bench_append(tmp, VEC, 1, 250 if q else 10_000, rounds)
-        append += bench_append(tmp, VEC, 8, 250 if q else 2_500, rounds)
-        append += bench_append(tmp, IMG, 1, 250 if q else 2_000, rounds)
+        append = bench_append(tmp, VEC, 1, 60 if q else 10_000, rounds, cold)
+        append += bench_append(tmp, VEC, 8, 60 if q else 2_500, rounds, cold)
+        append += bench_append(tmp, IMG, 1, 60 if q else 2_000, rounds, cold)
         sample = []
         for shape, n, calls in ((VEC, vec, sample_calls), (IMG, img, img_calls)):
             path, sb3 = build_sample_store(tmp, shape, n)
-            sample += bench_sample(path, sb3, shape, n, calls, rounds)
+            sample += bench_sample(path, sb3, shape, n, calls, rounds, cold)
             if shape == VEC:
                 opens = bench_open(path, n)
             del sb3
-        layouts = bench_layouts(tmp, 5_000 if q else 200_000, sample_calls, rounds)
+        layouts = bench_layouts(tmp, 5_000 if q else 200_000, sample_calls, rounds, cold)
     body = (
         "A training loop's calls on `ReplayBuffer`: appending transitions (5 fields) and `sample(256)` of "
         "whole transitions, against a numpy memmap of the same five fields (one `.npy` file each: the "
         "limit for a disk-backed store) and stable-baselines3's in-RAM `ReplayBuffer` (its `add` and its "
-        "`sample`, which returns torch tensors). " + cold_steady_note(BLOCK, COLD) + " Appends: blocks of "
+        "`sample`, which returns torch tensors). " + cold_steady_note(BLOCK, cold) + " Appends: blocks of "
         f"{APPEND_BLOCK:,} calls, each round on new, empty systems, rows/s = rows per call / steady time per "
         "call. Ratios: time per call over the baseline's (lower is better; below 1 trajstore is faster).\n\n"
         + tables(append, sample, opens, layouts) + "\n\n"

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.calls = 4_000, 400
+        args.rows, args.calls = 2_000, 250
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path, copy_path = Path(d) / "dp.zarr", Path(d) / "copy"
         write_store(path, args.rows)

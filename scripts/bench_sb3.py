@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> str:
     th.set_num_threads(1)
     args.repeats = args.repeats or (2 if args.quick else 5)
     if args.quick:
-        sac_steps, ppo_steps, n_steps = 150, 8 * 32 * 3, 32
+        sac_steps, ppo_steps, n_steps = 120, 8 * 32 * 3, 32
     else:
         sac_steps, ppo_steps, n_steps = 600, 8_192, 256
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
