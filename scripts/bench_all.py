@@ -49,17 +49,18 @@ class Section:
 
 
 SECTIONS = (
-    # estimates: core, sb3, shards, open_dp from their sizes (per-call times of earlier runs); the
-    # others from their recorded runs, scaled to today's sizes (peers: 628 s at a 30 s budget and
-    # 1e6 / 1e5 appended rows; codecs: the codecs helper's sizes must fit 180 s)
+    # estimates: core, sb3, shards, open_dp from their sizes and per-call times of earlier runs;
+    # the others from their recorded runs scaled to today's sizes (sequences: "about 3 minutes";
+    # images: 98 s; peers: 628 s at a 30 s budget and 1e6 / 1e5 appended rows, now 5 s and
+    # 3e5 / 2e4); codecs and video: their scripts' sizes must fit these
     Section("core", "bench_core.py", "Core store (scripts/bench_core.py)", (), ("--quick",), 90),
     Section("sequences", "bench_trajectory.py", "Sequence sampling (scripts/bench_trajectory.py)",
-            (), ("--quick", "--rounds", "1"), 120),
+            (), ("--quick", "--rounds", "1"), 180),
     Section("prioritized", "bench_prioritized.py", "Prioritized replay (scripts/bench_prioritized.py)",
             (), ("--quick",), 60),
     Section("images", "bench_images.py",
             "Image rows: every read path against the memmap limit (scripts/bench_images.py)",
-            (), ("--quick", "--rows", "1000", "--sb3-sizes", "300", "--calls", "210"), 180),
+            (), ("--quick", "--rows", "1000", "--sb3-sizes", "300", "--calls", "210"), 120),
     Section("sb3", "bench_sb3.py", "stable-baselines3 training (scripts/bench_sb3.py)", (), ("--quick",), 210),
     Section("offline", "bench_offline.py", "Offline datasets (scripts/bench_offline.py)", (), ("--quick",), 120),
     Section("shards", "bench_shards.py", "Sharded datasets (scripts/bench_shards.py)",

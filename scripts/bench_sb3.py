@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    p.add_argument("--repeats", type=int, default=None, help="runs per side (the median's; default 5, --quick 2)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per side (the median's; default 5, --quick 1)")
     p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     args = p.parse_args(argv)
     th.set_num_threads(1)
-    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     if args.quick:
         sac_steps, ppo_steps, n_steps = 120, 8 * 32 * 3, 32
     else:

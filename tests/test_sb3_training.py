@@ -272,4 +272,4 @@ def test_bench_sb3_quick(tmp_path: Path) -> None:
     text = quick_section("sb3", tmp_path)
     assert "| SAC Pendulum-v1, 120 steps, learning_starts 60 (ZarrReplayBuffer) |" in text
     assert "| PPO CartPole-v1, 8 envs, n_steps 32, 768 steps (ZarrRolloutBuffer) |" in text
-    assert "median of 2 `learn` runs per side" in text
+    assert "median of 1 `learn` runs per side" in text
