@@ -108,3 +108,20 @@ def test_the_scanner_finds_what_it_must_and_skips_what_it_must() -> None:
     assert in_tables("1.16", "| a | 1.16x |") and not in_tables("1.1", "| a | 1.16x |")
     assert not in_tables("81", "| 81,157 |") and in_tables("81,157", "| 81,157 |")
     assert PHRASES.search("reads at numpy-memmap speed")
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def test_links_into_the_benchmarks_name_sections_that_bench_all_writes() -> None:
+    """A link such as ``benchmarks.md#offline-datasets-scriptsbench_offlinepy`` names the heading of
+    one of scripts/bench_all.py's sections (it stays valid whenever the file is regenerated)."""
+    from _bench import bench_all
+
+    anchors = {_slug(s.title) for s in bench_all().SECTIONS}
+    assert _slug("Offline datasets (scripts/bench_offline.py)") == "offline-datasets-scriptsbench_offlinepy"
+    bad = [f"{p.name}: #{a}" for p in docs() for a in re.findall(r"benchmarks\.md#([\w\-]+)", p.read_text())
+           if a not in anchors]
+    assert not bad, bad
