@@ -15,7 +15,6 @@ Medians over ``--calls`` batches after 3 warm-up batches, page cache warm.
 
     python scripts/bench_codecs.py                  # 20,000 frames at 84x84, 2,000 at 480x640 (JPEG)
     python scripts/bench_codecs.py --quick          # 2,000 / 300 frames (smoke test)
-    python scripts/bench_codecs.py --markdown docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gymnasium as gym
 import imagecodecs
-from bench_core import _write_markdown
+from benchdoc import section
 
 import trajstore.images as ti
 from trajstore import ReplayBuffer
@@ -151,14 +150,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2,000 / 300 frames, 10 calls (smoke test)")
     ap.add_argument("--calls", type=int, default=None, help="timed batches per measurement (default 30)")
     ap.add_argument("--codecs", default="jpeg:90,png,webp-lossless", help="comma-separated, 84x84 (plus raw)")
     ap.add_argument("--big-codecs", default="jpeg:90", help="comma-separated, 480x640 (plus raw; lossless ones "
                     "encode at 0.1-0.2 s a frame there)")
-    ap.add_argument("--markdown", type=Path, default=None, help="also (re)write this script's section of FILE")
     a = ap.parse_args(argv)
     calls = a.calls or (10 if a.quick else 30)
     sizes = [((84, 84, 3), 2000 if a.quick else 20_000, a.codecs),
@@ -180,11 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             "frames/s and the thread ratios are those of the CPU time this process got). \"2 vs 1\": store frames/s with 2 decode "
             "threads over 1; \"store / own\": the store's 1-thread frames/s over imagecodecs' own loop decoding "
             "the same 256 encoded frames into a preallocated array.\n\n" + table(rows))
-    print(text)
-    if a.markdown is not None:
-        _write_markdown(a.markdown, "bench_codecs.py", a.quick, HEADING, text)
-    return 0
+    return section(HEADING[3:], "bench_codecs.py", argv, runs=f"median of {calls} batches per row, one run.",
+                   body=text, quick=a.quick, started=started, packages=("imagecodecs",))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    print(main())

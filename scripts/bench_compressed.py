@@ -15,7 +15,8 @@ Measures (issue 12, points 3 and 5), all in one process, page cache warm:
   flight at once (counted in a hook on s3fs's request call) and ms per batch, before (previous
   path: zarr ``oindex``) and after (all chunks of the batch fetched concurrently).
 
-The last line of stdout is the results as JSON.  ``--quick`` (a few seconds) uses small stores and
+``main`` returns the section of docs/benchmarks.md (scripts/bench_all.py writes it there);
+``measure`` returns the results, which the script run alone prints as JSON on its last line.  ``--quick`` (a few seconds) uses small stores and
 lowers ``ROW_READS_ABOVE_BYTES`` so that the small fields take the row path they take at size.
 """
 
@@ -38,6 +39,7 @@ from gymnasium.spaces import Box
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import MotoS3
+from benchdoc import section
 
 from trajstore import ReplayBuffer
 from trajstore.storage.fields import chunked
@@ -191,7 +193,7 @@ def remote(args, data: np.ndarray) -> dict:
         server.stop()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def measure(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small stores, short timings (a few seconds)")
     ap.add_argument("--rows", type=int, default=None, help="rows per local store (default 30000; quick 2000)")
@@ -218,10 +220,47 @@ def main(argv: list[str] | None = None) -> dict:
                 res["remote"] = r
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(res))
     return res
+
+
+def table(res: dict) -> str:
+    """The section's table from :func:`measure`'s results."""
+    s, one, scan, size = res["sample256"], res["single_row"], res["scan"], res["bytes_on_disk"]
+    raw = s["rows_per_s"]["raw"]
+    lines = ["| measurement | raw | lz4 now | lz4 before |", "|---|---|---|---|",
+             f"| random `sample(256)`, rows/s | {raw:,.0f} | {s['rows_per_s']['lz4']:,.0f} ({s['ratio']:.3f}x raw; "
+             f"target >= 0.25x) | {s['rows_per_s']['lz4-old']:,.0f} ({s['ratio_before']:.4f}x) |",
+             f"| random single rows, rows/s | {one['rows_per_s']['raw']:,.0f} | {one['rows_per_s']['lz4']:,.0f} "
+             f"({one['ratio']:.2f}x raw) | {one['rows_per_s']['lz4-old']:,.0f} ({one['ratio_before']:.3f}x) |",
+             f"| sequential scan `rb[:]`, rows/s | {scan['raw_rows_per_s']:,.0f} | {scan['new_rows_per_s']:,.0f} | "
+             f"{scan['old_rows_per_s']:,.0f} |",
+             f"| bytes on disk | {size['raw'] / 1e6:,.1f} MB | {size['lz4'] / 1e6:,.1f} MB | {size['lz4-old'] / 1e6:,.1f} MB |"]
+    if "remote" in res:
+        r = res["remote"]
+        cell = lambda k: (f"{r[k]['gets_per_batch']:.0f} / {r[k]['max_in_flight']} / {r[k]['ms_per_batch']:,.0f}"
+                          if k in r else "-")
+        lines.append(f"| s3 batch of 256: requests / most in flight / ms | | {cell('after')} | {cell('before')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    res = measure(argv)
+    q = res["quick"]
+    body = (f"{res['rows']:,} (64,64,3) uint8 rows, one process, page cache warm; \"before\" is the previous lz4 layout "
+            "(c-blosc's own block size) read the previous way (whole chunks through zarr, 256 MiB decoded cache); "
+            "remote: a moto S3 server on 127.0.0.1, cold batches of 256 (caches dropped). Each image row is its own "
+            "blosc block inside ordinary zarr chunks (docs/format.md), so a random row decodes one row.\n\n"
+            + table(res))
+    return section("Compressed image rows and remote batches (scripts/bench_compressed.py)", "bench_compressed.py",
+                   argv, runs=f"local rows/s: calls for {0.2 if q else 2.0:g} s after one warm-up call (a rate, not "
+                   f"a median; no cold figure); remote: median of {2 if q else 9} cold batches.",
+                   body=body, quick=q, started=started, packages=("s3fs", "moto"))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    main()
+    res = measure()
+    print(table(res))
+    print(json.dumps(res))

@@ -7,7 +7,6 @@ timing the second step; median of ``--runs`` interpreters.  Measured twice: with
 libraries keep the caches pip wrote).
 
     python scripts/bench_import.py
-    python scripts/bench_import.py --markdown docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -17,11 +16,12 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import _write_markdown
+from benchdoc import section
 
 _PROBE = ("import time; t=time.perf_counter(); import zarr, numpy, gymnasium; t1=time.perf_counter(); "
           "import trajstore; t2=time.perf_counter(); print(t1 - t, t2 - t1)")
@@ -49,11 +49,12 @@ def measure(runs: int, cached: bool) -> tuple[float, float]:
     return statistics.median(base), statistics.median(ours)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="3 runs each")
-    ap.add_argument("--markdown", type=Path, default=None)
     a = ap.parse_args(argv)
     runs = 3 if a.quick else a.runs
     lines = ["| bytecode | zarr + numpy + gymnasium | trajstore on top | target |", "|---|---|---|---|"]
@@ -61,12 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         base, ours = measure(runs, cached)
         lines.append(f"| {'cached' if cached else 'compiled afresh'} | {base * 1e3:.0f} ms | {ours * 1e3:.0f} ms | "
                      f"<= 50 ms{'' if cached else ' (not a target: a first import only)'} |")
-    text = f"Median of {runs} fresh interpreters.\n\n" + "\n".join(lines)
-    print(text)
-    if a.markdown is not None:
-        _write_markdown(a.markdown, "bench_import.py", a.quick, "## Import time", text)
-    return 0
+    return section("Import time (scripts/bench_import.py)", "bench_import.py", argv,
+                   runs=f"medians of {runs} fresh interpreters per row.",
+                   body="`import trajstore` in a fresh interpreter, after its dependencies.\n\n" + "\n".join(lines),
+                   quick=a.quick or runs < 5, started=started)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    print(main())

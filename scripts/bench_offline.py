@@ -8,7 +8,8 @@ moto[server] and s3fs; skipped without them).
 
     python scripts/bench_offline.py                          # 1M-row store
     python scripts/bench_offline.py --quick                  # 50k rows, fewer batches (smoke test)
-    python scripts/bench_offline.py --markdown docs/benchmarks.md
+
+``main`` returns the section of docs/benchmarks.md (scripts/bench_all.py writes it there).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import MotoS3, _median_time, _replace_section, _reproduce
+from bench_core import MotoS3, _median_time
+from benchdoc import section
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.torch import (
@@ -67,22 +69,6 @@ def build(path: str, data: dict[str, np.ndarray], episode: int = 500, **kwargs) 
             hi = min(lo + block, rows)
             ids = (np.arange(lo, hi) // episode).astype(np.int64)
             tb.extend({"step_data": {k: v[lo:hi] for k, v in data.items()}, "episode_ids": ids})
-
-
-def loader_rate(ds, workers: int, batches: int) -> float:
-    """Samples/s drawing ``batches`` random batches (after the workers delivered a first one)."""
-    sampler = RandomBatchSampler(ds, B, num_batches=batches + 1 + 2 * workers, seed=0)
-    kw = {"num_workers": workers, "collate_fn": collate_batch}
-    if workers:
-        kw.update(multiprocessing_context="fork", prefetch_factor=4)
-    it = iter(DataLoader(ds, batch_sampler=sampler, **kw))
-    for _ in range(1 + 2 * workers):  # workers started, pipeline full
-        next(it)
-    t = time.perf_counter()
-    n = 0
-    for batch in it:
-        n += len(batch[FIELDS[0]])
-    return n / (time.perf_counter() - t)
 
 
 IMG = (84, 84, 4)
@@ -236,29 +222,32 @@ def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
         server.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small store, few batches")
-    ap.add_argument("--markdown", type=Path, default=None, help="replace the '## Offline datasets' section of this file")
     ap.add_argument("--dir", default=None, help="where to put the temporary store")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = 50_000 if args.quick else 1_000_000
-    batches = 20 if args.quick else 200
+    cold, blocks, block = (5, 3, 10) if args.quick else (20, 7, 30)
+    repeats = 5 if args.quick else 9
     data = make_data(rows)
-    lines = ["| items | workers | trajstore samples/s | numpy in-RAM samples/s | ratio vs numpy |", "|---|---|---|---|---|"]
+    lines = [f"| items | workers | trajstore cold samples/s (first {cold} batches, start-up included) | trajstore "
+             f"steady samples/s (median of {blocks} blocks of {block}) | numpy in-RAM samples/s | steady vs numpy |",
+             "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = os.path.join(d, "offline")
         build(path, data)
         for name, ds, seq in (("transitions", TransitionDataset(path, FIELDS), False),
                               (f"sequences x{T}", SequenceDataset(path, T, FIELDS), True)):
-            base = numpy_rate(data, seq, 3 if args.quick else 9)
-            for workers in (0, 2, 4):
-                rate = loader_rate(ds, workers, batches)
-                lines.append(f"| {name} | {workers} | {rate:,.0f} | {base:,.0f} | {base / rate:.2f}x slower |")
-            # numpy batches travel between processes as pickles, tensors through shared memory
-            ds.output = "numpy"
-            rate = loader_rate(ds, 4, batches)
-            lines.append(f"| {name}, output=\"numpy\" | 4 | {rate:,.0f} | {base:,.0f} | {base / rate:.2f}x slower |")
+            base = numpy_rate(data, seq, repeats)
+            for label, workers, output in ((name, 0, None), (name, 2, None), (name, 4, None),
+                                           (f'{name}, output="numpy"', 4, "numpy")):
+                if output is not None:  # numpy batches travel between processes as pickles, tensors in shared memory
+                    ds.output = output
+                c, st = workers_rates(ds, workers, cold, blocks, block)
+                lines.append(f"| {label} | {workers} | {c:,.0f} | {st:,.0f} | {base:,.0f} | {base / st:.2f}x slower |")
         text = "\n".join(lines) + "\n"
         workers = workers_table(d, data, args.quick)
     text += "\n### Workers\n\n" + workers
@@ -266,21 +255,20 @@ def main() -> int:
     if s3 is not None:
         text += ("\n| S3 (moto) batch of 256 | requests per batch | chunks touched (arrays x chunks) | ms per batch (moto-bound) |\n"
                  "|---|---|---|---|\n" + "\n".join(s3) + "\n")
-    print(text)
-    if args.markdown:
-        cmd, env = _reproduce("bench_offline.py", args.quick, f"torch {torch.__version__}")
-        section = (f"## Offline datasets (scripts/bench_offline.py)\n\nReproduce: `{cmd}` ({env}). DataLoader over "
-                   f"`TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 obs, (6,) f32 "
-                   f"actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "
-                   "`collate_fn=collate_batch`, fork workers; numpy baseline: the same gather from arrays in RAM "
-                   "in one process. Workers: fresh DataLoaders (fork) over local stores of "
-                   f"{rows:,} vector rows and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames, raw and lz4; "
-                   "the last table times a prepared batch that is only moved from a worker to the loop "
-                   "(the floor of any worker loader). S3: a cold batch (chunk cache dropped) read in-process through s3fs "
-                   "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows).\n\n" + text)
-        _replace_section(args.markdown, "## Offline datasets", section)
-    return 0
+    body = (f"DataLoader over `TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 "
+            f"obs, (6,) f32 actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "
+            "`collate_fn=collate_batch`, fork workers, each row a fresh DataLoader: cold = its first batches, "
+            "worker start-up included, steady = blocks of consecutive batches after those. numpy baseline: the same "
+            "gather from arrays in RAM in one process. Workers: local stores of "
+            f"{rows:,} vector rows and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames, raw, lz4 and zstd; "
+            "the last table times a prepared batch that is only moved from a worker to the loop (the floor of any "
+            "worker loader). S3: a cold batch (chunk cache dropped) read in-process through s3fs "
+            "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows).\n\n" + text)
+    return section("Offline datasets (scripts/bench_offline.py)", "bench_offline.py", argv,
+                   runs=f"numpy: median of {repeats} timings of 20 batches; steady: median of {blocks} blocks; cold: "
+                        f"one fresh DataLoader per row; S3: median of {5 if args.quick else 20} cold batches.",
+                   body=body, quick=args.quick, started=started, packages=("torch", "s3fs", "moto"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print(main())

@@ -32,18 +32,17 @@ neither gets the process's warm-up (allocator, page tables) for free.  A system 
 used up its time budget for a workload stops after its current block; the table says how many
 calls it made (cold and steady are the calls it made before and after the 200th).
 
-    python scripts/bench_peers.py --out docs/benchmarks.md             # default sizes
-    python scripts/bench_peers.py --quick --out /tmp/peers.md          # tiny sizes (a smoke test)
+    python scripts/bench_peers.py --png /tmp/peers.png    # default sizes (about 4 minutes on 2 cores)
+    python scripts/bench_peers.py --quick                  # tiny sizes (a smoke test)
+
+``main`` returns the section of docs/benchmarks.md (scripts/bench_all.py writes it there).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,14 +53,16 @@ import numpy as np
 
 import gymnasium as gym
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import section  # noqa: E402
+
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC, IMG = (17,), (84, 84, 4)
 BATCH, SEQ = 256, 32
 BLOCK, APPEND_BLOCK, COLD = 25, 1000, 200
-BEGIN, END = "<!-- bench_peers: begin -->", "<!-- bench_peers: end -->"
-HEADING = "## Peer suite (scripts/bench_peers.py)"
+HEADING = "Peer suite (scripts/bench_peers.py)"
 Row = dict[str, Any]
 
 RAW, LZ4, MM, SB3, TRL, H5, ZARR = ("trajstore raw", "trajstore lz4", "numpy memmap", "SB3", "TorchRL", "h5py",
@@ -283,8 +284,11 @@ def bench_append(tmp: Path, shape: tuple[int, ...], n: int, batch: int, budget_s
                 ts.append(time.perf_counter() - t0)
             commit_ms = float(np.median(ts)) * 1e3
         close()
-        rows.append({"workload": f"append {'x'.join(map(str, shape))} {'f32' if shape == VEC else 'u8'}, batch {batch}",
-                     "system": name, "rows": made * batch, "rate": made * batch / sum(t[name]),
+        ts = t[name]
+        rows.append({"workload": f"append one {'x'.join(map(str, shape))} {'f32' if shape == VEC else 'u8'} array "
+                                 f"(no other field), {batch} row{'s' if batch > 1 else ''} per call",
+                     "system": name, "rows": made * batch, "rate": batch * (len(ts) - COLD) / ts[COLD:].sum(),
+                     "cold_us": float(ts[:COLD].mean() * 1e6),
                      "commit_ms": commit_ms, "disk": disk_bytes(path) if path is not None else None})
         print(f"  {rows[-1]['workload']:<32} {name:<14} {rows[-1]['rate']:>12,.0f} rows/s "
               f"commit {commit_ms if commit_ms is None else round(commit_ms, 3)} ms", flush=True)
@@ -472,55 +476,6 @@ def bench_sequences(tmp: Path, n: int, calls: int, budget_s: float, first: int) 
 # machine, report
 
 
-def machine(store_dir: Path) -> str:
-    cpu = "?"
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    ram = "?"
-    try:
-        kb = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal"))
-        ram = f"{kb / 2**20:.1f} GiB"
-    except (OSError, StopIteration):
-        pass
-    fs, best = "?", ""
-    try:
-        real = os.path.realpath(store_dir)
-        for line in open("/proc/self/mountinfo"):
-            left, right = line.split(" - ", 1)
-            mnt = left.split()[4]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fs = mnt, f"{right.split()[0]} ({right.split()[1]} on {mnt})"
-    except OSError:
-        pass
-    return (f"{os.cpu_count()} CPUs ({cpu}), {ram} RAM, Linux {platform.release()}, store folder {store_dir} on {fs}, "
-            f"Python {platform.python_version()}")
-
-
-def versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        out = [f"trajstore {version('trajstore')}"]
-    except PackageNotFoundError:
-        out = ["trajstore (not installed)"]
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "trajstore"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        out[0] += f" (imported at git {rev}{' with uncommitted changes in trajstore/' if dirty else ''})"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    for pkg in ("numpy", "zarr", "numcodecs", "torch", "stable-baselines3", "torchrl", "tensordict", "h5py"):
-        try:
-            out.append(f"{pkg} {version(pkg)}")
-        except PackageNotFoundError:
-            out.append(f"{pkg} (not installed)")
-    return ", ".join(out)
-
-
 def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -551,13 +506,9 @@ def key_ratios(sample: list[Row]) -> list[str]:
     return lines
 
 
-def report(cmd: str, mach: str, vers: str, took: float, quick: bool, cfg: str, append: list[Row], sample: list[Row],
-           seqs: list[Row], png: Path | None) -> str:
-    out = [BEGIN, HEADING, ""]
-    if quick:
-        out += ["**QUICK RUN (tiny sizes, a smoke test): not a measurement of the targets.**", ""]
-    out += [f"Command: `{cmd}` (took {took:.0f} s).", "", f"Machine: {mach}.", "", f"Versions: {vers}.", "",
-            f"Sizes: {cfg}.", "",
+def report(argv: list[str], store_dir: Path, started: float, quick: bool, cfg: str, append: list[Row],
+           sample: list[Row], seqs: list[Row], png: Path | None) -> str:
+    out = [f"Sizes: {cfg}.", "",
             "Ratios are time per call (or per row) of the system divided by the numpy memmap's, measured side by "
             "side in this run (lower is better; the memmap is the limit). Reads: blocks of 25 consecutive calls per "
             "system, systems rotated each round (and which one opens and goes first alternates between sizes), no read "
@@ -566,12 +517,14 @@ def report(cmd: str, mach: str, vers: str, took: float, quick: bool, cfg: str, a
             "obs, next_obs, actions, rewards and dones as torch tensors (it gathers two obs arrays; for frames it uses "
             "its `optimize_memory_usage=True`); TorchRL returns a TensorDict; h5py (chunks of about 64 KiB, no "
             "compression) reads vectors with its fancy index of sorted distinct rows (the sort is counted) and frames "
-            "row by row (`np.stack([ds[i] for i in idx])`: its fancy index of 256 frames took ~600 ms); zarr-python reads the trajstore raw store's array with "
+            "row by row (`np.stack([ds[i] for i in idx])`); zarr-python reads the trajstore raw store's array with "
             "`oindex`. A system that used up its time budget shows fewer calls (and no steady figure if it stopped "
-            "within the first 200)."]
+            f"within the first {COLD})."]
     for name, why in SKIPPED.items():
         out += ["", f"Skipped {name}: {why}."]
-    out += ["", "### Key ratios: trajstore raw `sample(256)`", ""] + key_ratios(sample)
+    ratios = key_ratios(sample)
+    if ratios:
+        out += ["", "### Key ratios: trajstore raw `sample(256)`", ""] + ratios
     out += ["", "### Uniform sample(256)", "",
             "| rows | system | open ms | disk MB | cold ms/call | steady ms/call | calls | cold vs memmap | steady vs memmap |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -583,17 +536,20 @@ def report(cmd: str, mach: str, vers: str, took: float, quick: bool, cfg: str, a
     if png is not None:
         out += ["", f"![sample(256) latency against store size]({png.name})"]
     out += ["", "### Append and commit", "",
-            "Rows appended one call at a time (batch 1: `append` / `add` / `mm[i] = x` / `ds[i] = x`) or 8 rows per call "
-            "(`extend`, SB3 with 8 envs), in blocks of 1,000 consecutive calls, systems rotated. SB3's `add` copies obs "
-            "and next_obs. Commit: append 8 rows, then `flush()` (trajstore, h5py) or `mm.flush()` (msync); median of 20. "
-            "TorchRL and SB3 have no commit. Time ratio = seconds per row / the memmap's (lower is better).", "",
-            "| workload | system | rows | rows/s | time vs memmap | time vs SB3 | commit ms | disk MB |",
-            "|---|---|---|---|---|---|---|---|"]
+            "One array, no other field (unlike the Core section's whole transitions): rows appended one call at a time "
+            "(`append` / `add` / `mm[i] = x` / `ds[i] = x`) or 8 rows per call (`extend`, SB3 with 8 envs), in blocks of "
+            f"{APPEND_BLOCK:,} consecutive calls, systems rotated; cold = the mean of the first {COLD} calls, rows/s "
+            "over the calls after those. SB3's `add` copies obs and next_obs. Commit: append 8 rows, then `flush()` "
+            "(trajstore, h5py) or `mm.flush()` (msync); median of 20. TorchRL and SB3 have no commit. Time ratio = "
+            "steady seconds per row / the memmap's (lower is better).", "",
+            "| workload | system | rows | cold us/call | steady rows/s | time vs memmap | time vs SB3 | commit ms | disk MB |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for wl in dict.fromkeys(r["workload"] for r in append):
         at = {r["system"]: r for r in append if r["workload"] == wl}
         for r in at.values():
             vs_sb3 = at[SB3]["rate"] / r["rate"] if SB3 in at else None
-            out.append(f"| {wl} | {r['system']} | {r['rows']:,} | {r['rate']:,.0f} | {at[MM]['rate'] / r['rate']:.2f}x | "
+            out.append(f"| {wl} | {r['system']} | {r['rows']:,} | {r['cold_us']:.1f} | {r['rate']:,.0f} | "
+                       f"{at[MM]['rate'] / r['rate']:.2f}x | "
                        f"{_r(vs_sb3)} | {_f(r['commit_ms'])} | {_mb(r['disk'])} |")
     out += ["", "### Sequences 256 x 32", "",
             "(17,) f32 steps in episodes of 250-750 steps. trajstore: `TrajectoryReplayBuffer.sample_sequences(256, 32)` "
@@ -614,19 +570,11 @@ def report(cmd: str, mach: str, vers: str, took: float, quick: bool, cfg: str, a
             if a["steady"] and b["steady"]:
                 out.append(f"- {name}: steady {ns[-1]:,} rows / {ns[0]:,} rows = {b['steady'] / a['steady']:.2f} "
                            f"(cold {b['cold'] / a['cold']:.2f})")
-    out += ["", END, ""]
-    return "\n".join(l for i, l in enumerate(out) if not (l == "" and i > 0 and out[i - 1] == ""))
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace the text between the begin/end markers, or append the section."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    a, b = text.find(BEGIN), text.find(END)
-    if a >= 0 and b > a:
-        text = text[:a] + section.rstrip("\n") + text[b + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    body = "\n".join(l for i, l in enumerate(out) if not (l == "" and i > 0 and out[i - 1] == ""))
+    return section(HEADING, "bench_peers.py", argv, runs="one run: each cold figure is the mean of a system's first "
+                   f"{COLD} calls, each steady figure the mean of its calls after those; commit: median of 20.",
+                   body=body, quick=quick, started=started, store_dir=store_dir,
+                   packages=("numcodecs", "torch", "stable-baselines3", "torchrl", "tensordict", "h5py"))
 
 
 def plot(sample: list[Row], png: Path) -> None:
@@ -659,49 +607,46 @@ def plot(sample: list[Row], png: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds per workload (a smoke test)")
-    ap.add_argument("--out", type=Path, default=None, help="(re)write this script's section of FILE (docs/benchmarks.md)")
-    ap.add_argument("--png", type=Path, default=None, help="plot file (default: bench_peers.png beside --out)")
+    ap.add_argument("--png", type=Path, default=None, help="plot file (bench_all.py: docs/bench_peers.png; default: none)")
     ap.add_argument("--dir", type=Path, default=None, help="folder for the stores (default: the temp folder)")
     ap.add_argument("--max-image-rows", type=int, default=50_000,
                     help="largest image store for sample(256) (default 50,000 = 1.4 GB per system; 200,000 = 5.6 GB)")
     ap.add_argument("--max-vector-rows", type=int, default=10_000_000, help="largest vector store (default 1e7)")
-    ap.add_argument("--append-vector-rows", type=int, default=None, help="default 1,000,000")
-    ap.add_argument("--append-image-rows", type=int, default=None, help="default 100,000")
+    ap.add_argument("--append-vector-rows", type=int, default=None, help="default 300,000")
+    ap.add_argument("--append-image-rows", type=int, default=None, help="default 20,000")
     ap.add_argument("--calls", type=int, default=None, help="calls per system per read workload (default 600)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds per system per workload (default 30)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds per system per workload (default 5)")
     ap.add_argument("--skip", type=str, default="", help="comma-separated workloads to leave out: append,sample,sequences")
     a = ap.parse_args(argv)
     q = a.quick
     calls = a.calls or (250 if q else 600)
-    budget = a.budget or (1.0 if q else 30.0)
+    budget = a.budget or (1.0 if q else 5.0)
     vsizes = [s for s in ([1000, 10_000] if q else [10_000, 100_000, 1_000_000, 10_000_000]) if s <= a.max_vector_rows]
     isizes = [s for s in ([200, 1000] if q else [1000, 10_000, 100_000, 200_000]) if s <= a.max_image_rows]
     if not q and a.max_image_rows not in isizes and a.max_image_rows < 200_000:
         isizes.append(a.max_image_rows)
     isizes.sort()
     ssizes = [2000, 20_000] if q else [100_000, 10_000_000]
-    av = a.append_vector_rows or (4000 if q else 1_000_000)
-    ai = a.append_image_rows or (400 if q else 100_000)
+    av = a.append_vector_rows or (4000 if q else 300_000)
+    ai = a.append_image_rows or (400 if q else 20_000)
     skip = set(filter(None, a.skip.split(",")))
-    cmd = "python scripts/bench_peers.py " + " ".join(argv)
-    png = a.png or ((a.out.parent / "bench_peers.png") if a.out is not None else None)
+    png = a.png
     cfg = (f"append {av:,} vector rows and {ai:,} image rows; sample(256) at {', '.join(f'{s:,}' for s in vsizes)} vector "
            f"rows and {', '.join(f'{s:,}' for s in isizes)} image rows; sequences at {', '.join(f'{s:,}' for s in ssizes)} "
            f"rows; {calls} calls per system per read workload, time budget {budget:g} s per system per workload")
     _optional()
-    vers = versions()  # the code imported now is the code measured
     base = a.dir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    append, sample, seqs = [], [], []
+    append: list[Row] = []
+    sample: list[Row] = []
+    seqs: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench_peers_", dir=base) as d:
         tmp = Path(d)
-        mach = machine(tmp)
-        print(mach, flush=True)
         if "append" not in skip:
             for shape, n in ((VEC, av), (IMG, ai)):
                 for batch in (1, 8):
@@ -716,17 +661,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in ssizes:
                 seqs += bench_sequences(tmp, n, calls, budget, k)
                 k += 1
-    took = time.perf_counter() - t_start
-    text = report(cmd, mach, vers, took, q, cfg, append, sample, seqs, png if sample else None)
-    print(text)
     if png is not None and sample:
         plot(sample, png)
         print(f"wrote {png}")
-    if a.out is not None:
-        write_section(a.out, text)
-        print(f"wrote {a.out}")
-    return 0
+    return report(argv, base, started, q, cfg, append, sample, seqs, png if sample else None)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    print(main())

@@ -4,7 +4,6 @@ tree's build time at 10,000,000 rows.
 
     python scripts/bench_prioritized.py                                # 1e6 rows, tree build at 1e7
     python scripts/bench_prioritized.py --quick                        # small sizes (smoke test)
-    python scripts/bench_prioritized.py --markdown docs/benchmarks.md  # also (re)write its section
 
 The store holds transitions of (17,) float32 observations (obs, next_obs, (6,) action, reward,
 done; raw chunks), as in bench_core.py, every row with a random priority (written through the
@@ -32,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_core import BLOCK, COLD, _write_markdown, run_blocks  # noqa: E402
+from bench_core import BLOCK, COLD, run_blocks  # noqa: E402
+from benchdoc import section  # noqa: E402
 
 from trajstore import PrioritizedSampler, ReplayBuffer  # noqa: E402
 from trajstore.sampling.sumtree import SumTree  # noqa: E402
@@ -119,51 +119,43 @@ def bench_build(n: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the store sampled")
     p.add_argument("--build-rows", type=int, default=10_000_000, help="leaves of the tree whose build is timed")
     p.add_argument("--calls", type=int, default=2000, help="calls of each sampler (the first 200: cold)")
-    p.add_argument("--markdown", type=Path, default=None, help="write the results into this markdown file's section")
     p.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.build_rows, args.calls = 20_000, 200_000, 400
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = Path(d) / "per"
-        t = time.perf_counter()
         build_store(path, args.rows)
-        built = time.perf_counter() - t
         rows, opened = bench_sampling(path, args.calls)
-    build = bench_build(args.build_rows, 3)
+    build = bench_build(args.build_rows, 5)
     lines = ["| measurement | PrioritizedSampler ms | uniform buffer.sample ms | ratio |", "|---|---|---|---|"]
     for what, ours, uni in rows:
         lines.append(f"| {what} | {ours * 1e3:.3f} | {uni * 1e3:.3f} | {ours / uni:.2f}x |")
     lines.append(f"| tree build, {args.build_rows:,} rows | {build * 1e3:.0f} | - | - |")
     lines.append(f"| PrioritizedSampler open, {args.rows:,} rows (priorities read from the store) | {opened * 1e3:.0f} "
                  "| - | - |")
-    text = "\n".join(lines)
-    print(text)
-    print(f"(store of {args.rows:,} rows with priorities written in {built:.1f} s)")
-    if args.markdown:
-        _write_markdown(args.markdown, "bench_prioritized.py", args.quick, HEADING,
-                        f"{args.rows:,} rows of (17,) f32 transitions (raw chunks, page cache warm), every row with "
-                        f"a random priority (alpha 0.6); calls timed in blocks of {BLOCK} consecutive calls. Cold: the "
-                        f"mean of the first {COLD} calls after opening, each system on a buffer opened for it alone (its "
-                        "first reads fault the store's pages into its own mappings), three rounds taking turns. "
-                        f"Steady: {args.calls:,} calls of each on one buffer, blocks interleaved and the order rotated "
-                        f"each round, the calls after the first {COLD}. Target: `sample(256)` within 2x of uniform."
-                        "\n\n" + text + "\n\n"
-                        "Beyond uniform's draw and gather, a prioritized `sample(256)` searches the sum tree (one "
-                        "`searchsorted` over the cumulative sums of its top row of at most 4,096 nodes, then one "
-                        "descent step per 16-ary level below it: two at 1,000,000 rows, each a gather of 256 rows of "
-                        "16 prefix sums, one comparison and a byte count), computes the importance weights from the "
-                        "leaves it reached, and reads the rows through `buffer[indices]` (which checks the indices). "
-                        "The training-step row adds `update_priorities(256)` (per level, the changed groups' prefix "
-                        "sums recomputed) and, on the next sample, the top row's cumulative sums computed again.")
-    return 0
+    body = (f"{args.rows:,} rows of (17,) f32 transitions (raw chunks, page cache warm), every row with a random "
+            f"priority (alpha 0.6); calls timed in blocks of {BLOCK} consecutive calls. Cold: the mean of the first "
+            f"{COLD} calls after opening, each system on a buffer opened for it alone, three rounds taking turns. "
+            f"Steady: {args.calls:,} calls of each on one buffer, blocks interleaved and the order rotated each "
+            f"round, the calls after the first {COLD}. Target: `sample(256)` within 2x of uniform.\n\n"
+            + "\n".join(lines) + "\n\n"
+            "Beyond uniform's draw and gather, a prioritized `sample(256)` searches the sum tree (a `searchsorted` "
+            "over its top row, then one 16-ary descent step per level below it), computes the importance weights "
+            "and reads the rows through `buffer[indices]`. The training-step row adds `update_priorities(256)`.")
+    return section(HEADING[3:], "bench_prioritized.py", argv,
+                   runs="cold: median of 3 rounds; steady: mean per call over the calls after the first "
+                        f"{COLD} of one run; tree build: median of 5 builds; open: one open.",
+                   body=body, quick=args.quick, started=started)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print(main())

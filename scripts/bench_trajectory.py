@@ -18,7 +18,8 @@ store to the small one (<= 1.3).
 
     python scripts/bench_trajectory.py                         # 1e5 and 1e7 rows (about 3 minutes)
     python scripts/bench_trajectory.py --quick                 # 1e4 and 1e5 rows (smoke test)
-    python scripts/bench_trajectory.py --markdown docs/benchmarks.md
+
+``main`` returns the section of docs/benchmarks.md (scripts/bench_all.py writes it there).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +36,8 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import COLD, _replace_section, _reproduce, run_blocks  # noqa: E402
+from bench_core import BLOCK, COLD, run_blocks  # noqa: E402
+from benchdoc import cold_steady_note, section  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 
@@ -130,10 +133,11 @@ def table(results: list[dict[str, Any]], small: int, large: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> str:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=None, help="fresh opens per workload (default 5; --quick 2)")
     args = p.parse_args(argv)
@@ -145,33 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         for n, path in paths.items():
             build(path, n)
         results = measure(paths, calls, rounds)
-    text = table(results, small, large)
-    print(text)
-    if args.markdown:
-        cmd, env = _reproduce("bench_trajectory.py", args.quick, f"numpy {np.__version__}")
-        section = (f"## Sequence sampling (scripts/bench_trajectory.py)\n\nReproduce: `{cmd}` ({env}). "
-                   f"Windows of {B} anchors from read-only TrajectoryReplayBuffer stores of {small:,} and {large:,} "
-                   "steps ({\"obs\": (17,), \"action\": (6,)} float32, episodes of 250-750 steps), each store "
-                   f"opened afresh per workload and round ({rounds} rounds, the opening order alternating), page "
-                   "cache warm, no read pass before timing; blocks of 25 consecutive calls rotated between the "
-                   f"stores; cold = the first {COLD} calls after opening, steady = the calls after those; medians "
-                   "over the rounds (one round's cold phase is 200 calls, a fifth of a second: another process "
-                   "waking up moves it by 10-30%). Per-field windows read obs at offsets -1, 0 and action at "
-                   "0..15 (Diffusion Policy's 2 observation frames and 16 actions). The numpy gather takes "
-                   "`sample_sequences(256, 32)`'s windows from arrays in RAM: its own growth between sizes is what "
-                   "the memory hierarchy costs (the small store fits in the last-level cache, the large one does "
-                   "not). The large store's cold calls also pay what a freshly opened store costs once, in "
-                   "proportion to its size: the first call maps every chunk file (one mapping per file: a few "
-                   "hundred) and loads the run index its writer saved at close (`trajstore.runs`, docs/format.md; "
-                   "building it from all 10 million episode ids took about 16 ms of every fresh reader's first "
-                   "call), and the first calls fault the store's pages into the process (about 1 GB: one "
-                   "fault per 2 MiB chunk page while the page cache holds the freshly written store in 2 MiB "
-                   "folios, one per 64 KiB otherwise: the same store an hour and much memory churn later faulted "
-                   "5x as often)."
-                   f"\n\n{text}\n")
-        _replace_section(args.markdown, "## Sequence sampling", section)
-    return 0
+    body = (f"Windows of {B} anchors from read-only `TrajectoryReplayBuffer` stores of {small:,} and {large:,} steps "
+            "({\"obs\": (17,), \"action\": (6,)} float32, episodes of 250-750 steps), each store opened afresh per "
+            "workload and round, the opening order alternating; " + cold_steady_note(BLOCK, COLD) + " Per-field "
+            "windows read obs at offsets -1, 0 and action at 0..15 (Diffusion Policy's 2 observation frames and 16 "
+            f"actions). The numpy gather takes `sample_sequences({B}, {T})`'s windows from arrays in RAM: its own "
+            "growth between sizes is what the memory hierarchy costs. The large store's cold calls also pay what a "
+            "fresh open costs once in proportion to its size (mapping every chunk file, faulting its pages in; "
+            "performance-notes.md).\n\n" + table(results, small, large))
+    return section("Sequence sampling (scripts/bench_trajectory.py)", "bench_trajectory.py", argv,
+                   runs=f"every cold and steady figure is the median of {rounds} rounds (fresh opens).",
+                   body=body, quick=args.quick, started=started)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print(main())

@@ -40,10 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gymnasium as gym  # noqa: E402
 from bench_core import run_blocks  # noqa: E402
+from benchdoc import section  # noqa: E402
 
 from trajstore import TrajectoryReplayBuffer  # noqa: E402
 
-HEADING = "## Video fields: episode windows and random frames (bench_video.py)"
+HEADING = "## Video (scripts/bench_video.py)"
 WINDOW, ANCHORS = 64, 4
 STORES = {"raw": None, "jpeg:90": "jpeg:90", "h264": "h264:crf=23:g=10", "av1 (lerobot)": "lerobot"}
 
@@ -152,7 +153,6 @@ def main(argv: list[str] | None = None) -> str:
             with TrajectoryReplayBuffer.load_from(str(paths[name]), read_only=True) as ro:
                 quality[name] = _psnr(ro[: len(allf)]["step_data"]["obs"], allf)
         results = [measure(paths, [length] * n_ep, calls, block, seed=r) for r in range(runs)]
-    took = time.perf_counter() - t0
     med = {n: {k: statistics.median(r[n][k] for r in results) for k in results[0][n]} for n in names}
     raw = size.get("raw") or len(allf) * int(np.prod(shape))
     lines = ["| obs stored as | window frames/s cold | steady | single frame ms cold | steady | bytes on disk | "
@@ -164,16 +164,17 @@ def main(argv: list[str] | None = None) -> str:
                      f"{'exact' if quality[n] == float('inf') else format(quality[n], '.1f')} | {build_s[n]:.1f} |")
     import av
 
-    text = (f"{HEADING}\n\n{n_ep} episodes of {length} frames of {shape[0]}x{shape[1]}x3 (a camera panning over a "
+    ffmpeg = av.ffmpeg_version_info
+    body = (f"{n_ep} episodes of {length} frames of {shape[0]}x{shape[1]}x3 (a camera panning over a "
             f"photo); windows: `get_sequences` of {ANCHORS} anchors x {WINDOW} consecutive frames inside episodes; "
             f"single frames: `rb[i]` at random rows.  Blocks of {block} consecutive calls per store, the stores' "
             f"order rotated each round, no warm-up call; \"cold\" is the first block after opening, \"steady\" the "
-            f"other {calls - block} calls; median over {runs} run(s) of fresh opens.  PyAV {av.__version__} "
-            f"(FFmpeg {'.'.join(map(str, av.ffmpeg_version_info)) if isinstance(av.ffmpeg_version_info, tuple) else av.ffmpeg_version_info}), "
+            f"other {calls - block} calls.  PyAV {av.__version__} "
+            f"(FFmpeg {'.'.join(map(str, ffmpeg)) if isinstance(ffmpeg, tuple) else ffmpeg}), "
             f"h264 = libx264 crf 23 g 10 veryfast, av1 (lerobot) = libsvtav1 crf 30 g 2 (decoded by libdav1d); "
-            f"{time.strftime('%Y-%m-%d')}, took {took:.0f} s, load average {load0:.1f} at the start and "
-            f"{os.getloadavg()[0]:.1f} at the end.\n\n" + "\n".join(lines) + "\n")
-    return text
+            f"load average {load0:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n" + "\n".join(lines) + "\n")
+    return section(HEADING[3:], "bench_video.py", sys.argv[1:] if argv is None else argv, runs=f"median over {runs} run(s) of fresh opens.",
+                   body=body, quick=q, started=t0, packages=("av",))
 
 
 if __name__ == "__main__":

@@ -556,11 +556,10 @@ def test_sigkill_during_update_priorities(tmp_path: Path, procs: list) -> None:
 # the benchmark script
 # ---------------------------------------------------------------------------------------------
 def test_bench_prioritized_quick(tmp_path: Path) -> None:
-    md = tmp_path / "bench.md"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prioritized.py"), "--quick", "--markdown",
-                          str(md), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    from _bench import quick_section
+
+    text = quick_section("prioritized", tmp_path)
+    assert text.startswith("## Prioritized replay (scripts/bench_prioritized.py)")
     for what in ("sample(256), cold", "sample(256), steady", "sample(256) + update_priorities(256)",
                  "tree build"):
-        assert what in out.stdout, what
-    assert "## Prioritized replay (scripts/bench_prioritized.py)" in md.read_text()
+        assert what in text, what

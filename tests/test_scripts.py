@@ -1,4 +1,7 @@
-"""The benchmark scripts keep working (run small; timings are printed, never asserted)."""
+"""The benchmark sections of docs/benchmarks.md keep working: each runs at --quick sizes through
+scripts/bench_all.py (timings are printed, never asserted). The sections of other modules' tests:
+sb3 (test_sb3_training.py), prioritized (test_prioritized.py), peers (test_bench_peers.py), offline
+(test_bench_offline.py), compressed (test_compressed_reads.py)."""
 
 from __future__ import annotations
 
@@ -6,26 +9,34 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from _bench import ROOT, quick_section
+
+# rows every section's table must have (the quick sizes' names where a row names its size)
+ROWS = {
+    "core": ["| append transitions (obs + next_obs 17 f32, action (6,), reward, done), 1 per call | trajstore |",
+             "| append transitions (obs + next_obs 84x84x4 u8, action (6,), reward, done), 1 per call | SB3 |",
+             "| sample(256) transitions, obs 17 f32 | 5,000 | numpy memmap |",
+             "| sample(256) transitions, obs 84x84x4 u8 | 300 | trajstore, torch backend |",
+             "| `ReplayBuffer.load_from(path, read_only=True)`, 5,000 rows |", "| none | 1 (raw) |", "| zstd |"],
+    "sequences": ["| sample_sequences(256, 32) | 100,000 |", "Ratio 100,000 rows / 10,000 rows",
+                  "| numpy in-RAM gather of the same windows | 10,000 |"],
+    "images": ["| sample(256), numpy | cold |", "| sample(256), torch vs numpy backend | steady |",
+               "| rb[idx], 256 random rows |", "| get_slice(:)[idx]", "| get_column(['obs'])[idx]",
+               "| get_sequences(256 anchors", "| sample_sequences(256, 4) |",
+               "| ZarrReplayBuffer.sample(256), 300 transitions | cold |",
+               "| ZarrReplayBuffer.add, 300 transitions (ring full) | steady |"],
+    "import": ["| cached |", "| compiled afresh |"],
+    "shards": ["| sample(256) | 64 shards |", "| sample_sequences(256, 8) | one store |"],
+    "open_dp": ["| sample(256) | in place |", "| `import_diffusion_policy` |"],
+}
 
 
-def test_bench_core_quick(tmp_path: Path) -> None:
-    md = tmp_path / "bench.md"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_core.py"), "--quick", "--markdown", str(md),
-                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "| sample(256) transitions (17,) f32 |" in out.stdout
-    assert "## Core store" in md.read_text()
-
-
-def test_bench_trajectory_quick(tmp_path: Path) -> None:
-    md = tmp_path / "bench.md"
-    # one round of fresh opens per workload (--quick: 2): the table's every row is still measured
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_trajectory.py"), "--quick", "--rounds", "1",
-                          "--markdown", str(md), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "Ratio 100,000 rows / 10,000 rows" in out.stdout
-    assert "## Sequence sampling" in md.read_text()
+@pytest.mark.parametrize("name", list(ROWS))
+def test_section_quick(name: str, tmp_path: Path) -> None:
+    text = quick_section(name, tmp_path)
+    for row in ROWS[name]:
+        assert row in text, row
 
 
 def test_ring_fullness_quick() -> None:
@@ -34,24 +45,3 @@ def test_ring_fullness_quick() -> None:
                           "--seconds", "1.5", "--check"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "capacity     1,000: writer" in out.stdout and "0 sample errors" in out.stdout
-
-
-def test_bench_images_quick(tmp_path: Path) -> None:
-    """Every image read path against the memmap, each read workload in its own interpreter."""
-    md = tmp_path / "bench.md"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_images.py"), "--quick", "--rows", "1000",
-                          "--sb3-sizes", "300", "--markdown", str(md)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    for what in ("sample(256), numpy", "sample(256), torch vs numpy backend", "rb[idx], 256 random rows",
-                 "get_slice(:)[idx]", "get_column(['obs'])[idx]", "get_sequences(256 anchors", "sample_sequences(256, 4)",
-                 "ZarrReplayBuffer.sample(256), 300 transitions", "ZarrReplayBuffer.add, 300 transitions"):
-        assert out.stdout.count(f"| {what}") == 2, what  # cold and steady rows
-    assert "## Image rows: every read path against the memmap limit" in md.read_text()
-
-
-def test_bench_import_quick(tmp_path: Path) -> None:
-    md = tmp_path / "bench.md"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_import.py"), "--runs", "1", "--markdown",
-                          str(md)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "| cached |" in out.stdout and "## Import time" in md.read_text()

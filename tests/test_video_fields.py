@@ -315,7 +315,7 @@ def test_bench_video_quick_returns_its_markdown_section():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     text = mod.main(["--quick", "--calls", "2", "--length", "64", "--stores", "raw,jpeg:90,h264,av1 (lerobot)"])
-    assert text.startswith("## Video fields: episode windows and random frames (bench_video.py)")
+    assert text.startswith("## Video (scripts/bench_video.py)")
     for name in ("| raw |", "| jpeg:90 |", "| h264 |", "| av1 (lerobot) |"):
         assert name in text, text
 
