@@ -36,6 +36,8 @@ __all__ = [
     "UnknownFieldError",
     "UnknownEpisodeError",
     "NoEpisodesError",
+    "UnknownTaskError",
+    "TimeOrderError",
 ]
 
 
@@ -171,3 +173,16 @@ class UnknownFieldError(TrajstoreError, KeyError):
 class NoEpisodesError(TrajstoreError, ValueError):
     """Episodes were asked of a store that records no episode boundaries (a ReplayBuffer without
     ``terminated``/``truncated``/``done`` fields); the message names the fields looked for."""
+
+
+class UnknownTaskError(TrajstoreError, KeyError):
+    """A task string (or task index) that the store's task dictionary does not hold; the message
+    lists the tasks it has (docs/robot.md)."""
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return str(self.args[0]) if self.args else ""
+
+
+class TimeOrderError(BadValueError):
+    """Timestamps of one episode that go back in time (a ``timestamp`` step field must not
+    decrease within an episode; docs/robot.md "Time")."""

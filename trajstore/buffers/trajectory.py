@@ -25,6 +25,7 @@ from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.episode_windows import EpisodeWindows
+from trajstore.buffers.robot import RobotData
 from trajstore.buffers.replay import (
     ZarrStorage,
     _is_remote,
@@ -70,7 +71,7 @@ def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: 
             for p, s, d in shapes]
 
 
-class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, TrajectoryReads):
+class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, TrajectoryEdits, TrajectoryReads):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
@@ -399,6 +400,7 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
         self.extend_flattened(flat[None])
 
     def _extend(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None, ep_arrays: list[np.ndarray] | None) -> None:
+        self._check_timestamps(arrays, np.full(n, self.current_episode_id, np.int64) if ids is None else ids)
         with self._store.write_op():
             self._drain()
             if ids is None:
