@@ -63,7 +63,8 @@ class RobotData:
         """The store's ``trajstore.robot.json`` (fps, tasks, episode tasks), read now."""
         return load_robot(cast("TrajectoryReplayBuffer", self)._store.loc)
 
-    def _put_robot(self, info: RobotInfo) -> None:
+    def put_robot_info(self, info: RobotInfo) -> None:
+        """Replace the store's robot metadata with ``info`` (checked first; one atomic put)."""
         buf = cast("TrajectoryReplayBuffer", self)
         if buf.read_only:
             raise ReadOnlyError(f"{buf.cache_path!r} is open read-only: edit its robot metadata through a writer")
@@ -81,7 +82,7 @@ class RobotData:
             raise BadOptionError(f"fps must be a number in (0, 1e9) or None; got {fps!r}")
         info = self.robot_info()
         info.fps = None if fps is None else float(fps)
-        self._put_robot(info)
+        self.put_robot_info(info)
 
     # -- tasks --------------------------------------------------------------------------------
     @property
@@ -128,7 +129,7 @@ class RobotData:
         if missing:
             raise UnknownEpisodeError(f"episodes {missing[:10]} have no steps in {buf.cache_path!r}")
         info.episode_tasks.update({int(e): k for e in ids.tolist()})
-        self._put_robot(info)
+        self.put_robot_info(info)
         return k
 
     def rename_task(self, old: str, new: str) -> None:
@@ -148,7 +149,7 @@ class RobotData:
         if new != old and new in info.tasks:
             raise BadOptionError(f"task {new!r} exists already; assign its episodes instead of renaming")
         info.tasks[info.tasks.index(old)] = new
-        self._put_robot(info)
+        self.put_robot_info(info)
 
     def task_column(self, episode_ids: np.ndarray) -> np.ndarray:
         """(E,) object array of the task of each episode id (``""`` where it has none)."""

@@ -30,6 +30,7 @@ from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
     SpaceMismatchError,
+    UnknownTaskError,
     UnsupportedSpaceError,
 )
 from trajstore.maintenance.staged import (
@@ -42,7 +43,7 @@ from trajstore.maintenance.staged import (
     step_blocks,
     verify_written,
 )
-from trajstore.maintenance.where import compile_where, where_fields
+from trajstore.maintenance.where import compile_where, where_fields, where_strings
 
 __all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space", "space_difference"]
 
@@ -395,6 +396,28 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
             buf.close()
 
 
+def check_task_strings(buf: TrajectoryReplayBuffer, where: str) -> list[str]:
+    """``["task"]``, the text column a ``where`` over ``task`` uses, once every string it compares
+    with is a task of ``buf`` (UnknownTaskError otherwise: a typo would keep no episode silently)."""
+    tasks = buf.tasks
+    unknown = [t for t in where_strings(where) if t not in tasks]
+    if unknown:
+        raise UnknownTaskError(f"--where {where!r}: no task {unknown[0]!r} in {buf.cache_path!r}; the tasks are {tasks}")
+    return ["task"]
+
+
+def carry_robot_info(src: TrajectoryReplayBuffer, ids: np.ndarray, dst: str) -> None:
+    """The frame rate and the tasks of episodes ``ids`` of ``src`` into the store at ``dst``
+    (ids are kept; the dictionary is kept whole, so task indices stay the same)."""
+    info = src.robot_info()
+    if info.fps is None and not info.tasks:
+        return
+    keep = set(np.asarray(ids).tolist())
+    info.episode_tasks = {e: t for e, t in info.episode_tasks.items() if e in keep}
+    with TrajectoryReplayBuffer.load_from(dst) as out:
+        out.put_robot_info(info)
+
+
 def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
                  where: str | Callable[[dict[str, np.ndarray]], Any], *, tqdm: bool | None = None,
                  overwrite: bool = False) -> dict[str, Any]:
@@ -409,7 +432,8 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         A local folder that does not exist yet (``overwrite=True`` replaces it).
     where : str or callable
         An expression of :mod:`trajstore.maintenance.where` over the episode fields (``"return >
-        100 and length >= 10"``), or a function as ``filter_episodes`` takes.
+        100 and length >= 10"``, ``"task == 'pick cube'"``), or a function as ``filter_episodes`` takes.
+        The kept episodes' tasks and the store's fps go along (docs/robot.md).
     tqdm : bool or None
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
@@ -427,6 +451,8 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         ``where`` is not an expression of the language, or does not give true/false.
     UnknownFieldError
         ``where`` names a field the store's episodes do not have (the message lists them).
+    UnknownTaskError
+        ``where`` compares ``task`` with a string that is no task of the store.
     StoreExistsError
         ``dst`` exists and ``overwrite`` is False.
     """
@@ -442,8 +468,11 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         else:
             names = where_fields(where)
             data_names = [leaf.name or "value" for leaf in buf._ep_plan.leaves] if buf._ep_plan is not None else []
-            compile_where(where, list(TABLE_COLUMNS) + data_names)  # unknown fields: before reading anything
+            text = check_task_strings(buf, where) if "task" in names and "task" not in data_names else []
+            compile_where(where, list(TABLE_COLUMNS) + data_names + text)  # unknown fields: before reading anything
             cols = episode_columns(buf, names=[n for n in names if n in data_names])
+            if text:
+                cols["task"] = buf.task_column(cols["episode_id"]).astype(str)
             mask = cols["episode_id"][compile_where(where, cols)(cols)]
         ids = np.sort(np.asarray(mask, np.int64))
         tmp = staged.new(out_path)
@@ -453,6 +482,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
             steps = _write_selection(buf, ids, tmp, bar)
         finally:
             bar.close()
+        carry_robot_info(buf, ids, tmp)
         verify_written(tmp)
         staged.commit(overwrite)
         return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
