@@ -28,6 +28,7 @@ from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
 from trajstore.torch._source import FieldSelection, ShardedSource, make_source
 from trajstore.torch._transfer import in_worker, pack
+from trajstore.torch.normalize import Normalizer
 
 __all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
 
@@ -128,7 +129,18 @@ class _Base(Dataset):
 
     def read_batch(self, indices: Any) -> dict[str, Any]:
         """Items ``indices`` (non-negative) as one stacked batch ``{field: (B, ...)}``."""
-        return self._read(indices, self._torch if self.output == "torch" else self._numpy)
+        return self._normed(self._read(indices, self._torch if self.output == "torch" else self._numpy))
+
+    def normalize(self, modes: Mapping[str, str], *, episodes: Any = None) -> Any:
+        """Normalize fields by the store's statistics from now on (``{"state": "mean_std", "action":
+        "min_max"}``; modes of :data:`trajstore.torch.normalize.MODES`); returns the dataset.  The
+        statistics are taken now (stored ones where current, docs/robot.md) and pickled with it."""
+        self._norm: Normalizer | None = Normalizer(self.buffer, modes, episodes)
+        return self
+
+    def _normed(self, batch: dict[str, Any]) -> dict[str, Any]:
+        norm = getattr(self, "_norm", None)
+        return batch if norm is None else norm(batch)
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         raise NotImplementedError  # abstract
@@ -140,7 +152,7 @@ class _Base(Dataset):
         buffer, so the batch crosses to the main process as one object (see ``_transfer``)."""
         idx = self._indices(indices)
         if self.output == "torch" and in_worker():
-            return SampleBatch(pack(self._read(idx, self._numpy)), len(idx))
+            return SampleBatch(pack(self._normed(self._read(idx, self._numpy))), len(idx))
         return SampleBatch(self.read_batch(idx), len(idx))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
