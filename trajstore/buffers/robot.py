@@ -232,7 +232,7 @@ class RobotData:
             raise BadOptionError(f"on_missing must be one of {_ON_MISSING}; got {on_missing!r}")
         deltas = _tw.check_deltas(delta_timestamps)
         plan = self._time_plan(deltas, dict(streams or {}))
-        anchors = normalize_index(idx, len(buf))
+        anchors = np.atleast_1d(np.asarray(normalize_index(idx, len(buf)), np.int64))
         src = buf.row_source()
         eids, t0 = read_consistent(src, lambda: _tw.anchor_times(src, self._clock(), anchors))
         out: dict[str, Any] = {}

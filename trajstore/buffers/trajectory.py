@@ -25,12 +25,12 @@ from trajstore._optional import is_tensor, to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.episode_windows import EpisodeWindows
-from trajstore.buffers.robot import RobotData
 from trajstore.buffers.replay import (
     ZarrStorage,
     _is_remote,
     _storage_cls_check,
 )
+from trajstore.buffers.robot import RobotData
 from trajstore.buffers.rows import TrajectoryRows
 from trajstore.buffers.trajectory_edits import TrajectoryEdits, check_episode_ids
 from trajstore.buffers.trajectory_reads import TrajectoryData, TrajectoryReads

@@ -28,7 +28,8 @@ def _open(args: argparse.Namespace, write: bool) -> TrajectoryReplayBuffer:
 def episode_stats_command(args: argparse.Namespace) -> int:
     """``trajstore stats PATH --save`` (store every episode's statistics) and ``--episodes IDS``
     (print the statistics aggregated over them)."""
-    with _open(args, write=args.save) as buf:
+    buf = _open(args, write=args.save)
+    with buf:
         if args.save:
             n = buf.save_stats()
             if not args.json and args.episodes is None:
@@ -54,7 +55,8 @@ def episode_stats_command(args: argparse.Namespace) -> int:
 
 
 def _cmd_task(args: argparse.Namespace) -> int:
-    with _open(args, write=args.action != "list") as buf:
+    buf = _open(args, write=args.action != "list")
+    with buf:
         if args.action == "rename":
             buf.rename_task(args.old, args.new)
         elif args.action == "assign":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 import numpy as np
@@ -415,7 +415,7 @@ def carry_robot_info(src: TrajectoryReplayBuffer, ids: np.ndarray, dst: str) -> 
     keep = set(np.asarray(ids).tolist())
     info.episode_tasks = {e: t for e, t in info.episode_tasks.items() if e in keep}
     with TrajectoryReplayBuffer.load_from(dst) as out:
-        out.put_robot_info(info)
+        cast(TrajectoryReplayBuffer, out).put_robot_info(info)
 
 
 def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,

@@ -52,8 +52,8 @@ from trajstore.storage.array_meta import check_array_meta, consolidated
 from trajstore.storage.confined import MAX_FILE_BYTES
 from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
 from trajstore.storage.keys import ROBOT_KEY, RUNS_KEY, STATS_KEY
-from trajstore.storage.robot_files import load_robot, load_stats
 from trajstore.storage.location import Location
+from trajstore.storage.robot_files import load_robot, load_stats
 from trajstore.storage.runs_file import RUNS_TABLE, decode_runs, disagreement, runs_limit
 from trajstore.storage.schema import (
     check_allocation,

@@ -14,7 +14,6 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
