@@ -343,6 +343,14 @@ class RobotData:
         return dataclasses.replace(fresh, episode_ids=ids, lengths=np.array([lengths[e] for e in ids.tolist()], np.int64),
                                    values=np.stack([have[e] for e in ids.tolist()]))
 
+    def close(self, *, save_stats: bool = False) -> None:
+        """Commit and release the store (``StoredBuffer.close``); ``save_stats=True`` first stores
+        every episode's statistics (:meth:`save_stats`; a writer only)."""
+        buf = cast("TrajectoryReplayBuffer", self)
+        if save_stats and not buf._closed:
+            self.save_stats()
+        super().close()  # type: ignore[misc]
+
     def save_stats(self) -> int:
         """Compute (or keep, where current) every episode's statistics of every step field and store
         them in ``trajstore.stats`` (replaced whole: crash safe).  Returns the episodes stored."""

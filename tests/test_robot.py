@@ -1,0 +1,367 @@
+"""Robot-learning metadata (issue 32 points 2-4, docs/robot.md): time windows in seconds with a
+tolerance, streams at other rates, tasks (filter, rename, reassign, crash safe) and stored
+statistics (exact moments, quantiles within their documented rank error, hostile stats files)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium.spaces import Box, Dict
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import _robot_workers as RW  # noqa: E402
+import _workers as W  # noqa: E402
+
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
+from trajstore.errors import (  # noqa: E402
+    BadOptionError,
+    DamagedStoreError,
+    ReadOnlyError,
+    TimeOrderError,
+    UnknownEpisodeError,
+    UnknownFieldError,
+    UnknownTaskError,
+)
+from trajstore.maintenance.combine import filter_store  # noqa: E402
+from trajstore.maintenance.verify import verify_store  # noqa: E402
+from trajstore.storage.robot_files import STAT_WIDTH  # noqa: E402
+
+SPACE = Dict({"timestamp": Box(0, 1e9, (), np.float64), "state": Box(-100, 100, (3,), np.float32),
+              "image": Box(0, 255, (4, 5, 3), np.uint8)})
+
+
+def _record(path: str | None, lengths=(20, 21, 22), hz: float = 10.0, seed: int = 0) -> TrajectoryReplayBuffer:
+    """Episodes of ``lengths`` steps at ``hz``; state[0] holds the step's time (for checking)."""
+    rng = np.random.default_rng(seed)
+    tb = TrajectoryReplayBuffer.create(SPACE, cache_path=path)
+    for n in lengths:
+        ts = np.arange(n) / hz
+        state = rng.normal(size=(n, 3)).astype(np.float32)
+        state[:, 0] = ts
+        tb.extend({"timestamp": ts, "state": state, "image": rng.integers(0, 256, (n, 4, 5, 3), dtype=np.uint8)})
+        tb.mark_episode_end()
+    return tb
+
+
+def _hashes(root: str) -> dict[str, str]:
+    out = {}
+    for d, _s, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+# -- time ------------------------------------------------------------------------------------------
+def test_time_windows_pad_out_of_tolerance_frames_and_never_replace_silently(tmp_path):
+    tb = _record(str(tmp_path / "s"))
+    # Anchors: row 0 (episode 0, t=0), row 5 (t=0.5), row 20 (episode 1, t=0), row 62 (episode 2, last, t=2.1).
+    w = tb.get_time_windows([0, 5, 20, 62], {"state": [-0.1, 0.0, 0.1], "image": [0.0, 0.05]}, tolerance_s=0.01)
+    assert w["state"].shape == (4, 3, 3) and w["image"].shape == (4, 2, 4, 5, 3)
+    assert w["state_is_pad"].tolist() == [[True, False, False], [False, False, False], [True, False, False],
+                                          [False, False, True]]
+    # A padded frame holds the episode's nearest step and is flagged; every other frame is at its time.
+    np.testing.assert_allclose(w["state"][:, :, 0], [[0, 0, 0.1], [0.4, 0.5, 0.6], [0, 0, 0.1], [2.0, 2.1, 2.1]],
+                               atol=1e-6)
+    assert w["image_is_pad"][:, 1].all() and not w["image_is_pad"][:, 0].any()  # 0.05 s lies between two frames
+    loose = tb.get_time_windows([5], {"image": [0.05]}, tolerance_s=0.05)
+    assert not loose["image_is_pad"].any()
+    # previous: the latest step at or before the time.
+    prev = tb.get_time_windows([5], {"state": [0.07, -0.5, -0.51]}, tolerance_s=0.1, mode="previous")
+    np.testing.assert_allclose(prev["state"][0, :, 0], [0.5, 0.0, 0.0], atol=1e-6)
+    assert prev["state_is_pad"].tolist() == [[False, False, True]]
+    with pytest.raises(BadOptionError, match="within"):
+        tb.get_time_windows([0], {"state": [-0.1]}, on_missing="raise")
+    with pytest.raises(BadOptionError, match="tolerance_s"):
+        tb.get_time_windows([0], {"state": [0.0]}, tolerance_s=-1e-3)
+    with pytest.raises(UnknownFieldError):
+        tb.get_time_windows([0], {"nope": [0.0]})
+    s = tb.sample_time_windows(8, {"state": [0.0]}, rng=0)
+    assert s["state"].shape == (8, 1, 3) and not s["state_is_pad"].any()
+    tb.close()
+
+
+def test_fps_without_timestamps_and_no_time_at_all(tmp_path):
+    space = Dict({"state": Box(-1e9, 1e9, (), np.float64)})
+    tb = TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"))
+    tb.extend({"state": np.arange(10.0)})
+    tb.mark_episode_end()
+    with pytest.raises(BadOptionError, match="no time"):
+        tb.get_time_windows([0], {"state": [0.0]})
+    tb.set_fps(50)
+    w = tb.get_time_windows([3, 9], {"state": [-0.04, 0.0, 0.02, 0.03]}, tolerance_s=1e-4)
+    assert w["state"].tolist() == [[1, 3, 4, 4], [7, 9, 9, 9]]
+    assert w["state_is_pad"].tolist() == [[False, False, False, True], [False, False, True, True]]
+    tb.close()
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        assert ro.fps == 50.0
+        with pytest.raises(ReadOnlyError):
+            ro.set_fps(30)
+    with pytest.raises(BadOptionError):
+        TrajectoryReplayBuffer.load_from(str(tmp_path / "s")).set_fps(-1)
+
+
+def test_streams_at_other_rates_read_at_the_cameras_times(tmp_path):
+    cam = _record(str(tmp_path / "cam"), lengths=(30, 30), hz=30.0)
+    joints = TrajectoryReplayBuffer.create(Dict({"timestamp": Box(0, 1e9, (), np.float64),
+                                                 "pos": Box(-1e9, 1e9, (), np.float64)}), cache_path=str(tmp_path / "j"))
+    for _ in range(2):  # 500 Hz, starting 1 ms after the camera; pos = its own time
+        ts = 0.001 + np.arange(500) / 500
+        joints.extend({"timestamp": ts, "pos": ts})
+        joints.mark_episode_end()
+    w = cam.get_time_windows([10, 40], {"state": [0.0], "joints/pos": [0.0, -0.01]}, tolerance_s=0.002,
+                             streams={"joints": joints})
+    t_cam = np.array([10 / 30, 10 / 30])
+    near = 0.001 + np.round((t_cam - 0.001) * 500) / 500
+    np.testing.assert_allclose(w["joints/pos"][:, 0], near)
+    assert not w["joints/pos_is_pad"].any()
+    prev = cam.get_time_windows([0], {"joints/pos": [0.0, 0.01]}, tolerance_s=0.002, mode="previous",
+                                streams={"joints": joints})
+    # At t=0 no joint sample lies at or before: padded; at 0.01 the previous is 0.009.
+    assert prev["joints/pos_is_pad"].tolist() == [[True, False]]
+    np.testing.assert_allclose(prev["joints/pos"][0, 1], 0.009)
+    cam.close()
+    joints.close()
+
+
+def test_timestamps_out_of_order_are_refused_before_any_byte_is_written(tmp_path):
+    path = str(tmp_path / "s")
+    _record(path).close()
+    tb = TrajectoryReplayBuffer.load_from(path)
+    before = _hashes(path)
+    bad = {"timestamp": np.array([0.0, 0.2, 0.1]), "state": np.zeros((3, 3), np.float32),
+           "image": np.zeros((3, 4, 5, 3), np.uint8)}
+    with pytest.raises(TimeOrderError, match="step 2"):
+        tb.extend(bad)
+    tb.extend({**bad, "timestamp": np.array([0.0, 0.1, 0.1])})  # equal times are allowed
+    with pytest.raises(TimeOrderError):  # and the episode continues from its last time
+        tb.extend({**bad, "timestamp": np.array([0.05, 0.2, 0.3])})
+    assert len(tb) == 66
+    tb.close()
+    assert TimeOrderError.__mro__[1].__name__ == "BadValueError"
+    assert set(before) <= set(_hashes(path))
+
+
+# -- tasks -----------------------------------------------------------------------------------------
+def test_tasks_assign_rename_filter_and_refusals(tmp_path):
+    path = str(tmp_path / "s")
+    tb = _record(path, lengths=(5, 6, 7, 8))
+    assert tb.assign_task([0, 2], "pick cube") == 0
+    assert tb.assign_task(1, "place cube") == 1
+    assert tb.assign_task([3], 0) == 0  # by index
+    tb.rename_task("place cube", "stack")
+    assert tb.tasks == ["pick cube", "stack"] and tb.episode_tasks() == {0: "pick cube", 1: "stack", 2: "pick cube",
+                                                                           3: "pick cube"}
+    before = _hashes(path)
+    with pytest.raises(UnknownTaskError):
+        tb.rename_task("nope", "x")
+    with pytest.raises(UnknownTaskError):
+        tb.assign_task([0], 7)
+    with pytest.raises(UnknownTaskError):
+        tb.assign_task([0], "new", new=False)
+    with pytest.raises(UnknownEpisodeError):
+        tb.assign_task([99], "pick cube")
+    with pytest.raises(BadOptionError):
+        tb.rename_task("stack", "pick cube")
+    assert _hashes(path) == before
+    tb.set_fps(10)
+    tb.close()
+    out = filter_store(path, str(tmp_path / "f"), "task == 'pick cube' and length > 5")
+    assert out["episodes"] == 2
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "f"), read_only=True) as f:
+        assert f.episode_tasks() == {2: "pick cube", 3: "pick cube"} and f.fps == 10.0
+    with pytest.raises(UnknownTaskError, match="the tasks are"):
+        filter_store(path, str(tmp_path / "g"), "task == 'pick cubes'")
+    assert not os.path.exists(tmp_path / "g")
+
+
+def test_cli_task_and_stats(tmp_path, capsys):
+    from trajstore.cli import main
+
+    path = str(tmp_path / "s")
+    tb = _record(path)
+    tb.assign_task([0, 1, 2], "pick cube")
+    tb.close()
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        got = capsys.readouterr()
+        return code, got.out, got.err
+
+    code, out, err = cli("task", "rename", path, "pick cube", "lift", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"tasks": ["lift"], "episodes": {"0": "lift", "1": "lift", "2": "lift"}}
+    code, out, _ = cli("task", "assign", path, "push", "--episodes", "2")
+    assert code == 0 and "push" in out
+    code, _, err = cli("task", "rename", path, "nope", "x")
+    assert code == 1 and "no task 'nope'" in err
+    code, out, err = cli("filter", path, str(tmp_path / "f"), "--where", "task == 'push'", "--json")
+    assert code == 0 and json.loads(out)["episodes"] == 1, err
+    code, out, _ = cli("stats", path, "--save")
+    assert code == 0 and "3 episodes" in out
+    code, out, _ = cli("stats", path, "--episodes", "0,1", "--field", "state", "--json")
+    got = json.loads(out)["state"]
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        want = ro.stats([0, 1], fields=["state"])["state"]
+    assert np.allclose(got["q50"], want["q50"]) and got["count"] == 41
+    code, out, _ = cli("stats", path, "--episodes", "all")
+    assert code == 0 and "image[2]" in out and "q99" in out
+
+
+def test_sigkill_during_task_edits_and_stats_saves(tmp_path):
+    store = str(tmp_path / "store")
+    tb = _record(store, lengths=(4, 5, 6, 4, 5, 6))
+    tb.assign_task(range(6), "start")
+    tb.close()
+    rng = np.random.default_rng(3)
+    for r in range(6):
+        ready = str(tmp_path / f"ready{r}")
+        p = W.start(RW.edit_robot_loop, store, ready, r)
+        try:
+            W.wait_for_file(ready, p)
+            time.sleep(rng.uniform(0.0, 0.2))
+        finally:
+            W.kill(p)
+        assert verify_store(store).ok, f"round {r}"
+        with TrajectoryReplayBuffer.load_from(store, read_only=True) as ro:
+            tasks = ro.episode_tasks()
+            assert sorted(tasks) == list(range(6)) and set(tasks.values()) <= set(ro.tasks), f"round {r}"
+            assert ro.stats([0])["state"]["count"] == 4
+        with TrajectoryReplayBuffer.load_from(store) as w:  # the next writer edits on
+            w.rename_task(w.tasks[0], "start")
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def test_stats_per_episode_exact_and_aggregated_within_the_documented_rank_error(tmp_path):
+    rng = np.random.default_rng(1)
+    tb = TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "s"))
+    lengths = (200, 300, 250)
+    for k, n in enumerate(lengths):
+        state = (rng.normal(size=(n, 3)) * (k + 1) + 3 * k).astype(np.float32)  # episodes differ
+        tb.extend({"timestamp": np.arange(n) / 10, "state": state,
+                   "image": rng.integers(0, 50 * (k + 1), (n, 4, 5, 3), dtype=np.uint8)})
+        tb.mark_episode_end()
+    states = tb[:]["step_data"]["state"].astype(np.float64)
+    images = tb[:]["step_data"]["image"]
+    one = tb.stats([1])
+    x = states[200:500]
+    for name, q in (("q01", 0.01), ("q10", 0.1), ("q50", 0.5), ("q90", 0.9), ("q99", 0.99)):
+        np.testing.assert_allclose(one["state"][name], np.quantile(x, q, axis=0), rtol=1e-6)
+    im = images[200:500].reshape(-1, 3).astype(np.float64)
+    assert one["image"]["mean"].shape == (1, 1, 3)
+    np.testing.assert_allclose(one["image"]["q50"].ravel(), np.quantile(im, 0.5, axis=0))
+    np.testing.assert_allclose(one["image"]["std"].ravel(), im.std(0), rtol=1e-9)
+    every = tb.stats()
+    assert every["state"]["count"] == 750
+    np.testing.assert_allclose(every["state"]["mean"], states.mean(0), rtol=1e-9)
+    np.testing.assert_allclose(every["state"]["std"], states.std(0), rtol=1e-9)
+    np.testing.assert_allclose(every["state"]["min"], states.min(0))
+    for name, q in (("q01", 0.01), ("q10", 0.1), ("q50", 0.5), ("q90", 0.9), ("q99", 0.99)):
+        rank = (states <= every["state"][name]).mean(0)  # the true rank of the merged quantile
+        assert (np.abs(rank - q) <= 0.01 + 1 / min(lengths)).all(), (name, rank)
+    exact = tb.stats(exact=True)
+    np.testing.assert_allclose(exact["state"]["q50"], np.quantile(states, 0.5, axis=0), rtol=1e-9)
+    with pytest.raises(UnknownEpisodeError):
+        tb.stats([9])
+    with pytest.raises(UnknownFieldError):
+        tb.stats(fields=["nope"])
+    tb.close()
+
+
+def test_saved_stats_are_used_while_current_and_damaged_files_are_refused(tmp_path):
+    path = str(tmp_path / "s")
+    tb = _record(path)
+    fresh = tb.stats()
+    tb.close(save_stats=True)
+    stats_file = os.path.join(path, "trajstore.stats")
+    raw = open(stats_file, "rb").read()
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        np.testing.assert_allclose(ro.stats()["state"]["q50"], fresh["state"]["q50"])
+    # Proof the stored numbers are read: a doctored (well-formed) mean of episode 0 shows.
+    hlen = int.from_bytes(raw[8:16], "little")
+    vals = np.frombuffer(raw, "<f8", offset=16 + hlen + 16 * 3).copy().reshape(3, -1, STAT_WIDTH)
+    header = json.loads(raw[16:16 + hlen])
+    at = 0
+    for name, channels in header["fields"]:
+        if name == "state":
+            break
+        at += channels
+    vals[0, at, 1] = 1e6  # episode 0, state[0]: its mean
+    open(stats_file, "wb").write(raw[:16 + hlen + 48] + vals.astype("<f8").tobytes())
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        assert ro.stats([0])["state"]["mean"][0] == 1e6
+    # Appending to an episode makes its stored statistics stale: they are computed again.
+    with TrajectoryReplayBuffer.load_from(path) as tb:
+        tb.extend({"timestamp": np.array([99.0]), "state": np.zeros((1, 3), np.float32),
+                   "image": np.zeros((1, 4, 5, 3), np.uint8)})
+        assert tb.stats([3])["state"]["count"] == 1 and tb.stats([0])["state"]["mean"][0] == 1e6
+    hostile = {
+        "magic": b"XXXXXXXX" + raw[8:],
+        "truncated": raw[:-8],
+        "longer": raw + b"\0" * 8,
+        "huge header": raw[:8] + (1 << 40).to_bytes(8, "little") + raw[16:],
+        "nan count": raw[:16 + hlen + 48] + np.full(vals.size, np.nan).tobytes(),
+        "quantiles out of order": raw[:16 + hlen + 48] + np.concatenate(
+            [vals[..., :5], vals[..., 5:][..., ::-1]], -1).astype("<f8").tobytes(),
+        "header not json": raw[:16] + b"{" * hlen + raw[16 + hlen:],
+    }
+    for what, data in hostile.items():
+        open(stats_file, "wb").write(data)
+        with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+            with pytest.raises(DamagedStoreError, match="trajstore.stats"):
+                ro.stats()
+        assert not verify_store(path).ok, what
+    os.remove(stats_file)
+    os.symlink(os.path.join(str(tmp_path), "elsewhere"), stats_file)
+    open(tmp_path / "elsewhere", "wb").write(raw)
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        with pytest.raises(DamagedStoreError):
+            ro.stats()
+    os.remove(stats_file)
+
+
+@pytest.mark.parametrize("text", [
+    b"[]", b'{"version": 2, "fps": null, "tasks": [], "episode_tasks": []}',
+    b'{"version": 1, "fps": -3, "tasks": [], "episode_tasks": []}',
+    b'{"version": 1, "fps": null, "tasks": ["a", "a"], "episode_tasks": []}',
+    b'{"version": 1, "fps": null, "tasks": ["a"], "episode_tasks": [[0, 1]]}',
+    b'{"version": 1, "fps": NaN, "tasks": [], "episode_tasks": []}', b"\xff\xfe",
+])
+def test_hostile_robot_file_is_a_damaged_store_error(tmp_path, text):
+    path = str(tmp_path / "s")
+    _record(path, lengths=(3,)).close()
+    open(os.path.join(path, "trajstore.robot.json"), "wb").write(text)
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        with pytest.raises(DamagedStoreError, match="trajstore.robot.json"):
+            ro.tasks
+    assert not verify_store(path).ok
+
+
+def test_torch_datasets_normalize_by_the_stored_statistics(tmp_path):
+    torch = pytest.importorskip("torch")
+    from trajstore.torch import SequenceDataset, TransitionDataset
+
+    path = str(tmp_path / "s")
+    _record(path).close(save_stats=True)
+    ds = TransitionDataset(path, fields=["state", "image"]).normalize({"state": "mean_std", "image": "min_max"})
+    b = ds.read_batch(np.arange(len(ds)))
+    assert b["state"].dtype == torch.float32
+    np.testing.assert_allclose(b["state"].mean(0).numpy(), 0, atol=1e-5)
+    np.testing.assert_allclose(b["state"].numpy().std(0), 1, atol=1e-4)
+    assert b["image"].min() >= -1 and b["image"].max() <= 1
+    loader = torch.utils.data.DataLoader(SequenceDataset(path, 4, fields=["state"]).normalize({"state": "quantile"}),
+                                         batch_size=8, num_workers=1)
+    first = next(iter(loader))
+    assert first["state"].shape == (8, 4, 3) and first["state"].abs().max() < 2
+    with pytest.raises(BadOptionError):
+        ds.normalize({"state": "zscore"})
