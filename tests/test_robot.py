@@ -182,6 +182,9 @@ def test_tasks_assign_rename_filter_and_refusals(tmp_path):
         assert f.episode_tasks() == {2: "pick cube", 3: "pick cube"} and f.fps == 10.0
     with pytest.raises(UnknownTaskError, match="the tasks are"):
         filter_store(path, str(tmp_path / "g"), "task == 'pick cubes'")
+    for expr in ("task == 1", "length == 'pick cube'", "task == length"):
+        with pytest.raises(BadOptionError, match="text"):
+            filter_store(path, str(tmp_path / "g"), expr)
     assert not os.path.exists(tmp_path / "g")
 
 

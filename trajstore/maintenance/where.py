@@ -25,7 +25,10 @@ import numpy as np
 
 from trajstore.errors import BadOptionError, UnknownFieldError
 
-__all__ = ["compile_where", "where_fields", "where_strings", "MAX_WHERE_CHARS"]
+__all__ = ["compile_where", "where_fields", "where_strings", "MAX_WHERE_CHARS", "TEXT_FIELDS"]
+
+#: Fields holding text, the only ones quoted strings compare with.
+TEXT_FIELDS = ("task",)
 
 #: Longest expression accepted (the parser's recursion stays shallow).
 MAX_WHERE_CHARS = 2000
@@ -207,6 +210,7 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
             if type(op) not in _CMP:
                 raise _refuse(expr, node, f"operator {type(op).__name__} is not allowed")
             ops.append(_CMP[type(op)])
+        _check_text(expr, node, [node.left, *node.comparators])
         operands = [_build(expr, n, names) for n in [node.left, *node.comparators]]
 
         def compare(c: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -231,6 +235,16 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
             names.append(name)
         return lambda c: np.asarray(c[name])
     raise _refuse(expr, node, f"{type(node).__name__} is not allowed")
+
+
+def _check_text(expr: str, node: ast.AST, operands: list[ast.AST]) -> None:
+    """Strings compare only with text fields (:data:`TEXT_FIELDS`), and text fields only with strings."""
+    def is_text(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or _field_name(n) in TEXT_FIELDS
+
+    kinds = {is_text(n) for n in operands}
+    if len(kinds) > 1:
+        raise _refuse(expr, node, f"text (quoted strings and {', '.join(TEXT_FIELDS)}) compares only with text")
 
 
 def _bool(expr: str, v: np.ndarray) -> np.ndarray:
