@@ -188,6 +188,36 @@ def test_tasks_assign_rename_filter_and_refusals(tmp_path):
     assert not os.path.exists(tmp_path / "g")
 
 
+def test_split_keeps_and_combine_merges_tasks(tmp_path):
+    from trajstore.maintenance.combine import combine, split
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    ta = _record(a, lengths=(3, 4, 5, 6))
+    ta.assign_task([0, 1], "pick")
+    ta.assign_task([2, 3], "place")
+    ta.set_fps(10)
+    ta.close()
+    tb = _record(b, lengths=(3, 3))
+    tb.assign_task([0], "place")
+    tb.assign_task([1], "wipe")
+    tb.set_fps(10)
+    tb.close()
+    out = split(a, {"x": 0.5, "y": 0.5}, str(tmp_path / "s_"), seed=1)
+    for name, rep in out["splits"].items():
+        with TrajectoryReplayBuffer.load_from(rep["destination"], read_only=True) as ro:
+            want = {e: ("pick" if e < 2 else "place") for e in rep["episode_ids"]}
+            assert ro.episode_tasks() == want and ro.fps == 10.0
+    combine([a, b], str(tmp_path / "c"))
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "c"), read_only=True) as ro:
+        assert ro.tasks == ["pick", "place", "wipe"]
+        assert ro.episode_tasks() == {0: "pick", 1: "pick", 2: "place", 3: "place", 4: "place", 5: "wipe"}
+    with TrajectoryReplayBuffer.load_from(b) as w:
+        w.set_fps(30)
+    with pytest.raises(BadOptionError, match="frame rates"):
+        combine([a, b], str(tmp_path / "d"))
+    assert not os.path.exists(tmp_path / "d")
+
+
 def test_cli_task_and_stats(tmp_path, capsys):
     from trajstore.cli import main
 

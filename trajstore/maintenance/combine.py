@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -30,9 +30,9 @@ from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
     SpaceMismatchError,
-    UnknownTaskError,
     UnsupportedSpaceError,
 )
+from trajstore.maintenance.robot_meta import carry_robot_info, check_task_strings, merge_tasks, robot_infos
 from trajstore.maintenance.staged import (
     StagedFolders,
     block_rows,
@@ -43,7 +43,8 @@ from trajstore.maintenance.staged import (
     step_blocks,
     verify_written,
 )
-from trajstore.maintenance.where import compile_where, where_fields, where_strings
+from trajstore.maintenance.where import compile_where, where_fields
+from trajstore.storage.robot_files import RobotInfo
 
 __all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space", "space_difference"]
 
@@ -191,12 +192,14 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         tables = [b.episodes() for b in bufs]
         total = sum(len(b) for b in bufs)
         bar = _progress(total, f"combine into {os.path.basename(out_path)}", tqdm, unit="step")
+        infos = robot_infos(bufs, names)  # differing frame rates: refused before a byte is written
         tmp = staged.new(out_path)
         try:
             out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
                                                 cache_path=tmp)
             try:
                 next_id = 0
+                merged = RobotInfo(infos[0].fps)
                 for k, (b, table) in enumerate(zip(bufs, tables)):
                     src_ids = np.sort(table["episode_id"])
                     # Fresh ids in order of the episodes' first steps.
@@ -208,7 +211,10 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                         out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
                         bar.update(len(eids))
                     _combine_episode_data(b, out, src_ids, fresh, k)
+                    merge_tasks(merged, infos[k], src_ids, fresh)
                 out.mark_episode_end()
+                if merged.fps is not None or merged.tasks:
+                    out.put_robot_info(merged)
             finally:
                 out.close()
         finally:
@@ -305,6 +311,7 @@ def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar
                     for i in np.flatnonzero(has).tolist():
                         out.set_episode_data_at(int(part[i]), plan.from_arrays([a[i] for a in arrays]))
         out.mark_episode_end()
+        carry_robot_info(src, ids, out)
     finally:
         out.close()
     return steps
@@ -396,28 +403,6 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
             buf.close()
 
 
-def check_task_strings(buf: TrajectoryReplayBuffer, where: str) -> list[str]:
-    """``["task"]``, the text column a ``where`` over ``task`` uses, once every string it compares
-    with is a task of ``buf`` (UnknownTaskError otherwise: a typo would keep no episode silently)."""
-    tasks = buf.tasks
-    unknown = [t for t in where_strings(where) if t not in tasks]
-    if unknown:
-        raise UnknownTaskError(f"--where {where!r}: no task {unknown[0]!r} in {buf.cache_path!r}; the tasks are {tasks}")
-    return ["task"]
-
-
-def carry_robot_info(src: TrajectoryReplayBuffer, ids: np.ndarray, dst: str) -> None:
-    """The frame rate and the tasks of episodes ``ids`` of ``src`` into the store at ``dst``
-    (ids are kept; the dictionary is kept whole, so task indices stay the same)."""
-    info = src.robot_info()
-    if info.fps is None and not info.tasks:
-        return
-    keep = set(np.asarray(ids).tolist())
-    info.episode_tasks = {e: t for e, t in info.episode_tasks.items() if e in keep}
-    with TrajectoryReplayBuffer.load_from(dst) as out:
-        cast(TrajectoryReplayBuffer, out).put_robot_info(info)
-
-
 def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
                  where: str | Callable[[dict[str, np.ndarray]], Any], *, tqdm: bool | None = None,
                  overwrite: bool = False) -> dict[str, Any]:
@@ -482,7 +467,6 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
             steps = _write_selection(buf, ids, tmp, bar)
         finally:
             bar.close()
-        carry_robot_info(buf, ids, tmp)
         verify_written(tmp)
         staged.commit(overwrite)
         return {"source": buf.cache_path, "destination": out_path, "where": where if isinstance(where, str) else None,
