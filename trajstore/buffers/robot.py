@@ -180,23 +180,33 @@ class RobotData:
 
     def _check_timestamps(self, arrays: list[np.ndarray], ids: np.ndarray) -> None:
         """Refuse (before anything is written) timestamps that go back within an episode, also
-        against the last committed step of an episode that continues."""
+        against the last step of an episode that continues.  The last time written is remembered
+        (with the row count and epoch it holds for), so appends do not read it back."""
         buf = cast("TrajectoryReplayBuffer", self)
-        names = [lf.name for lf in buf._step_plan.leaves]
-        if TIME_FIELD not in names or not len(ids):
+        at = self.__dict__.get("_time_leaf")
+        if at is None:
+            names = [lf.name for lf in buf._step_plan.leaves]
+            at = self.__dict__["_time_leaf"] = names.index(TIME_FIELD) if TIME_FIELD in names else -1
+        if at < 0 or not len(ids):
             return
-        ts = np.asarray(arrays[names.index(TIME_FIELD)], np.float64).reshape(len(ids))
+        ts = np.asarray(arrays[at], np.float64).reshape(len(ids))
+        n, epoch = len(buf), buf._store.committed.epoch
         for eid in np.unique(ids).tolist():
             mine = ts[ids == eid]
-            last = self._last_time(eid)
+            last = self._last_time(eid, n, epoch)
             _tw.check_increasing(mine if last is None else np.concatenate([[last], mine]),
                                  f"extend of episode {eid} in {buf.cache_path!r}")
+        self.__dict__["_time_tail"] = (n + len(ids), epoch, int(ids[-1]), float(ts[-1]))
 
-    def _last_time(self, eid: int) -> float | None:
+    def _last_time(self, eid: int, n: int, epoch: int) -> float | None:
+        """Time of the last row when it belongs to episode ``eid`` (episodes are written in runs:
+        only the last row's episode can continue), else None."""
+        tail = self.__dict__.get("_time_tail")
+        if tail is not None and tail[:2] == (n, epoch):
+            return tail[3] if tail[2] == eid else None
         buf = cast("TrajectoryReplayBuffer", self)
-        n = len(buf)
         if not n or int(buf.row_source().step_ids(np.array([n - 1]))[0]) != eid:
-            return None  # episodes are written in runs: only the last row's episode can continue
+            return None
         return float(np.asarray(buf.get_at(n - 1)["step_data"][TIME_FIELD]))
 
     def get_time_windows(self, idx: IndexLike, delta_timestamps: Mapping[str, Sequence[float]], *,
