@@ -173,6 +173,10 @@ def test_tasks_assign_rename_filter_and_refusals(tmp_path):
         tb.assign_task([99], "pick cube")
     with pytest.raises(BadOptionError):
         tb.rename_task("stack", "pick cube")
+    assert tb.task_names(np.array([1, 0, 1])).tolist() == ["stack", "pick cube", "stack"]
+    for bad in ([2], [-1], [0.5]):
+        with pytest.raises(UnknownTaskError):
+            tb.task_names(bad)
     assert _hashes(path) == before
     tb.set_fps(10)
     tb.close()

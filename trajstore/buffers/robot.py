@@ -151,6 +151,21 @@ class RobotData:
         info.tasks[info.tasks.index(old)] = new
         self.put_robot_info(info)
 
+    def task_names(self, task_indices: Any) -> np.ndarray:
+        """Task strings of task indices (a per-step ``task_index`` field's values), same shape, object dtype.
+
+        Raises
+        ------
+        UnknownTaskError
+            An index outside the dictionary.
+        """
+        tasks = self.tasks
+        k = np.asarray(task_indices)
+        if k.dtype.kind not in "iu" or (k.size and (k.min() < 0 or k.max() >= len(tasks))):
+            raise UnknownTaskError(f"task indices must be ints in [0, {len(tasks)}); got {k.dtype} values "
+                                   f"{k.ravel()[:5].tolist()}...; the tasks are {dict(enumerate(tasks))}")
+        return np.array(tasks + [""], dtype=object)[k]
+
     def task_column(self, episode_ids: np.ndarray) -> np.ndarray:
         """(E,) object array of the task of each episode id (``""`` where it has none)."""
         return self.robot_info().task_of(episode_ids)

@@ -7,8 +7,12 @@ or the latest at or before it (``mode="previous"``; 1 ns of clock rounding allow
 when the episode has no such step or the step lies more than ``tolerance_s`` from ``t``.  A padded
 frame reads the nearest step of the episode and is flagged, never silently replaced.
 
-Cost: O(steps of each distinct episode queried) to find the times (one read of its time column),
-then one gather per field.
+Cost: per call O(runs log runs) to find the episodes (from the run index), then a vectorized
+bisection over each episode's time column (log2 of its length reads of B x T times; none with a
+frame rate), then one gather per field: flat in the number of episodes.  Episodes split over
+several runs of rows (written interleaved) are read one at a time instead, their whole time
+column each.  Timestamp order is checked when written (``extend``); whatever a store holds, a
+frame is only ever returned unpadded when its time lies within the tolerance.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 from trajstore.errors import BadArgumentError, BadOptionError, TimeOrderError
 from trajstore.sampling.source import EpisodeSource
 
-__all__ = ["MODES", "Clock", "check_deltas", "check_tolerance", "check_increasing", "lookup", "rows_at_times"]
+__all__ = ["MODES", "Clock", "anchor_times", "check_deltas", "check_increasing", "check_tolerance", "episode_spans",
+           "episode_times", "lookup", "read_at", "rows_at_times"]
 
 MODES = ("nearest", "previous")
 #: Clock rounding that "previous" forgives (seconds).
@@ -107,9 +112,55 @@ def episode_times(src: EpisodeSource, rows: np.ndarray, clock: Clock, what: str)
     return ts
 
 
+def episode_spans(src: EpisodeSource, eids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(begin, end)`` logical rows of each episode of ``eids`` (any shape; ``begin == end`` where it
+    has no steps), or None when one of them is split over several runs of rows (then the caller
+    goes episode by episode).  O(runs log runs), without reading ids."""
+    first, lengths, ids = src.runs()
+    order = np.argsort(ids, kind="stable")
+    sids = ids[order]
+    pos = np.clip(np.searchsorted(sids, eids), 0, max(len(sids) - 1, 0))
+    if not len(sids):
+        return np.zeros(eids.shape, np.int64), np.zeros(eids.shape, np.int64)
+    found = sids[pos] == eids
+    nxt = np.minimum(pos + 1, len(sids) - 1)
+    if (found & (nxt != pos) & (sids[nxt] == eids)).any():
+        return None
+    begin = np.where(found, first[order[pos]], 0)
+    return begin, np.where(found, begin + lengths[order[pos]], 0)
+
+
+def _times(src: EpisodeSource, clock: Clock, rows: np.ndarray, begin: np.ndarray) -> np.ndarray:
+    """Times of logical ``rows`` (of episodes starting at ``begin``), any shape."""
+    if clock.leaf is None:
+        return (rows - begin) / float(clock.fps or 1.0)
+    flat = src.read_rows(rows.ravel(), [clock.leaf])[0]
+    return np.asarray(flat, np.float64).reshape(rows.shape)
+
+
+def _search(src: EpisodeSource, clock: Clock, begin: np.ndarray, end: np.ndarray, t: np.ndarray,
+            right: bool) -> np.ndarray:
+    """First row in ``[begin, end)`` whose time is ``>= t`` (``right``: ``> t``), per element: a
+    vectorized bisection, one read of B x T times per step (log2 of the episode length steps)."""
+    if clock.leaf is None:
+        x = t * float(clock.fps or 1.0)
+        k = np.floor(x) + 1 if right else np.ceil(x)
+        return np.clip(begin + np.maximum(k, 0).astype(np.int64), begin, end)
+    lo, hi = begin.copy(), end.copy()
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi) // 2
+        ts = _times(src, clock, mid[open_], begin[open_])
+        below = ts <= t[open_] if right else ts < t[open_]
+        lo[open_] = np.where(below, mid[open_] + 1, lo[open_])
+        hi[open_] = np.where(below, hi[open_], mid[open_])
+
+
 def rows_at_times(src: EpisodeSource, clock: Clock, episode_ids: np.ndarray, times: np.ndarray, mode: str,
                   tolerance: float) -> tuple[np.ndarray, np.ndarray]:
-    """Logical rows answering queries ``(episode_ids[q], times[...q])`` and whether each is padded.
+    """Logical rows answering queries ``(episode_ids[b], times[b, k])`` and whether each is padded.
 
     Parameters
     ----------
@@ -123,6 +174,32 @@ def rows_at_times(src: EpisodeSource, clock: Clock, episode_ids: np.ndarray, tim
     pad : (B, T) bool
     """
     src.sync()
+    spans = episode_spans(src, episode_ids)
+    if spans is None:
+        return _rows_by_episode(src, clock, episode_ids, times, mode, tolerance)
+    begin = np.broadcast_to(spans[0][:, None], times.shape).ravel().copy()
+    end = np.broadcast_to(spans[1][:, None], times.shape).ravel().copy()
+    t = times.ravel()
+    empty = begin == end
+    last = np.maximum(end - 1, begin)
+    if mode == "nearest":
+        i = _search(src, clock, begin, end, t, right=False)
+        before, after = np.clip(i - 1, begin, last), np.clip(i, begin, last)
+        tb, ta = _times(src, clock, before, begin), _times(src, clock, after, begin)
+        pick_before = np.abs(tb - t) <= np.abs(ta - t)
+        rows, at = np.where(pick_before, before, after), np.where(pick_before, tb, ta)
+        pad = empty | ~(np.abs(at - t) <= tolerance)
+    else:
+        j = _search(src, clock, begin, end, t + _ROUNDING, right=True) - 1
+        rows = np.clip(j, begin, last)
+        pad = empty | (j < begin) | ~(t - _times(src, clock, rows, begin) <= tolerance)
+    return rows.reshape(times.shape), pad.reshape(times.shape)
+
+
+def _rows_by_episode(src: EpisodeSource, clock: Clock, episode_ids: np.ndarray, times: np.ndarray, mode: str,
+                     tolerance: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rows_at_times` for episodes split over several runs (rows interleaved by several
+    writers): each episode's whole time column is read (and checked for order)."""
     first, lengths, ids = src.runs()
     rows = np.zeros(times.shape, np.int64)
     pad = np.ones(times.shape, bool)
@@ -140,8 +217,11 @@ def rows_at_times(src: EpisodeSource, clock: Clock, episode_ids: np.ndarray, tim
 def anchor_times(src: EpisodeSource, clock: Clock, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(episode ids, times)`` of logical ``anchors`` (B,)."""
     src.sync()
-    first, lengths, ids = src.runs()
     eids = src.step_ids(anchors)
+    spans = episode_spans(src, eids)
+    if spans is not None:
+        return eids, _times(src, clock, anchors, spans[0])
+    first, lengths, ids = src.runs()
     times = np.zeros(len(anchors))
     for eid in np.unique(eids).tolist():
         mine = np.flatnonzero(eids == eid)
