@@ -91,6 +91,41 @@ def test_time_windows_pad_out_of_tolerance_frames_and_never_replace_silently(tmp
     tb.close()
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("mode", ["nearest", "previous"])
+def test_time_windows_match_a_brute_force_search_on_irregular_timestamps(tmp_path, mode, interleaved):
+    rng = np.random.default_rng(5)
+    space = Dict({"timestamp": Box(0, 1e9, (), np.float64), "v": Box(-1e9, 1e9, (), np.float64)})
+    tb = TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"))
+    times = {e: np.cumsum(rng.exponential(0.02, size=int(rng.integers(5, 40)))) for e in range(6)}
+    if interleaved:  # two episodes' steps alternate: each episode is several runs of rows
+        for k in range(40):
+            for e in (0, 1):
+                if k < len(times[e]):
+                    tb.extend({"step_data": {"timestamp": times[e][k:k + 1], "v": times[e][k:k + 1]},
+                               "episode_ids": np.array([e])})
+    for e in range(2 if interleaved else 0, 6):
+        tb.extend({"step_data": {"timestamp": times[e], "v": times[e]}, "episode_ids": np.full(len(times[e]), e)})
+    deltas = rng.uniform(-0.1, 0.1, size=7)
+    anchors = rng.integers(0, len(tb), size=50)
+    w = tb.get_time_windows(anchors, {"v": deltas}, tolerance_s=0.01, mode=mode)
+    data, meta = tb.get_at_with_metadata(anchors)
+    for b, (eid, t0) in enumerate(zip(meta["episode_ids"], data["step_data"]["timestamp"])):
+        ts = times[int(eid)]
+        for k, d in enumerate(deltas):
+            t = t0 + d
+            if mode == "nearest":
+                j = int(np.argmin(np.abs(ts - t)))
+                ok = abs(ts[j] - t) <= 0.01
+            else:
+                j = int(np.searchsorted(ts, t + 1e-9, side="right")) - 1
+                ok = j >= 0 and t - ts[j] <= 0.01
+            assert w["v_is_pad"][b, k] == (not ok)
+            if ok:
+                assert w["v"][b, k] == ts[j]
+    tb.close()
+
+
 def test_fps_without_timestamps_and_no_time_at_all(tmp_path):
     space = Dict({"state": Box(-1e9, 1e9, (), np.float64)})
     tb = TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"))
@@ -382,6 +417,38 @@ def test_hostile_robot_file_is_a_damaged_store_error(tmp_path, text):
         with pytest.raises(DamagedStoreError, match="trajstore.robot.json"):
             ro.tasks
     assert not verify_store(path).ok
+
+
+def test_robot_file_that_is_a_link_a_fifo_or_too_big_is_refused(tmp_path):
+    path = str(tmp_path / "s")
+    _record(path, lengths=(3,)).close()
+    target = os.path.join(path, "trajstore.robot.json")
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"version": 1, "fps": 5, "tasks": [], "episode_tasks": []}')
+    os.symlink(outside, target)
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        with pytest.raises(DamagedStoreError):
+            ro.fps
+    os.remove(target)
+    os.mkfifo(target)
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        with pytest.raises(DamagedStoreError):
+            ro.fps
+    os.remove(target)
+    with open(target, "wb") as f:
+        f.write(b'{"version": 1, "fps": 5, "tasks": [], "episode_tasks": []}' + b" " * (17 << 20))
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as ro:
+        with pytest.raises(DamagedStoreError, match="bytes"):
+            ro.fps
+    os.remove(target)
+    with TrajectoryReplayBuffer.load_from(path) as w:  # bad edits are refused before a byte is written
+        before = _hashes(path)
+        for bad in ("", "x" * 5000, "tab\there", 3.5):
+            with pytest.raises(Exception) as e:
+                w.assign_task([0], bad)  # type: ignore[arg-type]
+            assert type(e.value).__module__ == "trajstore.errors"
+        assert _hashes(path) == before  # (the writer's own commit at close aside)
+    assert not os.path.exists(target)
 
 
 def test_torch_datasets_normalize_by_the_stored_statistics(tmp_path):
