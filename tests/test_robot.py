@@ -469,3 +469,31 @@ def test_torch_datasets_normalize_by_the_stored_statistics(tmp_path):
     assert first["state"].shape == (8, 4, 3) and first["state"].abs().max() < 2
     with pytest.raises(BadOptionError):
         ds.normalize({"state": "zscore"})
+
+
+def test_time_window_dataset_in_dataloader_workers_with_a_stream(tmp_path):
+    torch = pytest.importorskip("torch")
+    from trajstore.torch import TimeWindowDataset
+
+    cam = str(tmp_path / "cam")
+    _record(cam, lengths=(10, 12), hz=10.0).close(save_stats=True)
+    joints = TrajectoryReplayBuffer.create(Dict({"timestamp": Box(0, 1e9, (), np.float64),
+                                                 "pos": Box(-1e9, 1e9, (), np.float64)}), cache_path=str(tmp_path / "j"))
+    for _ in range(2):
+        ts = np.arange(60) / 50
+        joints.extend({"timestamp": ts, "pos": ts})
+        joints.mark_episode_end()
+    joints.close()
+    ds = TimeWindowDataset(cam, {"state": [-0.1, 0.0], "joints/pos": [0.0, 0.02]}, tolerance_s=1e-3,
+                           streams={"joints": str(tmp_path / "j")}).normalize({"state": "mean_std"})
+    assert len(ds) == 22
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=11, num_workers=2))
+    pos = torch.cat([b["joints/pos"] for b in batches])
+    pad = torch.cat([b["state_is_pad"] for b in batches])
+    assert pos.shape == (22, 2) and pad[:, 0].tolist() == [True] + [False] * 9 + [True] + [False] * 11
+    expect = np.concatenate([np.arange(10), np.arange(12)]) / 10
+    np.testing.assert_allclose(pos[:, 0].numpy(), expect)
+    np.testing.assert_allclose(pos[:, 1].numpy(), expect + 0.02)
+    assert batches[0]["state"].dtype == torch.float32
+    with pytest.raises(BadOptionError):
+        TimeWindowDataset(cam, {"state": [0.0]}, tolerance_s=-1)

@@ -29,5 +29,7 @@ from trajstore.torch.datasets import (  # noqa: E402
     collate_batch,
 )
 from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
+from trajstore.torch.time_dataset import TimeWindowDataset  # noqa: E402
 
-__all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
+__all__ = ["RandomBatchSampler", "SampleBatch", "SequenceDataset", "TimeWindowDataset", "TransitionDataset",
+           "collate_batch"]

@@ -30,7 +30,7 @@ from trajstore.torch._source import FieldSelection, ShardedSource, make_source
 from trajstore.torch._transfer import in_worker, pack
 from trajstore.torch.normalize import Normalizer
 
-__all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
+__all__ = ["BaseDataset", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
 
 _OUTPUTS = ("torch", "numpy")
 
@@ -92,7 +92,11 @@ def _collate_items(batch: Any, *, collate_fn_map: Any = None) -> Any:
 default_collate_fn_map[_Item] = _collate_items
 
 
-class _Base(Dataset):
+class BaseDataset(Dataset):
+    """What every dataset here shares: the lazily opened source, the field selection, batch reads
+    (``__getitems__``), the output type and optional normalization.  Subclasses define ``__len__``
+    and ``_read(indices, out)``."""
+
     def __init__(self, source: Any, fields: Sequence[str] | str | None, output: str,
                  storage_options: dict[str, Any] | None) -> None:
         if output not in _OUTPUTS:
@@ -163,7 +167,7 @@ class _Base(Dataset):
         self._src.close()
 
 
-class TransitionDataset(_Base):
+class TransitionDataset(BaseDataset):
     """One item per stored step (row): ``{field: value}``.
 
     Parameters
@@ -213,7 +217,7 @@ class TransitionDataset(_Base):
         return batch
 
 
-class SequenceDataset(_Base):
+class SequenceDataset(BaseDataset):
     """One item per window of ``seq_len`` consecutive steps: ``{field: (T, ...), "mask": (T,) bool}``,
     or with per-field ``offsets``: ``{key: (len(offsets[key]), ...), "mask": {key: (len(offsets[key]),) bool}}``.
 
