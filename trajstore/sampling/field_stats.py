@@ -56,6 +56,7 @@ class StatField(NamedTuple):
 
     @property
     def channels(self) -> int:
+        """Colour planes of an image, else elements (at most MAX_ELEMENT_CHANNELS, else 1)."""
         ax = self.channel_axis
         if ax is not None:
             return self.shape[ax]

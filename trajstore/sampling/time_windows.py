@@ -40,9 +40,6 @@ class Clock(NamedTuple):
     leaf: int | None
     fps: float | None
 
-    def describe(self) -> str:
-        return "its timestamp field" if self.leaf is not None else f"fps={self.fps}"
-
 
 def check_tolerance(tolerance_s: Any, mode: str) -> float:
     """``tolerance_s`` as a float >= 0 (BadOptionError otherwise), and ``mode`` one of :data:`MODES`."""
