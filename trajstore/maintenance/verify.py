@@ -462,12 +462,16 @@ def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options:
 
 
 def _check_robot_files(loc: Location, rep: VerifyReport) -> None:
-    """``trajstore.robot.json`` and ``trajstore.stats`` parse (docs/format.md "Robot metadata")."""
+    """``trajstore.robot.json`` and ``trajstore.stats`` parse (docs/format.md "Robot metadata").  A
+    damaged stats file is derived data: repair removes it (readers then compute statistics from
+    the rows); a damaged robot file holds the tasks, so it stays for a person to look at."""
     for key, load in ((ROBOT_KEY, load_robot), (STATS_KEY, load_stats)):
         try:
             load(loc)
         except DamagedStoreError as e:
             rep.faults.append(Fault("robot", key, fault_text(e)))
+            if key == STATS_KEY:
+                rep.removable.append((key, "damaged per-episode statistics (computed again from the rows)"))
 
 
 def _check_runs(loc: Location, sc: Scan, rep: VerifyReport, head: Head, ids: np.ndarray) -> None:
