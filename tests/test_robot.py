@@ -37,7 +37,7 @@ from trajstore.maintenance.verify import verify_store  # noqa: E402
 from trajstore.storage.robot_files import STAT_WIDTH  # noqa: E402
 
 SPACE = Dict({"timestamp": Box(0, 1e9, (), np.float64), "state": Box(-100, 100, (3,), np.float32),
-              "image": Box(0, 255, (4, 5, 3), np.uint8)})
+              "image": Box(0, 255, (6, 5, 3), np.uint8)})
 
 
 def _record(path: str | None, lengths=(20, 21, 22), hz: float = 10.0, seed: int = 0) -> TrajectoryReplayBuffer:
@@ -48,7 +48,7 @@ def _record(path: str | None, lengths=(20, 21, 22), hz: float = 10.0, seed: int 
         ts = np.arange(n) / hz
         state = rng.normal(size=(n, 3)).astype(np.float32)
         state[:, 0] = ts
-        tb.extend({"timestamp": ts, "state": state, "image": rng.integers(0, 256, (n, 4, 5, 3), dtype=np.uint8)})
+        tb.extend({"timestamp": ts, "state": state, "image": rng.integers(0, 256, (n, 6, 5, 3), dtype=np.uint8)})
         tb.mark_episode_end()
     return tb
 
@@ -67,7 +67,7 @@ def test_time_windows_pad_out_of_tolerance_frames_and_never_replace_silently(tmp
     tb = _record(str(tmp_path / "s"))
     # Anchors: row 0 (episode 0, t=0), row 5 (t=0.5), row 20 (episode 1, t=0), row 62 (episode 2, last, t=2.1).
     w = tb.get_time_windows([0, 5, 20, 62], {"state": [-0.1, 0.0, 0.1], "image": [0.0, 0.05]}, tolerance_s=0.01)
-    assert w["state"].shape == (4, 3, 3) and w["image"].shape == (4, 2, 4, 5, 3)
+    assert w["state"].shape == (4, 3, 3) and w["image"].shape == (4, 2, 6, 5, 3)
     assert w["state_is_pad"].tolist() == [[True, False, False], [False, False, False], [True, False, False],
                                           [False, False, True]]
     # A padded frame holds the episode's nearest step and is flagged; every other frame is at its time.
@@ -175,7 +175,7 @@ def test_timestamps_out_of_order_are_refused_before_any_byte_is_written(tmp_path
     tb = TrajectoryReplayBuffer.load_from(path)
     before = _hashes(path)
     bad = {"timestamp": np.array([0.0, 0.2, 0.1]), "state": np.zeros((3, 3), np.float32),
-           "image": np.zeros((3, 4, 5, 3), np.uint8)}
+           "image": np.zeros((3, 6, 5, 3), np.uint8)}
     with pytest.raises(TimeOrderError, match="step 2"):
         tb.extend(bad)
     tb.extend({**bad, "timestamp": np.array([0.0, 0.1, 0.1])})  # equal times are allowed
@@ -321,7 +321,7 @@ def test_stats_per_episode_exact_and_aggregated_within_the_documented_rank_error
     for k, n in enumerate(lengths):
         state = (rng.normal(size=(n, 3)) * (k + 1) + 3 * k).astype(np.float32)  # episodes differ
         tb.extend({"timestamp": np.arange(n) / 10, "state": state,
-                   "image": rng.integers(0, 50 * (k + 1), (n, 4, 5, 3), dtype=np.uint8)})
+                   "image": rng.integers(0, 50 * (k + 1), (n, 6, 5, 3), dtype=np.uint8)})
         tb.mark_episode_end()
     states = tb[:]["step_data"]["state"].astype(np.float64)
     images = tb[:]["step_data"]["image"]
@@ -345,6 +345,12 @@ def test_stats_per_episode_exact_and_aggregated_within_the_documented_rank_error
     np.testing.assert_allclose(exact["state"]["q50"], np.quantile(states, 0.5, axis=0), rtol=1e-9)
     with pytest.raises(UnknownEpisodeError):
         tb.stats([9])
+    from trajstore.sampling.field_stats import StatField
+
+    shapes = {(64, 48, 3): (1, 1, 3), (3, 64, 48): (3, 1, 1), (5, 5, 1): (1, 1, 1), (4, 4, 3): (4, 4, 3),
+              (14,): (14,), (): (), (100, 100): ()}
+    for shape, want in shapes.items():
+        assert StatField("f", 0, shape, np.dtype(np.float32)).stat_shape == want, shape
     with pytest.raises(UnknownFieldError):
         tb.stats(fields=["nope"])
     tb.close()
@@ -375,7 +381,7 @@ def test_saved_stats_are_used_while_current_and_damaged_files_are_refused(tmp_pa
     # Appending to an episode makes its stored statistics stale: they are computed again.
     with TrajectoryReplayBuffer.load_from(path) as tb:
         tb.extend({"timestamp": np.array([99.0]), "state": np.zeros((1, 3), np.float32),
-                   "image": np.zeros((1, 4, 5, 3), np.uint8)})
+                   "image": np.zeros((1, 6, 5, 3), np.uint8)})
         assert tb.stats([3])["state"]["count"] == 1 and tb.stats([0])["state"]["mean"][0] == 1e6
     hostile = {
         "magic": b"XXXXXXXX" + raw[8:],
@@ -403,6 +409,22 @@ def test_saved_stats_are_used_while_current_and_damaged_files_are_refused(tmp_pa
         with pytest.raises(DamagedStoreError):
             ro.stats()
     os.remove(stats_file)
+
+
+def test_saved_stats_of_tied_values_always_read_back(tmp_path):
+    """Many ties (a few distinct values): every stored percentile grid is in order as written."""
+    rng = np.random.default_rng(2)
+    space = Dict({"u": Box(0, 3, (7,), np.uint8), "f": Box(-2, 2, (5,), np.float32), "b": Box(0, 1, (), np.bool_)})
+    tb = TrajectoryReplayBuffer.create(space, cache_path=str(tmp_path / "s"))
+    for n in (1, 2, 7, 33):
+        tb.extend({"u": rng.integers(0, 4, (n, 7), dtype=np.uint8),
+                   "f": rng.integers(-2, 3, (n, 5)).astype(np.float32) / 3, "b": rng.random(n) < 0.3})
+        tb.mark_episode_end()
+    tb.close(save_stats=True)
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
+        s = ro.stats()
+        assert s["u"]["q50"].shape == (7,) and s["b"]["max"] <= 1
+        assert verify_store(str(tmp_path / "s")).ok
 
 
 @pytest.mark.parametrize("text", [

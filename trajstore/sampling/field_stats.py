@@ -10,8 +10,8 @@ max and all 101 percentiles (numpy's ``linear`` method, exact for that episode).
   0.01 (plus ``1/n`` of the smallest episode from interpolation): q50 of the aggregate lies between
   the true q49 and q51.  ``exact=True`` recomputes them from the rows instead.
 
-Channels: an image field (uint8, 3-D, a channel axis of 1, 3 or 4 last or first) has one channel per
-colour plane; any other field of at most :data:`MAX_ELEMENT_CHANNELS` elements one per element
+Channels: an image field (3-D, 1, 3 or 4 channels last or first, both other sides longer than 4) has
+one channel per colour plane; any other field of at most :data:`MAX_ELEMENT_CHANNELS` elements one per element
 (a 14-dim state: 14); larger fields are one channel.
 """
 
@@ -46,11 +46,13 @@ class StatField(NamedTuple):
 
     @property
     def channel_axis(self) -> int | None:
-        """Axis of the row holding colour planes (images), else None."""
-        if self.dtype == np.uint8 and len(self.shape) == 3:
-            if self.shape[-1] in (1, 3, 4):
+        """Axis of the row holding colour planes, else None: an image is 3-D with 1, 3 or 4 channels
+        last (H, W, C) or first (C, H, W), both other sides longer than 4."""
+        sh = self.shape
+        if len(sh) == 3:
+            if sh[2] in (1, 3, 4) and min(sh[0], sh[1]) > 4:
                 return 2
-            if self.shape[0] in (1, 3, 4):
+            if sh[0] in (1, 3, 4) and min(sh[1], sh[2]) > 4:
                 return 0
         return None
 
@@ -89,7 +91,8 @@ def _from_counts(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
     lo, frac = np.floor(pos), pos - np.floor(pos)
     at = np.stack([np.searchsorted(c, lo_c, side="right") for c, lo_c in zip(cum, lo)])
     at1 = np.stack([np.searchsorted(c, lo_c + 1, side="right") for c, lo_c in zip(cum, lo)])
-    grid = values[np.minimum(at, len(values) - 1)] * (1 - frac) + values[np.minimum(at1, len(values) - 1)] * frac
+    a, b = values[np.minimum(at, len(values) - 1)], values[np.minimum(at1, len(values) - 1)]
+    grid = a + (b - a) * frac  # exactly a where a == b: a * (1 - f) + b * f may round below it
     return np.concatenate([n[:, None], mean[:, None], np.maximum(m2, 0)[:, None], grid[:, :1], grid[:, -1:], grid], 1)
 
 
