@@ -213,12 +213,17 @@ def test_tasks_assign_rename_filter_and_refusals(tmp_path):
         with pytest.raises(UnknownTaskError):
             tb.task_names(bad)
     assert _hashes(path) == before
+    tb.assign_task([], "pick cube")  # nothing to assign
+    tb.remove_episodes([3])
+    assert 3 not in tb.episode_tasks()
+    tb.assign_task([2], "pick cube")
+    assert 3 not in tb.robot_info().episode_tasks  # dropped from the file at the next edit
     tb.set_fps(10)
     tb.close()
     out = filter_store(path, str(tmp_path / "f"), "task == 'pick cube' and length > 5")
-    assert out["episodes"] == 2
+    assert out["episodes"] == 1
     with TrajectoryReplayBuffer.load_from(str(tmp_path / "f"), read_only=True) as f:
-        assert f.episode_tasks() == {2: "pick cube", 3: "pick cube"} and f.fps == 10.0
+        assert f.episode_tasks() == {2: "pick cube"} and f.fps == 10.0
     with pytest.raises(UnknownTaskError, match="the tasks are"):
         filter_store(path, str(tmp_path / "g"), "task == 'pick cubes'")
     for expr in ("task == 1", "length == 'pick cube'", "task == length"):

@@ -91,9 +91,10 @@ class RobotData:
         return self.robot_info().tasks
 
     def episode_tasks(self) -> dict[int, str]:
-        """``{episode id: task}`` of every episode that has a task."""
+        """``{episode id: task}`` of every episode with steps in the store that has a task."""
         info = self.robot_info()
-        return {e: info.tasks[t] for e, t in sorted(info.episode_tasks.items())}
+        present = set(cast("TrajectoryReplayBuffer", self).episodes()["episode_id"].tolist())
+        return {e: info.tasks[t] for e, t in sorted(info.episode_tasks.items()) if e in present}
 
     def assign_task(self, episodes: int | Iterable[int], task: str | int, *, new: bool = True) -> int:
         """Give episodes a task (a string, added to the dictionary unless ``new=False``, or a task
@@ -122,6 +123,8 @@ class RobotData:
                 info.tasks.append(name)
             k = info.tasks.index(name)
         ids = np.atleast_1d(np.asarray(list(episodes) if not isinstance(episodes, (int, np.integer)) else episodes))
+        if ids.size == 0:
+            ids = ids.astype(np.int64)
         if ids.dtype.kind not in "iu":
             raise BadArgumentError(f"episodes must be episode ids (ints); got {ids.dtype}")
         known = set(buf.episodes()["episode_id"].tolist())
@@ -129,6 +132,8 @@ class RobotData:
         if missing:
             raise UnknownEpisodeError(f"episodes {missing[:10]} have no steps in {buf.cache_path!r}")
         info.episode_tasks.update({int(e): k for e in ids.tolist()})
+        # Episodes no longer in the store (removed, or evicted by a ring) leave the file.
+        info.episode_tasks = {e: t for e, t in info.episode_tasks.items() if e in known}
         self.put_robot_info(info)
         return k
 
