@@ -212,6 +212,9 @@ def test_tasks_assign_rename_filter_and_refusals(tmp_path):
     for bad in ([2], [-1], [0.5]):
         with pytest.raises(UnknownTaskError):
             tb.task_names(bad)
+    assert tb.episodes_with_task("pick cube").tolist() == [0, 2, 3]
+    with pytest.raises(UnknownTaskError):
+        tb.episodes_with_task("nope")
     assert _hashes(path) == before
     tb.assign_task([], "pick cube")  # nothing to assign
     tb.remove_episodes([3])

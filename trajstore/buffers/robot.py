@@ -156,6 +156,22 @@ class RobotData:
         info.tasks[info.tasks.index(old)] = new
         self.put_robot_info(info)
 
+    def episodes_with_task(self, task: str) -> np.ndarray:
+        """(E,) int64 ids of the episodes with steps whose task is ``task``, in id order (for
+        ``select_episodes``, ``remove_episodes``, ``stats(episodes=...)``).
+
+        Raises
+        ------
+        UnknownTaskError
+            ``task`` is not in the dictionary.
+        """
+        info = self.robot_info()
+        if task not in info.tasks:
+            raise UnknownTaskError(f"no task {task!r}; the tasks are {info.tasks}")
+        k = info.tasks.index(task)
+        present = set(cast("TrajectoryReplayBuffer", self).episodes()["episode_id"].tolist())
+        return np.array(sorted(e for e, t in info.episode_tasks.items() if t == k and e in present), np.int64)
+
     def task_names(self, task_indices: Any) -> np.ndarray:
         """Task strings of task indices (a per-step ``task_index`` field's values), same shape, object dtype.
 
