@@ -38,6 +38,8 @@ __all__ = [
     "NoEpisodesError",
     "BadWeightsError",
     "ResumeStateError",
+    "UnknownTaskError",
+    "TimeOrderError",
 ]
 
 
@@ -183,3 +185,14 @@ class BadWeightsError(BadOptionError):
 class ResumeStateError(TrajstoreError, ValueError):
     """A saved sampler position (``load_state_dict``) that is not this sampler's: another kind of
     sampler, another seed, rank or dataset; the message names each field that differs."""
+class UnknownTaskError(TrajstoreError, KeyError):
+    """A task string (or task index) that the store's task dictionary does not hold; the message
+    lists the tasks it has (docs/robot.md)."""
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return str(self.args[0]) if self.args else ""
+
+
+class TimeOrderError(BadValueError):
+    """Timestamps of one episode that go back in time (a ``timestamp`` step field must not
+    decrease within an episode; docs/robot.md "Time")."""

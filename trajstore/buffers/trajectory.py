@@ -30,6 +30,7 @@ from trajstore.buffers.replay import (
     _is_remote,
     _storage_cls_check,
 )
+from trajstore.buffers.robot import RobotData
 from trajstore.buffers.rows import TrajectoryRows
 from trajstore.buffers.trajectory_edits import TrajectoryEdits, check_episode_ids
 from trajstore.buffers.trajectory_reads import TrajectoryData, TrajectoryReads
@@ -71,7 +72,7 @@ def _specs(paths: list[str], plan: ValuePlan, capacity: int | None, compressor: 
             for p, s, d in shapes]
 
 
-class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, TrajectoryReads):
+class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, TrajectoryEdits, TrajectoryReads):
     """A disk-backed buffer of steps grouped into episodes, with optional per-episode data.
 
     Reads return :class:`TrajectoryData` ``{"step_data": ..., "episode_data": ... or None}``;
@@ -423,6 +424,7 @@ class TrajectoryReplayBuffer(EpisodeWindows, EpisodeEditing, TrajectoryEdits, Tr
         self.extend_flattened(flat[None])
 
     def _extend(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None, ep_arrays: list[np.ndarray] | None) -> None:
+        self._check_timestamps(arrays, np.full(n, self.current_episode_id, np.int64) if ids is None else ids)
         with self._store.write_op():
             self._drain()
             if ids is None:

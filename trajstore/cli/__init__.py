@@ -21,6 +21,7 @@ from trajstore import __version__
 from trajstore.cli import edit as _edit
 from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
+from trajstore.cli import robot as _robot
 from trajstore.cli import show as _show
 from trajstore.cli import view as _view
 from trajstore.cli._common import CLIError, error_text
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _edit.register(sub, common)
     _interop.register(sub, common)
     _view.register(sub, common)
+    _robot.register(sub, common)
     # Subcommands in a sensible order in --help.
     order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
              "view", "demo"]

@@ -173,8 +173,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                        description="Write the episodes of SRC for which --where holds to a new store DST (ids, steps "
                                    "and episode data kept).  The expression is a small safe language, never Python "
                                    "eval: numbers, episode fields (episode_id, start, length, live, has_data and every "
-                                   "scalar episode-data field; Dict keys joined by '.'), comparisons == != < <= > >=, "
-                                   "and/or/not, parentheses.  Example: --where 'return > 100 and length >= 50'.")
+                                   "scalar episode-data field; Dict keys joined by '.'; task, each episode's task string), "
+                                   "comparisons == != < <= > >=, and/or/not, parentheses, quoted strings.  Examples: "
+                                   "--where 'return > 100 and length >= 50', --where \"task == 'pick cube'\".")
     p.add_argument("src", metavar="SRC", help="store to filter")
     p.add_argument("dst", metavar="DST", help="destination (a local folder)")
     p.add_argument("--where", required=True, metavar="EXPR", help="which episodes to keep, e.g. 'return > 100'")

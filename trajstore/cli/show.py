@@ -244,6 +244,10 @@ def _cmd_head(args: argparse.Namespace) -> int:
 
 # -- stats -----------------------------------------------------------------------------------------------
 def _cmd_stats(args: argparse.Namespace) -> int:
+    if args.save or args.episodes is not None:  # per-episode statistics of a trajectory store (docs/robot.md)
+        from trajstore.cli.robot import episode_stats_command
+
+        return episode_stats_command(args)
     if is_sharded_root(args.path, args.storage_options):
         stats = sharded_stats(args.path, args.storage_options, args.field, lambda n, d: progress(n, d, unit="row"))
         return _print_stats(args, stats)
@@ -399,6 +403,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "shard, one at a time.")
     add_store_args(p)
     p.add_argument("--field", default=None, metavar="A/B", help="only this array or subtree")
+    p.add_argument("--save", action="store_true", help="compute every episode's statistics (count, mean, std, min, "
+                   "max, quantiles) of a trajectory store and store them in it (docs/robot.md)")
+    p.add_argument("--episodes", default=None, metavar="IDS", help="statistics with quantiles aggregated over these "
+                   "episodes of a trajectory store ('all' or ids such as 0,3,7), from its stored statistics")
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("plot", parents=[common], help="plot episode returns and lengths to a PNG (needs matplotlib)",

@@ -32,6 +32,7 @@ from trajstore.errors import (
     SpaceMismatchError,
     UnsupportedSpaceError,
 )
+from trajstore.maintenance.robot_meta import carry_robot_info, check_task_strings, merge_tasks, robot_infos
 from trajstore.maintenance.staged import (
     StagedFolders,
     adopt_video,
@@ -45,6 +46,7 @@ from trajstore.maintenance.staged import (
     video_compressors,
 )
 from trajstore.maintenance.where import compile_where, where_fields
+from trajstore.storage.robot_files import RobotInfo
 
 __all__ = ["combine", "split", "filter_store", "SOURCE_FIELD", "combined_episode_space", "space_difference"]
 
@@ -197,12 +199,14 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         tables = [b.episodes() for b in bufs]
         total = sum(len(b) for b in bufs)
         bar = _progress(total, f"combine into {os.path.basename(out_path)}", tqdm, unit="step")
+        infos = robot_infos(bufs, names)  # differing frame rates: refused before a byte is written
         tmp = staged.new(out_path)
         try:
             out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
                                                 cache_path=tmp, compressor=video_compressors(bufs[0]))
             try:
                 next_id = 0
+                merged = RobotInfo(infos[0].fps)
                 for k, (b, table) in enumerate(zip(bufs, tables)):
                     src_ids = np.sort(table["episode_id"])
                     # Fresh ids in order of the episodes' first steps.
@@ -215,7 +219,10 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                         out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
                         bar.update(len(eids))
                     _combine_episode_data(b, out, src_ids, fresh, k)
+                    merge_tasks(merged, infos[k], src_ids, fresh)
                 out.mark_episode_end()
+                if merged.fps is not None or merged.tasks:
+                    out.put_robot_info(merged)
             finally:
                 out.close()
         finally:
@@ -314,6 +321,7 @@ def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar
                     for i in np.flatnonzero(has).tolist():
                         out.set_episode_data_at(int(part[i]), plan.from_arrays([a[i] for a in arrays]))
         out.mark_episode_end()
+        carry_robot_info(src, ids, out)
     finally:
         out.close()
     return steps
@@ -419,7 +427,8 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         A local folder that does not exist yet (``overwrite=True`` replaces it).
     where : str or callable
         An expression of :mod:`trajstore.maintenance.where` over the episode fields (``"return >
-        100 and length >= 10"``), or a function as ``filter_episodes`` takes.
+        100 and length >= 10"``, ``"task == 'pick cube'"``), or a function as ``filter_episodes`` takes.
+        The kept episodes' tasks and the store's fps go along (docs/robot.md).
     tqdm : bool or None
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
@@ -437,6 +446,8 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         ``where`` is not an expression of the language, or does not give true/false.
     UnknownFieldError
         ``where`` names a field the store's episodes do not have (the message lists them).
+    UnknownTaskError
+        ``where`` compares ``task`` with a string that is no task of the store.
     StoreExistsError
         ``dst`` exists and ``overwrite`` is False.
     """
@@ -452,8 +463,11 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         else:
             names = where_fields(where)
             data_names = [leaf.name or "value" for leaf in buf._ep_plan.leaves] if buf._ep_plan is not None else []
-            compile_where(where, list(TABLE_COLUMNS) + data_names)  # unknown fields: before reading anything
+            text = check_task_strings(buf, where) if "task" in names and "task" not in data_names else []
+            compile_where(where, list(TABLE_COLUMNS) + data_names + text)  # unknown fields: before reading anything
             cols = episode_columns(buf, names=[n for n in names if n in data_names])
+            if text:
+                cols["task"] = buf.task_column(cols["episode_id"]).astype(str)
             mask = cols["episode_id"][compile_where(where, cols)(cols)]
         ids = np.sort(np.asarray(mask, np.int64))
         tmp = staged.new(out_path)

@@ -51,8 +51,9 @@ from trajstore.spaces import space_from_json
 from trajstore.storage.array_meta import check_array_meta, consolidated
 from trajstore.storage.confined import MAX_FILE_BYTES
 from trajstore.storage.head import HEAD_KEY, PREV_KEY, Head, TableState, read_prev
-from trajstore.storage.keys import RUNS_KEY
+from trajstore.storage.keys import ROBOT_KEY, RUNS_KEY, STATS_KEY
 from trajstore.storage.location import Location
+from trajstore.storage.robot_files import load_robot, load_stats
 from trajstore.storage.runs_file import RUNS_TABLE, decode_runs, disagreement, runs_limit
 from trajstore.storage.schema import (
     check_allocation,
@@ -459,6 +460,7 @@ def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options:
         j = next(i for i, f in enumerate(t.fields) if f.spec.array_path == "step_episode_ids")
         ids = t.read_contiguous(0, t.count, [j])[0]
         _check_runs(loc, sc, rep, store.committed, ids)
+        _check_robot_files(loc, rep)
         over = np.flatnonzero(ids >= nxt)
         if over.size:
             rep.faults.append(Fault("episodes", "step_episode_ids", f"step_episode_ids: {over.size} step(s) carry ids at "
@@ -480,6 +482,19 @@ def _check_episodes(loc: Location, sc: Scan, rep: VerifyReport, storage_options:
         rep.faults.append(Fault("open", str(loc.url), f"the store's rows cannot be read: {fault_text(e)}"))
     finally:
         store.close()
+
+
+def _check_robot_files(loc: Location, rep: VerifyReport) -> None:
+    """``trajstore.robot.json`` and ``trajstore.stats`` parse (docs/format.md "Robot metadata").  A
+    damaged stats file is derived data: repair removes it (readers then compute statistics from
+    the rows); a damaged robot file holds the tasks, so it stays for a person to look at."""
+    for key, load in ((ROBOT_KEY, load_robot), (STATS_KEY, load_stats)):
+        try:
+            load(loc)
+        except DamagedStoreError as e:
+            rep.faults.append(Fault("robot", key, fault_text(e)))
+            if key == STATS_KEY:
+                rep.removable.append((key, "damaged per-episode statistics (computed again from the rows)"))
 
 
 def _check_runs(loc: Location, sc: Scan, rep: VerifyReport, head: Head, ids: np.ndarray) -> None:

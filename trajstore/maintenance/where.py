@@ -4,14 +4,15 @@
 
 Grammar (parsed with :mod:`ast`, then checked node by node; nothing is ever evaluated as Python):
 
-- numbers (``3``, ``-2.5``, ``1e3``) and ``True`` / ``False``;
+- numbers (``3``, ``-2.5``, ``1e3``) and ``True`` / ``False``; quoted strings (``'pick cube'``), which
+  compare with text columns (``task``, docs/robot.md);
 - field names: an episode column of :func:`~trajstore.buffers.episode_edit.episode_columns`
   (``episode_id``, ``start``, ``length``, ``live``, ``has_data``, and every scalar episode-data
   field); a field below a Dict key is written with dots (``info.success`` is ``info/success``);
 - comparisons ``== != < <= > >=``, chained as in Python (``0 < return <= 10``);
 - ``and``, ``or``, ``not`` over comparisons (or bool fields), and parentheses.
 
-Anything else (calls, attribute access on values, subscripts, arithmetic, strings, lambdas) is
+Anything else (calls, attribute access on values, subscripts, arithmetic, lambdas) is
 refused with :class:`~trajstore.errors.BadOptionError` naming the construct and its column.
 """
 
@@ -24,7 +25,10 @@ import numpy as np
 
 from trajstore.errors import BadOptionError, UnknownFieldError
 
-__all__ = ["compile_where", "where_fields", "MAX_WHERE_CHARS"]
+__all__ = ["compile_where", "where_fields", "where_strings", "MAX_WHERE_CHARS", "TEXT_FIELDS"]
+
+#: Fields holding text, the only ones quoted strings compare with.
+TEXT_FIELDS = ("task",)
 
 #: Longest expression accepted (the parser's recursion stays shallow).
 MAX_WHERE_CHARS = 2000
@@ -42,7 +46,7 @@ def _refuse(expr: str, node: ast.AST, what: str) -> BadOptionError:
     col = getattr(node, "col_offset", None)
     at = f" at column {col + 1}" if col is not None else ""
     return BadOptionError(f"--where {expr!r}: {what}{at}; allowed: numbers, field names, comparisons "
-                          "(== != < <= > >=), and/or/not, parentheses" + _operator_hint(expr))
+                          "(== != < <= > >=), and/or/not, parentheses, quoted strings" + _operator_hint(expr))
 
 
 def _field_name(node: ast.AST) -> str | None:
@@ -129,6 +133,18 @@ def where_fields(expr: str) -> list[str]:
     return names
 
 
+def where_strings(expr: str) -> list[str]:
+    """The quoted strings ``expr`` compares with (``"task == 'pick cube'"`` gives ``["pick cube"]``).
+
+    Raises
+    ------
+    BadOptionError
+        ``expr`` is not an expression of the language.
+    """
+    _build(expr, tree := _parse(expr).body, [])
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
 def compile_where(expr: str, fields: Mapping[str, np.ndarray] | Iterable[str]) -> Evaluator:
     """Check ``expr`` against the available ``fields`` and return its evaluator.
 
@@ -194,6 +210,7 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
             if type(op) not in _CMP:
                 raise _refuse(expr, node, f"operator {type(op).__name__} is not allowed")
             ops.append(_CMP[type(op)])
+        _check_text(expr, node, [node.left, *node.comparators])
         operands = [_build(expr, n, names) for n in [node.left, *node.comparators]]
 
         def compare(c: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -204,10 +221,10 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
         return compare
     if isinstance(node, ast.Constant):
         v = node.value
-        if isinstance(v, bool) or (isinstance(v, (int, float)) and not isinstance(v, complex)):
+        if isinstance(v, bool) or (isinstance(v, (int, float, str)) and not isinstance(v, complex)):
             arr = np.asarray(v)
             return lambda c: arr
-        raise _refuse(expr, node, f"constant {v!r} is not a number")
+        raise _refuse(expr, node, f"constant {v!r} is not a number or a string")
     name = _field_name(node)
     if name is not None:
         name = _unescape(name)
@@ -218,6 +235,16 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
             names.append(name)
         return lambda c: np.asarray(c[name])
     raise _refuse(expr, node, f"{type(node).__name__} is not allowed")
+
+
+def _check_text(expr: str, node: ast.AST, operands: list[ast.AST]) -> None:
+    """Strings compare only with text fields (:data:`TEXT_FIELDS`), and text fields only with strings."""
+    def is_text(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or _field_name(n) in TEXT_FIELDS
+
+    kinds = {is_text(n) for n in operands}
+    if len(kinds) > 1:
+        raise _refuse(expr, node, f"text (quoted strings and {', '.join(TEXT_FIELDS)}) compares only with text")
 
 
 def _bool(expr: str, v: np.ndarray) -> np.ndarray:

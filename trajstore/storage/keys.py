@@ -4,7 +4,7 @@ Everything else in a store is zarr's (``zarr.json`` files and chunk keys); see d
 """
 
 __all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY", "PRIORITIES_DIR",
-           "RUNS_KEY"]
+           "ROBOT_KEY", "RUNS_KEY", "STATS_KEY"]
 
 #: The commit record: which rows of every table are committed (see :mod:`trajstore.storage.head`).
 HEAD_KEY = "trajstore.head.json"
@@ -19,6 +19,12 @@ DATASET_KEY = "trajstore.dataset.json"
 #: The run index of a trajectory store's step ids, saved by a writer at close so readers need not
 #: scan every id (:mod:`trajstore.storage.runs_file`).  A cache: absent, stale or damaged, it is ignored.
 RUNS_KEY = "trajstore.runs"
+#: Robot metadata: the store's frame rate and its task dictionary with each episode's task
+#: (:mod:`trajstore.storage.robot_files`, docs/robot.md).  Replaced whole (temp file + rename).
+ROBOT_KEY = "trajstore.robot.json"
+#: Stored statistics per episode and field (:mod:`trajstore.storage.robot_files`): valid only under
+#: the commit epoch it names; absent, stale or for other episodes, they are computed from the rows.
+STATS_KEY = "trajstore.stats"
 #: A store of its own inside a buffer's folder: the priorities a PrioritizedSampler keeps
 #: (:mod:`trajstore.sampling.prioritized`).  Not part of the buffer's rows (a ``.zip`` leaves it out).
 PRIORITIES_DIR = "trajstore.priorities"

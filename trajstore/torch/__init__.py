@@ -30,6 +30,7 @@ from trajstore.torch.datasets import (  # noqa: E402
 )
 from trajstore.torch.mixture import MixtureDataset, MixtureSampler, episode_item_weights  # noqa: E402
 from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
+from trajstore.torch.time_dataset import TimeWindowDataset  # noqa: E402
 
 __all__ = ["MixtureDataset", "MixtureSampler", "RandomBatchSampler", "SampleBatch", "SequenceDataset",
-           "TransitionDataset", "collate_batch", "episode_item_weights"]
+           "TimeWindowDataset", "TransitionDataset", "collate_batch", "episode_item_weights"]

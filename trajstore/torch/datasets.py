@@ -28,8 +28,9 @@ from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
 from trajstore.torch._source import FieldSelection, ShardedSource, make_source
 from trajstore.torch._transfer import in_worker, pack
+from trajstore.torch.normalize import Normalizer
 
-__all__ = ["SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
+__all__ = ["BaseDataset", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
 
 _OUTPUTS = ("torch", "numpy")
 
@@ -91,7 +92,11 @@ def _collate_items(batch: Any, *, collate_fn_map: Any = None) -> Any:
 default_collate_fn_map[_Item] = _collate_items
 
 
-class _Base(Dataset):
+class BaseDataset(Dataset):
+    """What every dataset here shares: the lazily opened source, the field selection, batch reads
+    (``__getitems__``), the output type and optional normalization.  Subclasses define ``__len__``
+    and ``_read(indices, out)``."""
+
     def __init__(self, source: Any, fields: Sequence[str] | str | None, output: str,
                  storage_options: dict[str, Any] | None) -> None:
         if output not in _OUTPUTS:
@@ -128,7 +133,18 @@ class _Base(Dataset):
 
     def read_batch(self, indices: Any) -> dict[str, Any]:
         """Items ``indices`` (non-negative) as one stacked batch ``{field: (B, ...)}``."""
-        return self._read(indices, self._torch if self.output == "torch" else self._numpy)
+        return self._normed(self._read(indices, self._torch if self.output == "torch" else self._numpy))
+
+    def normalize(self, modes: Mapping[str, str], *, episodes: Any = None) -> Any:
+        """Normalize fields by the store's statistics from now on (``{"state": "mean_std", "action":
+        "min_max"}``; modes of :data:`trajstore.torch.normalize.MODES`); returns the dataset.  The
+        statistics are taken now (stored ones where current, docs/robot.md) and pickled with it."""
+        self._norm: Normalizer | None = Normalizer(self.buffer, modes, episodes)
+        return self
+
+    def _normed(self, batch: dict[str, Any]) -> dict[str, Any]:
+        norm = getattr(self, "_norm", None)
+        return batch if norm is None else norm(batch)
 
     def _read(self, indices: Any, out: Any) -> dict[str, Any]:
         raise NotImplementedError  # abstract
@@ -140,7 +156,7 @@ class _Base(Dataset):
         buffer, so the batch crosses to the main process as one object (see ``_transfer``)."""
         idx = self._indices(indices)
         if self.output == "torch" and in_worker():
-            return SampleBatch(pack(self._read(idx, self._numpy)), len(idx))
+            return SampleBatch(pack(self._normed(self._read(idx, self._numpy))), len(idx))
         return SampleBatch(self.read_batch(idx), len(idx))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -151,7 +167,7 @@ class _Base(Dataset):
         self._src.close()
 
 
-class TransitionDataset(_Base):
+class TransitionDataset(BaseDataset):
     """One item per stored step (row): ``{field: value}``.
 
     Parameters
@@ -201,7 +217,7 @@ class TransitionDataset(_Base):
         return batch
 
 
-class SequenceDataset(_Base):
+class SequenceDataset(BaseDataset):
     """One item per window of ``seq_len`` consecutive steps: ``{field: (T, ...), "mask": (T,) bool}``,
     or with per-field ``offsets``: ``{key: (len(offsets[key]), ...), "mask": {key: (len(offsets[key]),) bool}}``.
 
