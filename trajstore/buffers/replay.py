@@ -18,9 +18,10 @@ from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.base import StoredBuffer
 from trajstore.buffers.views import BatchBase
+from trajstore.core.progress import progress_bar
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.core.stager import RowStager
-from trajstore.core.store import Store, TableSpec, _progress
+from trajstore.core.store import Store, TableSpec
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.spaces import ValuePlan, flatdim, space_to_json
 from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
@@ -48,7 +49,7 @@ def _copy_steps(n: int, row_bytes: int, chunk_size: int | None, tqdm: bool | Non
         raise BadArgumentError(f"extend_from: chunk_size must be a positive int, or None to size steps by bytes "
                                f"(about {COPY_STEP_BYTES >> 20} MiB of rows each); got {chunk_size!r}")
     enabled = (None if n * row_bytes >= COPY_BAR_BYTES else False) if tqdm is None else bool(tqdm)
-    return step, _progress(n, "extend_from", enabled, unit="row")
+    return step, progress_bar(n, "extend_from", enabled, unit="row")
 
 
 class ZarrStorage:

@@ -56,7 +56,7 @@ class StoreCommits:
     op_listeners: list[Callable[[], None]]
     _watch: HeadWatch
     _last_commit: float
-    _op: _WriteOp
+    _op: WriteOp
     _publisher: Publisher | None = None
 
     def _check_writable(self) -> None:
@@ -308,14 +308,14 @@ class StoreCommits:
         return all(t.capacity is None or new.tables[name].start <= old.tables[name].start
                    for name, t in self.tables.items())
 
-    def write_op(self) -> "_WriteOp":
+    def write_op(self) -> "WriteOp":
         """Context of one write operation: in multiprocessing mode it is serialized with the
         other writers (inter-process lock), sees their commits, and commits at its end."""
         self._check_writable()
         return self._op
 
 
-class _WriteOp:
+class WriteOp:
     """Reusable context manager for :meth:`Store.write_op` (cheaper than a generator per append)."""
 
     __slots__ = ("store",)

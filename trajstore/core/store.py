@@ -23,8 +23,8 @@ import zarr.api.asynchronous as zarr_async
 import zarr.core.sync as zarr_sync
 from zarr.storage import MemoryStore
 
-from trajstore._optional import missing
-from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
+from trajstore.core.commit import StoreCommits, WriteOp, consolidate_metadata
+from trajstore.core.progress import progress_bar
 from trajstore.core.table import Table
 from trajstore.errors import (
     BadOptionError,
@@ -200,7 +200,7 @@ class Store(StoreCommits):
         self._watch = HeadWatch(loc)  # nothing watched yet: a reader's first refresh reads the record
         self._last_commit = time.monotonic()
         self.tables: dict[str, Table] = {}
-        self._op = _WriteOp(self)
+        self._op = WriteOp(self)
         self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
         self.op_listeners: list[Callable[[], None]] = []  # multiprocessing: called at the start of each write op
         # A writer's open removes the saved run index (storage.runs_file) and hands it over here.
@@ -497,7 +497,7 @@ class Store(StoreCommits):
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("")
                 if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
-        bar = _progress(len(keys), f"copy to {target.url}", progress)
+        bar = progress_bar(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
                 if self.loc.is_local and target.is_local:
@@ -553,29 +553,6 @@ def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
     if not isinstance(attrs.get("kind"), str):
         raise DamagedStoreError(f"{loc.url}: kind is {attrs.get('kind')!r:.40}; expected a string such as 'ReplayBuffer'")
     return attrs
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -> Any:
-    """A tqdm bar when asked (``None``: only on a terminal and when tqdm is installed)."""
-    import sys
-
-    if enabled is False or (enabled is None and not sys.stderr.isatty()):
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        if enabled:
-            raise missing("tqdm", "progress bars") from None
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit)
 
 
 def _erase(loc: Location) -> None:

@@ -24,15 +24,16 @@ import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc
 from zarr.storage import MemoryStore
 
 from trajstore.core.commit import consolidate_metadata
+from trajstore.core.progress import progress_bar
 from trajstore.core.ring import contiguous_runs
-from trajstore.core.store import ATTRS_KEY, Store, _progress
+from trajstore.core.store import ATTRS_KEY, Store
 from trajstore.errors import StoreExistsError
 from trajstore.storage.fields.spec import (
     FieldSpec,
-    _raw_row_align,
     chunk_key,
     make_field_spec,
     parse_compressor,
+    raw_row_align,
 )
 from trajstore.storage.head import (
     HEAD_KEY,
@@ -77,7 +78,7 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
         # than the committed rows.  Raw chunks stay whole pages (a copy back into a folder is
         # memory-mapped again); compressed ones a power of two.
         if spec.layout == "raw":
-            align = _raw_row_align(max(spec.row_bytes, 1))
+            align = raw_row_align(max(spec.row_bytes, 1))
             spec.chunk_rows = min(spec.chunk_rows, -(-max(rows, 1) // align) * align)
         else:
             spec.chunk_rows = min(spec.chunk_rows, 1 << max(rows - 1, 0).bit_length())
@@ -146,7 +147,7 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
         for key in mem.list_prefix(""):
             loc.put(key, mem.get(key, limit=1 << 62) or b"")  # every key listed holds bytes
         _copy_root_files(store, loc, plans)
-        bar = _progress(sum(t.count for t in store.tables.values() for _ in t.fields), f"write {target}", progress,
+        bar = progress_bar(sum(t.count for t in store.tables.values() for _ in t.fields), f"write {target}", progress,
                         unit="row")
         try:
             for plan in plans:

@@ -17,7 +17,7 @@ import numpy as np
 from gymnasium.spaces import Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import BadValueError, DamagedStoreError, ForeignFileError, NotATrajstoreError
 from trajstore.interop._common import (
     Checksums,
@@ -299,7 +299,7 @@ def export_d4rl(src: Any, path: Any, *, tqdm: bool | None = None, overwrite: boo
         step = block_rows(buf._table.row_bytes)
         sums = Checksums()
         with out as tmp:
-            bar = _progress(n, f"export_d4rl to {os.path.basename(out.dst)}", tqdm, unit="step")
+            bar = progress_bar(n, f"export_d4rl to {os.path.basename(out.dst)}", tqdm, unit="step")
             try:
                 with h5py.File(tmp, "w") as f:
                     dsets = {k: f.create_dataset(dsname[k], shape=(n, *leaves[k].shape), dtype=dtypes[k],

@@ -18,7 +18,7 @@ import numpy as np
 from gymnasium.spaces import Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import (
     BadOptionError,
     BadValueError,
@@ -404,7 +404,7 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
         ends: list[int] = []
         with out as tmp:
             zs = zarr.storage.ZipStore(tmp, mode="w") if zip_out else None
-            bar = _progress(n, f"export_diffusion_policy to {os.path.basename(out.dst)}", tqdm, unit="step")
+            bar = progress_bar(n, f"export_diffusion_policy to {os.path.basename(out.dst)}", tqdm, unit="step")
             try:
                 root = zarr.open_group(zs if zs is not None else tmp, mode="w", zarr_format=2 if zarr_format == 2 else 3)
                 root.require_group("data")

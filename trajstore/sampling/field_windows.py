@@ -28,7 +28,7 @@ import numpy as np
 
 from trajstore.core.ring import normalize_index
 from trajstore.errors import BadArgumentError, BadOptionError, UnknownFieldError
-from trajstore.sampling.sequences import PADS, _block_ok, _draw_anchors, _frames, pad_sources, window_rows
+from trajstore.sampling.sequences import PADS, block_ok, draw_anchors, pad_sources, span_frames, window_rows
 from trajstore.sampling.source import EpisodeSource, put_rows, read_consistent, sample_consistent
 from trajstore.spaces import leaves
 
@@ -279,7 +279,7 @@ def _span_rows(src: EpisodeSource, anchors: np.ndarray, span: _Span,
     if all_valid:
         first, valid = anchors + U[0], np.ones((B, S), bool)
     else:
-        fr = _frames(src, anchors, U, True)
+        fr = span_frames(src, anchors, U, True)
         assert fr.first is not None
         first, valid = fr.first, fr.valid
         if fr.check.size:
@@ -337,7 +337,7 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         if not strict:
             return rng.integers(0, src.count, size=k)
         try:
-            return _draw_anchors(src, k, span.offsets, rng, True)
+            return draw_anchors(src, k, span.offsets, rng, True)
         except BadOptionError:
             lo, hi = int(span.offsets[0]), int(span.offsets[-1])
             raise BadOptionError(f"no anchor's window (offsets {lo} .. {hi} of the anchor, all fields together) lies "
@@ -349,7 +349,7 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         # a live ring's eviction, sample_consistent keeps an anchor that survived, but the rows of
         # its negative offsets may be gone (sample_sequences' windows start at the anchor).
         block = strict and span.dense and len(span.offsets) <= src.count
-        all_valid = block and bool(_block_ok(src, anchors, span.offsets)[1].all())
+        all_valid = block and bool(block_ok(src, anchors, span.offsets)[1].all())
         return _read(src, anchors, fields, span, all_valid=all_valid)
 
     # Frames before the anchor are read too: the eviction check follows the earliest of them.

@@ -33,7 +33,7 @@ from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 from trajstore.errors import BadOptionError, UnsupportedSpaceError
 from trajstore.sampling.source import check_batch_size
 from trajstore.sb3._layout import storage_box
-from trajstore.sb3.replay import _ZarrReplayMixin
+from trajstore.sb3.replay import ZarrReplayMixin
 
 __all__ = ["ZarrHerReplayBuffer"]
 
@@ -65,7 +65,7 @@ class _RowsWithEpisodeStart:
         return getattr(self._rb, name)
 
 
-class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
+class ZarrHerReplayBuffer(ZarrReplayMixin, HerReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``HerReplayBuffer`` with observations and episode bookkeeping in a trajstore store.
 
     Same constructor as SB3's ``HerReplayBuffer`` plus the keyword-only storage arguments of
@@ -198,7 +198,7 @@ class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[mi
         self.ep_start[self.pos] = self._current_ep_start.copy()
         if self.copy_info_dict:
             self.infos[self.pos] = infos
-        _ZarrReplayMixin.add(self, obs, next_obs, action, reward, done, infos)  # the row, with ep_start[pos]
+        ZarrReplayMixin.add(self, obs, next_obs, action, reward, done, infos)  # the row, with ep_start[pos]
         for env_idx in range(self.n_envs):
             if done[env_idx]:
                 self._compute_episode_length(env_idx)

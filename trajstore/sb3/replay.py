@@ -43,7 +43,7 @@ __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
 SMALL = ("action", "reward", "done", "timeout")  # stored leaf -> RAM array (see _small)
 
 
-class _ZarrReplayMixin(ZarrBufferMixin):
+class ZarrReplayMixin(ZarrBufferMixin):
     """Everything of the two replay classes; they differ only in the observation space they take."""
 
     _main = "transitions"
@@ -541,7 +541,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
 
 # (observations / next_observations: read-only views here, arrays in SB3's class)
-class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
+class ZarrReplayBuffer(ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
     """SB3's ``ReplayBuffer`` with observations and next observations in a trajstore store.
 
     Same constructor as SB3's, plus keyword-only storage arguments.  Capacity per env is
@@ -583,7 +583,7 @@ class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
     KIND = "ZarrReplayBuffer"
 
 
-class ZarrDictReplayBuffer(_ZarrReplayMixin, DictReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
+class ZarrDictReplayBuffer(ZarrReplayMixin, DictReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``DictReplayBuffer`` with every observation key in a trajstore store.
 
     Same arguments as :class:`ZarrReplayBuffer`; the observation space must be a Dict and
