@@ -296,7 +296,7 @@ class ReplayBuffer(StoredBuffer):
         self._plan.write_row(value, st.bufs, st.n)
         st.added()
 
-    def _append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
+    def append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
         """:meth:`append` of one row given as one array per leaf, in the order of the space's
         leaves, each already of its leaf's shape and dtype (not checked: assignment would cast or
         broadcast).  For integrations that build rows themselves (the SB3 buffers): they skip the
@@ -370,9 +370,9 @@ class ReplayBuffer(StoredBuffer):
         with op:
             t = self._table
             t.state.start = t.state.end = 0
-            head = self._store._current_head()
+            head = self._store.current_head()
             head.epoch += 1
-            self._store._write_head(head)
+            self._store.write_record(head)
 
     def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
         """Append every row of ``other`` (any buffer or view of an equal space).

@@ -143,7 +143,7 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
         if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
             if not overwrite:
                 raise StoreExistsError(f"{target}: a store already exists here")
-            writer._erase_old()
+            writer.erase_old()
         for key in mem.list_prefix(""):
             loc.put(key, mem.get(key, limit=1 << 62) or b"")  # every key listed holds bytes
         _copy_root_files(store, loc, plans)

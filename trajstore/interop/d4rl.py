@@ -296,7 +296,7 @@ def export_d4rl(src: Any, path: Any, *, tqdm: bool | None = None, overwrite: boo
         dtypes = {k: (np.dtype(np.float32) if leaves[k].name == "reward" else
                       np.dtype(np.bool_) if leaves[k].name in ("terminated", "truncated") else leaves[k].dtype)
                   for k in names.values()}
-        step = block_rows(buf._table.row_bytes)
+        step = block_rows(buf.rows_table.row_bytes)
         sums = Checksums()
         with out as tmp:
             bar = progress_bar(n, f"export_d4rl to {os.path.basename(out.dst)}", tqdm, unit="step")

@@ -144,8 +144,8 @@ def block_rows(row_bytes: int) -> int:
 def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
     order, a bounded block at a time."""
-    buf._sync()
-    t = buf._table
+    buf.sync_reads()
+    t = buf.rows_table
     fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
     step = block_rows(t.row_bytes)
     if ids is None:

@@ -50,10 +50,10 @@ class _RowsWithEpisodeStart:
     def __init__(self, rb: Any, owner: "ZarrHerReplayBuffer") -> None:
         self._rb, self._owner = rb, owner
 
-    def _append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
+    def append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
         """Append one row: ``arrays`` (the mixin's leaves) followed by ``ep_start[pos]`` (n_envs,) int64."""
         owner = self._owner
-        self._rb._append_leaves([*arrays, owner.ep_start[owner.pos]])
+        self._rb.append_leaves([*arrays, owner.ep_start[owner.pos]])
 
     def __len__(self) -> int:
         return len(self._rb)

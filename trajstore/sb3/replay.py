@@ -279,7 +279,7 @@ class ZarrReplayMixin(ZarrBufferMixin):
         else:
             self._step[...] = self._steps
             values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
-            self._rb._append_leaves(values)
+            self._rb.append_leaves(values)
 
     def _advance(self, p: int, rewrite: bool) -> None:
         """After ``add`` wrote position ``p``: the step count, ``full``, ``pos`` and (unless it
@@ -355,7 +355,7 @@ class ZarrReplayMixin(ZarrBufferMixin):
     def _adopt_stager(self) -> RowStager | None:
         """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
         directly and leave the other leaves to :meth:`_fill_staged`; None where rows go through
-        ``_append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own, or a
+        ``append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own, or a
         store that does not stage rows: multiprocessing, read-only)."""
         rb = self._rb
         st = rb.row_stager() if type(rb) is StoreBuffer else None
@@ -452,6 +452,7 @@ class ZarrReplayMixin(ZarrBufferMixin):
         self.full = False
 
     def size(self) -> int:
+        """Transitions stored per env (SB3's ``size()``: ``buffer_size`` once full)."""
         return self._count
 
     # -- stored observations ---------------------------------------------------------------------
@@ -477,7 +478,7 @@ class ZarrReplayMixin(ZarrBufferMixin):
         self._persist_edits()
         if self.optimize_memory_usage and self._count and self._pending_saved != self._steps - 1:
             step = np.asarray(self._steps - 1, np.int64)  # leaves in the order of _pending_space
-            self._pending_rb._append_leaves(self._layout.row_values(self._pending) + [step])
+            self._pending_rb.append_leaves(self._layout.row_values(self._pending) + [step])
             self._pending_saved = self._steps - 1
 
     def _persist_edits(self, positions: np.ndarray | None = None) -> None:

@@ -225,7 +225,7 @@ class ZarrRolloutMixin(ZarrBufferMixin):
             if self.pos > held:
                 self._rb.extend({name: np.zeros((self.pos - held, *box.shape), box.dtype)
                                  for name, box in self._layout.leaves("obs")})
-            self._rb._append_leaves(values)
+            self._rb.append_leaves(values)
         self._written = True
         self.pos += 1
         if self.pos == self.buffer_size:

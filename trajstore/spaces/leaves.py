@@ -44,6 +44,7 @@ class Leaf:
 
 
 def path_name(path: LeafPath) -> str:
+    """A leaf path as the name errors use: its keys and indices joined by ``/``."""
     return "/".join(map(str, path))
 
 
@@ -53,6 +54,7 @@ def at_path(kind: str, path: LeafPath) -> str:
 
 
 def check_dict_key(key: Any, path: LeafPath) -> None:
+    """Refuse a Dict key at ``path`` that cannot be a zarr node name (UnsupportedSpaceError)."""
     # Keys become zarr node names: "/" nests, and "." / "__" prefixes are reserved.
     problem = (f"is not a str ({type(key).__name__})" if not isinstance(key, str) else "is empty" if not key
                else "contains '/'" if "/" in key else "starts with '__' or '.'" if key.startswith(("__", ".")) else "")

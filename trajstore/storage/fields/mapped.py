@@ -220,7 +220,7 @@ class MappedField:
                 raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
                                         "reached its limit of memory mappings (vm.max_map_count; see "
                                         "trajstore.errors.MappingLimitError)", name) from None
-            if e.errno in _syscalls._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
+            if e.errno in _syscalls.MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
                 assert e.errno is not None  # it is in the set
                 # The store's first mapping worked (trajstore.storage.fields.layout.mapping_ok), this one did not:
                 # a file on another filesystem, or a system that changed its mind.
