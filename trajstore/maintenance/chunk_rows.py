@@ -53,7 +53,7 @@ def check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool,
             if a is None or path in sc.unlistable:
                 bad.append((0, st.count))
                 continue
-            check = _FieldRows(loc, rep, name, st, cap, a, sc.chunks.get(path, {}), pending.get("prefix"), bad)
+            check = _FieldRows(loc, rep, name, st, cap, a, sc.chunks.get(path, {}), pending.get("prefix"), bad, deep)
             check.run(sc, staged.get(path, set()))
             todo += check.todo
     if deep and todo:
@@ -101,8 +101,8 @@ def _head_plausible(sc: Scan, rep: VerifyReport, name: str, st: TableState, cap:
 @dataclass
 class _FieldRows:
     """The row checks of one field (array ``a``) of table ``table``: what its steps share.  Bad
-    logical rows are appended to ``bad`` (the table's list in ``Scan.bad_rows``), chunks to
-    decode with ``deep`` to ``todo``."""
+    logical rows are appended to ``bad`` (the table's list in ``Scan.bad_rows``), and with
+    ``deep`` the chunks to decode to ``todo``."""
 
     loc: Location
     rep: VerifyReport
@@ -113,6 +113,7 @@ class _FieldRows:
     found: dict[int, str]
     prefix: str | None
     bad: list[tuple[int, int]]
+    deep: bool
     todo: list[Todo] = field(default_factory=list)
 
     def run(self, sc: Scan, staged: set[int]) -> None:
@@ -227,7 +228,8 @@ class _FieldRows:
                 self._fault("truncated-chunk", key, f"{key}: truncated chunk file ({what}); table {name!r} rows "
                             f"{fmt_rows(ranges)} are damaged", rows)
             else:
-                self.todo.append((a, k, ranges))
+                if self.deep:
+                    self.todo.append((a, k, ranges))
                 return
         self.bad.extend(ranges)
 
