@@ -299,7 +299,7 @@ class _SyncSpy:
 
     def __init__(self, monkeypatch):
         self.events: list[tuple[str, str, int]] = []
-        real_fsync, real_msync = os.fsync, _syscalls._libc.msync
+        real_fsync, real_msync = os.fsync, _syscalls.libc.msync
 
         def fsync_spy(fd):
             try:
@@ -315,7 +315,7 @@ class _SyncSpy:
             return rc
 
         monkeypatch.setattr(os, "fsync", fsync_spy)
-        monkeypatch.setattr(_syscalls._libc, "msync", msync_spy)
+        monkeypatch.setattr(_syscalls.libc, "msync", msync_spy)
 
     def take(self) -> list[tuple[str, str, int]]:
         out, self.events[:] = list(self.events), []

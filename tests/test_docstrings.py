@@ -44,7 +44,7 @@ IMPLEMENTS = {
     "trajstore.storage.fields.mapped.MappedField": "trajstore.storage.fields.base.Field",
     "trajstore.storage.fields.chunked.ChunkedField": "trajstore.storage.fields.base.Field",
     "trajstore.storage.locks.FlockBackend": "trajstore.storage.locks.LockBackend",
-    "trajstore.storage.locks.MsvcrtBackend": "trajstore.storage.locks.LockBackend",
+    "trajstore.storage.locks.FilelockBackend": "trajstore.storage.locks.LockBackend",
     "trajstore.core.commit.StoreCommits": "trajstore.core.table.TableOwner",
 }
 

@@ -4,12 +4,13 @@
   ctypes cannot load, or a filesystem refusing ``MAP_FIXED`` file mappings get) makes raw fields
   use the portable ``ChunkedField``.  The core suites run again with it set, the bytes on disk are
   the same, and stores written by one engine read the same through the other.
-- ``import trajstore`` works without ``fcntl`` (Windows), and the writer lock's Windows path
-  (``msvcrt.locking`` byte-range locks, :class:`trajstore.storage.locks.MsvcrtBackend`) keeps the lock's
-  semantics: single writer, multiprocessing writers share, readers never blocked, a killed
-  holder releases it.  Windows' own ``msvcrt`` is not available here: the backend is driven by a
-  model of per-handle byte-range locks (in process) and by a ``fcntl.lockf``-backed stand-in
-  (across processes, the only case where POSIX record locks behave like Windows' ones).
+- ``import trajstore`` works without ``fcntl`` (Windows), and the writer lock's path there
+  (:mod:`filelock`'s descriptor lock, :class:`trajstore.storage.locks.FilelockBackend`) keeps the
+  lock's semantics: a single writer excludes writers, readers are never blocked, a SIGKILLed
+  holder releases it, multiprocessing writers are refused with a reason.  The backend runs here
+  as it is, on the real library (which takes ``flock`` on Linux and ``LockFileEx`` on Windows,
+  tested there by filelock's own CI): the child processes hide ``fcntl`` from trajstore, so
+  :func:`trajstore.storage.locks.lock_backend` picks it as it would on Windows.
 
 What only a real macOS or Windows machine can show (rename onto open files, NTFS file ids,
 mandatory locks) is not tested here.
@@ -37,7 +38,7 @@ from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields import layout as fields
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import LockedError
-from trajstore.storage.locks import MsvcrtBackend
+from trajstore.storage.locks import FilelockBackend, WriterLock
 from trajstore.storage.fields.mapped import MappedField
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,28 +179,28 @@ def test_a_filesystem_that_refuses_shared_mappings_falls_back_per_store(tmp_path
     mmap answers) makes that store's raw fields use ChunkedField; nothing raises."""
     if not _syscalls.AVAILABLE:
         pytest.skip("the mapped engine is off in this process")
-    real = _syscalls._libc
+    real = _syscalls.libc
 
     class NoSharedMaps:
         def __getattr__(self, name):
             return getattr(real, name)
 
         def mmap(self, addr, n, prot, flags, fd, off):
-            if flags & _syscalls._MAP_SHARED:
+            if flags & _syscalls.MAP_SHARED:
                 ctypes.set_errno(errno.EINVAL)
-                return _syscalls._MAP_FAILED
+                return _syscalls.MAP_FAILED
             return real.mmap(addr, n, prot, flags, fd, off)
 
     path = tmp_path / "s"
     ReplayBuffer.create(SPACE, cache_path=path, chunk_rows=64).close()
-    monkeypatch.setattr(_syscalls, "_libc", NoSharedMaps())
+    monkeypatch.setattr(_syscalls, "libc", NoSharedMaps())
     monkeypatch.setattr(fields, "_MAPS", {})
     with ReplayBuffer.load_from(path) as rb:
         assert _engines(rb) == {"ChunkedField"}
         rb.extend(_rows(0, 100))
         assert rb[99]["a"] == 3
     assert _syscalls.AVAILABLE  # other stores (other filesystems) still map
-    monkeypatch.setattr(_syscalls, "_libc", real)
+    monkeypatch.setattr(_syscalls, "libc", real)
     monkeypatch.setattr(fields, "_MAPS", {})
     with ReplayBuffer.load_from(path, read_only=True) as ro:
         assert _engines(ro) == {"MappedField"}
@@ -245,106 +246,77 @@ def test_the_fallback_is_the_engine_of_raw_fields(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------
 # the writer lock without fcntl
 # ----------------------------------------------------------------------------------------
-class _WindowsLocks:
-    """A model of Windows byte-range locks: exclusive, owned by a handle (here: an fd), a request
-    overlapping another handle's range fails, an unlock must match a locked range exactly, and
-    closing a handle drops its ranges."""
+def test_filelock_backend_keeps_the_lock_semantics(tmp_path):
+    """In one process: an exclusive lock excludes every other descriptor of the file and goes with
+    its descriptor; shared locks are refused with the reason (no multiprocessing writers)."""
+    import filelock
 
-    LK_UNLCK, LK_LOCK, LK_NBLCK, LK_RLCK, LK_NBRLCK = 0, 1, 2, 3, 4
-
-    def __init__(self) -> None:
-        self.ranges: dict[int, list[tuple[int, int]]] = {}
-
-    def locking(self, fd: int, mode: int, n: int) -> None:
-        pos = os.lseek(fd, 0, os.SEEK_CUR)
-        r = (pos, pos + n)
-        if mode == self.LK_UNLCK:
-            mine = self.ranges.get(fd, [])
-            if r not in mine:
-                raise OSError(errno.EACCES, "unlock of a range not locked")
-            mine.remove(r)
-            return
-        assert mode == self.LK_NBLCK
-        for owner, rs in self.ranges.items():
-            for a, b in rs:
-                if a < r[1] and r[0] < b:  # overlaps, whoever holds it (Windows: even the same handle)
-                    raise OSError(errno.EACCES, "locked")
-        self.ranges.setdefault(fd, []).append(r)
-
-    def close(self, fd: int) -> None:
-        self.ranges.pop(fd, None)
-        os.close(fd)
+    b = FilelockBackend(filelock)
+    fds = [os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT) for _ in range(3)]
+    single, other, op = fds
+    try:
+        assert b.try_exclusive(single)
+        assert not b.try_exclusive(other)
+        with pytest.raises(LockedError, match="shared file locks"):
+            b.try_shared(other)
+        b.forget(single)
+        os.close(single)  # closing drops the lock (as a process's death does)
+        assert b.try_exclusive(other)
+        b.release(other)
+        b.acquire(op)  # the waiting form (the publish journal's lock) takes a free lock
+        assert not b.try_exclusive(other)
+        b.release(op)
+        assert b.try_exclusive(other)
+    finally:
+        for fd in fds[1:]:
+            os.close(fd)
+    assert b.shares is False
 
 
-def test_msvcrt_backend_keeps_the_lock_semantics(tmp_path):
-    m = _WindowsLocks()
-    b = MsvcrtBackend(m)
-    b.GATE_WAIT_S = 0.02
-    fds = [os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT) for _ in range(5)]
-    single, other, mp1, mp2, mp3 = fds
-    # A single writer excludes everyone.
-    assert b.try_exclusive(single)
-    assert not b.try_exclusive(other) and not b.try_shared(other)
-    # Its lock goes away with its handle (process death closes every handle).
-    b.forget(single)
-    m.close(single)
-    # Multiprocessing writers: the first opens exclusively, then shares; others join shared.
-    assert b.try_exclusive(mp1)
-    assert not b.try_shared(mp2)  # still opening (clean-up): others wait, as with flock
-    b.downgrade(mp1)
-    assert b.try_shared(mp2) and b.try_shared(mp3)
-    assert not b.try_exclusive(other)  # a single writer is refused while they run
-    # The op lock (its own file in WriterLock; any fd here): exclusive, waits.
-    b.acquire(mp2)
-    b.release(mp2)
-    for fd in (mp1, mp2, mp3):
-        b.forget(fd)
-        m.close(fd)
-    assert b.try_exclusive(other)
-    b.forget(other)
-    m.close(other)
-    assert not any(m.ranges.values())
-    # The lock file's text (bytes 0..63) is never locked: a refused writer can read who holds it.
-    assert all(a >= b.GATE for rs in m.ranges.values() for a, _ in rs)
+def test_multiprocessing_writers_are_refused_without_shared_locks(tmp_path, monkeypatch):
+    """Where the system's lock cannot share, a multiprocessing writer is refused before it opens
+    anything (the lock file is not even created), naming why; a single writer opens."""
+    import filelock
+
+    from trajstore.storage import locks
+    from trajstore.storage.location import resolve_location
+
+    monkeypatch.setattr(locks, "_BACKEND", FilelockBackend(filelock))
+    ReplayBuffer.create(SPACE, cache_path=tmp_path / "s", chunk_rows=64).close()
+    (tmp_path / "s" / "trajstore.lock").unlink()
+    loc = resolve_location(tmp_path / "s", read_only=False, storage_options=None, must_exist=True)
+    with pytest.raises(LockedError, match="one writer per store, or shards"):
+        WriterLock(loc, shared=True)
+    assert not (tmp_path / "s" / "trajstore.lock").exists()
+    with ReplayBuffer.load_from(tmp_path / "s") as rb:
+        rb.extend(_rows(0, 3))
+    with ReplayBuffer.load_from(tmp_path / "s", read_only=True) as ro:
+        assert len(ro) == 3
 
 
-_FAKE_MSVCRT = """
-    import errno, os, sys, types
-    import fcntl as _real_fcntl
+_NO_FCNTL = """
+    import sys
     # Third-party and standard modules first: on Linux they use fcntl themselves (subprocess,
-    # multiprocessing), on Windows they do not; what is tested is trajstore's own import.
+    # multiprocessing, filelock's flock), on Windows they do not; what is tested is trajstore's
+    # own choice of lock.
     import numpy, zarr, gymnasium, fsspec, numcodecs, multiprocessing.sharedctypes, subprocess
-    sys.modules["fcntl"] = None  # as on Windows: `import fcntl` raises ImportError
-    msvcrt = types.ModuleType("msvcrt")
-    msvcrt.LK_UNLCK, msvcrt.LK_LOCK, msvcrt.LK_NBLCK, msvcrt.LK_RLCK, msvcrt.LK_NBRLCK = 0, 1, 2, 3, 4
-
-    def locking(fd, mode, n):
-        # POSIX record locks stand in for Windows byte-range locks: the same between processes.
-        pos = os.lseek(fd, 0, os.SEEK_CUR)
-        if mode == msvcrt.LK_UNLCK:
-            _real_fcntl.lockf(fd, _real_fcntl.LOCK_UN, n, pos, 0)
-            return
-        try:
-            _real_fcntl.lockf(fd, _real_fcntl.LOCK_EX | _real_fcntl.LOCK_NB, n, pos, 0)
-        except OSError:
-            raise OSError(errno.EACCES, "Permission denied") from None
-
-    msvcrt.locking = locking
-    if {with_msvcrt}:
-        sys.modules["msvcrt"] = msvcrt
+    if {with_filelock}:
+        import filelock
+        assert filelock.lock_descriptor  # (its flock stands in for Windows' LockFileEx here)
     else:
-        sys.modules["msvcrt"] = None
+        sys.modules["filelock"] = None
+    sys.modules["fcntl"] = None  # as on Windows: `import fcntl` raises ImportError
 """
 
 
-def _child(code: str, with_msvcrt: bool = True) -> str:
-    return textwrap.dedent(_FAKE_MSVCRT.format(with_msvcrt=with_msvcrt)) + textwrap.dedent(code)
+def _child(code: str, with_filelock: bool = True) -> str:
+    return textwrap.dedent(_NO_FCNTL.format(with_filelock=with_filelock)) + textwrap.dedent(code)
 
 
 def test_import_without_fcntl_and_the_windows_lock_across_processes(tmp_path):
-    """``import trajstore`` with ``fcntl`` unavailable picks the msvcrt lock; across processes a
-    single writer excludes writers (not readers), multiprocessing writers share, and a SIGKILLed
-    holder releases the lock."""
+    """``import trajstore`` with ``fcntl`` unavailable picks filelock's lock; across processes a
+    single writer excludes writers (not readers), multiprocessing writers are refused, and a
+    SIGKILLed holder releases the lock."""
     store = tmp_path / "s"
     hold = tmp_path / "hold.py"
     hold.write_text(_child(f"""
@@ -352,7 +324,7 @@ def test_import_without_fcntl_and_the_windows_lock_across_processes(tmp_path):
         import trajstore
         from trajstore import ReplayBuffer
         from trajstore.storage import locks
-        assert type(locks._locks()).__name__ == "MsvcrtBackend"
+        assert type(locks.lock_backend()).__name__ == "FilelockBackend"
         assert "fcntl" not in {{m for m in sys.modules if sys.modules[m] is not None}}
         from test_portability import SPACE, _rows
         mp = sys.argv[1] == "mp"
@@ -401,18 +373,19 @@ def test_import_without_fcntl_and_the_windows_lock_across_processes(tmp_path):
     a = start("single", "create", tmp_path / "r1")
     try:
         assert probe_run() == "single:locked mp:locked read:10"
+        assert a.poll() is None  # still holding when the probe was refused
     finally:
         a.kill()
         a.wait()
-    assert probe_run() == "single:10 mp:10 read:10"  # the killed holder's lock is gone
-    b = start("mp", "open", tmp_path / "r2")
-    c = start("mp", "open", tmp_path / "r3")  # a second multiprocessing writer joins
+    # The SIGKILLed holder's lock is gone; multiprocessing writers are refused (no shared locks).
+    assert probe_run() == "single:10 mp:locked read:10"
+    b = start("single", "open", tmp_path / "r2")  # the next single writer, also SIGKILLed
     try:
-        assert probe_run() == "single:locked mp:30 read:30"
+        assert probe_run() == "single:locked mp:locked read:20"
     finally:
-        for p in (b, c):
-            p.kill()
-            p.wait()
+        b.kill()
+        b.wait()
+    assert probe_run() == "single:20 mp:locked read:20"
 
 
 def test_without_any_lock_reading_works_and_writing_is_refused(tmp_path):
@@ -426,7 +399,7 @@ def test_without_any_lock_reading_works_and_writing_is_refused(tmp_path):
             ReplayBuffer.load_from({str(tmp_path / "s")!r})
         except LockedError as e:
             print("refused:", "read_only=True" in str(e))
-    """, with_msvcrt=False))
+    """, with_filelock=False))
     assert out.split() == ["0", "refused:", "True"]
 
 

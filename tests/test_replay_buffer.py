@@ -188,12 +188,12 @@ def test_append_leaves_matches_append(buffers, multiprocessing):
         return [a[0] for a in rb._plan.to_arrays(row, batched=False)[0]]
 
     for row in rows:
-        rb._append_leaves(leaves(row))
+        rb.append_leaves(leaves(row))
     assert_same(rb[:], stack(ring_model([], rows, 7)))
     rb.flush()
     ro = buffers.load(rb.cache_path, read_only=True)
     with pytest.raises(ReadOnlyError):
-        ro._append_leaves(leaves(rows[0]))
+        ro.append_leaves(leaves(rows[0]))
 
 
 # ---------------------------------------------------------------------------- indexing

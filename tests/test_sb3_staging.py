@@ -56,7 +56,7 @@ def row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE: rows are staged")
     monkeypatch.setattr(_syscalls, "POPULATE_WRITE", _syscalls.POPULATE_WRITE)  # restored after the test
     if request.param == "staged":
-        monkeypatch.setattr(_syscalls, "_MADV_POPULATE_WRITE", 0x7FFF)
+        monkeypatch.setattr(_syscalls, "MADV_POPULATE_WRITE", 0x7FFF)
         monkeypatch.setattr(_syscalls, "POPULATE_WRITE", None)  # tried again, with that advice
     elif request.param == "no-mmap":
         monkeypatch.setattr(_syscalls, "AVAILABLE", False)
@@ -455,7 +455,7 @@ def test_row_stager_is_handed_out_to_single_writers_only(tmp_path: Path) -> None
     rb.close()
     assert rb.row_stager() is None
     with pytest.raises(ClosedError):  # (it staged the row, never to be written, before row_stager)
-        rb._append_leaves([np.zeros(3, np.float32)])
+        rb.append_leaves([np.zeros(3, np.float32)])
     with StoreBuffer.load_from(tmp_path / "rb", multiprocessing=True) as shared:
         assert shared.row_stager() is None
 

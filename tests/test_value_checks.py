@@ -348,7 +348,7 @@ def test_progress_auto_only_for_large_copies(monkeypatch) -> None:
     from trajstore.buffers import replay as rbmod
 
     seen = []
-    monkeypatch.setattr(rbmod, "_progress", lambda n, desc, enabled, unit: seen.append(enabled))
+    monkeypatch.setattr(rbmod, "progress_bar", lambda n, desc, enabled, unit: seen.append(enabled))
     rbmod._copy_steps(100, 68, None, None)
     rbmod._copy_steps(10**6, 68, None, None)  # 68 MB: auto (terminal only)
     rbmod._copy_steps(100, 68, None, True)

@@ -28,7 +28,7 @@ def test_a_refused_advice_in_populate_turns_it_off_for_the_process(tmp_path, mon
     if not _syscalls.populate_write_works():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
     monkeypatch.setattr(_syscalls, "POPULATE_WRITE", True)  # restored after the test
-    monkeypatch.setattr(_syscalls, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
+    monkeypatch.setattr(_syscalls, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
     va = _vmap.VirtualArray(2, _syscalls.PAGE, (1,), np.dtype(np.uint8), True)
     chunk = tmp_path / "chunk"
     chunk.write_bytes(bytes(_syscalls.PAGE))

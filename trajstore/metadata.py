@@ -57,7 +57,7 @@ def _check_json(value: Any, where: str = "dataset info") -> None:
 def _location(target: Any, storage_options: dict[str, Any] | None, write: bool) -> tuple[Location, bool]:
     """The store's location and whether we opened it (and must close it)."""
     if isinstance(target, StoredBuffer):
-        loc = target._store.loc
+        loc = target.store.loc
         if write and target.read_only:
             raise ReadOnlyError(f"{target.cache_path!r} is open read-only: set dataset info through a writer or by path")
         return loc, False

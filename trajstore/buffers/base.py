@@ -131,6 +131,23 @@ class StoredBuffer(BatchBase):
         """Like :meth:`_read` but without synchronizing first."""
         raise NotImplementedError  # abstract
 
+    # -- what the package's own tools read (maintenance, interop, shards, metadata, CLI) -------------
+    @property
+    def store(self) -> Store:
+        """The :class:`~trajstore.core.store.Store` holding the rows: its tables, commit record and
+        location."""
+        return self._store
+
+    @property
+    def rows_table(self) -> Table:
+        """The store's table whose rows are the buffer's rows (a trajectory buffer: its step data)."""
+        return self._table
+
+    def sync_reads(self) -> None:
+        """Make reads current: staged appends handed to the tables, the latest commit adopted by a
+        reader (see :meth:`_sync`)."""
+        self._sync()
+
     # -- state ---------------------------------------------------------------------------------
     def _drain(self) -> None:
         for st in self._stagers:
@@ -289,7 +306,7 @@ class StoredBuffer(BatchBase):
         ``fsync`` option (default False: safe against process crashes only)."""
         if self.read_only:
             return
-        self._store._check_writable()
+        self._store.check_writable()
         if self._store.multiprocessing:
             # Under the op lock, on top of the other writers' latest commit: committing this
             # handle's stale view would drop their rows.

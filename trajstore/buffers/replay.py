@@ -18,9 +18,10 @@ from trajstore._optional import to_numpy
 from trajstore.buffers.backend import Backend
 from trajstore.buffers.base import StoredBuffer
 from trajstore.buffers.views import BatchBase
+from trajstore.core.progress import progress_bar
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.core.stager import RowStager
-from trajstore.core.store import Store, TableSpec, _progress
+from trajstore.core.store import Store, TableSpec
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.spaces import ValuePlan, flatdim, space_to_json
 from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
@@ -49,7 +50,7 @@ def _copy_steps(n: int, row_bytes: int, chunk_size: int | None, tqdm: bool | Non
         raise BadArgumentError(f"extend_from: chunk_size must be a positive int, or None to size steps by bytes "
                                f"(about {COPY_STEP_BYTES >> 20} MiB of rows each); got {chunk_size!r}")
     enabled = (None if n * row_bytes >= COPY_BAR_BYTES else False) if tqdm is None else bool(tqdm)
-    return step, _progress(n, "extend_from", enabled, unit="row")
+    return step, progress_bar(n, "extend_from", enabled, unit="row")
 
 
 class ZarrStorage:
@@ -296,7 +297,7 @@ class ReplayBuffer(StoredBuffer):
         self._plan.write_row(value, st.bufs, st.n)
         st.added()
 
-    def _append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
+    def append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
         """:meth:`append` of one row given as one array per leaf, in the order of the space's
         leaves, each already of its leaf's shape and dtype (not checked: assignment would cast or
         broadcast).  For integrations that build rows themselves (the SB3 buffers): they skip the
@@ -370,9 +371,9 @@ class ReplayBuffer(StoredBuffer):
         with op:
             t = self._table
             t.state.start = t.state.end = 0
-            head = self._store._current_head()
+            head = self._store.current_head()
             head.epoch += 1
-            self._store._write_head(head)
+            self._store.write_record(head)
 
     def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
         """Append every row of ``other`` (any buffer or view of an equal space).

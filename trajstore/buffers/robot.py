@@ -61,7 +61,7 @@ class RobotData:
     # -- the robot file -----------------------------------------------------------------------
     def robot_info(self) -> RobotInfo:
         """The store's ``trajstore.robot.json`` (fps, tasks, episode tasks), read now."""
-        return load_robot(cast("TrajectoryReplayBuffer", self)._store.loc)
+        return load_robot(cast("TrajectoryReplayBuffer", self).store.loc)
 
     def put_robot_info(self, info: RobotInfo) -> None:
         """Replace the store's robot metadata with ``info`` (checked first; one atomic put)."""
@@ -69,7 +69,7 @@ class RobotData:
         if buf.read_only:
             raise ReadOnlyError(f"{buf.cache_path!r} is open read-only: edit its robot metadata through a writer")
         data = robot_bytes(info)  # checked before any byte is written
-        buf._store.loc.put(ROBOT_KEY, data)
+        buf.store.loc.put(ROBOT_KEY, data)
 
     @property
     def fps(self) -> float | None:
@@ -226,7 +226,7 @@ class RobotData:
         if at < 0 or not len(ids):
             return
         ts = np.asarray(arrays[at], np.float64).reshape(len(ids))
-        n, epoch = len(buf), buf._store.committed.epoch
+        n, epoch = len(buf), buf.store.committed.epoch
         for eid in np.unique(ids).tolist():
             mine = ts[ids == eid]
             last = self._last_time(eid, n, epoch)
@@ -374,7 +374,7 @@ class RobotData:
         """Per-episode statistics of ``ids`` in that order: stored where current, else computed."""
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
-        stored = load_stats(buf._store.loc)
+        stored = load_stats(buf.store.loc)
         lengths = dict(zip(table["episode_id"].tolist(), table["length"].tolist()))
         have: dict[int, np.ndarray] = {}
         if stored is not None and stored.epoch == src.record.epoch:
@@ -407,5 +407,5 @@ class RobotData:
         flds = self._stat_fields(None)
         table = buf.episodes()
         per = self._episode_stats(table["episode_id"], flds, table)
-        buf._store.loc.put(STATS_KEY, stats_bytes(per))
+        buf.store.loc.put(STATS_KEY, stats_bytes(per))
         return len(per.episode_ids)

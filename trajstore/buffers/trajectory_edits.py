@@ -133,10 +133,10 @@ class TrajectoryEdits:
                     tab.state.start = tab.state.end = 0
             buf._episodes.forget()
             buf._new_episode()
-            head = buf._store._current_head()
+            head = buf._store.current_head()
             head.epoch += 1
             head.state = buf._state()
-            buf._store._write_head(head)
+            buf._store.write_record(head)
 
     def extend_from(self, other: BatchBase, chunk_size: int | None = None, tqdm: bool | None = None) -> None:
         """Append every step of ``other``.

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from typing import Any, Sequence
 
 import numpy as np
+
+from trajstore.core.progress import progress_bar
 
 __all__ = ["CLIError", "json_arg", "add_store_args", "print_json", "sanitize_json", "error_text", "fmt_bytes", "fmt_num",
            "print_table", "progress"]
@@ -154,14 +155,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right:
         print(line(r))
 
 
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def print_spaces(spaces_text: dict[str, str]) -> None:
     """The ``spaces`` block of ``info``: each table's space as an indented tree."""
     print("spaces")
@@ -172,11 +165,6 @@ def print_spaces(spaces_text: dict[str, str]) -> None:
 
 
 def progress(total: int, desc: str, unit: str = "it") -> Any:
-    """A tqdm bar on stderr, silent (no output at all) when stderr is not a terminal or tqdm is missing."""
-    if not sys.stderr.isatty():
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit, leave=False)
+    """The CLI's bar: :func:`~trajstore.core.progress.progress_bar` on a terminal with tqdm
+    installed (cleared when done), silent otherwise."""
+    return progress_bar(total, desc, None, unit, leave=False)

@@ -295,7 +295,7 @@ def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, c
                 compressor=comp(steps.fields[0].spec.array_path), chunk_rows=chunk_rows)
         description = source.loc.get(DATASET_KEY)  # the dataset description travels with the data
         if description is not None:
-            out._store.loc.put(DATASET_KEY, description)
+            out.store.loc.put(DATASET_KEY, description)
         try:
             which = list(range(len(steps.fields)))
             for _lo, arrays in iter_blocks(steps, which):

@@ -56,10 +56,10 @@ class StoreCommits:
     op_listeners: list[Callable[[], None]]
     _watch: HeadWatch
     _last_commit: float
-    _op: _WriteOp
+    _op: WriteOp
     _publisher: Publisher | None = None
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
         if self.closed:
             raise ClosedError("I/O operation on a closed buffer: its store was closed (and its writer lock "
                               "released); reopen it with load_from to write")
@@ -80,7 +80,9 @@ class StoreCommits:
             return True
         return not self.multiprocessing and os.getpid() != self.opener_pid
 
-    def _write_head(self, head: Head) -> None:
+    def write_record(self, head: Head) -> None:
+        """Commit ``head`` as the next generation: the remote lease checked, plain zarr readers' shapes
+        published around the record (storage/published.py)."""
         if self.lease is not None:  # remote: never replace a record another writer committed
             self.lease.check(self.committed.generation)
         head.generation = self.committed.generation + 1
@@ -98,7 +100,8 @@ class StoreCommits:
             self._publisher = Publisher(self.loc, self.schema)
         return self._publisher
 
-    def _current_head(self) -> Head:
+    def current_head(self) -> Head:
+        """A record of the tables' rows as they are now (the committed record's state, no pending rewrite)."""
         head = self.committed.copy()
         for name, t in self.tables.items():
             head.tables[name] = TableState(t.state.start, t.state.end, t.state.allocated)
@@ -115,7 +118,7 @@ class StoreCommits:
         recording in memory, and the record then counts rows up to that episode's start
         (:meth:`Table.flush <trajstore.core.table.Table.flush>`).
         """
-        self._check_writable()
+        self.check_writable()
         if self.lease is not None:  # remote: not even the data goes out over another writer's commit
             self.lease.check(self.committed.generation)
         if self.committed.pending:  # a rewrite whose chunks could not all be moved into place
@@ -123,7 +126,7 @@ class StoreCommits:
         fsync = self.fsync if fsync is None else fsync
         evict = evict or {}
         ends = {name: t.flush(fsync, evict.get(name), seal=seal) for name, t in self.tables.items()}
-        head = self._current_head()
+        head = self.current_head()
         for name, end in ends.items():
             head.tables[name].end = end  # an eviction record may leave a compressed ring's last chunk out
         for name, min_start in evict.items():
@@ -134,7 +137,7 @@ class StoreCommits:
         old = self.fsync
         self.fsync = fsync
         try:
-            self._write_head(head)
+            self.write_record(head)
         finally:
             self.fsync = old
         self._last_commit = time.monotonic()
@@ -176,7 +179,7 @@ class StoreCommits:
     def metadata_changed(self) -> None:
         """A table's allocation grew: nothing to write.  The allocation lives in the commit record
         only (arrays are sized from it in memory); the shapes plain readers see are published
-        around each commit record (:meth:`_write_head`)."""
+        around each commit record (:meth:`write_record`)."""
 
     def rewrite(self, changes: Iterable[tuple[Field, int, np.ndarray]],
                 apply_state: Callable[[], None]) -> None:
@@ -186,7 +189,7 @@ class StoreCommits:
         states, and one commit record names both the new state and the staged chunks (from
         that instant the store is "after"); the chunks are then moved into place.
         """
-        self._check_writable()
+        self.check_writable()
         self.commit(state=self.buffer_state())
         prefix = f"{STAGING_DIR}/{self.committed.generation + 1}"
         staged: dict[str, list[int]] = {}
@@ -197,7 +200,7 @@ class StoreCommits:
             fields[f.spec.array_path] = f
         before = {name: TableState(t.state.start, t.state.end, t.state.allocated) for name, t in self.tables.items()}
         apply_state()
-        head = self._current_head()
+        head = self.current_head()
         if self.state_provider:
             head.state = self.state_provider()
         head.epoch += 1
@@ -205,7 +208,7 @@ class StoreCommits:
         if self.fsync and self.loc.is_local:
             os.sync()
         try:
-            self._write_head(head)
+            self.write_record(head)
         except BaseException:
             if self._on_disk_generation() != head.generation:
                 # The record naming the change is not there: the store is still "before", and so
@@ -251,7 +254,7 @@ class StoreCommits:
             f.remap(ks)
         done = head.copy()
         done.pending = None
-        self._write_head(done)
+        self.write_record(done)
         self.loc.delete_prefix(prefix)
 
     def _fields_by_path(self) -> dict[str, Field]:
@@ -311,14 +314,14 @@ class StoreCommits:
         return all(t.capacity is None or new.tables[name].start <= old.tables[name].start
                    for name, t in self.tables.items())
 
-    def write_op(self) -> "_WriteOp":
+    def write_op(self) -> "WriteOp":
         """Context of one write operation: in multiprocessing mode it is serialized with the
         other writers (inter-process lock), sees their commits, and commits at its end."""
-        self._check_writable()
+        self.check_writable()
         return self._op
 
 
-class _WriteOp:
+class WriteOp:
     """Reusable context manager for :meth:`Store.write_op` (cheaper than a generator per append)."""
 
     __slots__ = ("store",)

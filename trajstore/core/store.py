@@ -23,8 +23,8 @@ import zarr.api.asynchronous as zarr_async
 import zarr.core.sync as zarr_sync
 from zarr.storage import MemoryStore
 
-from trajstore._optional import missing
-from trajstore.core.commit import StoreCommits, _WriteOp, consolidate_metadata
+from trajstore.core.commit import StoreCommits, WriteOp, consolidate_metadata
+from trajstore.core.progress import progress_bar
 from trajstore.core.table import Table
 from trajstore.errors import (
     BadOptionError,
@@ -142,6 +142,43 @@ class TableSpec:
         self.name, self.capacity, self.fields = name, capacity, fields
 
 
+
+def _read_root_of_kind(loc: Location, kind: str | tuple[str, ...] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(root metadata, trajstore attributes)`` of the store at ``loc``, its kind one of ``kind``
+    (None: any).
+
+    Raises
+    ------
+    StoreNotFoundError
+        An empty local folder.
+    NotATrajstoreError
+        No root ``zarr.json``, or a store of another kind (a ReplayBuffer where a trajectory store
+        is expected names ``trajstore convert``).
+    """
+    root = read_root(loc)
+    if root is None:
+        if loc.local_root is not None and not any(loc.local_root.iterdir()):
+            raise StoreNotFoundError(f"no store at {loc.url!r}: the folder is empty")
+        raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
+    attrs = check_attrs(loc, root["attributes"][ATTRS_KEY])
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if kinds is not None and attrs.get("kind") not in kinds:
+        hint = ("; a ReplayBuffer whose rows flag episode ends (terminated/truncated or done) becomes one with "
+                "`trajstore convert SRC DST` (trajstore.to_trajectory)"
+                if attrs.get("kind") == "ReplayBuffer" and "TrajectoryReplayBuffer" in kinds else "")
+        raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}"
+                                 + hint)
+    return root, attrs
+
+
+def _clean_at_open(loc: Location, head: Head, previous_unclean: bool) -> None:
+    """What the sole writer opening a store removes: after an unclean end every orphan the record
+    does not name (:func:`_clean_orphans`), else the temp folder's files."""
+    if previous_unclean:
+        _clean_orphans(loc, head)
+    else:
+        loc.delete_prefix(TMP_DIR, keep_folder=True)
+
 class Store(StoreCommits):
     """An open store.  Use :meth:`create` or :meth:`open`; buffers wrap one of these."""
 
@@ -163,7 +200,7 @@ class Store(StoreCommits):
         self._watch = HeadWatch(loc)  # nothing watched yet: a reader's first refresh reads the record
         self._last_commit = time.monotonic()
         self.tables: dict[str, Table] = {}
-        self._op = _WriteOp(self)
+        self._op = WriteOp(self)
         self.refresh_listeners: list[Callable[[], None]] = []  # called after adopting a newer commit record
         self.op_listeners: list[Callable[[], None]] = []  # multiprocessing: called at the start of each write op
         # A writer's open removes the saved run index (storage.runs_file) and hands it over here.
@@ -331,19 +368,7 @@ class Store(StoreCommits):
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
         where = str(loc.url)
         root_id = None if read_only else file_identity(loc, "zarr.json")  # before the read: see Publisher.seed
-        root = read_root(loc)
-        if root is None:
-            if loc.local_root is not None and not any(loc.local_root.iterdir()):
-                raise StoreNotFoundError(f"no store at {loc.url!r}: the folder is empty")
-            raise NotATrajstoreError(f"{loc.url}: not a trajstore store (no zarr.json at its root)")
-        attrs = check_attrs(loc, root["attributes"][ATTRS_KEY])
-        kinds = (kind,) if isinstance(kind, str) else kind
-        if kinds is not None and attrs.get("kind") not in kinds:
-            hint = ("; a ReplayBuffer whose rows flag episode ends (terminated/truncated or done) becomes one with "
-                    "`trajstore convert SRC DST` (trajstore.to_trajectory)"
-                    if attrs.get("kind") == "ReplayBuffer" and "TrajectoryReplayBuffer" in kinds else "")
-            raise NotATrajstoreError(f"{loc.url}: holds a {attrs.get('kind')!r} store; expected {' or '.join(kinds)}"
-                                     + hint)
+        root, attrs = _read_root_of_kind(loc, kind)
         schema = check_schema(attrs, where)
         # Every array's metadata is checked (local arrays' own zarr.json files too: cheap, and zarr
         # reads them when a writer grows); the rows they record are not used (see below).
@@ -366,12 +391,8 @@ class Store(StoreCommits):
             # (Array shapes need not match the record: trajstore sizes its arrays from the record's
             # allocation; a shape that lags it, a writer killed between record and metadata, is
             # harmless. array_rows checked each one is plausible.)
-            if lock is not None and lock.sole:
-                # Temp files are only removed when no other writer can be using them.
-                if lock.previous_unclean:
-                    _clean_orphans(loc, head)
-                else:
-                    loc.delete_prefix(TMP_DIR, keep_folder=True)
+            if lock is not None and lock.sole:  # temp files are only removed when no other writer can be using them
+                _clean_at_open(loc, head, lock.previous_unclean)
             store = cls(loc, group, attrs, head, writable=not read_only, multiprocessing=multiprocessing,
                         lock=lock, options=options, schema=schema)
             store.lease = lease
@@ -476,7 +497,7 @@ class Store(StoreCommits):
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("")
                 if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
-        bar = _progress(len(keys), f"copy to {target.url}", progress)
+        bar = progress_bar(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
                 if self.loc.is_local and target.is_local:
@@ -532,29 +553,6 @@ def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:
     if not isinstance(attrs.get("kind"), str):
         raise DamagedStoreError(f"{loc.url}: kind is {attrs.get('kind')!r:.40}; expected a string such as 'ReplayBuffer'")
     return attrs
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -> Any:
-    """A tqdm bar when asked (``None``: only on a terminal and when tqdm is installed)."""
-    import sys
-
-    if enabled is False or (enabled is None and not sys.stderr.isatty()):
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        if enabled:
-            raise missing("tqdm", "progress bars") from None
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit)
 
 
 def _erase(loc: Location) -> None:

@@ -23,7 +23,7 @@ class TableOwner(Protocol):
 
     committed: Head
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
         """Raise unless this process may write the store now."""
 
     def ensure_evicted(self, table: "Table", min_start: int, guard: int) -> None:
@@ -104,7 +104,7 @@ class Table:
         """
         if n == 0:
             return
-        self.store._check_writable()  # e.g. a process forked from the writer: never write its files
+        self.store.check_writable()  # e.g. a process forked from the writer: never write its files
         st = self.state
         cap = self.capacity
         if cap is None:
@@ -146,7 +146,7 @@ class Table:
         """
         cap = self.capacity
         assert cap is not None, "free_slots is for rings"
-        self.store._check_writable()
+        self.store.check_writable()
         end = self.state.end
         self.store.ensure_evicted(self, end + n - cap, self.guard)
         return end % cap

@@ -24,20 +24,22 @@ import zarr.abc.codec  # (zarr imports it; named so a type checker sees zarr.abc
 from zarr.storage import MemoryStore
 
 from trajstore.core.commit import consolidate_metadata
+from trajstore.core.progress import progress_bar
 from trajstore.core.ring import contiguous_runs
-from trajstore.core.store import ATTRS_KEY, Store, _progress
+from trajstore.core.store import ATTRS_KEY, Store
 from trajstore.errors import StoreExistsError
 from trajstore.storage.fields.spec import (
     FieldSpec,
-    _raw_row_align,
     chunk_key,
     make_field_spec,
     parse_compressor,
+    raw_row_align,
 )
 from trajstore.storage.head import (
     HEAD_KEY,
     LOCK_KEY,
     MPLOCK_KEY,
+    Head,
     TableState,
     write_head,
 )
@@ -76,7 +78,7 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
         # than the committed rows.  Raw chunks stay whole pages (a copy back into a folder is
         # memory-mapped again); compressed ones a power of two.
         if spec.layout == "raw":
-            align = _raw_row_align(max(spec.row_bytes, 1))
+            align = raw_row_align(max(spec.row_bytes, 1))
             spec.chunk_rows = min(spec.chunk_rows, -(-max(rows, 1) // align) * align)
         else:
             spec.chunk_rows = min(spec.chunk_rows, 1 << max(rows - 1, 0).bit_length())
@@ -132,7 +134,45 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
     head = store.committed.copy()
     head.pending = None
     attrs = copy.deepcopy(store.attrs)
-    plans = []  # (table, field, spec, compressors)
+    plans = _zip_plans(store, head, attrs, compressor, chunk_rows)
+    check_schema(attrs, target)  # what open would refuse is refused before a byte is written
+    mem = _zip_metadata(store, attrs, plans)
+    writer = ZipWriter(target, compression=zip_compression)
+    loc = Location(writer, target, None)
+    try:
+        if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
+            if not overwrite:
+                raise StoreExistsError(f"{target}: a store already exists here")
+            writer.erase_old()
+        for key in mem.list_prefix(""):
+            loc.put(key, mem.get(key, limit=1 << 62) or b"")  # every key listed holds bytes
+        _copy_root_files(store, loc, plans)
+        bar = progress_bar(sum(t.count for t in store.tables.values() for _ in t.fields), f"write {target}", progress,
+                        unit="row")
+        try:
+            for plan in plans:
+                _copy_rows(plan, mem, loc, bar)
+        finally:
+            bar.close()
+        write_head(loc, head)  # the commit record last, as in every copy
+    except BaseException as e:
+        writer.abort()  # a zip cut short is never published
+        raise destination_full(e, target)  # e itself unless a full disk
+    try:
+        loc.close()  # publishes the zip (rename onto the target; removes the temp file on failure)
+    except OSError as e:
+        raise destination_full(e, target)  # the central directory did not fit
+
+
+#: One array of the zip: its source table and field, its spec and compressors there, rows allocated.
+_Plan = tuple[Any, Any, FieldSpec, Any, int]
+
+
+def _zip_plans(store: "Store", head: Head, attrs: dict[str, Any], compressor: Any,
+               chunk_rows: int | None) -> list[_Plan]:
+    """Each field's layout in the zip; ``head``'s tables are sized (an unbounded table to its
+    rows, a ring to its capacity) and ``attrs``' field entries get the zip's chunk rows and layout."""
+    plans: list[_Plan] = []
     for name, t in store.tables.items():
         t.prepare_reads()
         st = t.state
@@ -146,9 +186,13 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
             meta[s.array_path]["chunk_rows"] = spec.chunk_rows
             meta[s.array_path]["layout"] = spec.layout
             plans.append((t, f, spec, codec, alloc))
-    check_schema(attrs, target)  # what open would refuse is refused before a byte is written
+    return plans
 
-    # The zip's metadata, made by zarr as Store.create makes it, in memory.
+
+def _zip_metadata(store: "Store", attrs: dict[str, Any], plans: list[_Plan]) -> Location:
+    """The zip's metadata, made by zarr as Store.create makes it, in a memory location (with the
+    dataset description's mirror for plain readers; the description file itself is copied with
+    the root files)."""
     mem = Location(MemoryStore(), None, None)
     group = zarr.create_group(mem.zstore, attributes={ATTRS_KEY: attrs})
     for _t, _f, spec, codec, alloc in plans:
@@ -156,63 +200,49 @@ def write_zip(store: "Store", target: str | os.PathLike[str], *, compressor: Any
                            dtype=spec.dtype, compressors=codec, filters=None,
                            fill_value=np.zeros((), spec.dtype)[()], config={"write_empty_chunks": True})
     consolidate_metadata(mem)
-    # The dataset description's mirror for plain readers (the description file itself is copied below).
     dataset = root_attribute(store.loc, DATASET_ATTR)
     if dataset is not None:
         set_root_attribute(mem, DATASET_ATTR, dataset)
+    return mem
 
-    writer = ZipWriter(target, compression=zip_compression)
-    loc = Location(writer, target, None)
-    try:
-        if loc.exists("zarr.json") or loc.exists(HEAD_KEY):
-            if not overwrite:
-                raise StoreExistsError(f"{target}: a store already exists here")
-            writer._erase_old()
-        for key in mem.list_prefix(""):
-            loc.put(key, mem.get(key, limit=1 << 62) or b"")  # every key listed holds bytes
-        arrays = tuple(spec.array_path + "/" for _t, _f, spec, _c, _a in plans)
-        for key in store.loc.list_prefix(""):  # the dataset description and other root files
-            # Not the commit record nor a kept copy of an older one (its allocation is the source's).
-            # Nor a sampler's priorities (a store of their own, which a zip's readers never look for).
-            if (key in (LOCK_KEY, MPLOCK_KEY)
-                    or key.startswith(("trajstore.head", TMP_DIR, STAGING_DIR, PRIORITIES_DIR + "/", *arrays))
-                    or key == "zarr.json" or key.endswith("/zarr.json")):
-                continue
-            blob = store.loc.get(key)
-            if blob is not None:
-                loc.put(key, blob)
-        bar = _progress(sum(t.count for t in store.tables.values() for _ in t.fields), f"write {target}", progress,
-                        unit="row")
-        try:
-            for t, f, spec, _codec, alloc in plans:
-                C, ndim = spec.chunk_rows, len(spec.row_shape) + 1
-                runs = contiguous_runs(t.state.start, t.state.end, t.capacity)
-                needed = sorted({k for p, _o, m in runs for k in range(p // C, (p + m - 1) // C + 1)})
-                z = zarr.open_array(mem.zstore, path=spec.array_path, mode="r+").with_config({"write_empty_chunks": True})
-                for k0, k1 in _chunk_blocks(needed, max(1, _BLOCK_BYTES // max(C * spec.row_bytes, 1))):
-                    lo, hi = k0 * C, min(k1 * C, alloc)
-                    data = np.zeros((hi - lo, *spec.row_shape), spec.dtype)  # rows not committed: the fill value
-                    n = 0
-                    for p, _o, m in runs:
-                        a, b = max(p, lo), min(p + m, hi)
-                        if a < b:
-                            data[a - lo:b - lo] = f.read_range(a, b)
-                            n += b - a
-                    z[lo:hi] = data
-                    for k in range(k0, k1):
-                        key = chunk_key(spec.array_path, k, ndim)
-                        raw = mem.get(key, limit=1 << 62)
-                        if raw is not None:
-                            loc.put(key, raw)
-                            mem.delete(key)
-                    bar.update(n)
-        finally:
-            bar.close()
-        write_head(loc, head)  # the commit record last, as in every copy
-    except BaseException as e:
-        writer.abort()  # a zip cut short is never published
-        raise destination_full(e, target)  # e itself unless a full disk
-    try:
-        loc.close()  # publishes the zip (rename onto the target; removes the temp file on failure)
-    except OSError as e:
-        raise destination_full(e, target)  # the central directory did not fit
+
+def _copy_root_files(store: "Store", loc: Location, plans: list[_Plan]) -> None:
+    """The dataset description and other root files into the zip: not the commit record nor a kept
+    copy of an older one (its allocation is the source's), nor a sampler's priorities (a store of
+    their own, which a zip's readers never look for), nor metadata, locks, temp files or chunks."""
+    arrays = tuple(spec.array_path + "/" for _t, _f, spec, _c, _a in plans)
+    for key in store.loc.list_prefix(""):
+        if (key in (LOCK_KEY, MPLOCK_KEY)
+                or key.startswith(("trajstore.head", TMP_DIR, STAGING_DIR, PRIORITIES_DIR + "/", *arrays))
+                or key == "zarr.json" or key.endswith("/zarr.json")):
+            continue
+        blob = store.loc.get(key)
+        if blob is not None:
+            loc.put(key, blob)
+
+
+def _copy_rows(plan: _Plan, mem: Location, loc: Location, bar: Any) -> None:
+    """One field's committed rows into the zip, encoded by zarr in ``mem`` a block of chunks at a
+    time (rows not committed: the fill value), each chunk moved into the zip once written."""
+    t, f, spec, _codec, alloc = plan
+    C, ndim = spec.chunk_rows, len(spec.row_shape) + 1
+    runs = contiguous_runs(t.state.start, t.state.end, t.capacity)
+    needed = sorted({k for p, _o, m in runs for k in range(p // C, (p + m - 1) // C + 1)})
+    z = zarr.open_array(mem.zstore, path=spec.array_path, mode="r+").with_config({"write_empty_chunks": True})
+    for k0, k1 in _chunk_blocks(needed, max(1, _BLOCK_BYTES // max(C * spec.row_bytes, 1))):
+        lo, hi = k0 * C, min(k1 * C, alloc)
+        data = np.zeros((hi - lo, *spec.row_shape), spec.dtype)
+        n = 0
+        for p, _o, m in runs:
+            a, b = max(p, lo), min(p + m, hi)
+            if a < b:
+                data[a - lo:b - lo] = f.read_range(a, b)
+                n += b - a
+        z[lo:hi] = data
+        for k in range(k0, k1):
+            key = chunk_key(spec.array_path, k, ndim)
+            raw = mem.get(key, limit=1 << 62)
+            if raw is not None:
+                loc.put(key, raw)
+                mem.delete(key)
+        bar.update(n)

@@ -18,7 +18,7 @@ import numpy as np
 from gymnasium.spaces import Box, Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
@@ -126,7 +126,7 @@ class ImportWriter:
             tmp = self.staged.new(self.out_path)
             self.buf = TrajectoryReplayBuffer.create(self.space, episode_data_instance_space=self.episode_space,
                                                      cache_path=tmp, **self.create_kwargs)
-            self.bar = _progress(self.total, f"{self.what} into {os.path.basename(self.out_path)}", self.tqdm,
+            self.bar = progress_bar(self.total, f"{self.what} into {os.path.basename(self.out_path)}", self.tqdm,
                                  unit="step")
         except BaseException as e:
             self._discard()

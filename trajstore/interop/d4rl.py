@@ -17,7 +17,7 @@ import numpy as np
 from gymnasium.spaces import Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import BadValueError, DamagedStoreError, ForeignFileError, NotATrajstoreError
 from trajstore.interop._common import (
     Checksums,
@@ -296,10 +296,10 @@ def export_d4rl(src: Any, path: Any, *, tqdm: bool | None = None, overwrite: boo
         dtypes = {k: (np.dtype(np.float32) if leaves[k].name == "reward" else
                       np.dtype(np.bool_) if leaves[k].name in ("terminated", "truncated") else leaves[k].dtype)
                   for k in names.values()}
-        step = block_rows(buf._table.row_bytes)
+        step = block_rows(buf.rows_table.row_bytes)
         sums = Checksums()
         with out as tmp:
-            bar = _progress(n, f"export_d4rl to {os.path.basename(out.dst)}", tqdm, unit="step")
+            bar = progress_bar(n, f"export_d4rl to {os.path.basename(out.dst)}", tqdm, unit="step")
             try:
                 with h5py.File(tmp, "w") as f:
                     dsets = {k: f.create_dataset(dsname[k], shape=(n, *leaves[k].shape), dtype=dtypes[k],

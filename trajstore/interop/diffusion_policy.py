@@ -18,7 +18,7 @@ import numpy as np
 from gymnasium.spaces import Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import (
     BadOptionError,
     BadValueError,
@@ -317,6 +317,30 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
     return TrajectoryReplayBuffer.load_from(out["destination"])
 
 
+def _data_keys(names: dict[str, int], leaves: Any) -> dict[int, str]:
+    """``{step leaf index: Diffusion Policy key}``: ``action``, and each ``obs`` leaf as ``data/<key>``
+    (a single-array ``obs``: ``obs``).
+
+    Raises
+    ------
+    UnsupportedSpaceError
+        An ``obs`` leaf nested below a Dict's keys, or an ``obs`` key ``action``.
+    """
+    keys: dict[int, str] = {}
+    for name, k in names.items():
+        if name == "action":
+            keys[k] = "action"
+        elif name == "obs" or (name.startswith("obs/") and name.count("/") == 1):
+            keys[k] = name.split("/")[-1] if "/" in name else "obs"
+        elif name.startswith("obs/"):
+            raise UnsupportedSpaceError(f"export_diffusion_policy: obs leaf {name!r} is nested; Diffusion Policy "
+                                        "keeps one flat data/<key> array per key (a Box or a Dict of Boxes)")
+    if "action" in [keys[k] for k in keys if leaves[k].name != "action"]:
+        raise UnsupportedSpaceError("export_diffusion_policy: obs has a key 'action', which would collide with "
+                                    "data/action")
+    return keys
+
+
 def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: bool | None = None,
                             overwrite: bool = False) -> dict[str, Any]:
     """Write a trajectory store as a Diffusion Policy replay buffer.
@@ -368,18 +392,7 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
     try:
         names = step_leaves(buf, "export_diffusion_policy", box_only=(), allowed_extra=("obs", "next_obs"))
         leaves = buf._step_plan.leaves
-        keys: dict[int, str] = {}
-        for name, k in names.items():
-            if name == "action":
-                keys[k] = "action"
-            elif name == "obs" or (name.startswith("obs/") and name.count("/") == 1):
-                keys[k] = name.split("/")[-1] if "/" in name else "obs"
-            elif name.startswith("obs/"):
-                raise UnsupportedSpaceError(f"export_diffusion_policy: obs leaf {name!r} is nested; Diffusion Policy "
-                                            "keeps one flat data/<key> array per key (a Box or a Dict of Boxes)")
-        if "action" in [keys[k] for k in keys if leaves[k].name != "action"]:
-            raise UnsupportedSpaceError("export_diffusion_policy: obs has a key 'action', which would collide with "
-                                        "data/action")
+        keys = _data_keys(names, leaves)
         blocks = StepBlocks(buf, "export_diffusion_policy")
         n = blocks.count
         # Chunks of about 1 MiB (the widest array's) along rows, each written once and whole (a zip
@@ -391,7 +404,7 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
         ends: list[int] = []
         with out as tmp:
             zs = zarr.storage.ZipStore(tmp, mode="w") if zip_out else None
-            bar = _progress(n, f"export_diffusion_policy to {os.path.basename(out.dst)}", tqdm, unit="step")
+            bar = progress_bar(n, f"export_diffusion_policy to {os.path.basename(out.dst)}", tqdm, unit="step")
             try:
                 root = zarr.open_group(zs if zs is not None else tmp, mode="w", zarr_format=2 if zarr_format == 2 else 3)
                 root.require_group("data")

@@ -378,7 +378,7 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, data_
     from minari.dataset.minari_storage import MinariStorage  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from minari.storage import get_dataset_path  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-    from trajstore.core.store import _progress
+    from trajstore.core.progress import progress_bar
     from trajstore.metadata import get_dataset_info
 
     if not isinstance(dataset_id, str) or not _DATASET_ID.match(dataset_id) or ".." in dataset_id.split("/"):
@@ -408,7 +408,7 @@ def export_minari(src: Any, dataset_id: str, *, datasets_path: Any = None, data_
             if k in meta:
                 meta[k] = {meta[k]} if isinstance(meta[k], str) else set(meta[k])
         with out as tmp:
-            bar = _progress(blocks.count, f"export_minari {dataset_id}", tqdm, unit="step")
+            bar = progress_bar(blocks.count, f"export_minari {dataset_id}", tqdm, unit="step")
             try:
                 os.makedirs(tmp)
                 storage = MinariStorage.new(os.path.join(tmp, "data"), observation_space=space["obs"],

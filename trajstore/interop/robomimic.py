@@ -52,7 +52,41 @@ def _spaces(flat: dict[str, Box]) -> Dict:
 
 
 def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
-    """Demos in order, their datasets checked against the first demo's, masks; nothing written."""
+    """Demos in order, their datasets checked against the first demo's, masks; nothing written.
+
+    Steps: the demo groups (:func:`_demo_names`), each demo's datasets (:func:`_demo_leaves`),
+    the step space from the first demo (:func:`_step_space`), the masks (:func:`_masks`), the
+    episode space and ``env_args`` (:func:`_env_args`)."""
+    data, names = _demo_names(h5py, f, src)
+    ref: dict[str, Any] | None = None
+    demos: list[tuple[str, int, dict[str, Any]]] = []
+    for name in names:
+        leaves, n = _demo_leaves(h5py, data[name], src, name)
+        sig = {p: (d.dtype, d.shape[1:]) for p, d in leaves.items()}
+        if ref is None:
+            ref = sig
+        elif sig != ref:
+            diff = sorted(set(sig) ^ set(ref)) or sorted(p for p in sig if sig[p] != ref[p])
+            p = diff[0]
+            raise BadValueError(f"{src}: data/{name} differs from data/{names[0]} at {p!r}: "
+                                f"{sig.get(p, 'missing')} vs {ref.get(p, 'missing')}; every demo needs the same "
+                                "datasets, dtypes and shapes")
+        if n > 0:
+            demos.append((name, int(name[5:]), leaves))
+    space = _step_space(_leaf_datasets(h5py, data[names[0]]), src, names[0])
+    masks = _masks(h5py, f, src)
+    ep = dict(EPISODE_SPACE.spaces)
+    ep["demo"] = Box(0, 2**62, (), np.int64)
+    if masks:
+        bool_box = Box(0, 1, (), np.bool_)  # type: ignore[arg-type]  # gymnasium annotates no bool dtype; Box takes it
+        ep["mask"] = Dict({k: bool_box for k in masks})
+    return {"demos": demos, "space": space, "episode_space": Dict(ep), "masks": masks, "env_args": _env_args(data, src),
+            "skipped": [n for n in names if n not in {d[0] for d in demos}]}
+
+
+def _demo_names(h5py: Any, f: Any, src: str) -> tuple[Any, list[str]]:
+    """The group ``data`` and its ``demo_<i>`` groups' names, by index (at least one, each index
+    at most :data:`MAX_DEMO`)."""
     data = f.get("data")
     if not isinstance(data, h5py.Group):
         raise NotATrajstoreError(f"{src}: expected a group 'data' holding demo_0, demo_1, ...; the file has "
@@ -65,41 +99,34 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
         raise ForeignFileError(f"{src}: data/{big[0][:40]}: a demo index beyond {MAX_DEMO} (the int64 episode field "
                                "'demo' holds it); not plausible")
     names.sort(key=lambda k: int(k[5:]))
-    first = data[names[0]]
-    ref: dict[str, Any] | None = None
-    demos: list[tuple[str, int, dict[str, Any]]] = []
-    for name in names:
-        g = data[name]
-        for need in ("obs", "actions", "rewards", "dones"):
-            if need not in g:
-                raise NotATrajstoreError(f"{src}: data/{name} has no {need!r}; a robomimic demo holds obs/*, "
-                                         f"next_obs/*, actions, rewards, dones (it has {sorted(g.keys())[:20]})")
-        leaves = _leaf_datasets(h5py, g)
-        n = int(g["actions"].shape[0]) if g["actions"].ndim else -1
-        for path, d in leaves.items():
-            if d.ndim < 1 or d.shape[0] != n:
-                raise BadValueError(f"{src}: data/{name}/{path} has shape {d.shape}; expected ({n}, ...) like "
-                                    f"data/{name}/actions")
-        for k in ("rewards", "dones"):
-            if leaves[k].shape != (n,):
-                raise BadValueError(f"{src}: data/{name}/{k} has shape {leaves[k].shape}; expected ({n},)")
-        sig = {p: (d.dtype, d.shape[1:]) for p, d in leaves.items()}
-        if ref is None:
-            ref = sig
-        elif sig != ref:
-            diff = sorted(set(sig) ^ set(ref)) or sorted(p for p in sig if sig[p] != ref[p])
-            p = diff[0]
-            raise BadValueError(f"{src}: data/{name} differs from data/{names[0]} at {p!r}: "
-                                f"{sig.get(p, 'missing')} vs {ref.get(p, 'missing')}; every demo needs the same "
-                                "datasets, dtypes and shapes")
-        if n > 0:
-            demos.append((name, int(name[5:]), leaves))
-    assert ref is not None
-    leaves0 = _leaf_datasets(h5py, first)
+    return data, names
 
+
+def _demo_leaves(h5py: Any, g: Any, src: str, name: str) -> tuple[dict[str, Any], int]:
+    """``({path: dataset}, steps)`` of the demo group ``g`` (``data/<name>``): it holds obs,
+    actions, rewards and dones, every dataset has a row per step and rewards/dones are 1-D."""
+    for need in ("obs", "actions", "rewards", "dones"):
+        if need not in g:
+            raise NotATrajstoreError(f"{src}: data/{name} has no {need!r}; a robomimic demo holds obs/*, "
+                                     f"next_obs/*, actions, rewards, dones (it has {sorted(g.keys())[:20]})")
+    leaves = _leaf_datasets(h5py, g)
+    n = int(g["actions"].shape[0]) if g["actions"].ndim else -1
+    for path, d in leaves.items():
+        if d.ndim < 1 or d.shape[0] != n:
+            raise BadValueError(f"{src}: data/{name}/{path} has shape {d.shape}; expected ({n}, ...) like "
+                                f"data/{name}/actions")
+    for k in ("rewards", "dones"):
+        if leaves[k].shape != (n,):
+            raise BadValueError(f"{src}: data/{name}/{k} has shape {leaves[k].shape}; expected ({n},)")
+    return leaves, n
+
+
+def _step_space(leaves0: dict[str, Any], src: str, first: str) -> Dict:
+    """The recorder's step space from the first demo's datasets ``leaves0`` (``data/<first>``):
+    obs, next_obs (the same keys), actions, and every other dataset under ``info``."""
     def box(path: str) -> Box:
         d = leaves0[path]
-        return box_for(d.dtype, tuple(d.shape[1:]), f"{src}: data/{names[0]}/{path}")
+        return box_for(d.dtype, tuple(d.shape[1:]), f"{src}: data/{first}/{path}")
 
     obs = {p[len("obs/"):]: box(p) for p in leaves0 if p.startswith("obs/")}
     nxt = {p[len("next_obs/"):]: box(p) for p in leaves0 if p.startswith("next_obs/")}
@@ -109,8 +136,12 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
     if leaves0["rewards"].dtype.kind not in "biuf" or leaves0["dones"].dtype.kind not in "biuf":
         raise BadValueError(f"{src}: rewards and dones must be numbers; got {leaves0['rewards'].dtype} and "
                             f"{leaves0['dones'].dtype}")
-    space = recorder_space(_spaces(obs), box("actions"), next_obs=bool(nxt),
-                           info=_spaces(info).spaces if info else None)
+    return recorder_space(_spaces(obs), box("actions"), next_obs=bool(nxt),
+                          info=_spaces(info).spaces if info else None)
+
+
+def _masks(h5py: Any, f: Any, src: str) -> dict[str, set[str]]:
+    """``{split: demo names}`` from the optional group ``mask`` (each a 1-D array of names)."""
     masks: dict[str, set[str]] = {}
     if isinstance(f.get("mask"), h5py.Group):
         for key in sorted(f["mask"].keys()):
@@ -119,20 +150,19 @@ def _layout(h5py: Any, f: Any, src: str) -> dict[str, Any]:
                 raise BadValueError(f"{src}: mask/{key} is not a 1-D array of demo names (got "
                                     f"{getattr(d, 'dtype', 'a group')} {getattr(d, 'shape', '')})")
             masks[key] = {v.decode() if isinstance(v, bytes) else str(v) for v in d[()]}  # demo names: small
-    ep = dict(EPISODE_SPACE.spaces)
-    ep["demo"] = Box(0, 2**62, (), np.int64)
-    if masks:
-        bool_box = Box(0, 1, (), np.bool_)  # type: ignore[arg-type]  # gymnasium annotates no bool dtype; Box takes it
-        ep["mask"] = Dict({k: bool_box for k in masks})
+    return masks
+
+
+def _env_args(data: Any, src: str) -> Any:
+    """``data``'s attribute ``env_args`` parsed as JSON; None when absent or not JSON text (a
+    bomb is refused)."""
     env_args: Any = read_attr(data, "env_args", f"{src}: data")
     try:
-        env_args = parse_json(env_args, src, "data attribute env_args") if isinstance(env_args, (str, bytes)) else None
+        return parse_json(env_args, src, "data attribute env_args") if isinstance(env_args, (str, bytes)) else None
     except ForeignFileError as e:
         if "not valid JSON" not in str(e):  # text that is not JSON is left out; a bomb is refused
             raise
-        env_args = None
-    return {"demos": demos, "space": space, "episode_space": Dict(ep), "masks": masks, "env_args": env_args,
-            "skipped": [n for n in names if n not in {d[0] for d in demos}]}
+        return None
 
 
 def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,

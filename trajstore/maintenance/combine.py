@@ -25,7 +25,7 @@ import numpy as np
 
 from trajstore.buffers.episode_edit import TABLE_COLUMNS, episode_columns
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
@@ -198,7 +198,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         ep_space = combined_episode_space(bufs[0].episode_space, len(bufs))
         tables = [b.episodes() for b in bufs]
         total = sum(len(b) for b in bufs)
-        bar = _progress(total, f"combine into {os.path.basename(out_path)}", tqdm, unit="step")
+        bar = progress_bar(total, f"combine into {os.path.basename(out_path)}", tqdm, unit="step")
         infos = robot_infos(bufs, names)  # differing frame rates: refused before a byte is written
         tmp = staged.new(out_path)
         try:
@@ -390,7 +390,7 @@ def split(src: PathLike | TrajectoryReplayBuffer, ratios: Mapping[str, float] | 
         perm = np.random.default_rng(seed).permutation(ids)
         counts = split_counts(len(ids), r)
         report: dict[str, Any] = {}
-        bar = _progress(len(buf), f"split {os.path.basename(os.fspath(buf.cache_path or 'buffer'))}", tqdm,
+        bar = progress_bar(len(buf), f"split {os.path.basename(os.fspath(buf.cache_path or 'buffer'))}", tqdm,
                         unit="step")
         try:
             lo = 0
@@ -472,7 +472,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
         ids = np.sort(np.asarray(mask, np.int64))
         tmp = staged.new(out_path)
         total = int(cols["length"][np.isin(cols["episode_id"], ids)].sum())
-        bar = _progress(total, f"filter into {os.path.basename(out_path)}", tqdm, unit="step")
+        bar = progress_bar(total, f"filter into {os.path.basename(out_path)}", tqdm, unit="step")
         try:
             steps = _write_selection(buf, ids, tmp, bar)
         finally:

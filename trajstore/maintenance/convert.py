@@ -19,7 +19,7 @@ import gymnasium
 import numpy as np
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.core.store import _progress
+from trajstore.core.progress import progress_bar
 from trajstore.errors import BadArgumentError, NoEpisodesError
 from trajstore.maintenance.staged import StagedFolders, check_free, local_path, verify_written
 from trajstore.maintenance.summary import STEPS, episode_table, iter_blocks, open_store
@@ -116,7 +116,7 @@ def _write_episodes(store: Any, eps: dict[str, Any], tmp: str, label: str, tqdm:
     plan = ValuePlan(space_from_json(store.attrs["spaces"][STEPS]))
     starts, n_eps = np.asarray(eps["start"], np.int64), len(eps["episode_id"])
     returns = eps.get("return", np.zeros(n_eps))
-    bar = _progress(steps.count, label, tqdm, unit="step")
+    bar = progress_bar(steps.count, label, tqdm, unit="step")
     out = TrajectoryReplayBuffer.create(plan.space, episode_data_instance_space=CONVERTED_EPISODE_SPACE,
                                         cache_path=tmp)
     try:

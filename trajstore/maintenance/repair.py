@@ -182,6 +182,212 @@ def _drop_orphan_episode_data(loc: Location, sc: Scan, old: Head, new: Head, rep
                                f"episode data of episodes whose steps were all dropped; kept {b - a} rows"})
 
 
+def _refuse_zip(p: str, dry_run: bool) -> None:
+    """A ``.zip`` store is written once: repairing it in place is refused (a dry run only reads)."""
+    if not dry_run and "://" not in p and p.endswith(".zip"):
+        raise ReadOnlyError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
+                            "(trajstore copy), repair that, and copy it back")
+
+
+def _lock_for_repair(loc: Location, dry_run: bool) -> WriterLock | None:
+    """The writer lock of a local store repair will write to, or None (a dry run, a remote store).
+
+    ``shared=True``: taken exclusively when free, without marking the lock file, so what the next
+    writer learns about an unclean end (fresh episode ids) is kept."""
+    if dry_run or not loc.is_local:
+        return None
+    try:
+        lock = WriterLock(loc, shared=True)
+    except LockedError:
+        raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
+    if not lock.sole:
+        lock.release()
+        raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing")
+    return lock
+
+
+def _metadata_lost(sc: Scan, before: VerifyReport, rep: RepairReport) -> bool:
+    """True (and the problem reported) when the root or array metadata cannot be read: no other copy
+    of it is stored, so nothing can be repaired."""
+    if not (sc.root_missing or sc.attrs is None or any(f.kind in ("root-unreadable", "schema", "array-missing",
+                                                                  "array-unreadable") for f in before.faults)):
+        return False
+    rep.recovered = False
+    rep.problems.append("the root or array metadata (schema, spaces, array layout) is missing or unreadable "
+                        "and no other copy of it is stored: restore the store from a backup or copy; nothing "
+                        "was changed")
+    return True
+
+
+def _found_head(loc: Location, sc: Scan, rep: RepairReport, cands: list[tuple[int, int, Head]]) -> Head:
+    """The newest candidate record (the previous one first on a tie: it was committed), moved past
+    any generation a reader may have seen and into a new epoch; the change is reported."""
+    _gen, is_prev, cand = max(cands, key=lambda c: (c[0], c[1]))
+    new_head = cand.copy()
+    # Past any record a reader may have seen (the damaged one may have been the next generation),
+    # and a new epoch: rows it named past these may be written anew.
+    new_head.generation += 2 if is_prev else 1
+    new_head.epoch += 1
+    rows = {n: [st.start, st.end] for n, st in cand.tables.items()}
+    if is_prev:
+        why = (f"replaced the damaged commit record by the previous one, {PREV_KEY} (generation "
+               f"{cand.generation}; rows {', '.join(f'{n} {st.count}' for n, st in cand.tables.items())}): "
+               "it is a copy of the last commit record, or of the one before it when a writer was killed "
+               "while committing, so at most the rows of the last commit are lost")
+    else:
+        why = (f"replaced the damaged commit record by a complete one (generation {cand.generation}) left "
+               f"in {TMP_DIR} by an interrupted commit")
+    rep.changes.append({"action": "write", "key": HEAD_KEY, "rows_after": rows, "why": why})
+    return new_head
+
+
+def _empty_head(sc: Scan, rep: RepairReport) -> Head:
+    """An empty commit record for a store whose arrays hold no data (it loses nothing)."""
+    assert sc.attrs is not None
+    new_head = Head(1, 0, {name: TableState(0, 0, sc.arrays[t["fields"][0]].shape[0])
+                           for name, t in sc.tables.items()}, {}, None)
+    if sc.attrs.get("kind") == "TrajectoryReplayBuffer":
+        new_head.state = {"current_episode_id": 0, "next_episode_id": 1}
+    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "wrote an empty commit record: no "
+                        "array holds any data, so no committed row can be lost"})
+    return new_head
+
+
+def _replace_untrusted_head(loc: Location, sc: Scan, rep: RepairReport) -> Head | None:
+    """A record to replace a missing, unreadable or untrustworthy one: the previous commit record
+    (kept by local writers) or a complete record left in the temp folder, the newest whose rows are
+    all present and whole; an empty record when no array holds data.  None (the problem reported)
+    when no record is provably right."""
+    prev, prev_why = usable_prev(loc, sc)
+    cands = [(c.generation, 0, c) for c in _tmp_head_candidates(loc, sc) if _head_consistent(loc, sc, c)]
+    if prev is not None:
+        cands.append((prev.generation, 1, prev))
+    no_data = not any(sc.chunks.get(a) for a in sc.arrays)
+    if cands and not no_data:
+        return _found_head(loc, sc, rep, cands)
+    if no_data:  # an empty record loses nothing (whatever an earlier record says)
+        return _empty_head(sc, rep)
+    what = "is missing or unreadable" if sc.head_fault else "names rows past the stored data"
+    rep.recovered = False
+    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk "
+                        f"({PREV_KEY}: {prev_why}): which rows were committed cannot be known "
+                        "safely, so nothing was changed; restore the store from a backup or copy")
+    return None
+
+
+def _roll_back(loc: Location, sc: Scan, rep: RepairReport) -> Head:
+    """The commit record with each table's damaged rows dropped: the longest intact run of the rows
+    it named (an unbounded table: the prefix before the first damaged row), in a new epoch; then
+    the episode data of episodes left without steps."""
+    assert sc.head is not None
+    new_head = sc.head.copy()
+    new_head.generation += 1
+    new_head.epoch += 1
+    for name, t in sc.tables.items():
+        st = sc.head.tables[name]
+        bad = sc.bad_rows.get(name) or []
+        if not bad:
+            continue
+        a, b = _intact_window(max(st.count, 0), bad, t["capacity"] is not None)
+        allocated = st.allocated
+        if t["capacity"] is None and not any(p in sc.stale for p in t["fields"]):
+            shape = min(sc.arrays[p].shape[0] for p in t["fields"])
+            allocated = max(min(st.allocated, shape), b)
+        new = TableState(st.start + a, st.start + b, allocated)
+        new_head.tables[name] = new
+        dropped = [(0, a)] if a else []
+        dropped += [(b, st.count)] if b < st.count else []
+        rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": name,
+                            "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
+                            "why": f"table {name!r}: dropped damaged or missing rows {fmt_rows(dropped)} "
+                                   f"(logical rows before repair); kept {b - a} intact committed rows"})
+    _drop_orphan_episode_data(loc, sc, sc.head, new_head, rep)
+    return new_head
+
+
+def _keep_dropped_chunks(before: VerifyReport, removable: list[tuple[str, str]],
+                         rep: RepairReport) -> list[tuple[str, str]]:
+    """After a rollback: intact chunks of the dropped rows stay (readable with zarr, for salvage; a
+    later repair removes them); damaged chunk files go now (a writer could not map a truncated one).
+    Returns what is still removed."""
+    damaged = {f.key: f.kind for f in before.faults if f.kind in ("truncated-chunk", "undecodable-chunk", "bad-chunk")}
+    was = {k for k, _w in before.removable}
+    kept = [k for k, _w in removable if k not in was and k not in damaged]
+    out = [(k, w) if k not in damaged else (k, f"damaged chunk ({damaged[k]}) of dropped rows")
+           for k, w in removable if k in was or k in damaged]
+    if kept:
+        rep.changes.append({"action": "keep", "key": ", ".join(kept[:3]) + (" ..." if len(kept) > 3 else ""),
+                            "why": f"{len(kept)} intact chunk(s) of the dropped rows stay on disk, readable "
+                                   "with zarr; run repair again to remove them"})
+    return out
+
+
+def _removable(loc: Location, sc: Scan, before: VerifyReport, new_head: Head | None, rolled_back: bool,
+               rep: RepairReport) -> list[tuple[str, str]]:
+    """(key, why) of what to delete, judged against the record that will be in place (the lock
+    files never)."""
+    if new_head is None:
+        removable = list(before.removable)
+    else:
+        removable = list(_probe(loc, sc, new_head).removable)
+        if rolled_back:
+            removable = _keep_dropped_chunks(before, removable, rep)
+        keys = loc.list_prefix("")
+        orphan = VerifyReport(str(loc.url), False)
+        scan_orphans(loc, keys, new_head, orphan)
+        removable += orphan.removable
+        if RUNS_KEY in keys and RUNS_KEY not in {k for k, _w in removable}:
+            removable.append((RUNS_KEY, "saved run index of the replaced commit record"))
+    return [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]
+
+
+def _write_changes(loc: Location, sc: Scan, new_head: Head | None, removable: list[tuple[str, str]]) -> None:
+    """Write what the report lists: stale shapes grown, the new record, then the deletions (the
+    record first: no committed row ever points at a deleted chunk)."""
+    if sc.stale:
+        _resize(loc, sc)
+    if new_head is not None:
+        write_head(loc, new_head)
+    for key, _why in removable:
+        loc.delete(key)
+    if loc.local_root is not None:
+        for folder in (TMP_DIR, STAGING_DIR):
+            _prune_empty(loc.local_root / folder)
+
+
+def _repair_scanned(loc: Location, sc: Scan, before: VerifyReport, rep: RepairReport, dry_run: bool) -> bool:
+    """Decide and (unless ``dry_run``) write the changes for the scan ``before``.  False when repair
+    stopped without changing anything (``rep.problems`` says why)."""
+    if _metadata_lost(sc, before, rep):
+        return False
+    new_head: Head | None = None
+    rolled_back = False
+    # A record naming rows past the data (or impossible rows) cannot be trusted at all: where its
+    # committed rows really ended is unknown (raw chunks are full size, padded chunks hold zeros),
+    # so it is treated like an unreadable one.
+    if sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in before.faults):
+        new_head = _replace_untrusted_head(loc, sc, rep)
+        if new_head is None:
+            return False
+    elif any(sc.bad_rows.get(t) for t in sc.tables):
+        new_head, rolled_back = _roll_back(loc, sc, rep), True
+    episode_faults = [f for f in before.faults if f.kind == "episodes"]
+    if episode_faults and new_head is None:
+        rep.recovered = False
+        rep.problems.append("the episode table is inconsistent with the commit record; repair cannot fix that "
+                            "safely: " + "; ".join(f.message for f in episode_faults))
+    removable = _removable(loc, sc, before, new_head, rolled_back, rep)
+    for path, n_rows in sorted(sc.stale.items()):
+        rep.changes.append({"action": "resize", "key": f"{path}/zarr.json", "why": f"recorded shape "
+                            f"{sc.arrays[path].shape[0]} -> {n_rows} rows (the chunks are there; zarr readers now "
+                            "see every committed row)"})
+    if not dry_run:
+        _write_changes(loc, sc, new_head, removable)
+    for key, why in removable:
+        rep.changes.append({"action": "delete", "key": key, "why": why})
+    return True
+
+
 def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dry_run: bool = False,
                  deep: bool = False, progress: Callable[[int, str], Any] | None = None) -> RepairReport:
     """Bring the store at ``path`` back to a consistent state, or say why that is impossible.
@@ -214,149 +420,14 @@ def repair_store(path: Any, *, storage_options: dict[str, Any] | None = None, dr
         No local folder or zip at ``path``.
     """
     p = os.fspath(path)
-    if not dry_run and "://" not in p and p.endswith(".zip"):
-        raise ReadOnlyError(f"{p}: a .zip store is written once and cannot be repaired in place; copy it to a folder "
-                         "(trajstore copy), repair that, and copy it back")
+    _refuse_zip(p, dry_run)
     loc = locate(path, storage_options, read_only=dry_run)
     lock = None
     try:
-        if not dry_run and loc.is_local:
-            # shared=True: take the lock exclusively when free, without marking the lock file, so
-            # what the next writer learns about an unclean end (fresh episode ids) is kept.
-            try:
-                lock = WriterLock(loc, shared=True)
-            except LockedError:
-                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing") from None
-            if not lock.sole:
-                raise LockedError(f"{loc.url}: a writer has the store open; close it before repairing")
+        lock = _lock_for_repair(loc, dry_run)
         before, sc = scan_store(loc, deep, progress, storage_options)
         rep = RepairReport(str(loc.url), dry_run, True, before=before)
-        new_head: Head | None = None
-        rolled_back = False
-        if sc.root_missing or sc.attrs is None or any(f.kind in ("root-unreadable", "schema", "array-missing",
-                                                                   "array-unreadable") for f in before.faults):
-            rep.recovered = False
-            rep.problems.append("the root or array metadata (schema, spaces, array layout) is missing or unreadable "
-                                "and no other copy of it is stored: restore the store from a backup or copy; nothing "
-                                "was changed")
-            return rep
-        # A record naming rows past the data (or impossible rows) cannot be trusted at all: where
-        # its committed rows really ended is unknown (raw chunks are full size, padded chunks hold
-        # zeros), so it is treated like an unreadable one.
-        untrusted = sc.head_fault or any(f.kind in ("head-past-data", "head-impossible") for f in before.faults)
-        if untrusted:
-            # The previous commit record (kept by local writers) and complete records left in the
-            # temp folder: the newest whose rows are all present and whole (the previous one first
-            # on a tie: it was committed).
-            prev, prev_why = usable_prev(loc, sc)
-            cands = [(c.generation, 0, c) for c in _tmp_head_candidates(loc, sc) if _head_consistent(loc, sc, c)]
-            if prev is not None:
-                cands.append((prev.generation, 1, prev))
-            no_data = not any(sc.chunks.get(a) for a in sc.arrays)
-            if cands and not no_data:
-                _gen, is_prev, cand = max(cands, key=lambda c: (c[0], c[1]))
-                new_head = cand.copy()
-                # Past any record a reader may have seen (the damaged one may have been the next
-                # generation), and a new epoch: rows it named past these may be written anew.
-                new_head.generation += 2 if is_prev else 1
-                new_head.epoch += 1
-                rows = {n: [st.start, st.end] for n, st in cand.tables.items()}
-                if is_prev:
-                    why = (f"replaced the damaged commit record by the previous one, {PREV_KEY} (generation "
-                           f"{cand.generation}; rows {', '.join(f'{n} {st.count}' for n, st in cand.tables.items())}): "
-                           "it is a copy of the last commit record, or of the one before it when a writer was killed "
-                           "while committing, so at most the rows of the last commit are lost")
-                else:
-                    why = (f"replaced the damaged commit record by a complete one (generation {cand.generation}) left "
-                           f"in {TMP_DIR} by an interrupted commit")
-                rep.changes.append({"action": "write", "key": HEAD_KEY, "rows_after": rows, "why": why})
-            else:
-                if no_data:  # an empty record loses nothing (whatever an earlier record says)
-                    new_head = Head(1, 0, {name: TableState(0, 0, sc.arrays[t["fields"][0]].shape[0])
-                                           for name, t in sc.tables.items()}, {}, None)
-                    if sc.attrs.get("kind") == "TrajectoryReplayBuffer":
-                        new_head.state = {"current_episode_id": 0, "next_episode_id": 1}
-                    rep.changes.append({"action": "write", "key": HEAD_KEY, "why": "wrote an empty commit record: no "
-                                        "array holds any data, so no committed row can be lost"})
-                else:
-                    what = "is missing or unreadable" if sc.head_fault else "names rows past the stored data"
-                    rep.recovered = False
-                    rep.problems.append(f"{HEAD_KEY} {what} and no earlier consistent commit record is on disk "
-                                        f"({PREV_KEY}: {prev_why}): which rows were committed cannot be known "
-                                        "safely, so nothing was changed; restore the store from a backup or copy")
-                    return rep
-        elif any(sc.bad_rows.get(t) for t in sc.tables):
-            assert sc.head is not None
-            new_head = sc.head.copy()
-            new_head.generation += 1
-            new_head.epoch += 1
-            rolled_back = True
-            for name, t in sc.tables.items():
-                st = sc.head.tables[name]
-                bad = sc.bad_rows.get(name) or []
-                if not bad:
-                    continue
-                a, b = _intact_window(max(st.count, 0), bad, t["capacity"] is not None)
-                allocated = st.allocated
-                if t["capacity"] is None and not any(p in sc.stale for p in t["fields"]):
-                    shape = min(sc.arrays[p].shape[0] for p in t["fields"])
-                    allocated = max(min(st.allocated, shape), b)
-                new = TableState(st.start + a, st.start + b, allocated)
-                new_head.tables[name] = new
-                dropped = [(0, a)] if a else []
-                dropped += [(b, st.count)] if b < st.count else []
-                rep.changes.append({"action": "rollback", "key": HEAD_KEY, "table": name,
-                                    "rows_before": [st.start, st.end], "rows_after": [new.start, new.end],
-                                    "why": f"table {name!r}: dropped damaged or missing rows {fmt_rows(dropped)} "
-                                           f"(logical rows before repair); kept {b - a} intact committed rows"})
-            _drop_orphan_episode_data(loc, sc, sc.head, new_head, rep)
-        episode_faults = [f for f in before.faults if f.kind == "episodes"]
-        if episode_faults and new_head is None:
-            rep.recovered = False
-            rep.problems.append("the episode table is inconsistent with the commit record; repair cannot fix that "
-                                "safely: " + "; ".join(f.message for f in episode_faults))
-        # What to delete, judged against the record that will be in place.
-        if new_head is not None:
-            removable = list(_probe(loc, sc, new_head).removable)
-            if rolled_back:
-                # Intact chunks of the dropped rows stay (readable with zarr, for salvage; a later repair
-                # removes them); damaged chunk files go now (a writer could not map a truncated one).
-                damaged = {f.key: f.kind for f in before.faults
-                           if f.kind in ("truncated-chunk", "undecodable-chunk", "bad-chunk")}
-                was = {k for k, _w in before.removable}
-                kept = [k for k, _w in removable if k not in was and k not in damaged]
-                removable = [(k, w) if k not in damaged else (k, f"damaged chunk ({damaged[k]}) of dropped rows")
-                             for k, w in removable if k in was or k in damaged]
-                if kept:
-                    rep.changes.append({"action": "keep", "key": ", ".join(kept[:3]) + (" ..." if len(kept) > 3 else ""),
-                                        "why": f"{len(kept)} intact chunk(s) of the dropped rows stay on disk, readable "
-                                               "with zarr; run repair again to remove them"})
-            keys = loc.list_prefix("")
-            orphan = VerifyReport(str(loc.url), False)
-            scan_orphans(loc, keys, new_head, orphan)
-            removable += orphan.removable
-            if RUNS_KEY in keys and RUNS_KEY not in {k for k, _w in removable}:
-                removable.append((RUNS_KEY, "saved run index of the replaced commit record"))
-        else:
-            removable = list(before.removable)
-        removable = [(k, w) for k, w in removable if k not in (LOCK_KEY, MPLOCK_KEY)]
-        for path, n_rows in sorted(sc.stale.items()):
-            rep.changes.append({"action": "resize", "key": f"{path}/zarr.json", "why": f"recorded shape "
-                                f"{sc.arrays[path].shape[0]} -> {n_rows} rows (the chunks are there; zarr readers now "
-                                "see every committed row)"})
-        if not dry_run:
-            if sc.stale:
-                _resize(loc, sc)
-            if new_head is not None:
-                write_head(loc, new_head)  # the record first: no committed row ever points at a deleted chunk
-            for key, fault_text in removable:
-                loc.delete(key)
-            if loc.local_root is not None:
-                for folder in (TMP_DIR, STAGING_DIR):
-                    _prune_empty(loc.local_root / folder)
-        for key, why in removable:
-            rep.changes.append({"action": "delete", "key": key, "why": why})
-        if not dry_run:
+        if _repair_scanned(loc, sc, before, rep, dry_run) and not dry_run:
             rep.after, _ = scan_store(loc, deep, progress, storage_options)
             if rep.after.faults:
                 rep.recovered = False

@@ -153,7 +153,7 @@ def video_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
 def _video_fields(buf: TrajectoryReplayBuffer) -> list[VideoField]:
     """The step fields of ``buf`` whose layout is "video" (the layout, recorded in the schema, says
     which engine a field has)."""
-    return [cast(VideoField, f) for f in buf._table.fields if f.spec.layout == "video"]
+    return [cast(VideoField, f) for f in buf.rows_table.fields if f.spec.layout == "video"]
 
 
 def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: TrajectoryReplayBuffer) -> int:
@@ -166,15 +166,15 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
              if f.spec.array_path in theirs and f.codec == theirs[f.spec.array_path].codec]
     if not pairs:
         return 0
-    src._sync()
-    out._drain()
-    t = src._table
+    src.sync_reads()
+    out.sync_reads()  # a writer: its staged appends handed to the tables
+    t = src.rows_table
     logical = np.arange(t.count) if ids is None else SelectionRows(src.row_source(), ids).to_parent(
         np.arange(SelectionRows(src.row_source(), ids).count))
     phys = np.asarray(t.physical(np.asarray(logical, np.int64)))  # increasing: an unbounded table's rows
     if not len(phys):
         return 0
-    start, n = out._table.state.end, 0
+    start, n = out.rows_table.state.end, 0
     for f, g in pairs:
         for a, c in f.segments_within(int(phys[0]), int(phys[-1]) + 1):
             i = int(np.searchsorted(phys, a))
@@ -187,8 +187,8 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
 def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
     order, a bounded block at a time."""
-    buf._sync()
-    t = buf._table
+    buf.sync_reads()
+    t = buf.rows_table
     fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
     step = block_rows(t.row_bytes)
     if ids is None:

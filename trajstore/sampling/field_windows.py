@@ -28,7 +28,7 @@ import numpy as np
 
 from trajstore.core.ring import normalize_index
 from trajstore.errors import BadArgumentError, BadOptionError, UnknownFieldError
-from trajstore.sampling.sequences import PADS, _block_ok, _draw_anchors, _frames, pad_sources, window_rows
+from trajstore.sampling.sequences import PADS, block_ok, draw_anchors, pad_sources, span_frames, window_rows
 from trajstore.sampling.source import EpisodeSource, put_rows, read_consistent, sample_consistent
 from trajstore.spaces import leaves
 
@@ -219,34 +219,14 @@ def _span(fields: list[FieldWindow]) -> _Span:
 def _read(src: EpisodeSource, anchors: np.ndarray, fields: list[FieldWindow], span: _Span,
           all_valid: bool = False) -> FieldWindows:
     """Per-field windows of logical ``anchors``.  ``all_valid``: the caller knows every span is a
-    block wholly inside one episode (``within_episode`` sampling checked it)."""
+    block wholly inside one episode (``within_episode`` sampling checked it).
+
+    Steps: the span's rows and their validity (:func:`_span_rows`), the rows ``edge`` padding
+    repeats (:func:`_edge_rows`), then each field's frames, read as blocks or gathered."""
     U = span.offsets
     B, S = len(anchors), len(U)
-    first: np.ndarray | None = None
-    if span.dense and S <= src.count:  # spans are blocks of consecutive rows
-        if all_valid:
-            first, valid = anchors + U[0], np.ones((B, S), bool)
-            pos = np.broadcast_to(np.arange(S), (B, S))
-        else:
-            fr = _frames(src, anchors, U, True)
-            assert fr.first is not None
-            first, valid = fr.first, fr.valid
-            pos = np.broadcast_to(np.arange(S), (B, S))
-            if fr.check.size:
-                pos = pos.copy()
-                pos[fr.check] = fr.rows
-        rows = first[:, None] + pos
-    else:
-        rows, valid = window_rows(anchors, U, 0, src.count, src.step_ids)
-    if not any(f.pad == "edge" for f in fields):
-        edge = rows
-    elif span.dense:
-        edge = pad_sources(rows, valid, U, anchors)
-    else:  # a sparse span does not hold the episode's ends: ask the run index for the anchor's run
-        run_first, run_len, _ = src.runs()
-        k = np.searchsorted(run_first, anchors, side="right") - 1
-        ends = np.where(U[None, :] < 0, run_first[k][:, None], (run_first[k] + run_len[k] - 1)[:, None])
-        edge = np.where(valid, rows, ends)
+    first, rows, valid = _span_rows(src, anchors, span, all_valid)
+    edge = _edge_rows(src, anchors, fields, span, rows, valid)
     col = {int(o): t for t, o in enumerate(U.tolist())}
     steps: dict[str, list[np.ndarray]] = {}
     masks: dict[str, np.ndarray] = {}
@@ -256,7 +236,6 @@ def _read(src: EpisodeSource, anchors: np.ndarray, fields: list[FieldWindow], sp
     blocks = (src.gather_windows(first, S, [j for f in fields if f.key in blocked for j in f.leaves])
               if first is not None and blocked else [])
     it = iter(blocks)
-    b = np.arange(B)[:, None]
     for f in fields:
         c = cols[f.key]
         ok = valid[:, c]
@@ -265,7 +244,7 @@ def _read(src: EpisodeSource, anchors: np.ndarray, fields: list[FieldWindow], sp
             assert first is not None
             # Wholly valid spans whose frames are the whole span, in order: the blocks as read.
             whole = all_valid and len(c) == S and bool((c == np.arange(S)).all())
-            arrays = [a if whole else a[b, src_rows - first[:, None]] for a in (next(it) for _ in f.leaves)]
+            arrays = _from_blocks([next(it) for _ in f.leaves], src_rows, first, whole)
         else:
             arrays = [a.reshape(B, len(c), *a.shape[1:]) for a in src.read_rows(src_rows.ravel(), f.leaves)]
         if f.pad == "zero" and not ok.all():
@@ -274,6 +253,55 @@ def _read(src: EpisodeSource, anchors: np.ndarray, fields: list[FieldWindow], sp
         steps[f.key], masks[f.key] = arrays, np.ascontiguousarray(ok)
     episodes = src.read_episode_rows(anchors, src.episode_leaves) if src.episode_leaves else []
     return FieldWindows(fields, steps, episodes, masks)
+
+
+def _from_blocks(blocks: list[np.ndarray], src_rows: np.ndarray, first: np.ndarray, whole: bool) -> list[np.ndarray]:
+    """A field's frames (B, T, ...) from its leaves' blocks (B, S, ...) read from ``first``: the
+    blocks themselves when ``whole`` (the field's frames are the whole span), else the columns of
+    ``src_rows`` (B, T) int64."""
+    if whole:
+        return blocks
+    b = np.arange(len(first))[:, None]
+    return [a[b, src_rows - first[:, None]] for a in blocks]
+
+
+def _span_rows(src: EpisodeSource, anchors: np.ndarray, span: _Span,
+               all_valid: bool) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """``(first, rows, valid)``: each anchor's span as logical rows (B, S) int64 and whether each
+    lies in the anchor's episode (B, S) bool; ``first`` (B,) int64 is each block's first row when
+    the span is a block of consecutive rows (a dense span no longer than the table), else None."""
+    U = span.offsets
+    B, S = len(anchors), len(U)
+    if not (span.dense and S <= src.count):
+        rows, valid = window_rows(anchors, U, 0, src.count, src.step_ids)
+        return None, rows, valid
+    pos = np.broadcast_to(np.arange(S), (B, S))
+    if all_valid:
+        first, valid = anchors + U[0], np.ones((B, S), bool)
+    else:
+        fr = span_frames(src, anchors, U, True)
+        assert fr.first is not None
+        first, valid = fr.first, fr.valid
+        if fr.check.size:
+            pos = pos.copy()
+            pos[fr.check] = fr.rows
+    return first, first[:, None] + pos, valid
+
+
+def _edge_rows(src: EpisodeSource, anchors: np.ndarray, fields: list[FieldWindow], span: _Span, rows: np.ndarray,
+               valid: np.ndarray) -> np.ndarray:
+    """The rows ``edge`` padding reads (B, S) int64: each invalid frame replaced by its episode's
+    nearest end (``rows`` itself when no field pads with ``edge``)."""
+    if not any(f.pad == "edge" for f in fields):
+        return rows
+    U = span.offsets
+    if span.dense:
+        return pad_sources(rows, valid, U, anchors)
+    # A sparse span does not hold the episode's ends: ask the run index for the anchor's run.
+    run_first, run_len, _ = src.runs()
+    k = np.searchsorted(run_first, anchors, side="right") - 1
+    ends = np.where(U[None, :] < 0, run_first[k][:, None], (run_first[k] + run_len[k] - 1)[:, None])
+    return np.where(valid, rows, ends)
 
 
 def get_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], idx: Any, offsets: Mapping[Any, Any],
@@ -309,7 +337,7 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         if not strict:
             return rng.integers(0, src.count, size=k)
         try:
-            return _draw_anchors(src, k, span.offsets, rng, True)
+            return draw_anchors(src, k, span.offsets, rng, True)
         except BadOptionError:
             lo, hi = int(span.offsets[0]), int(span.offsets[-1])
             raise BadOptionError(f"no anchor's window (offsets {lo} .. {hi} of the anchor, all fields together) lies "
@@ -321,7 +349,7 @@ def sample_field_windows(src: EpisodeSource, step_space: gymnasium.Space[Any], b
         # a live ring's eviction, sample_consistent keeps an anchor that survived, but the rows of
         # its negative offsets may be gone (sample_sequences' windows start at the anchor).
         block = strict and span.dense and len(span.offsets) <= src.count
-        all_valid = block and bool(_block_ok(src, anchors, span.offsets)[1].all())
+        all_valid = block and bool(block_ok(src, anchors, span.offsets)[1].all())
         return _read(src, anchors, fields, span, all_valid=all_valid)
 
     # Frames before the anchor are read too: the eviction check follows the earliest of them.

@@ -269,10 +269,10 @@ class PriorityStore:
         if not self.valid(epoch) or t.state.end > main_end or t.state.end < main_start:
             # Renumbered rows (a new epoch), or every stored row gone: start over at the buffer's start.
             t.state.start = t.state.end = restart
-            head = side._current_head()
+            head = side.current_head()
             head.epoch += 1
             head.state = self._state()
-            side._write_head(head)
+            side.write_record(head)
         lo, hi = t.state.start, t.state.end
         keep = (rows >= lo) & (rows < hi)
         if keep.any():

@@ -146,7 +146,7 @@ class _Frames(NamedTuple):
     valid: np.ndarray  # (B, T) bool
 
 
-def _block_ok(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def block_ok(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """First logical row of each anchor's block (clipped into the source), and whether the block
     holds exactly its frames (unclipped) within one run of equal episode ids: wholly valid."""
     T = len(offs)
@@ -155,7 +155,7 @@ def _block_ok(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray) -> tupl
     return first, (first == lo) & src.one_run(first, T - 1)
 
 
-def _frames(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, block: bool) -> _Frames:
+def span_frames(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, block: bool) -> _Frames:
     """Frames of logical ``anchors``.
 
     ``block`` (see :func:`_is_block`): each window is a block of consecutive rows; blocks inside
@@ -166,7 +166,7 @@ def _frames(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, block: bo
     if not block:
         rows, valid = window_rows(anchors, offs, 0, src.count, src.step_ids)
         return _Frames(None, np.arange(B), rows, valid)
-    first, ok = _block_ok(src, anchors, offs)
+    first, ok = block_ok(src, anchors, offs)
     check = np.flatnonzero(~ok)
     valid = np.ones((B, T), bool)
     pos = np.zeros((0, T), np.int64)
@@ -184,7 +184,7 @@ def _read_windows(src: EpisodeSource, anchors: np.ndarray, offs: np.ndarray, pad
         B, T = len(anchors), len(offs)
         f = _Frames(anchors + offs[0], np.zeros(0, np.int64), np.zeros((0, T), np.int64), np.ones((B, T), bool))
     else:
-        f = _frames(src, anchors, offs, _is_block(offs, src.count))
+        f = span_frames(src, anchors, offs, _is_block(offs, src.count))
     B, T = f.valid.shape
     if f.first is None:
         rows = pad_sources(f.rows, f.valid, offs, anchors) if pad == "edge" else f.rows
@@ -220,7 +220,7 @@ def sample_sequences(src: EpisodeSource, batch_size: int, seq_len: int, rng: np.
     # meanwhile (it may have been overwritten) are drawn again, everything after a rewrite.
     return sample_consistent(
         src,
-        lambda k: _draw_anchors(src, k, offs, rng, within_episode),
+        lambda k: draw_anchors(src, k, offs, rng, within_episode),
         lambda anchors: _read_windows(src, anchors, offs, pad, all_valid=within_episode and _is_block(offs, src.count)),
         batch_size, _put_windows)
 
@@ -233,7 +233,7 @@ def _put_windows(out: Windows, positions: np.ndarray, part: Windows) -> None:
     out.valid[positions] = part.valid
 
 
-def _draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np.random.Generator,
+def draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np.random.Generator,
                   within_episode: bool) -> np.ndarray:
     """First rows of ``batch_size`` windows drawn uniformly (``within_episode``: uniformly among
     the windows wholly inside one episode), (B,) int64 logical rows."""
@@ -250,7 +250,7 @@ def _draw_anchors(src: EpisodeSource, batch_size: int, offs: np.ndarray, rng: np
         if not accepted and tried >= 1000 * batch_size:
             break  # none in a thousand batches' worth of windows: give up
         cand = rng.integers(0, n, size=draw)
-        ok = _block_ok(src, cand, offs)[1] if block else _frames(src, cand, offs, False).valid.all(axis=1)
+        ok = block_ok(src, cand, offs)[1] if block else span_frames(src, cand, offs, False).valid.all(axis=1)
         good = cand[ok][:need]
         kept.append(good)
         need -= len(good)

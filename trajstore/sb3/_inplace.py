@@ -37,8 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from trajstore.core.stager import RowStager
-from trajstore.storage.fields import _syscalls
-from trajstore.storage.fields.mapped import MappedField
+from trajstore.storage.fields.mapped import MappedField, in_place_writes_work
 
 __all__ = ["InPlaceRows"]
 
@@ -84,7 +83,7 @@ class InPlaceRows:
         """An instance for the ``leaves`` of ``stager`` with rows of at least :data:`MIN_ROW_BYTES`,
         or None where no rows go in place (see the module docstring)."""
         t = stager.table
-        if t.capacity is None or not _syscalls.populate_write_works():
+        if t.capacity is None or not in_place_writes_work():
             return None
         if not all(isinstance(t.fields[i], MappedField) and t.fields[i].writable for i in leaves):
             return None
@@ -117,7 +116,7 @@ class InPlaceRows:
         for f in self._fields:
             assert isinstance(f, MappedField)
             views.append(f.prepare_rows(p, p + n))
-            if not _syscalls.populate_write_works():  # the kernel refused the advice: staged from now on
+            if not in_place_writes_work():  # the kernel refused the advice: staged from now on
                 self.active = False
                 return
         for i, v in zip(self._leaves, views):

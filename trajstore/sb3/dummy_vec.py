@@ -37,7 +37,7 @@ from trajstore.sb3.rollout import (
     FLAT,
     ZarrDictRolloutBuffer,
     ZarrRolloutBuffer,
-    _ZarrRolloutMixin,
+    ZarrRolloutMixin,
 )
 
 __all__ = ["DummyVecRolloutBuffer"]
@@ -68,7 +68,7 @@ def _prepare(sub: Any) -> None:
 
 def _sub_obs(sub: Any, layout: ObsLayout, steps: np.ndarray) -> dict[str | None, np.ndarray]:
     """Observations ``{key: (B, ...)}`` of steps ``steps`` of a prepared one-env sub-buffer."""
-    if isinstance(sub, _ZarrRolloutMixin):
+    if isinstance(sub, ZarrRolloutMixin):
         return take(sub._flat_obs, steps) if sub._flat_obs is not None else sub._gather("obs", steps, None)
     return take(layout.unwrap(sub.observations), steps)
 
@@ -152,7 +152,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         else:
             self._buffers = self._build(kwargs.get("buffer_class"), dict(kwargs.get("buffer_kwargs") or {}),
                                         kwargs.get("storage_options"))
-        self._ours = bool(self._buffers) and all(isinstance(b, _ZarrRolloutMixin) for b in self._buffers)
+        self._ours = bool(self._buffers) and all(isinstance(b, ZarrRolloutMixin) for b in self._buffers)
         self._layout = ObsLayout(observation_space, n_envs)
         self.reset()
 
@@ -333,7 +333,7 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         self._each(lambda i, sub: _prepare(sub))
         for name in FLAT:
             self.__dict__[name] = self.swap_and_flatten(self.__dict__[name])
-        ours = [isinstance(sub, _ZarrRolloutMixin) for sub in self._buffers]
+        ours = [isinstance(sub, ZarrRolloutMixin) for sub in self._buffers]
         if all(not o or sub._flat_obs is not None for o, sub in zip(ours, self._buffers)):
             self._flat_obs = concat([sub._flat_obs if o else self._layout.unwrap(sub.observations)
                                      for o, sub in zip(ours, self._buffers)])

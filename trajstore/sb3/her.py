@@ -33,7 +33,7 @@ from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 from trajstore.errors import BadOptionError, UnsupportedSpaceError
 from trajstore.sampling.source import check_batch_size
 from trajstore.sb3._layout import storage_box
-from trajstore.sb3.replay import _ZarrReplayMixin
+from trajstore.sb3.replay import ZarrReplayMixin
 
 __all__ = ["ZarrHerReplayBuffer"]
 
@@ -50,10 +50,10 @@ class _RowsWithEpisodeStart:
     def __init__(self, rb: Any, owner: "ZarrHerReplayBuffer") -> None:
         self._rb, self._owner = rb, owner
 
-    def _append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
+    def append_leaves(self, arrays: Sequence[np.ndarray]) -> None:
         """Append one row: ``arrays`` (the mixin's leaves) followed by ``ep_start[pos]`` (n_envs,) int64."""
         owner = self._owner
-        self._rb._append_leaves([*arrays, owner.ep_start[owner.pos]])
+        self._rb.append_leaves([*arrays, owner.ep_start[owner.pos]])
 
     def __len__(self) -> int:
         return len(self._rb)
@@ -65,7 +65,7 @@ class _RowsWithEpisodeStart:
         return getattr(self._rb, name)
 
 
-class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
+class ZarrHerReplayBuffer(ZarrReplayMixin, HerReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``HerReplayBuffer`` with observations and episode bookkeeping in a trajstore store.
 
     Same constructor as SB3's ``HerReplayBuffer`` plus the keyword-only storage arguments of
@@ -198,7 +198,7 @@ class ZarrHerReplayBuffer(_ZarrReplayMixin, HerReplayBuffer):  # type: ignore[mi
         self.ep_start[self.pos] = self._current_ep_start.copy()
         if self.copy_info_dict:
             self.infos[self.pos] = infos
-        _ZarrReplayMixin.add(self, obs, next_obs, action, reward, done, infos)  # the row, with ep_start[pos]
+        ZarrReplayMixin.add(self, obs, next_obs, action, reward, done, infos)  # the row, with ep_start[pos]
         for env_idx in range(self.n_envs):
             if done[env_idx]:
                 self._compute_episode_length(env_idx)

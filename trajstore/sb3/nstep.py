@@ -22,7 +22,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from trajstore.errors import BadOptionError, MissingDependencyError, UnsupportedSpaceError
-from trajstore.sb3.replay import _ZarrReplayMixin
+from trajstore.sb3.replay import ZarrReplayMixin
 
 try:
     from stable_baselines3.common.buffers import NStepReplayBuffer
@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - stable-baselines3 before 2.7
 __all__ = ["ZarrNStepReplayBuffer"]
 
 
-class ZarrNStepReplayBuffer(_ZarrReplayMixin, NStepReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
+class ZarrNStepReplayBuffer(ZarrReplayMixin, NStepReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``NStepReplayBuffer`` (n-step returns) with observations in a trajstore store.
 
     Same constructor as SB3's ``NStepReplayBuffer`` plus the keyword-only storage arguments of

@@ -40,7 +40,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from trajstore.core.store import in_zarr_loop
 from trajstore.errors import BadOptionError
 from trajstore.sampling.prioritized import PrioritizedSampler
-from trajstore.sb3.replay import ZarrDictReplayBuffer, ZarrReplayBuffer, _ZarrReplayMixin
+from trajstore.sb3.replay import ZarrDictReplayBuffer, ZarrReplayBuffer, ZarrReplayMixin
 
 __all__ = ["PrioritizedReplayBufferSamples", "ZarrPrioritizedReplayBuffer", "ZarrPrioritizedDictReplayBuffer",
            "PrioritizedDQN"]
@@ -98,7 +98,7 @@ class _IndexRows:
         self._rb.flush(fsync)
 
 
-class _PrioritizedMixin(_ZarrReplayMixin):
+class _PrioritizedMixin(ZarrReplayMixin):
     """Prioritized sampling on top of the Zarr replay classes (mixed in before them)."""
 
     _sampler: PrioritizedSampler

@@ -43,7 +43,7 @@ __all__ = ["ZarrReplayBuffer", "ZarrDictReplayBuffer"]
 SMALL = ("action", "reward", "done", "timeout")  # stored leaf -> RAM array (see _small)
 
 
-class _ZarrReplayMixin(ZarrBufferMixin):
+class ZarrReplayMixin(ZarrBufferMixin):
     """Everything of the two replay classes; they differ only in the observation space they take."""
 
     _main = "transitions"
@@ -208,18 +208,13 @@ class _ZarrReplayMixin(ZarrBufferMixin):
             ``info["TimeLimit.truncated"]`` sets the timeout flag (``handle_timeout_termination``).
         """
         self._check_open()
-        lay, p, size = self._layout, self.pos, self.buffer_size
+        p, size = self.pos, self.buffer_size
         rewrite = p != self._head and self._align_head()  # pos was set by hand
         if self._count and self.dones[p - 1].tobytes() != self._last_done:  # (p - 1 = -1: the last position)
             # SB3's _setup_learn ended the last stored transition (dones[pos - 1] = True): store it now
             self._persist_edits(np.array([(p - 1) % size]))
         st = None if rewrite else self._stage if self._stage_chosen else self._adopt_stager()
-        shape, dtype = self._frame
-        if (st is not None and type(obs) is np.ndarray and type(next_obs) is np.ndarray and obs.shape == shape
-                and next_obs.shape == shape and obs.dtype is dtype and next_obs.dtype is dtype):
-            o = no = None  # one Box leaf, arrays of its stored shape and dtype: nothing to convert or check
-        else:
-            o, no = lay.batch(obs), lay.batch(next_obs)  # checked before anything is written
+        o, no = self._checked_obs(st, obs, next_obs)  # checked before anything is written
         if st is not None:
             st.room()  # (a block left full by a failed drain, a full disk, is written first)
             if st.n == 0 and self._in_place is not None:
@@ -230,39 +225,66 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         if self.handle_timeout_termination:
             self.timeouts[p] = [info.get("TimeLimit.truncated", False) for info in infos]
         if st is not None:
-            # Only the observations are staged (with _in_place: bufs view their rows in the chunk
-            # files); the other leaves come from the RAM arrays above when the block is handed
-            # over (_fill_staged), so the row is counted below before any hand-over (a hand-over
-            # that fails keeps it staged and counted).
-            j, bufs = st.n, st.bufs
-            if o is None:
-                bufs[0][j] = obs[0]
-                if not self.optimize_memory_usage:
-                    bufs[1][j] = next_obs[0]
-            else:
-                assert no is not None
-                for b, (k, e) in enumerate(self._obs_slots):
-                    bufs[b][j] = o[k][e]
-                if not self.optimize_memory_usage:
-                    m = len(self._obs_slots)
-                    for b, (k, e) in enumerate(self._obs_slots):
-                        bufs[m + b][j] = no[k][e]
+            self._stage_obs(st, obs, next_obs, o, no)
         else:
             assert o is not None and no is not None
-            # The row, leaf by leaf in the order of _row_space: obs, next_obs, action, reward, done, timeout, step.
-            values = lay.row_values(o)
-            if not self.optimize_memory_usage:
-                values += lay.row_values(no)
-            if rewrite:
-                rows = self._rows_at(np.array([p]), [v[None] for v in values])
-                self._stores[self._main].set_at(self._logical_of(np.array([p]))[0], rows)
-            else:
-                self._step[...] = self._steps
-                values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
-                self._rb._append_leaves(values)
+            self._write_row(p, o, no, rewrite)
         if self.optimize_memory_usage:
-            for k in lay.keys:
+            for k in self._layout.keys:
                 self._pending[k][:] = next_obs if no is None else no[k]
+        self._advance(p, rewrite)
+        if st is not None:
+            st.added(commit_timer=False)  # this method's own timer below commits
+        self._commit_on_timer()
+
+    def _checked_obs(self, st: Any, obs: Any, next_obs: Any) -> tuple[Any, Any]:
+        """``add``'s observations as the layout's batches ``(o, no)``, checked; ``(None, None)`` when
+        staged and both are arrays of the one Box leaf's stored shape and dtype (nothing to
+        convert or check: the fast path)."""
+        shape, dtype = self._frame
+        if (st is not None and type(obs) is np.ndarray and type(next_obs) is np.ndarray and obs.shape == shape
+                and next_obs.shape == shape and obs.dtype is dtype and next_obs.dtype is dtype):
+            return None, None
+        return self._layout.batch(obs), self._layout.batch(next_obs)
+
+    def _stage_obs(self, st: Any, obs: Any, next_obs: Any, o: Any, no: Any) -> None:
+        """Stage the observations of ``add``'s row in ``st``'s next slot.
+
+        Only the observations are staged (with _in_place: bufs view their rows in the chunk files);
+        the other leaves come from the RAM arrays when the block is handed over (_fill_staged), so
+        the row is counted before any hand-over (a hand-over that fails keeps it staged and counted)."""
+        j, bufs = st.n, st.bufs
+        if o is None:
+            bufs[0][j] = obs[0]
+            if not self.optimize_memory_usage:
+                bufs[1][j] = next_obs[0]
+            return
+        for b, (k, e) in enumerate(self._obs_slots):
+            bufs[b][j] = o[k][e]
+        if not self.optimize_memory_usage:
+            m = len(self._obs_slots)
+            for b, (k, e) in enumerate(self._obs_slots):
+                bufs[m + b][j] = no[k][e]
+
+    def _write_row(self, p: int, o: Any, no: Any, rewrite: bool) -> None:
+        """Write ``add``'s row at position ``p`` without a stager: rewritten in place (``rewrite``)
+        or appended, leaf by leaf in the order of _row_space (obs, next_obs, action, reward, done,
+        timeout, step)."""
+        values = self._layout.row_values(o)
+        if not self.optimize_memory_usage:
+            values += self._layout.row_values(no)
+        if rewrite:
+            rows = self._rows_at(np.array([p]), [v[None] for v in values])
+            self._stores[self._main].set_at(self._logical_of(np.array([p]))[0], rows)
+        else:
+            self._step[...] = self._steps
+            values += [self.actions[p], self.rewards[p], self.dones[p], self.timeouts[p], self._step]
+            self._rb.append_leaves(values)
+
+    def _advance(self, p: int, rewrite: bool) -> None:
+        """After ``add`` wrote position ``p``: the step count, ``full``, ``pos`` and (unless it
+        rewrote a stored row) the row count, the store's head and the last ``done`` seen."""
+        size = self.buffer_size
         if not rewrite:
             self._last_done = self.dones[p].tobytes()
         self._steps += 1
@@ -274,16 +296,18 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self.pos = p + 1 if p + 1 < size else 0
         if not rewrite:
             self._head = self.pos
-        if st is not None:
-            st.added(commit_timer=False)  # this method's own timer below commits
+
+    def _commit_on_timer(self) -> None:
+        """Commit once ``commit_interval`` has passed since the oldest add not yet committed.
+
+        trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer only
+        when they are handed over; commit here so a crash loses at most commit_interval of adds.
+        Timed from the oldest add since, not from the last commit: the first add after a pause
+        (reopening, a long training step) commits nothing but itself otherwise."""
         now = time.monotonic()
         if self._oldest_add is None:
             self._oldest_add = now
         elif now - self._oldest_add >= self._commit_interval:
-            # trajstore stages single-row appends in RAM (up to 256 rows) and commits on its timer
-            # only when they are handed over; commit here so a crash loses at most commit_interval
-            # of adds.  Timed from the oldest add since, not from the last commit: the first add
-            # after a pause (reopening, a long training step) commits nothing but itself otherwise.
             self._rb.flush()
             self._oldest_add = None
 
@@ -331,7 +355,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
     def _adopt_stager(self) -> RowStager | None:
         """The row stager of the ``transitions`` store, when ``add`` may stage observations into it
         directly and leave the other leaves to :meth:`_fill_staged`; None where rows go through
-        ``_append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own, or a
+        ``append_leaves`` (a wrapped store, e.g. HER's, which appends a leaf of its own, or a
         store that does not stage rows: multiprocessing, read-only)."""
         rb = self._rb
         st = rb.row_stager() if type(rb) is StoreBuffer else None
@@ -428,6 +452,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self.full = False
 
     def size(self) -> int:
+        """Transitions stored per env (SB3's ``size()``: ``buffer_size`` once full)."""
         return self._count
 
     # -- stored observations ---------------------------------------------------------------------
@@ -453,7 +478,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
         self._persist_edits()
         if self.optimize_memory_usage and self._count and self._pending_saved != self._steps - 1:
             step = np.asarray(self._steps - 1, np.int64)  # leaves in the order of _pending_space
-            self._pending_rb._append_leaves(self._layout.row_values(self._pending) + [step])
+            self._pending_rb.append_leaves(self._layout.row_values(self._pending) + [step])
             self._pending_saved = self._steps - 1
 
     def _persist_edits(self, positions: np.ndarray | None = None) -> None:
@@ -517,7 +542,7 @@ class _ZarrReplayMixin(ZarrBufferMixin):
 
 
 # (observations / next_observations: read-only views here, arrays in SB3's class)
-class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
+class ZarrReplayBuffer(ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
     """SB3's ``ReplayBuffer`` with observations and next observations in a trajstore store.
 
     Same constructor as SB3's, plus keyword-only storage arguments.  Capacity per env is
@@ -559,7 +584,7 @@ class ZarrReplayBuffer(_ZarrReplayMixin, ReplayBuffer):  # type: ignore[misc]
     KIND = "ZarrReplayBuffer"
 
 
-class ZarrDictReplayBuffer(_ZarrReplayMixin, DictReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
+class ZarrDictReplayBuffer(ZarrReplayMixin, DictReplayBuffer):  # type: ignore[misc]  # (as ZarrReplayBuffer)
     """SB3's ``DictReplayBuffer`` with every observation key in a trajstore store.
 
     Same arguments as :class:`ZarrReplayBuffer`; the observation space must be a Dict and

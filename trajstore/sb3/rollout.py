@@ -57,7 +57,7 @@ def _slice(value: Any, s: slice) -> Any:
     return {k: _slice(v, s) for k, v in value.items()} if isinstance(value, dict) else value[s]
 
 
-class _ZarrRolloutMixin(ZarrBufferMixin):
+class ZarrRolloutMixin(ZarrBufferMixin):
     """Everything of the two rollout classes; they differ only in the observation space they take."""
 
     _main = "rollout"
@@ -225,7 +225,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
             if self.pos > held:
                 self._rb.extend({name: np.zeros((self.pos - held, *box.shape), box.dtype)
                                  for name, box in self._layout.leaves("obs")})
-            self._rb._append_leaves(values)
+            self._rb.append_leaves(values)
         self._written = True
         self.pos += 1
         if self.pos == self.buffer_size:
@@ -320,7 +320,7 @@ class _ZarrRolloutMixin(ZarrBufferMixin):
 
 
 # (observations: a read-only view here, an array in SB3's class)
-class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):  # type: ignore[misc]
+class ZarrRolloutBuffer(ZarrRolloutMixin, RolloutBuffer):  # type: ignore[misc]
     """SB3's ``RolloutBuffer`` with the rollout's observations in a trajstore store.
 
     Same constructor as SB3's (``buffer_size`` is ``n_steps``), plus keyword-only arguments.
@@ -361,7 +361,7 @@ class ZarrRolloutBuffer(_ZarrRolloutMixin, RolloutBuffer):  # type: ignore[misc]
     KIND = "ZarrRolloutBuffer"
 
 
-class ZarrDictRolloutBuffer(_ZarrRolloutMixin, DictRolloutBuffer):  # type: ignore[misc]  # (as ZarrRolloutBuffer)
+class ZarrDictRolloutBuffer(ZarrRolloutMixin, DictRolloutBuffer):  # type: ignore[misc]  # (as ZarrRolloutBuffer)
     """SB3's ``DictRolloutBuffer`` with every observation key in a trajstore store.
 
     Same arguments as :class:`ZarrRolloutBuffer`; the observation space must be a Dict.

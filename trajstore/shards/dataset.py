@@ -148,11 +148,11 @@ class ShardedDataset(BatchBase):
     def _open_shard(self, name: str) -> Any:
         buf = _CLASSES[self.kind].load_from(shard_url(self.path, name), read_only=True,
                                             storage_options=self.storage_options)
-        if buf._store.attrs.get("spaces") != self._root.spaces:
+        if buf.store.attrs.get("spaces") != self._root.spaces:
             buf.close()
             raise DamagedStoreError(f"{self._loc.url}: shard {name!r} holds other spaces than the dataset's "
                                     "trajstore.shards.json records")
-        next_id = int(buf._store.committed.state.get("next_episode_id", 0))
+        next_id = int(buf.store.committed.state.get("next_episode_id", 0))
         if next_id >= EPISODE_STRIDE:  # global ids are shard * 2**40 + the shard's own id
             buf.close()
             raise DamagedStoreError(f"{self._loc.url}: shard {name!r} numbers its episodes up to {next_id}; a sharded "

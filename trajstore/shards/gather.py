@@ -1,7 +1,7 @@
 """Rows of many shards' memory-mapped fields gathered with one numpy call per field.
 
 Each shard's raw field is one reserved address range with its chunk files mapped into it
-(:class:`trajstore.storage.fields._vmap.VirtualArray`).  Gathering a batch shard by shard costs a
+(:func:`trajstore.storage.fields.mapped.mapped_rows`).  Gathering a batch shard by shard costs a
 few numpy calls per shard the batch touches, which at 64 shards is most of a batch's time.
 :class:`CrossShardField` views the bytes from the lowest to the highest of those ranges as one
 array and gathers every row of a batch by its byte offset (shard's range + chunk slot + row), so
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.storage.fields import _vmap
+from trajstore.storage.fields.mapped import mapped_rows
 
 __all__ = ["CrossShardField", "cross_shard_field"]
 
@@ -31,8 +31,7 @@ _GET_VA, _GET_BASE = operator.attrgetter("_va"), operator.attrgetter("base")
 
 
 def _va(field: Any) -> Any:
-    va = getattr(field, "_va", None)
-    return va if isinstance(va, _vmap.VirtualArray) and va.base else None
+    return mapped_rows(field)
 
 
 def cross_shard_field(fields: Sequence[Any]) -> CrossShardField | None:

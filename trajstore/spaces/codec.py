@@ -12,13 +12,13 @@ from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tu
 
 from trajstore.errors import UnsupportedSpaceError
 from trajstore.spaces.leaves import (
-    _SPECIAL_FLOATS,
-    _SUPPORTED,
-    _at,
-    _check_key,
-    _children,
-    _name,
-    _Path,
+    SPECIAL_FLOATS,
+    SUPPORTED_SPACES,
+    LeafPath,
+    at_path,
+    check_dict_key,
+    child_spaces,
+    path_name,
 )
 
 
@@ -30,14 +30,14 @@ def _num_to_json(x: Any) -> Any:
     return x  # a Python float's repr round-trips exactly (float16/32 widen exactly); ints/bools are exact
 
 
-def _num_from_json(x: Any, path: _Path) -> Any:
+def _num_from_json(x: Any, path: LeafPath) -> Any:
     if isinstance(x, list):
         return [_num_from_json(v, path) for v in x]
-    if isinstance(x, str) and x in _SPECIAL_FLOATS:
-        return _SPECIAL_FLOATS[x]
+    if isinstance(x, str) and x in SPECIAL_FLOATS:
+        return SPECIAL_FLOATS[x]
     if isinstance(x, (int, float)):  # bool is an int: fine for bool Boxes
         return x
-    raise UnsupportedSpaceError(f"malformed space JSON at '{_name(path)}': bad number {x!r}")
+    raise UnsupportedSpaceError(f"malformed space JSON at '{path_name(path)}': bad number {x!r}")
 
 
 def _bound_to_json(a: np.ndarray, bounded: np.ndarray, inf: float) -> Any:
@@ -65,8 +65,8 @@ def space_to_json(space: gymnasium.Space[Any]) -> dict[str, Any]:
     ``UnsupportedSpaceError`` (naming the path) for an unsupported subspace.
     """
 
-    def enc(sp: gymnasium.Space[Any], path: _Path) -> dict[str, Any]:
-        items = _children(sp, path)
+    def enc(sp: gymnasium.Space[Any], path: LeafPath) -> dict[str, Any]:
+        items = child_spaces(sp, path)
         if type(sp) is Dict:
             assert items is not None
             return {"type": "Dict", "spaces": [[k, enc(s, path + (k,))] for k, s in items]}
@@ -95,10 +95,10 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
     ``UnsupportedSpaceError`` (naming the path) for an unknown ``"type"`` or malformed JSON.
     """
 
-    def bad(path: _Path, why: str) -> UnsupportedSpaceError:
-        return UnsupportedSpaceError(f"malformed space JSON at '{_name(path)}': {why}")
+    def bad(path: LeafPath, why: str) -> UnsupportedSpaceError:
+        return UnsupportedSpaceError(f"malformed space JSON at '{path_name(path)}': {why}")
 
-    def dtype_of(o: Mapping[str, Any], path: _Path, kinds: str) -> np.dtype:
+    def dtype_of(o: Mapping[str, Any], path: LeafPath, kinds: str) -> np.dtype:
         try:
             dt = np.dtype(str(o["dtype"]))
         except (KeyError, TypeError, ValueError) as e:
@@ -107,12 +107,12 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
             raise bad(path, f"dtype {dt} is not allowed here")
         return dt
 
-    def shape_of(o: Mapping[str, Any], path: _Path) -> tuple[int, ...]:
+    def shape_of(o: Mapping[str, Any], path: LeafPath) -> tuple[int, ...]:
         if not all(type(d) is int and d >= 0 for d in o["shape"]):
             raise bad(path, f"bad shape {o['shape']!r}")
         return tuple(o["shape"])
 
-    def array(x: Any, dt: np.dtype, shape: tuple[int, ...], path: _Path) -> tuple[np.ndarray, np.ndarray]:
+    def array(x: Any, dt: np.dtype, shape: tuple[int, ...], path: LeafPath) -> tuple[np.ndarray, np.ndarray]:
         """Exact array of ``dt`` and its mask of infinite entries (object arrays: no float rounding)."""
         x = _num_from_json(x, path)
         obj = np.array(x, dtype=object) if isinstance(x, list) else np.full(shape, x, dtype=object)
@@ -127,7 +127,7 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
             obj[neg], obj[inf & ~neg] = np.iinfo(dt).min, np.iinfo(dt).max
         return obj.astype(dt), inf
 
-    def dec(o: Any, path: _Path) -> gymnasium.Space[Any]:
+    def dec(o: Any, path: LeafPath) -> gymnasium.Space[Any]:
         if not isinstance(o, Mapping) or not isinstance(o.get("type"), str):
             raise bad(path, "expected an object with a string 'type'")
         kind = o["type"]
@@ -137,7 +137,7 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
                 if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
                     raise bad(path, "Dict 'spaces' must be a list of [key, space] pairs")
                 for k, _ in pairs:
-                    _check_key(k, path)
+                    check_dict_key(k, path)
                 return Dict([(k, dec(v, path + (k,))) for k, v in pairs])  # a list keeps order (a dict is sorted)
             if kind == "Tuple":
                 return Tuple([dec(v, path + (i,)) for i, v in enumerate(o["spaces"])])
@@ -163,7 +163,7 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise bad(path, f"{type(e).__name__}: {e}") from None
-        raise UnsupportedSpaceError(f"{_at('space', path)} has unknown type {kind!r}; {_SUPPORTED}")
+        raise UnsupportedSpaceError(f"{at_path('space', path)} has unknown type {kind!r}; {SUPPORTED_SPACES}")
 
     return dec(obj, ())
 

@@ -19,10 +19,10 @@ from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tu
 
 from trajstore.errors import SpaceMismatchError, UnsupportedSpaceError
 
-_Path = tuple[str | int, ...]
+LeafPath = tuple[str | int, ...]
 _LEAF_TYPES = (Box, Discrete, MultiDiscrete, MultiBinary)
-_SUPPORTED = "trajstore stores Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple"
-_SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+SUPPORTED_SPACES = "trajstore stores Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple"
+SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Leaf:
     ``flat_dim`` is ``gymnasium.spaces.flatdim(space)``.
     """
 
-    path: _Path
+    path: LeafPath
     name: str
     space: gymnasium.Space[Any]
     shape: tuple[int, ...]
@@ -43,25 +43,27 @@ class Leaf:
     flat_dim: int
 
 
-def _name(path: _Path) -> str:
+def path_name(path: LeafPath) -> str:
+    """A leaf path as the name errors use: its keys and indices joined by ``/``."""
     return "/".join(map(str, path))
 
 
-def _at(kind: str, path: _Path) -> str:
+def at_path(kind: str, path: LeafPath) -> str:
     """``"value at 'obs/2'"``, or plain ``"value"`` for the root."""
-    return f"{kind} at '{_name(path)}'" if path else kind
+    return f"{kind} at '{path_name(path)}'" if path else kind
 
 
-def _check_key(key: Any, path: _Path) -> None:
+def check_dict_key(key: Any, path: LeafPath) -> None:
+    """Refuse a Dict key at ``path`` that cannot be a zarr node name (UnsupportedSpaceError)."""
     # Keys become zarr node names: "/" nests, and "." / "__" prefixes are reserved.
     problem = (f"is not a str ({type(key).__name__})" if not isinstance(key, str) else "is empty" if not key
                else "contains '/'" if "/" in key else "starts with '__' or '.'" if key.startswith(("__", ".")) else "")
     if problem:
-        raise UnsupportedSpaceError(f"Dict key {key!r} in {_at('space', path)} {problem}; trajstore needs non-empty "
+        raise UnsupportedSpaceError(f"Dict key {key!r} in {at_path('space', path)} {problem}; trajstore needs non-empty "
                                     "str keys without '/' that do not start with '__' or '.'")
 
 
-def _children(space: gymnasium.Space[Any], path: _Path) -> list[tuple[str | int, gymnasium.Space[Any]]] | None:
+def child_spaces(space: gymnasium.Space[Any], path: LeafPath) -> list[tuple[str | int, gymnasium.Space[Any]]] | None:
     """Validated (key, subspace) pairs of a Dict/Tuple; ``None`` for a supported leaf."""
     kind = type(space)  # exact types: a subclass could not round-trip through JSON
     if kind in _LEAF_TYPES:
@@ -69,13 +71,13 @@ def _children(space: gymnasium.Space[Any], path: _Path) -> list[tuple[str | int,
     if type(space) is Dict:  # (== kind, written so a type checker narrows space)
         items: list[tuple[str | int, gymnasium.Space[Any]]] = list(space.spaces.items())
         for key, _ in items:
-            _check_key(key, path)
+            check_dict_key(key, path)
     elif type(space) is Tuple:
         items = list(enumerate(space.spaces))
     else:
-        raise UnsupportedSpaceError(f"{_at('space', path)} is {kind.__name__}; {_SUPPORTED}")
+        raise UnsupportedSpaceError(f"{at_path('space', path)} is {kind.__name__}; {SUPPORTED_SPACES}")
     if not items:  # no leaf would carry a row count, and gymnasium cannot flatten it either
-        raise UnsupportedSpaceError(f"{_at('space', path)} is an empty {kind.__name__}; {_SUPPORTED} with leaves")
+        raise UnsupportedSpaceError(f"{at_path('space', path)} is an empty {kind.__name__}; {SUPPORTED_SPACES} with leaves")
     return items
 
 
@@ -87,12 +89,12 @@ def leaves(space: gymnasium.Space[Any]) -> list[Leaf]:
     """
     out: list[Leaf] = []
 
-    def walk(sp: gymnasium.Space[Any], path: _Path) -> None:
-        items = _children(sp, path)
+    def walk(sp: gymnasium.Space[Any], path: LeafPath) -> None:
+        items = child_spaces(sp, path)
         if items is None:
             assert sp.shape is not None  # every supported leaf has one
             shape = tuple(int(d) for d in sp.shape)
-            out.append(Leaf(path, _name(path), sp, shape, np.dtype(sp.dtype), int(gymnasium.spaces.flatdim(sp))))
+            out.append(Leaf(path, path_name(path), sp, shape, np.dtype(sp.dtype), int(gymnasium.spaces.flatdim(sp))))
         else:
             for key, sub in items:
                 walk(sub, path + (key,))
@@ -112,20 +114,20 @@ def subspace(space: gymnasium.Space[Any], keys: Sequence[str | int] | str) -> gy
     ``keys`` may also be a leaf name such as ``"obs/2"`` (split on ``"/"``; ``""`` is the root),
     so Tuple positions given as digit strings are accepted.
     """
-    path: _Path = ()
+    path: LeafPath = ()
     for key in (keys.split("/") if keys else []) if isinstance(keys, str) else keys:
         if type(space) is Dict:
             if not isinstance(key, str) or key not in space.spaces:
-                raise SpaceMismatchError(f"{_at('space', path)} has no key {key!r}; available keys: {list(space.spaces)}")
+                raise SpaceMismatchError(f"{at_path('space', path)} has no key {key!r}; available keys: {list(space.spaces)}")
             space = space.spaces[key]
         elif type(space) is Tuple:
             n, idx = len(space.spaces), int(key) if isinstance(key, str) and key.isdigit() else key
             if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)) or not 0 <= idx < n:
-                raise SpaceMismatchError(f"{_at('space', path)} has no index {key!r}; available indices: {list(range(n))}")
+                raise SpaceMismatchError(f"{at_path('space', path)} has no index {key!r}; available indices: {list(range(n))}")
             key = int(idx)
             space = space.spaces[key]
         else:
-            raise SpaceMismatchError(f"{_at('space', path)} is {type(space).__name__}, which has no key {key!r}")
+            raise SpaceMismatchError(f"{at_path('space', path)} is {type(space).__name__}, which has no key {key!r}")
         path += (key,)
     return space
 

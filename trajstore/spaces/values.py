@@ -11,10 +11,10 @@ from gymnasium.spaces import Box, Dict, Discrete, MultiBinary, MultiDiscrete, Tu
 
 from trajstore._optional import is_tensor
 from trajstore.errors import BadValueError, SpaceMismatchError
-from trajstore.spaces.leaves import Leaf, _at, _Path, leaves
+from trajstore.spaces.leaves import Leaf, LeafPath, at_path, leaves
 
 
-def _to_numpy(x: Any, path: _Path) -> np.ndarray:
+def _to_numpy(x: Any, path: LeafPath) -> np.ndarray:
     """numpy array / torch tensor (detected without importing torch) / scalar / nested list → ndarray."""
     if type(x) is np.ndarray:
         return x
@@ -24,16 +24,16 @@ def _to_numpy(x: Any, path: _Path) -> np.ndarray:
         try:
             return x.detach().cpu().numpy()
         except (TypeError, RuntimeError) as e:  # e.g. bfloat16 has no numpy dtype
-            raise BadValueError(f"{_at('value', path)}: cannot convert torch tensor of dtype {x.dtype} ({e})") from None
+            raise BadValueError(f"{at_path('value', path)}: cannot convert torch tensor of dtype {x.dtype} ({e})") from None
     if isinstance(x, Mapping):
-        raise SpaceMismatchError(f"{_at('value', path)}: expected an array for a leaf, got a {type(x).__name__}")
+        raise SpaceMismatchError(f"{at_path('value', path)}: expected an array for a leaf, got a {type(x).__name__}")
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as e:  # ragged nested lists
-        raise BadValueError(f"{_at('value', path)} is not array-like: {e}") from None
+        raise BadValueError(f"{at_path('value', path)} is not array-like: {e}") from None
 
 
-def _bad_value(arr: np.ndarray, bad: np.ndarray, path: _Path, batched: bool, expected: str,
+def _bad_value(arr: np.ndarray, bad: np.ndarray, path: LeafPath, batched: bool, expected: str,
                row0: int = 0) -> BadValueError:
     """The error for the elements of ``arr`` flagged in ``bad`` (same shape): the first one by row
     (when ``batched``; rows counted from ``row0``) and element, its value and what was expected,
@@ -42,7 +42,7 @@ def _bad_value(arr: np.ndarray, bad: np.ndarray, path: _Path, batched: bool, exp
     where = [f"row {row0 + pos[0]}"] if batched else []
     if pos[int(batched):]:
         where.append(f"element {list(pos[int(batched):])}")
-    text = f"{_at('value', path)}{' ' + ', '.join(where) if where else ''} is {arr[pos].item()!r}; expected {expected}"
+    text = f"{at_path('value', path)}{' ' + ', '.join(where) if where else ''} is {arr[pos].item()!r}; expected {expected}"
     n_bad = int(np.count_nonzero(bad))
     if n_bad > 1:
         rows = f" in {int(np.count_nonzero(bad.reshape(len(bad), -1).any(axis=1)))} of {len(bad)} rows" if batched else ""
@@ -51,7 +51,7 @@ def _bad_value(arr: np.ndarray, bad: np.ndarray, path: _Path, batched: bool, exp
     return BadValueError(text)
 
 
-def _cast(arr: np.ndarray, dst: np.dtype, path: _Path, batched: bool = False) -> np.ndarray:
+def _cast(arr: np.ndarray, dst: np.dtype, path: LeafPath, batched: bool = False) -> np.ndarray:
     """Apply the casting rule documented in :meth:`ValuePlan.to_arrays` (``batched``: axis 0 is rows,
     for the error message)."""
     src = arr.dtype
@@ -81,7 +81,7 @@ def _cast(arr: np.ndarray, dst: np.dtype, path: _Path, batched: bool = False) ->
                 raise _bad_value(arr, (arr < info.min) | (arr > info.max), path, batched,
                                  f"a value within the range of {dst} [{info.min}, {info.max}] (got {src})")
         return arr.astype(dst)
-    raise BadValueError(f"{_at('value', path)} has dtype {src}; expected {dst} or a dtype that casts to it safely")
+    raise BadValueError(f"{at_path('value', path)} has dtype {src}; expected {dst} or a dtype that casts to it safely")
 
 
 def _braces(space: gymnasium.Space[Any]) -> str:
@@ -159,7 +159,7 @@ class _Allowed:
             return bool(self.lo_list[0] <= a.min() and a.max() <= self.hi_list[0])
         return bool(((a >= self.lo) & (a <= self.hi)).all())
 
-    def error(self, a: np.ndarray, path: _Path, batched: bool, row0: int = 0) -> BadValueError:
+    def error(self, a: np.ndarray, path: LeafPath, batched: bool, row0: int = 0) -> BadValueError:
         """The error for a value that failed :meth:`ok` (rows counted from ``row0``)."""
         bad = ~((a >= self.lo) & (a <= self.hi))
         elem = tuple(int(i) for i in np.argwhere(bad)[0])[int(batched):]
@@ -219,7 +219,7 @@ class ValuePlan:
         # without becoming an array first (the usual ``append({"obs": ..., "action": 3})``).
         self._int_leaf = [type(leaf.space) is Discrete for leaf in self.leaves]
 
-    def _compile(self, sp: gymnasium.Space[Any], path: _Path) -> tuple[Any, ...]:
+    def _compile(self, sp: gymnasium.Space[Any], path: LeafPath) -> tuple[Any, ...]:
         # Nodes: ("leaf",) | ("dict", path, keys, keyset, children) | ("tuple", path, children)
         if type(sp) is Dict:
             keys = tuple(sp.spaces)
@@ -247,20 +247,20 @@ class ValuePlan:
         if node[0] == "dict":
             _, path, keys, keyset, children = node
             if not isinstance(value, Mapping):
-                raise SpaceMismatchError(f"{_at('value', path)}: expected a Mapping with keys {list(keys)} for a Dict "
+                raise SpaceMismatchError(f"{at_path('value', path)}: expected a Mapping with keys {list(keys)} for a Dict "
                                          f"space, got {type(value).__name__}")
             if value.keys() != keyset:
                 missing, extra = [k for k in keys if k not in value], [k for k in value if k not in keyset]
-                raise SpaceMismatchError(f"{_at('value', path)}: expected keys {list(keys)}, got missing {missing} "
+                raise SpaceMismatchError(f"{at_path('value', path)}: expected keys {list(keys)}, got missing {missing} "
                                          f"and unexpected {extra}")
             items = zip(children, (value[k] for k in keys))
         elif node[0] == "tuple":
             _, path, children = node
             if not isinstance(value, (tuple, list)):
-                raise SpaceMismatchError(f"{_at('value', path)}: expected a tuple or list of length {len(children)} "
+                raise SpaceMismatchError(f"{at_path('value', path)}: expected a tuple or list of length {len(children)} "
                                          f"for a Tuple space, got {type(value).__name__}")
             if len(value) != len(children):
-                raise SpaceMismatchError(f"{_at('value', path)}: expected a tuple or list of length {len(children)}, "
+                raise SpaceMismatchError(f"{at_path('value', path)}: expected a tuple or list of length {len(children)}, "
                                          f"got length {len(value)}")
             items = zip(children, value)
         else:
@@ -328,7 +328,7 @@ class ValuePlan:
             allowed = self._allowed[i] if check else None
             if not batched:
                 if arr.shape != shape:
-                    raise BadValueError(f"{_at('value', path)} has shape {arr.shape}; expected {shape}")
+                    raise BadValueError(f"{at_path('value', path)} has shape {arr.shape}; expected {shape}")
                 arr = _cast(arr, leaf.dtype, path)
                 if allowed is not None and not allowed.ok(arr):
                     raise allowed.error(arr, path, False)
@@ -337,12 +337,12 @@ class ValuePlan:
             if arr.ndim != len(shape) + 1 or arr.shape[1:] != shape:
                 want = f"(B, {', '.join(map(str, shape))})".replace("(B, )", "(B,)")
                 with_b = f" = {(arr.shape[0], *shape)}" if arr.ndim else ""
-                raise BadValueError(f"{_at('value', path)} has shape {arr.shape}; expected {want}{with_b}")
+                raise BadValueError(f"{at_path('value', path)} has shape {arr.shape}; expected {want}{with_b}")
             elif batch < 0:
                 batch, first = arr.shape[0], path
             elif arr.shape[0] != batch:
-                raise BadValueError(f"{_at('value', path)} has batch size {arr.shape[0]}; expected {batch} "
-                                    f"(the batch size of {_at('value', first)})")
+                raise BadValueError(f"{at_path('value', path)} has batch size {arr.shape[0]}; expected {batch} "
+                                    f"(the batch size of {at_path('value', first)})")
             arr = _cast(arr, leaf.dtype, path, True)
             if allowed is not None and not allowed.ok(arr):
                 raise allowed.error(arr, path, True)
@@ -395,7 +395,7 @@ class ValuePlan:
             else:
                 arr = _to_numpy(x, leaf.path)
                 if arr.shape != leaf.shape:
-                    raise BadValueError(f"{_at('value', leaf.path)} has shape {arr.shape}; expected {leaf.shape}")
+                    raise BadValueError(f"{at_path('value', leaf.path)} has shape {arr.shape}; expected {leaf.shape}")
                 arr = _cast(arr, leaf.dtype, leaf.path)
             if allowed is not None and not allowed.ok(arr):
                 raise allowed.error(arr, leaf.path, False)
@@ -440,7 +440,7 @@ class ValuePlan:
             bad = (idx < 0) | (idx >= nvec)
             if bad.any():
                 b, j = (int(v[0]) for v in np.nonzero(bad))
-                raise BadValueError(f"{_at('value', leaf.path)} row {b} has {vals[b, j]}; expected a value in "
+                raise BadValueError(f"{at_path('value', leaf.path)} row {b} has {vals[b, j]}; expected a value in "
                                     f"[{start[j]}, {start[j] + nvec[j]}) to one-hot encode")
             out[rows, col + offsets + idx] = 1
         return out
@@ -492,6 +492,6 @@ class ValuePlan:
             if (first == leaf.flat_dim).any():
                 b = int(np.nonzero((first == leaf.flat_dim).any(axis=1))[0][0])
                 raise BadValueError(f"row {b} of the flattened value has no non-zero entry in the one-hot segment "
-                                    f"of {_at('leaf', leaf.path)}; expected a one-hot encoding")
+                                    f"of {at_path('leaf', leaf.path)}; expected a one-hot encoding")
             out.append((first + start).astype(leaf.dtype).reshape(batch, *leaf.shape))
         return out

@@ -9,7 +9,7 @@ encodings, data types and codecs a tampered store could make trajstore trust.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from trajstore.errors import DamagedStoreError, NotATrajstoreError
 from trajstore.storage.published import FileIdentity, file_identity
@@ -47,53 +47,93 @@ def check_array_meta(meta: Any, f: FieldSchema, where: str, key: str) -> int:
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise DamagedStoreError(f"{where}: {key} is not zarr v3 array metadata (zarr_format "
                                 f"{name_value(meta.get('zarr_format'))}, node_type {name_value(meta.get('node_type'))})")
+    rows = _check_shape(meta, f, where, key)
+    for check in _ARRAY_CHECKS:
+        check(meta, f, where, key)
+    return rows
+
+
+def _check_shape(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> int:
+    """Shape ``(rows, *row shape)`` with a plausible ``rows``; returns ``rows``."""
     shape = as_list(meta.get("shape"), f"{key} shape", where, 32)
     if len(shape) != 1 + len(f.shape) or tuple(shape[1:]) != f.shape:
         raise DamagedStoreError(f"{where}: {key} shape is {name_value(shape)}; expected [rows, {', '.join(map(str, f.shape))}]"
                                 .replace(", ]", "]"))
     rows = check_int(shape[0], f"{key} shape[0]", where)
     check_allocation(f, rows, where, what="records")
+    return rows
+
+
+def _check_chunk_grid(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """A regular chunk grid of ``(chunk_rows, *row shape)``."""
     grid = meta.get("chunk_grid")
     chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(
         grid.get("configuration"), dict) else None
     if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks != [f.chunk_rows, *f.shape]:
         raise DamagedStoreError(f"{where}: {key} chunk grid is {name_value(grid)}; expected regular chunks of "
                                 f"{[f.chunk_rows, *f.shape]}")
+
+
+def _check_key_encoding(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """The default chunk key encoding with ``/``."""
     enc = meta.get("chunk_key_encoding")
     sep = enc.get("configuration", {}).get("separator", "/") if isinstance(enc, dict) and isinstance(
         enc.get("configuration", {}), dict) else None
     if not isinstance(enc, dict) or enc.get("name") != "default" or sep != "/":
         raise DamagedStoreError(f"{where}: {key} chunk key encoding is {name_value(enc)}; expected the default "
                                 "encoding with '/'")
+
+
+def _check_data_type(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """The field's data type."""
     dt = meta.get("data_type")
     if not isinstance(dt, str) or DTYPE_NAMES.get(dt) != f.dtype:
         raise DamagedStoreError(f"{where}: {key} data type is {name_value(dt)}; the schema says {f.dtype.name}")
+
+
+def _check_codecs(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """An image field's sharding codec (:func:`_check_image_codecs`); any other field's ``bytes``
+    (little-endian) first, then compressors zarr knows (the raw layout: nothing else)."""
     codecs = as_list(meta.get("codecs"), f"{key} codecs", where, 16)
     if f.layout == "image":
         _check_image_codecs(codecs, f, where, key)
-        codecs = []
+        return
     names: list[Any] = [c.get("name") if isinstance(c, dict) else None for c in codecs]
     first = codecs[0] if codecs else None
     endian = (first.get("configuration") or {}).get("endian", "little") if isinstance(first, dict) and isinstance(
         first.get("configuration", {}), dict) else None
-    if f.layout != "image" and (not names or names[0] != "bytes" or endian != "little" or any(
-            not isinstance(n, str) for n in names) or (f.layout == "raw" and len(names) != 1)):
+    if (not names or names[0] != "bytes" or endian != "little" or any(not isinstance(n, str) for n in names)
+            or (f.layout == "raw" and len(names) != 1)):
         raise DamagedStoreError(f"{where}: {key} codecs are {name_value(names)}; expected 'bytes' (little-endian)"
                                 + (" alone (raw layout)" if f.layout == "raw" else " then compressors"))
     unknown = [n for n in names[1:] if not _known_codec(n)]
     if unknown:
         raise DamagedStoreError(f"{where}: {key} names codec(s) {name_value(unknown)} that zarr does not know")
+
+
+def _check_dimension_names(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """``dimension_names``, when present: one name (a string or null) per axis."""
     dims = meta.get("dimension_names")
-    if dims is not None and (not isinstance(dims, list) or len(dims) != len(shape) or any(
+    ndim = 1 + len(f.shape)  # the shape was checked first
+    if dims is not None and (not isinstance(dims, list) or len(dims) != ndim or any(
             not (d is None or (isinstance(d, str) and len(d) <= 1024)) for d in dims)):
         raise DamagedStoreError(f"{where}: {key} dimension_names is {name_value(dims)}; expected null or a list of "
-                                f"{len(shape)} names (strings or null)")
+                                f"{ndim} names (strings or null)")
+
+
+def _check_rest(meta: dict[str, Any], f: FieldSchema, where: str, key: str) -> None:
+    """No storage transformers, and a fill value that is a number (or a short string naming one)."""
     if meta.get("storage_transformers") not in (None, []):
         raise DamagedStoreError(f"{where}: {key} has storage transformers; trajstore stores none")
     fill = meta.get("fill_value")
     if not (type(fill) in (int, float, bool) or (isinstance(fill, str) and len(fill) <= 32)):
         raise DamagedStoreError(f"{where}: {key} fill_value is {name_value(fill)}; expected a number")
-    return rows
+
+
+#: What :func:`check_array_meta` checks after the node type and the shape, in order (each raises
+#: :class:`DamagedStoreError` naming the key and what differs).
+_ARRAY_CHECKS: tuple[Callable[[dict[str, Any], FieldSchema, str, str], None], ...] = (
+    _check_chunk_grid, _check_key_encoding, _check_data_type, _check_codecs, _check_dimension_names, _check_rest)
 
 
 def _check_image_codecs(codecs: list[Any], f: FieldSchema, where: str, key: str) -> None:

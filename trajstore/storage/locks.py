@@ -1,7 +1,8 @@
 """The writer lock of a local store: one single writer, or many multiprocessing writers.
 
-Advisory locks on ``trajstore.lock`` (:data:`~trajstore.storage.keys.LOCK_KEY`): ``flock`` on
-Linux and macOS, ``msvcrt.locking`` byte-range locks on Windows (:func:`lock_backend`).  The lock
+Locks on ``trajstore.lock`` (:data:`~trajstore.storage.keys.LOCK_KEY`): ``flock`` on Linux and
+macOS, :mod:`filelock`'s exclusive descriptor lock on Windows (:func:`lock_backend`; no
+multiprocessing writers there).  The lock
 file's text records whether the last single writer closed cleanly ("open pid=..." / "closed"),
 so the next writer knows to clean up after a crash.  Remote stores cannot be locked this way:
 their writers hold a lease (:mod:`trajstore.storage.lease`).
@@ -12,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 import weakref
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from trajstore.storage.head import sync_prev
 from trajstore.storage.keys import LOCK_KEY, MPLOCK_KEY
 from trajstore.storage.location import Location
 
-__all__ = ["FlockBackend", "LockBackend", "MsvcrtBackend", "WriterLock", "lock_backend"]
+__all__ = ["FilelockBackend", "FlockBackend", "LockBackend", "WriterLock", "lock_backend"]
 
 
 class LockBackend(Protocol):
@@ -31,6 +31,9 @@ class LockBackend(Protocol):
     Every lock belongs to the descriptor and goes away when it is closed or its process dies
     (a killed writer never leaves a store locked).  Only writers lock; readers never do.
     """
+
+    #: Whether :meth:`try_shared` and :meth:`downgrade` work (multiprocessing writers).
+    shares: bool
 
     def try_exclusive(self, fd: int) -> bool:
         """Take the lock exclusively without waiting; False when anyone else holds it."""
@@ -53,6 +56,8 @@ class LockBackend(Protocol):
 
 class FlockBackend:
     """``fcntl.flock`` (Linux, macOS, BSDs): shared and exclusive locks of the open file description."""
+
+    shares = True
 
     def __init__(self, fcntl_module: Any) -> None:
         self.f = fcntl_module
@@ -83,92 +88,51 @@ class FlockBackend:
         pass
 
 
-class MsvcrtBackend:
-    """``msvcrt.locking`` (Windows): exclusive byte-range locks only, so a shared lock is built
-    from them.
+class FilelockBackend:
+    """:mod:`filelock`'s descriptor locks (systems without ``fcntl``: Windows): exclusive only.
 
-    The locked bytes lie far past the lock file's text (Windows byte-range locks are mandatory:
-    a locked byte cannot be read by others, and the text must stay readable).  An exclusive
-    holder locks the gate byte and every one of :attr:`SLOTS` slot bytes; a shared holder locks
-    one slot byte, choosing it while it briefly holds the gate.  So a single writer excludes
-    everyone, multiprocessing writers exclude only a single writer, and at most :attr:`SLOTS`
-    processes share a store.  The system drops a process's locks when it exits.
+    :func:`filelock.lock_descriptor` takes ``LockFileEx`` on the file's first byte on Windows
+    (``flock`` elsewhere, which is how the tests run this backend on Linux); the system drops the
+    lock when the descriptor is closed or its process dies, so a killed writer never leaves a
+    store locked.  There is no shared lock, so :attr:`shares` is False: multiprocessing writers
+    are refused where this is the system's lock (one writer per store, or shards).  Windows
+    locks are mandatory: while a writer holds the lock file, other processes cannot read the text
+    naming it (the refusal then says "unknown process").
     """
 
-    GATE = 1 << 30
-    SLOTS = 256
-    #: How long a shared locker retries a gate that another shared locker holds for an instant.
-    GATE_WAIT_S = 0.25
+    shares = False
 
-    def __init__(self, msvcrt_module: Any) -> None:
-        self.m = msvcrt_module
-        self._held: dict[int, int] = {}  # fd -> slot of a shared lock (-1: exclusive)
-
-    def _lock(self, fd: int, offset: int, n: int) -> bool:
-        os.lseek(fd, offset, os.SEEK_SET)
-        try:
-            self.m.locking(fd, self.m.LK_NBLCK, n)
-            return True
-        except OSError:
-            return False
-
-    def _unlock(self, fd: int, offset: int, n: int) -> None:
-        os.lseek(fd, offset, os.SEEK_SET)
-        self.m.locking(fd, self.m.LK_UNLCK, n)
+    def __init__(self, filelock_module: Any) -> None:
+        self.fl = filelock_module
 
     def try_exclusive(self, fd: int) -> bool:
-        if not self._lock(fd, self.GATE, 1):
-            return False
-        if not self._lock(fd, self.GATE + 1, self.SLOTS):  # multiprocessing writers hold slots
-            self._unlock(fd, self.GATE, 1)
-            return False
-        self._held[fd] = -1
-        return True
+        return bool(self.fl.lock_descriptor(fd, blocking=False))
 
     def try_shared(self, fd: int) -> bool:
-        deadline = time.monotonic() + self.GATE_WAIT_S
-        while not self._lock(fd, self.GATE, 1):
-            if time.monotonic() > deadline:  # held for good: a single writer
-                return False
-            time.sleep(0.002)
-        try:
-            for i in range(self.SLOTS):
-                if self._lock(fd, self.GATE + 1 + i, 1):
-                    self._held[fd] = i
-                    return True
-            return False  # every slot taken: as many writers as the lock admits
-        finally:
-            self._unlock(fd, self.GATE, 1)
+        raise LockedError("multiprocessing writers need shared file locks, which this system does not offer "
+                          "(no fcntl: filelock's locks are exclusive); use one writer per store, or shards")
 
     def downgrade(self, fd: int) -> None:
-        if self._held.get(fd) != -1:
-            return
-        # Still holding the gate, so no one can take a slot meanwhile: slot 0 is free.
-        self._unlock(fd, self.GATE + 1, self.SLOTS)
-        if not self._lock(fd, self.GATE + 1, 1):
-            raise LockedError("the writer lock could not be shared (slot 0 taken)")
-        self._held[fd] = 0
-        self._unlock(fd, self.GATE, 1)
+        self.try_shared(fd)
 
     def acquire(self, fd: int) -> None:
-        pause = 0.0005
-        while not self._lock(fd, self.GATE, 1):
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        self.fl.lock_descriptor(fd, blocking=True, poll_interval=0.002)
 
     def release(self, fd: int) -> None:
-        self._unlock(fd, self.GATE, 1)
+        self.fl.unlock_descriptor(fd)
 
     def forget(self, fd: int) -> None:
-        self._held.pop(fd, None)
+        pass
 
 
 class _NoLockBackend:
-    """Neither ``fcntl`` nor ``msvcrt``: local stores cannot be opened for writing (reading works)."""
+    """Neither ``fcntl`` nor :mod:`filelock`: local stores cannot be opened for writing (reading works)."""
+
+    shares = False
 
     def _refuse(self, fd: int) -> bool:
-        raise LockedError("this system has neither fcntl nor msvcrt locks: local stores can only be opened "
-                          "read_only=True here")
+        raise LockedError("this system has no fcntl and filelock is not installed (pip install filelock): local "
+                          "stores can only be opened read_only=True here")
 
     try_exclusive = try_shared = _refuse
 
@@ -179,10 +143,11 @@ class _NoLockBackend:
 
 
 def lock_backend() -> LockBackend:
-    """The lock of this system: ``fcntl.flock`` where ``fcntl`` imports, else ``msvcrt.locking``.
+    """The lock of this system: ``fcntl.flock`` where ``fcntl`` imports, else :mod:`filelock`'s
+    (Windows; a dependency there), else none (writing refused).
 
     Imported here, not at the top of the module: Windows has no ``fcntl`` (``import trajstore``
-    must work there), POSIX systems no ``msvcrt``.
+    must work there), and POSIX systems need no filelock.
     """
     try:
         import fcntl
@@ -191,10 +156,10 @@ def lock_backend() -> LockBackend:
     else:
         return FlockBackend(fcntl)
     try:
-        import msvcrt
+        import filelock
     except ImportError:
         return _NoLockBackend()
-    return MsvcrtBackend(msvcrt)
+    return FilelockBackend(filelock)
 
 
 _BACKEND: LockBackend | None = None
@@ -208,7 +173,7 @@ def _locks() -> LockBackend:
 
 
 class WriterLock:
-    """A lock on ``<store>/trajstore.lock`` (``flock``, or ``msvcrt`` byte-range locks on
+    """A lock on ``<store>/trajstore.lock`` (``flock``, or :mod:`filelock`'s exclusive lock on
     Windows: :func:`lock_backend`).
 
     A single writer holds it exclusively for its lifetime.  In ``multiprocessing`` mode each
@@ -245,13 +210,15 @@ class WriterLock:
         locks = self._locks = _locks()
         if loc.local_root is None:
             return
+        if shared and not locks.shares:
+            locks.try_shared(-1)  # raises: saying why multiprocessing writers cannot be here
         path = loc.local_root / LOCK_KEY
         fd = _open_lock_file(path)
         try:
             if locks.try_exclusive(fd):
                 self._exclusive = True
             elif not shared:
-                holder = pread(fd, 200, 0).decode(errors="replace").strip()
+                holder = _holder(fd)
                 raise LockedError(
                     f"{loc.url}: another writer holds the store ({holder or 'unknown process'}); "
                     "open it with read_only=True, or use multiprocessing=True in every writer"
@@ -363,6 +330,15 @@ def _open_lock_file(path: Any) -> int:
         os.close(fd)
         raise DamagedStoreError(f"{os.fspath(path)}: the lock file is not a regular file; remove it")
     return fd
+
+
+def _holder(fd: int) -> str:
+    """The lock file's text naming its holder ("open pid=..."); empty where the system keeps
+    others from reading a locked file (Windows' locks are mandatory)."""
+    try:
+        return pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _close_quietly(fd: int) -> None:

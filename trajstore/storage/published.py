@@ -12,7 +12,7 @@ zarr v3 reader).  So a writer *publishes* the committed rows into them:
 - the consolidated entries in the root ``zarr.json`` say the same as the arrays' own files.
 
 Order (:meth:`Publisher.publish` is called around each commit record, see
-:meth:`trajstore.core.commit.StoreCommits._write_head`): a shape grows only after the record that
+:meth:`trajstore.core.commit.StoreCommits.write_record`): a shape grows only after the record that
 commits the rows, and shrinks (``clear``, ``remove_at``) before the record that drops them, so at
 every instant a recorded shape names committed rows only, whose chunks are whole.  A kill between
 the record and the metadata leaves a shape that lags (plain readers see fewer rows, never rows that

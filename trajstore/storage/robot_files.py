@@ -14,6 +14,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,11 +92,19 @@ def _parse_robot(raw: bytes, where: str) -> RobotInfo:
     obj = load_json(raw, where, ROBOT_KEY, strict_numbers=True)
     if not isinstance(obj, dict) or obj.get("version") != 1 or set(obj) != {"version", "fps", "tasks", "episode_tasks"}:
         raise _bad(where, "is not an object with version 1, fps, tasks and episode_tasks")
-    fps = obj["fps"]
+    fps = _robot_fps(obj["fps"], where)
+    tasks = _robot_tasks(obj["tasks"], where)
+    return RobotInfo(fps, tasks, _robot_episode_tasks(obj["episode_tasks"], len(tasks), where))
+
+
+def _robot_fps(fps: Any, where: str) -> float | None:
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e9
                             or not math.isfinite(fps)):
         raise _bad(where, f"fps is {fps!r}; expected null or a number in (0, 1e9)")
-    tasks = obj["tasks"]
+    return None if fps is None else float(fps)
+
+
+def _robot_tasks(tasks: Any, where: str) -> list[str]:
     if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
         raise _bad(where, f"tasks must be a list of at most {MAX_TASKS} strings")
     for t in tasks:
@@ -103,17 +112,20 @@ def _parse_robot(raw: bytes, where: str) -> RobotInfo:
             raise _bad(where, f"holds task {t!r:.80}; expected non-empty strings of at most {MAX_TASK_CHARS} chars")
     if len(set(tasks)) != len(tasks):
         raise _bad(where, "lists a task twice")
-    pairs = obj["episode_tasks"]
+    return list(tasks)
+
+
+def _robot_episode_tasks(pairs: Any, n_tasks: int, where: str) -> dict[int, int]:
     if not isinstance(pairs, list):
         raise _bad(where, "episode_tasks must be a list of [episode id, task index] pairs")
     out: dict[int, int] = {}
     for p in pairs:
         if (not isinstance(p, list) or len(p) != 2 or not all(type(v) is int for v in p) or not 0 <= p[0] < _BIG
-                or not 0 <= p[1] < len(tasks) or p[0] in out):
+                or not 0 <= p[1] < n_tasks or p[0] in out):
             raise _bad(where, f"holds episode_tasks entry {p!r:.80}; expected distinct [episode id >= 0, task index "
-                              f"< {len(tasks)}] pairs")
+                              f"< {n_tasks}] pairs")
         out[p[0]] = p[1]
-    return RobotInfo(None if fps is None else float(fps), list(tasks), out)
+    return out
 
 
 @dataclass
@@ -171,17 +183,8 @@ def parse_stats(raw: bytes, where: str) -> StatsTable:
     (hlen,) = struct.unpack("<Q", raw[8:16])
     if hlen > min(MAX_STATS_HEADER, len(raw) - 16):
         raise bad(f"claims a header of {hlen} bytes")
-    head = load_json(raw[16:16 + hlen], where, STATS_KEY, strict_numbers=True)
-    if (not isinstance(head, dict) or set(head) != {"epoch", "grid", "episodes", "fields"}
-            or head["grid"] != QUANTILE_GRID or type(head["epoch"]) is not int or type(head["episodes"]) is not int
-            or not 0 <= head["episodes"] < _BIG or not 0 <= head["epoch"] < _BIG or not isinstance(head["fields"], list)):
-        raise bad("has a header that is not {epoch, grid: 101, episodes, fields}")
-    fields: list[tuple[str, int]] = []
-    for f in head["fields"]:
-        if (not isinstance(f, list) or len(f) != 2 or not isinstance(f[0], str) or not f[0] or len(f[0]) > 1024
-                or type(f[1]) is not int or not 1 <= f[1] <= 1 << 20):
-            raise bad(f"names field {f!r:.80}; expected [name, channels >= 1]")
-        fields.append((f[0], f[1]))
+    head = _stats_header(load_json(raw[16:16 + hlen], where, STATS_KEY, strict_numbers=True), bad)
+    fields = _stats_fields(head["fields"], bad)
     n, channels = head["episodes"], sum(c for _, c in fields)
     body = len(raw) - 16 - hlen
     if body != 16 * n + 8 * n * channels * STAT_WIDTH:
@@ -191,7 +194,31 @@ def parse_stats(raw: bytes, where: str) -> StatsTable:
     ids = np.frombuffer(raw, "<i8", n, at).astype(np.int64)
     lengths = np.frombuffer(raw, "<i8", n, at + 8 * n).astype(np.int64)
     values = np.frombuffer(raw, "<f8", n * channels * STAT_WIDTH, at + 16 * n).reshape(n, channels, STAT_WIDTH).copy()
-    if (ids < 0).any() or len(np.unique(ids)) != n or (lengths < 1).any():
+    _check_stats_values(ids, lengths, values, bad)
+    return StatsTable(head["epoch"], fields, ids, lengths, values)
+
+
+def _stats_header(head: Any, bad: Callable[[str], DamagedStoreError]) -> dict[str, Any]:
+    if (not isinstance(head, dict) or set(head) != {"epoch", "grid", "episodes", "fields"}
+            or head["grid"] != QUANTILE_GRID or type(head["epoch"]) is not int or type(head["episodes"]) is not int
+            or not 0 <= head["episodes"] < _BIG or not 0 <= head["epoch"] < _BIG or not isinstance(head["fields"], list)):
+        raise bad("has a header that is not {epoch, grid: 101, episodes, fields}")
+    return head
+
+
+def _stats_fields(listed: list[Any], bad: Callable[[str], DamagedStoreError]) -> list[tuple[str, int]]:
+    fields: list[tuple[str, int]] = []
+    for f in listed:
+        if (not isinstance(f, list) or len(f) != 2 or not isinstance(f[0], str) or not f[0] or len(f[0]) > 1024
+                or type(f[1]) is not int or not 1 <= f[1] <= 1 << 20):
+            raise bad(f"names field {f!r:.80}; expected [name, channels >= 1]")
+        fields.append((f[0], f[1]))
+    return fields
+
+
+def _check_stats_values(ids: np.ndarray, lengths: np.ndarray, values: np.ndarray,
+                        bad: Callable[[str], DamagedStoreError]) -> None:
+    if (ids < 0).any() or len(np.unique(ids)) != len(ids) or (lengths < 1).any():
         raise bad("lists negative or duplicate episode ids, or episodes without steps")
     count, grid = values[:, :, 0], values[:, :, 5:]
     if not np.all(np.isfinite(count)) or (count < 1).any() or (count != np.round(count)).any():
@@ -199,4 +226,3 @@ def parse_stats(raw: bytes, where: str) -> StatsTable:
     finite = np.isfinite(grid)
     if (np.diff(grid, axis=-1)[finite[..., 1:] & finite[..., :-1]] < 0).any():
         raise bad("holds quantiles out of order")
-    return StatsTable(head["epoch"], fields, ids, lengths, values)

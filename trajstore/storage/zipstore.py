@@ -123,7 +123,7 @@ class ZipWriter(ZipStore):
     async def _open(self) -> None:
         self._sync_open()
 
-    def _erase_old(self) -> None:
+    def erase_old(self) -> None:
         """Drop the target's old content from view (it is replaced on disk at :meth:`close`)."""
         if self._old is not None:
             self._old.close()
@@ -213,20 +213,20 @@ class ZipWriter(ZipStore):
         new zip cannot be deleted (zarr's ZipStore rule)."""
         self._check_writable()
         if self._old is not None or self._foreign:
-            self._erase_old()
+            self.erase_old()
         elif self._started:
             await super().delete(key)
 
     async def delete_dir(self, prefix: str) -> None:
         self._check_writable()
         if self._old is not None or self._foreign:
-            self._erase_old()
+            self.erase_old()
         elif self._started:
             await super().delete_dir(prefix)
 
     async def clear(self) -> None:
         self._check_writable()
-        self._erase_old()
+        self.erase_old()
         self._abandon()
 
     def abort(self) -> None:

@@ -27,7 +27,7 @@ never imported by name, because an imported copy keeps the value it had at impor
 :data:`AVAILABLE`, ``SUPPORTED`` and :data:`UNAVAILABLE_REASON` (rebound by :func:`disable`),
 :data:`POPULATE_WRITE` (by :func:`populate_write_works` and
 :meth:`trajstore.storage.fields._vmap.VirtualArray.populate`), and
-``_libc``, :data:`HUGE` and ``_MADV_POPULATE_WRITE``, which tests replace.
+``libc``, :data:`HUGE` and ``MADV_POPULATE_WRITE``, which tests replace.
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ PAGE = _mmap.PAGESIZE
 NO_MMAP_ENV = "TRAJSTORE_NO_MMAP"
 
 # Linux values (the flag bits differ on other systems, which take the portable path).
-_PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
+PROT_READ, PROT_WRITE = 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23
 
-_libc: Any = None
+libc: Any = None
 _fallocate: Any = None
 
 
 def _load_libc() -> str | None:
     """Bind libc's mmap, munmap, msync and fallocate; the reason when that is not possible."""
-    global _libc, _fallocate
+    global libc, _fallocate
     if not sys.platform.startswith("linux"):
         return f"{sys.platform} is not Linux"
     try:
@@ -74,7 +74,7 @@ def _load_libc() -> str | None:
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     except (OSError, AttributeError) as e:  # no loadable libc (static builds, some sandboxes)
         return f"libc cannot be loaded ({e})"
-    _libc = libc
+    libc = libc
     fa = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
     if fa is not None:
         fa.restype = ctypes.c_int
@@ -98,14 +98,14 @@ SUPPORTED = AVAILABLE
 
 # Errors of a first mmap that mean "this system or filesystem cannot map files this way" (not a
 # full disk or a damaged file): the caller falls back on the portable engine.
-_MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno.ENOSYS,
+MAP_UNSUPPORTED = {errno.EINVAL, errno.EPERM, errno.EACCES, errno.ENODEV, errno.ENOSYS,
                     getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
 
 
 #: ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14 on); None: not tried yet
 #: (:func:`populate_write_works`).  madvise answers that say it does not:
 POPULATE_WRITE: bool | None = None if AVAILABLE else False
-_ADVICE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
+ADVICE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
 
 
 def populate_write_works() -> bool:
@@ -113,13 +113,13 @@ def populate_write_works() -> bool:
     memory (:data:`POPULATE_WRITE`)."""
     global POPULATE_WRITE
     if POPULATE_WRITE is None:
-        page = _libc.mmap(None, PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANON, -1, 0)
-        if page is None or page == _MAP_FAILED:
+        page = libc.mmap(None, PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0)
+        if page is None or page == MAP_FAILED:
             return False  # (no memory now: ask again next time)
         try:
-            POPULATE_WRITE = _libc.madvise(page, PAGE, _MADV_POPULATE_WRITE) == 0
+            POPULATE_WRITE = libc.madvise(page, PAGE, MADV_POPULATE_WRITE) == 0
         finally:
-            _libc.munmap(page, PAGE)
+            libc.munmap(page, PAGE)
     return POPULATE_WRITE
 
 
@@ -143,23 +143,23 @@ def mapping_works(fd: int) -> bool:
     """
     if not AVAILABLE:
         return False
-    base = _libc.mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE, -1, 0)
-    if base is None or base == _MAP_FAILED:
+    base = libc.mmap(None, PAGE, PROT_READ, MAP_PRIVATE | MAP_ANON | MAP_NORESERVE, -1, 0)
+    if base is None or base == MAP_FAILED:
         err = ctypes.get_errno()
-        if err in _MAP_UNSUPPORTED:
+        if err in MAP_UNSUPPORTED:
             disable(f"reserving address space failed ({os.strerror(err)})")
             return False
         raise OSError(err, f"reserve address range: {os.strerror(err)}")
     try:
-        addr = _libc.mmap(base, PAGE, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        addr = libc.mmap(base, PAGE, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
+        if addr is None or addr == MAP_FAILED:
             err = ctypes.get_errno()
-            if err in _MAP_UNSUPPORTED:
+            if err in MAP_UNSUPPORTED:
                 return False
             raise OSError(err, f"map a file: {os.strerror(err)}")
         return True
     finally:
-        _libc.munmap(base, PAGE)
+        libc.munmap(base, PAGE)
 
 
 # Answers of posix_fallocate / fallocate for "this filesystem cannot preallocate" (glibc's
@@ -247,8 +247,9 @@ def allocated_bytes(st: os.stat_result) -> int:
     return st.st_blocks * 512
 
 
-def _check(addr: int | None, what: str) -> int:
-    if addr is None or addr == _MAP_FAILED:
+def check_address(addr: int | None, what: str) -> int:
+    """``addr`` returned by mmap; None or ``MAP_FAILED`` raises OSError from errno, naming ``what``."""
+    if addr is None or addr == MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return addr

@@ -96,9 +96,9 @@ class VirtualArray:
         # Reserve one HUGE more than needed, so the range can start on a HUGE boundary.
         align = _syscalls.HUGE if self.chunk_bytes >= _syscalls.HUGE else _syscalls.PAGE
         self._reserved = self.nbytes + align - _syscalls.PAGE
-        flags = _syscalls._MAP_PRIVATE | _syscalls._MAP_ANON | _syscalls._MAP_NORESERVE
-        at = _syscalls._libc.mmap(None, self._reserved, _syscalls._PROT_READ, flags, -1, 0)
-        self._reserved_at = _syscalls._check(at, "reserve address range")
+        flags = _syscalls.MAP_PRIVATE | _syscalls.MAP_ANON | _syscalls.MAP_NORESERVE
+        at = _syscalls.libc.mmap(None, self._reserved, _syscalls.PROT_READ, flags, -1, 0)
+        self._reserved_at = _syscalls.check_address(at, "reserve address range")
         self.base = -(-self._reserved_at // align) * align
         self.mapped = np.zeros(self.n_chunks, dtype=bool)
         self._probe_vec = np.zeros(1, np.uint8)  # mincore's answer for one page (resident)
@@ -182,7 +182,7 @@ class VirtualArray:
         vec, out = self._probe_vec, self._probe_at
         last = end - _syscalls.PAGE
         for at in (*range(start, last, PROBE_BYTES), last):
-            if _syscalls._libc.mincore(at, _syscalls.PAGE, out) != 0 or not vec[0] & 1:
+            if _syscalls.libc.mincore(at, _syscalls.PAGE, out) != 0 or not vec[0] & 1:
                 return False  # (mincore failed: nothing is known, take the path that reads nothing)
         return True
 
@@ -209,12 +209,12 @@ class VirtualArray:
             return False
         start, end = self._page_range(lo, hi)
         if self.stride % _syscalls.HUGE == 0:
-            _syscalls._libc.madvise(start, end - start, _syscalls._MADV_DONTNEED)
-        while _syscalls._libc.madvise(start, end - start, _syscalls._MADV_POPULATE_WRITE) != 0:
+            _syscalls.libc.madvise(start, end - start, _syscalls.MADV_DONTNEED)
+        while _syscalls.libc.madvise(start, end - start, _syscalls.MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:
                 continue
-            if err in _syscalls._ADVICE_UNSUPPORTED:
+            if err in _syscalls.ADVICE_UNSUPPORTED:
                 _syscalls.POPULATE_WRITE = False
                 return False
             raise OSError(err, f"prepare rows {lo}..{hi - 1} for writing: {os.strerror(err)}")
@@ -290,30 +290,30 @@ class VirtualArray:
             raise EOFError(f"chunk file {_named(name)!r} holds {st.st_size} bytes; expected {self.chunk_bytes}")
         # A file with holes (they grow with the rows) is mapped as it is: the writer allocates the
         # blocks under rows before it stores them (MappedField._make_room), never here.
-        prot = _syscalls._PROT_READ | (_syscalls._PROT_WRITE if self.writable else 0)
+        prot = _syscalls.PROT_READ | (_syscalls.PROT_WRITE if self.writable else 0)
         # The whole slot: past the chunk it maps past the file's end (never touched), which keeps
         # one mapping per chunk where an anonymous gap would add a second (vm.max_map_count).
         # (No MADV_HUGEPAGE: no gain for adds, and a fault on an uncached page then reads 2-4 MiB
         # whatever the readahead settings; see scripts/bench_images.py FINDINGS.)
-        flags = _syscalls._MAP_SHARED | _syscalls._MAP_FIXED
-        addr = _syscalls._libc.mmap(self.base + k * self.stride, self.stride, prot, flags, fd, 0)
-        if addr is None or addr == _syscalls._MAP_FAILED:
-            _syscalls._check(addr, f"map {_named(name)}")
+        flags = _syscalls.MAP_SHARED | _syscalls.MAP_FIXED
+        addr = _syscalls.libc.mmap(self.base + k * self.stride, self.stride, prot, flags, fd, 0)
+        if addr is None or addr == _syscalls.MAP_FAILED:
+            _syscalls.check_address(addr, f"map {_named(name)}")
         self.mapped[k] = True
 
     def unmap_chunk(self, k: int) -> None:
         """Put zero pages back at chunk ``k``."""
         self._check_open()
-        flags = _syscalls._MAP_PRIVATE | _syscalls._MAP_ANON | _syscalls._MAP_NORESERVE | _syscalls._MAP_FIXED
-        addr = _syscalls._libc.mmap(self.base + k * self.stride, self.stride, _syscalls._PROT_READ, flags, -1, 0)
-        _syscalls._check(addr, "unmap chunk")
+        flags = _syscalls.MAP_PRIVATE | _syscalls.MAP_ANON | _syscalls.MAP_NORESERVE | _syscalls.MAP_FIXED
+        addr = _syscalls.libc.mmap(self.base + k * self.stride, self.stride, _syscalls.PROT_READ, flags, -1, 0)
+        _syscalls.check_address(addr, "unmap chunk")
         self.mapped[k] = False
 
     def sync(self, k: int) -> None:
         """``msync`` chunk ``k`` to disk (durability against power loss); a write-back error
         (``EIO``...) is raised, not ignored, so ``flush(fsync=True)`` never commits rows that
         did not reach the disk."""
-        if _syscalls._libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
+        if _syscalls.libc.msync(self.base + k * self.stride, self.chunk_bytes, 4) != 0:  # MS_SYNC
             err = ctypes.get_errno()
             raise OSError(err, f"msync of chunk {k}: {os.strerror(err)}")
 
@@ -326,7 +326,7 @@ class VirtualArray:
     def close(self) -> None:
         """Unmap the whole range (idempotent): arrays viewing it must not be touched afterwards."""
         if self.base:
-            _syscalls._libc.munmap(self._reserved_at, self._reserved)
+            _syscalls.libc.munmap(self._reserved_at, self._reserved)
             self.base = 0
             self.array = self.chunks = self._bytes = None  # type: ignore[assignment]
 

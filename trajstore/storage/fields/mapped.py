@@ -25,6 +25,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["GROW_FIRST_BYTES", "GROW_MAX_STEP_BYTES", "MappedField"]
+__all__ = ["GROW_FIRST_BYTES", "GROW_MAX_STEP_BYTES", "MappedField", "in_place_writes_work", "mapped_rows"]
 
 #: Bytes of a new chunk file allocated when it is created (the rest is a hole until rows reach it):
 #: a small store's field takes this much, not a whole chunk (2 MiB).
@@ -223,7 +224,7 @@ class MappedField:
                 raise MappingLimitError(e.errno, f"cannot map chunk {k} of {self.spec.array_path}: the process has "
                                         "reached its limit of memory mappings (vm.max_map_count; see "
                                         "trajstore.errors.MappingLimitError)", name) from None
-            if e.errno in _syscalls._MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
+            if e.errno in _syscalls.MAP_UNSUPPORTED:  # (reserve() raises none of these: it falls back)
                 assert e.errno is not None  # it is in the set
                 # The store's first mapping worked (trajstore.storage.fields.layout.mapping_ok), this one did not:
                 # a file on another filesystem, or a system that changed its mind.
@@ -407,3 +408,17 @@ class MappedField:
     def close(self) -> None:
         self._close_fds()
         self._va.close()
+
+
+def in_place_writes_work() -> bool:
+    """Whether this kernel populates a mapped range for writing without reading it from the file
+    (``MADV_POPULATE_WRITE``, probed once): what writing rows in place needs."""
+    return _syscalls.populate_write_works()
+
+
+def mapped_rows(field: Any) -> Any:
+    """The :class:`~trajstore.storage.fields._vmap.VirtualArray` mapping ``field``'s rows, when it
+    is a memory-mapped field with a live mapping; otherwise None (compressed or portable fields,
+    a closed one)."""
+    va = getattr(field, "_va", None)
+    return va if isinstance(va, _vmap.VirtualArray) and va.base else None

@@ -161,7 +161,7 @@ class FieldSpec:
         return {"path": self.array_path, "chunk_rows": self.chunk_rows, "layout": self.layout}
 
 
-def _raw_row_align(row_bytes: int) -> int:
+def raw_row_align(row_bytes: int) -> int:
     """Smallest row count whose bytes fill whole pages, so chunks tile an address range."""
     return _syscalls.PAGE // math.gcd(row_bytes, _syscalls.PAGE)
 
@@ -253,7 +253,7 @@ def make_field_spec(
         if isinstance(compressor, str):
             compressor = row_block_codec(compressor, np.dtype(dtype), row_bytes) or compressor
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
-    align = _raw_row_align(row_bytes)
+    align = raw_row_align(row_bytes)
     rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, min(RAW_CHUNK_MIN_ROWS, RAW_CHUNK_MAX_BYTES // row_bytes), 1)
     if capacity is not None:
         rows = min(rows, capacity)
