@@ -34,6 +34,7 @@ from trajstore._optional import missing
 from trajstore.errors import (
     BadOptionError,
     ConcurrentWriteError,
+    DamagedStoreError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreNotFoundError,
@@ -101,16 +102,19 @@ def open_repository(url: str, options: dict[str, Any] | None, *, create: bool) -
         A local folder that holds files but no icechunk repository.
     """
     ic = _icechunk()
+    if url.startswith("icechunk://"):
+        # Checked before icechunk looks: its local storage creates the folder it is asked about.
+        folder = os.path.abspath(os.path.expanduser(url[len("icechunk://"):]))
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            raise NotATrajstoreError(f"{url}: is a file, not an icechunk repository folder")
+        if not os.path.isdir(folder) and not create:
+            raise StoreNotFoundError(f"no store at {url!r}: no icechunk repository there (the folder does not exist)")
+        if os.path.isdir(folder) and os.listdir(folder) and not os.path.isdir(os.path.join(folder, "refs")):
+            raise NotATrajstoreError(f"{url}: the folder holds files but no icechunk repository (expected refs/, "
+                                     "snapshots/ ...); name an empty or new folder, or the repository's")
     storage = _storage(url, options or {})
     if ic.Repository.exists(storage):
         return ic.Repository.open(storage)
-    if url.startswith("icechunk://"):
-        folder = os.path.abspath(os.path.expanduser(url[len("icechunk://"):]))
-        if os.path.isdir(folder) and os.listdir(folder):
-            raise NotATrajstoreError(f"{url}: the folder holds files but no icechunk repository (expected refs/, "
-                                     "snapshots/ ...); name an empty or new folder, or the repository's")
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise NotATrajstoreError(f"{url}: is a file, not an icechunk repository folder")
     if not create:
         raise StoreNotFoundError(f"no store at {url!r}: no icechunk repository there")
     return ic.Repository.create(storage)
@@ -177,6 +181,25 @@ def _file_meta(key: str, n: int) -> bytes:
 _GROUP_META = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
+def _file_size(meta: bytes, key: str) -> int:
+    """The size recorded in the ``zarr.json`` of file ``key``'s array (a repository is input).
+
+    Raises
+    ------
+    DamagedStoreError
+        The metadata is not that of a one-axis array of trajstore's.
+    """
+    try:
+        obj = json.loads(meta) if len(meta) <= 1 << 16 else None
+        shape = obj.get("shape") if isinstance(obj, dict) else None
+        if isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+            return int(shape[0])
+    except ValueError:
+        pass
+    raise DamagedStoreError(f"{file_node(key)}/zarr.json: expected the one-axis uint8 array holding trajstore's file "
+                            f"{key!r}; found {meta[:80]!r}")
+
+
 def _at_least(value: Buffer, rows: int) -> Buffer:
     """Array metadata ``value`` with ``shape[0]`` raised to ``rows`` (unchanged if it holds more)."""
     try:
@@ -212,31 +235,27 @@ class SessionStore(Store):
     __hash__ = object.__hash__
 
     @property
-    def supports_writes(self) -> bool:  # type: ignore[override]
+    def supports_writes(self) -> bool:
         return True
 
     @property
-    def supports_deletes(self) -> bool:  # type: ignore[override]
+    def supports_deletes(self) -> bool:
         return True
 
     @property
-    def supports_listing(self) -> bool:  # type: ignore[override]
+    def supports_listing(self) -> bool:
         return True
-
-    @property
-    def supports_partial_writes(self) -> bool:  # type: ignore[override]
-        return False
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         if _is_zarr_key(key):
-            return await self._inner.get(key, prototype, byte_range)  # type: ignore[no-any-return]
+            return await self._inner.get(key, prototype, byte_range)
         node = file_node(key)
         meta = await self._inner.get(f"{node}/{_ZARR_JSON}", prototype)
         if meta is None:
             return None
-        if json.loads(meta.to_bytes())["shape"] == [0]:
+        if _file_size(meta.to_bytes(), key) == 0:
             return prototype.buffer.from_bytes(b"")
-        return await self._inner.get(f"{node}/c/0", prototype, byte_range)  # type: ignore[no-any-return]
+        return await self._inner.get(f"{node}/c/0", prototype, byte_range)
 
     async def get_partial_values(self, prototype: BufferPrototype,
                                  key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
