@@ -471,11 +471,20 @@ class Store(StoreCommits):
             remove_entry(build)
             raise destination_full(e, root)  # e itself unless a full disk (then its cause)
 
-    def _copy_keys(self, target: Location, progress: bool | None) -> None:
-        """Every data key, then the commit record (a copy cut short has none: not a store)."""
+    def data_keys(self) -> list[str]:
+        """Every key a copy of this store takes: all but the commit record (written last), the
+        previous record, locks, leases and temp or staging files.  Node metadata comes first,
+        parents before children: a transactional target (icechunk) takes a chunk only into an
+        array it knows."""
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("")
                 if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
+        meta = sorted((k for k in keys if k == "zarr.json" or k.endswith("/zarr.json")), key=lambda k: k.count("/"))
+        return meta + [k for k in keys if k not in set(meta)]
+
+    def _copy_keys(self, target: Location, progress: bool | None) -> None:
+        """Every data key, then the commit record (a copy cut short has none: not a store)."""
+        keys = self.data_keys()
         bar = _progress(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
@@ -540,6 +549,12 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool | None, unit: str = "file") -> Any:
+    """A tqdm bar (``update(n)``, ``close()``) when asked; ``None``: only on a terminal and when
+    tqdm is installed; otherwise an object whose methods do nothing."""
+    return _progress(total, desc, enabled, unit)
 
 
 def _progress(total: int, desc: str, enabled: bool | None, unit: str = "file") -> Any:

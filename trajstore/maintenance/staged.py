@@ -141,13 +141,16 @@ def block_rows(row_bytes: int) -> int:
     return max(1, BLOCK_BYTES // max(int(row_bytes), 1))
 
 
-def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None,
+                leaves: Sequence[int] | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
-    order, a bounded block at a time."""
+    order, a bounded block at a time; only the step leaves numbered ``leaves`` (default: all),
+    so a remote source transfers those arrays' chunks only."""
     buf._sync()
     t = buf._table
-    fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
-    step = block_rows(t.row_bytes)
+    which = list(range(len(buf._step_plan.leaves))) if leaves is None else list(leaves)
+    fields = which + [buf._id_field]
+    step = block_rows(sum(t.fields[j].spec.row_bytes for j in fields))
     if ids is None:
         for lo in range(0, t.count, step):
             *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)

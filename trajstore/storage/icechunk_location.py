@@ -22,6 +22,7 @@ trajstore sees the same keys as on any other store, and a plain zarr reader sees
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from trajstore._optional import missing
 from trajstore.errors import (
     BadOptionError,
+    ChecksumError,
     ConcurrentWriteError,
     DamagedStoreError,
     NotATrajstoreError,
@@ -40,6 +42,7 @@ from trajstore.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
 
 __all__ = ["IcechunkSession", "SessionStore", "is_icechunk_url", "open_repository", "resolve_version",
            "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
@@ -200,6 +203,19 @@ def _file_size(meta: bytes, key: str) -> int:
                             f"{key!r}; found {meta[:80]!r}")
 
 
+def _cut(data: bytes, r: ByteRequest) -> bytes:
+    """The part of ``data`` a zarr byte request names."""
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if isinstance(r, RangeByteRequest):
+        return data[r.start:r.end]
+    if isinstance(r, OffsetByteRequest):
+        return data[r.offset:]
+    if isinstance(r, SuffixByteRequest):
+        return data[-r.suffix:] if r.suffix else b""
+    raise TypeError(f"unknown byte request {r!r}")
+
+
 def _at_least(value: Buffer, rows: int) -> Buffer:
     """Array metadata ``value`` with ``shape[0]`` raised to ``rows`` (unchanged if it holds more)."""
     try:
@@ -224,6 +240,11 @@ class SessionStore(Store):
         # metadata written later in the session never records fewer, as icechunk drops the
         # chunks a shape leaves out (the publisher's shapes lag the writer's rows).
         self.extents: dict[str, int] = {}
+        #: ``{key: sha256 hex}`` every full read of a key is checked against (``None``: no checks).
+        self.checksums: dict[str, str] | None = None
+        #: Requests and bytes this store fetched from the repository (trajstore's reads).
+        self.requests = 0
+        self.bytes_read = 0
 
     @property
     def _inner(self) -> Any:
@@ -247,6 +268,30 @@ class SessionStore(Store):
         return True
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        if self.checksums is not None and byte_range is not None:
+            whole = await self.get(key, prototype)  # checked whole, then cut
+            return None if whole is None else prototype.buffer.from_bytes(_cut(whole.to_bytes(), byte_range))
+        out = await self._get(key, prototype, byte_range)
+        if out is not None:
+            self.requests += 1
+            self.bytes_read += len(out)
+            if self.checksums is not None:
+                self._check(key, out.to_bytes())
+        return out
+
+    def _check(self, key: str, data: bytes) -> None:
+        """Raise ChecksumError unless ``data`` is what the push recorded for ``key``."""
+        assert self.checksums is not None
+        if key == CHECKSUMS_KEY:
+            return
+        want = self.checksums.get(key)
+        got = hashlib.sha256(data).hexdigest()
+        if want != got:
+            raise ChecksumError(f"{self._owner.url}: {key} does not match the checksum recorded at push (expected "
+                                f"sha256 {want or 'none: the key was not pushed'}, read {got} of {len(data)} bytes); "
+                                "the version was changed or damaged after its push")
+
+    async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
         if _is_zarr_key(key):
             return await self._inner.get(key, prototype, byte_range)
         node = file_node(key)
@@ -377,6 +422,7 @@ class IcechunkSession:
         self.repo = repo
         self.broken: str | None = None  # why this writer may write no more (a lost conflict)
         self.message: str | None = None  # the next commit's message, when a caller names it
+        self.pushed_bytes: int | None = None  # the size of the version's keys, as its push recorded it
         self._last: tuple[int, dict[str, int]] | None = None  # (epoch, rows) of this writer's last commit
         self.session = (repo.readonly_session(**(version or {"branch": BRANCH})) if read_only
                         else repo.writable_session(BRANCH))
@@ -387,6 +433,36 @@ class IcechunkSession:
     def snapshot_id(self) -> str:
         """The snapshot this location reads (a writer: the one its session started from)."""
         return str(self.session.snapshot_id)
+
+    def require_checksums(self) -> None:
+        """Check every later read against the checksums recorded when this version was pushed.
+
+        Raises
+        ------
+        ChecksumError
+            The version holds no checksums (it was never pushed), or its commit record is not the
+            one they were recorded with (committed to after its push).
+        """
+        from zarr.core.sync import sync
+
+        proto = default_buffer_prototype()
+        raw = sync(self.zstore.get(CHECKSUMS_KEY, proto))
+        head = sync(self.zstore.get(HEAD_KEY, proto))
+        try:
+            obj = json.loads(raw.to_bytes()) if raw is not None else None
+            keys = obj.get("keys") if isinstance(obj, dict) else None
+            ok = isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
+        except ValueError:
+            obj, keys, ok = None, None, False
+        if not ok or not isinstance(obj, dict) or not isinstance(keys, dict):
+            raise ChecksumError(f"{self.url}: this version holds no checksums (it was not made by `trajstore push`); "
+                                "pull a pushed version (`trajstore log` shows them), or pass --no-verify")
+        if head is None or hashlib.sha256(head.to_bytes()).hexdigest() != obj.get("head"):
+            raise ChecksumError(f"{self.url}: the commit record is not the one pushed with the checksums (the store "
+                                "was committed to after its push); pull a pushed version, or pass --no-verify")
+        self.zstore.checksums = {**keys, HEAD_KEY: str(obj.get("head"))}
+        total = obj.get("bytes")
+        self.pushed_bytes = total if type(total) is int else None
 
     def check_usable(self) -> None:
         """Raise when this location may not write: read-only, or its writer lost a conflict."""

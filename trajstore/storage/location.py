@@ -427,7 +427,8 @@ def fsync_dir(path: Path) -> None:
 
 #: storage_options keys that trajstore reads itself (ChunkCache, the version of an icechunk location);
 #: never passed on to fsspec.
-TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes", "trajstore_version")
+TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes", "trajstore_version",
+                         "trajstore_checksums")
 
 
 def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -511,7 +512,8 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
                        must_exist: bool) -> Location:
     """A :class:`Location` inside an icechunk repository (storage/icechunk_location.py): a writer on
     its branch, a reader on one snapshot (``storage_options["trajstore_version"]``: a tag, a
-    snapshot id or a datetime; default the branch's latest).
+    snapshot id or a datetime; default the branch's latest).  ``storage_options["trajstore_checksums"]``
+    (readers): every key read must match the checksums recorded when the version was pushed.
 
     Raises
     ------
@@ -535,6 +537,8 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
     loc.transaction = tx
     if must_exist and not loc.exists("zarr.json"):
         raise StoreNotFoundError(f"no store at {url!r}: the icechunk repository holds no zarr.json at its root")
+    if read_only and (storage_options or {}).get("trajstore_checksums"):
+        tx.require_checksums()  # every key read is checked against the checksums of its push
     return loc
 
 
