@@ -187,3 +187,22 @@ def test_bad_icechunk_locations(tmp_path):
         ReplayBuffer.load_from(url, read_only=True, storage_options={"trajstore_version": "0" * 20})
     with pytest.raises(BadOptionError, match="read-only"):
         ReplayBuffer.load_from(url, storage_options={"trajstore_version": "v9"})
+
+
+def test_one_writer_at_a_time_on_a_local_repository(tmp_path):
+    """icechunk's local storage does not refuse the second of two concurrent commits (object stores
+    do): a second writer of a local repository is refused; readers are not."""
+    from trajstore.errors import LockedError
+
+    url = f"icechunk://{tmp_path / 'repo'}"
+    a = ReplayBuffer.create(IW.SPACE, cache_path=url)
+    a.extend(rows(0, 3))
+    with pytest.raises(LockedError, match="another writer"):
+        ReplayBuffer.load_from(url)
+    reader = ReplayBuffer.load_from(url, read_only=True)
+    a.close()
+    assert len(reader) == 0  # its snapshot: the one before a's close
+    reader.close()
+    b = ReplayBuffer.load_from(url)
+    assert len(b) == 3
+    b.close()

@@ -7,7 +7,8 @@ traceback with ``--debug``) and exits 0 on success, 1 when it found a problem, 2
 errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
-:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert).
+:mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert), and
+:mod:`.versions` (log, diff, tag, push, pull: versions in icechunk repositories).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trajstore.cli import edit as _edit
 from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import show as _show
+from trajstore.cli import versions as _versions
 from trajstore.cli._common import CLIError
 from trajstore.cli.parts import folder_hint
 from trajstore.errors import NotATrajstoreError
@@ -41,6 +43,8 @@ examples:
   trajstore filter data good --where "return > 100"       keep the episodes that match
   trajstore convert demo_store demo_traj    a replay store's episodes as a trajectory store
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
+  trajstore push data icechunk+s3://bucket/data --tag v1   publish a version (docs/versions.md)
+  trajstore pull icechunk+s3://bucket/data@v1 local --episodes 0:100 --fields obs,action
 
 'trajstore COMMAND --help' describes each command."""
 
@@ -60,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     _maintain.register(sub, common)
     _edit.register(sub, common)
     _interop.register(sub, common)
+    _versions.register(sub, common)
     # Subcommands in a sensible order in --help.
     order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
-             "demo"]
+             "demo", "log", "diff", "tag", "push", "pull"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
 

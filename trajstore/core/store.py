@@ -505,6 +505,8 @@ class Store(StoreCommits):
             bar.close()
         head = self.committed.copy()
         head.pending = None
+        if target.transaction is not None:  # (icechunk: the copy is one commit, named for what it is)
+            target.transaction.message = f"copy from {self.loc.url}"
         write_head(target, head, fsync=self.fsync)
 
     def close(self) -> None:
@@ -522,6 +524,8 @@ class Store(StoreCommits):
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+        if self.loc.transaction is not None:  # icechunk: drop what no commit named, unlock a local repository
+            self.loc.transaction.close()
 
 
 def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:

@@ -193,6 +193,20 @@ def _leaves_of(value: Any) -> list[Any]:
     return [value]
 
 
+def _chunks_changed(repo: Any, a: str, b: str) -> int | None:
+    """Chunks icechunk rewrote between snapshots ``a`` and ``b`` (either may be the older one);
+    None when neither is an ancestor of the other."""
+    if a == b:
+        return 0
+    for x, y in ((a, b), (b, a)):
+        try:
+            d = repo.diff(from_snapshot_id=x, to_snapshot_id=y)
+        except Exception:  # icechunk.IcechunkError: y's ancestry does not include x
+            continue
+        return sum(len(v) for v in d.updated_chunks.values())
+    return None
+
+
 def diff(path: PathLike, a: Any, b: Any, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """What changed from version ``a`` to version ``b`` of the store at ``path``.
 
@@ -203,7 +217,8 @@ def diff(path: PathLike, a: Any, b: Any, *, storage_options: dict[str, Any] | No
         (``added``, ``removed``, ``changed``: array paths whose dtype or row shape differ),
         ``episodes`` (``added``, ``removed``, ``changed``: sorted episode ids; changed means the
         same id with other steps or episode data; empty for a ReplayBuffer) and
-        ``chunks_changed`` (chunks icechunk rewrote between the two).
+        ``chunks_changed`` (chunks icechunk rewrote between the two; None when neither version
+        is an ancestor of the other).
 
     Raises
     ------
@@ -213,8 +228,7 @@ def diff(path: PathLike, a: Any, b: Any, *, storage_options: dict[str, Any] | No
     url = os.fspath(path)
     repo = repository(url, storage_options)
     snaps = [snapshot_of(url, v, storage_options) for v in (a, b)]
-    d = repo.diff(from_snapshot_id=snaps[0], to_snapshot_id=snaps[1])
-    chunks = sum(len(v) for v in d.updated_chunks.values())
+    chunks = _chunks_changed(repo, *snaps)
     bufs = [load_version(url, s, storage_options=storage_options) for s in snaps]
     try:
         fa, fb = (_fields_at(url, s, storage_options) for s in snaps)

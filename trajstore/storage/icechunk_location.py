@@ -37,6 +37,7 @@ from trajstore.errors import (
     ChecksumError,
     ConcurrentWriteError,
     DamagedStoreError,
+    LockedError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreNotFoundError,
@@ -63,11 +64,20 @@ def is_icechunk_url(path: str) -> bool:
     return path.startswith(_SCHEMES)
 
 
+_QUIETED: list[bool] = []  # (whether icechunk's log filter was set: once per process)
+
+
 def _icechunk() -> Any:
     try:
         import icechunk
     except ImportError:
         raise missing("icechunk", "icechunk locations (icechunk:// and icechunk+s3:// paths)") from None
+    if not _QUIETED and "ICECHUNK_LOG" not in os.environ:
+        # icechunk logs a warning to stdout on every open of a local repository (that concurrent
+        # commits are not safe there), which would corrupt `trajstore ... --json`; trajstore keeps
+        # one writer per local repository at a time (_lock_folder).  ICECHUNK_LOG set: the user's filter.
+        icechunk.set_logs_filter("error")
+        _QUIETED.append(True)
     return icechunk
 
 
@@ -428,6 +438,8 @@ class IcechunkSession:
                         else repo.writable_session(BRANCH))
         self.url = url
         self.zstore = SessionStore(self, read_only)
+        # (a file object: a location dropped without close, e.g. by a failed open, is unlocked when collected)
+        self._lock: Any = _lock_folder(url) if not read_only and url.startswith("icechunk://") else None
 
     @property
     def snapshot_id(self) -> str:
@@ -503,9 +515,40 @@ class IcechunkSession:
         self._last = (int(head.get("epoch", 0)), rows)
 
     def close(self) -> None:
-        """Drop uncommitted changes of a writer (a commit names everything trajstore keeps)."""
+        """Drop uncommitted changes of a writer (a commit names everything trajstore keeps) and
+        release a local repository's writer lock."""
         if not self.session.read_only and self.session.has_uncommitted_changes:
             self.session.discard_changes()
+        if self._lock is not None:
+            self._lock.close()  # (closing the descriptor releases its flock)
+            self._lock = None
+
+
+#: The lock file of a local repository's writer (icechunk's local storage does not refuse the
+#: second of two concurrent commits, as object stores do: one writer at a time there).
+LOCAL_LOCK = "trajstore.writer.lock"
+
+
+def _lock_folder(url: str) -> Any:
+    """An exclusive ``flock`` on the local repository's :data:`LOCAL_LOCK`; its open file.
+
+    Raises
+    ------
+    LockedError
+        Another writer holds it.
+    """
+    import fcntl
+
+    path = os.path.join(os.path.abspath(os.path.expanduser(url[len("icechunk://"):])), LOCAL_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockedError(f"{url}: another writer has this local repository open (one writer at a time on local "
+                          "disk; several writers need an object store such as icechunk+s3://); open it with "
+                          "read_only=True") from None
+    return os.fdopen(fd, "r+b", buffering=0)
 
 
 def _default_message(head: dict[str, Any], rows: dict[str, int], last: tuple[int, dict[str, int]] | None) -> str:

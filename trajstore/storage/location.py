@@ -530,7 +530,13 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
     version = (storage_options or {}).get(ic.VERSION_OPTION)
     if version is not None and not read_only:
         raise BadOptionError(f"{url}: version {version!r} can only be opened read-only (read_only=True)")
-    repo = ic.open_repository(url, fsspec_options(storage_options), create=not read_only and not must_exist)
+    try:
+        repo = ic.open_repository(url, fsspec_options(storage_options), create=not read_only and not must_exist)
+    except StoreNotFoundError:
+        if must_exist:
+            raise
+        # A reader of what need not exist (an fsspec URL's missing prefix lists nothing): nothing there.
+        return Location(MemoryStore(read_only=True), url, None)
     tx = ic.IcechunkSession(repo, url, read_only=read_only,
                             version=None if version is None else ic.resolve_version(repo, url, version))
     loc = Location(tx.zstore, url, None)
