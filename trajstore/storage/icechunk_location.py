@@ -267,17 +267,22 @@ class SessionStore(Store):
 
     @property
     def supports_writes(self) -> bool:
+        """True: a writer's session takes writes (a reader's refuses them)."""
         return True
 
     @property
     def supports_deletes(self) -> bool:
+        """True (as :attr:`supports_writes`)."""
         return True
 
     @property
     def supports_listing(self) -> bool:
+        """True: keys are listed, trajstore's files under their own names."""
         return True
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        """The bytes of ``key`` (a file of trajstore's from its array), counted, and checked against
+        the push's checksums when :attr:`checksums` is set; ``None`` when absent."""
         if self.checksums is not None and byte_range is not None:
             whole = await self.get(key, prototype)  # checked whole, then cut
             return None if whole is None else prototype.buffer.from_bytes(_cut(whole.to_bytes(), byte_range))
@@ -314,12 +319,15 @@ class SessionStore(Store):
 
     async def get_partial_values(self, prototype: BufferPrototype,
                                  key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
+        """:meth:`get` of each ``(key, range)``."""
         return [await self.get(k, prototype, r) for k, r in key_ranges]
 
     async def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored."""
         return bool(await self._inner.exists(key if _is_zarr_key(key) else f"{file_node(key)}/{_ZARR_JSON}"))
 
     async def getsize(self, key: str) -> int:
+        """Bytes stored under ``key`` (``FileNotFoundError`` when absent)."""
         if _is_zarr_key(key):
             return int(await self._inner.getsize(key))
         data = await self.get(key, default_buffer_prototype())
@@ -328,6 +336,7 @@ class SessionStore(Store):
         return len(data)
 
     async def set(self, key: str, value: Buffer) -> None:
+        """Store ``value`` under ``key`` in the writer's session (published by its next commit)."""
         self._owner.check_usable()
         if _is_zarr_key(key):
             path = key[: -len(_ZARR_JSON)].rstrip("/")
@@ -376,6 +385,7 @@ class SessionStore(Store):
         return True
 
     async def delete(self, key: str) -> None:
+        """Remove ``key`` in the writer's session (a missing key is ignored)."""
         self._owner.check_usable()
         if _is_zarr_key(key):
             if await self._inner.exists(key):
@@ -387,10 +397,12 @@ class SessionStore(Store):
                 await self._inner.delete(part)
 
     async def list(self) -> AsyncIterator[str]:
+        """Every key."""
         async for key in self.list_prefix(""):
             yield key
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        """Every key starting with ``prefix`` (trajstore's files under their own names)."""
         async for key in self._inner.list_prefix(""):
             if key.startswith(FILES_GROUP + "/") or key == FILES_GROUP:
                 parts = key.split("/")
@@ -402,12 +414,13 @@ class SessionStore(Store):
                 yield key
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        """The children of ``prefix`` (without the group of trajstore's files)."""
         async for key in self._inner.list_dir(prefix):
             if not (prefix.strip("/") == "" and key == FILES_GROUP):
                 yield key
 
     def close(self) -> None:
-        pass
+        """Nothing to close: the session belongs to the location (:meth:`IcechunkSession.close`)."""
 
 
 class IcechunkSession:
