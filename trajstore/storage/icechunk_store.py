@@ -56,6 +56,20 @@ def _file_meta(key: str, n: int) -> bytes:
 _GROUP_META = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
+def _file_name(node: str) -> str:
+    """The key a node of :data:`FILES_GROUP` holds (its name is the key in hex; a repository is input).
+
+    Raises
+    ------
+    DamagedStoreError
+        The name is no hex of a UTF-8 key.
+    """
+    try:
+        return bytes.fromhex(node).decode()
+    except ValueError:  # (UnicodeDecodeError is one)
+        raise DamagedStoreError(f"{FILES_GROUP}/{node[:80]}: expected the hex name of a trajstore file") from None
+
+
 def _file_size(meta: bytes, key: str) -> int:
     """The size recorded in the ``zarr.json`` of file ``key``'s array (a repository is input).
 
@@ -269,7 +283,7 @@ class SessionStore(Store):
             if key.startswith(FILES_GROUP + "/") or key == FILES_GROUP:
                 parts = key.split("/")
                 if len(parts) == 3 and parts[2] == _ZARR_JSON:
-                    name = bytes.fromhex(parts[1]).decode()
+                    name = _file_name(parts[1])
                     if name.startswith(prefix):
                         yield name
             elif key.startswith(prefix):
