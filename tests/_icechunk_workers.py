@@ -53,3 +53,24 @@ def append_loop(url: str, storage_options: Any, log: str, ready: str, block: int
             os._exit(0)  # (the exit hook's commit of this buffer would lose the same conflict again)
         n += block
         os.write(fd, f"F {n}\n".encode())
+
+
+def push_loop(local: str, remote: str, log: str, ready: str) -> None:
+    """Push ``local`` to ``remote`` again and again (logging ``P <n>`` after each), appending one
+    episode of 40 steps to ``local`` (test_versions.py's space: obs 16, action 4) between pushes,
+    until killed."""
+    from trajstore import TrajectoryReplayBuffer
+    from trajstore.maintenance.push_pull import push
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    open(ready, "w").close()
+    deadline = time.monotonic() + _DEADLINE_S
+    n = 0
+    while time.monotonic() < deadline:
+        push(local, remote, progress=False)
+        n += 1
+        os.write(fd, f"P {n}\n".encode())
+        buf = TrajectoryReplayBuffer.load_from(local)
+        buf.extend({"obs": np.zeros((40, 16), np.float32), "action": np.zeros((40, 4), np.float32)})
+        buf.mark_episode_end()
+        buf.close()

@@ -199,3 +199,37 @@ def test_cli_log_diff_tag_push_pull(tmp_path):
     assert "tags never move" in run("tag", remote, "v1", ok=False).stderr
     digest = hashlib.sha256(open(os.path.join(pulled, "trajstore.head.json"), "rb").read()).hexdigest()
     assert digest and "trajstore.checksums.json" not in _tree(pulled)
+
+
+def test_a_push_killed_at_random_instants_publishes_a_whole_version_or_nothing(tmp_path, procs):
+    """A child pushes a store again and again (one episode more each time) and is SIGKILLed after
+    a random delay, 12 times; after each kill the remote's latest version pulls with its checksums
+    checked and holds whole episodes only, never fewer than an acknowledged push."""
+    import random
+
+    import _icechunk_workers as IW
+    import _workers as W
+    from _kill_workers import parse_log
+
+    from trajstore.errors import StoreNotFoundError
+
+    local = str(tmp_path / "local")
+    remote = f"icechunk://{tmp_path / 'remote'}"
+    _record(local, 3).close()
+    log = str(tmp_path / "log")
+    rng = random.Random(7)
+    for i in range(12):
+        ready = str(tmp_path / f"ready{i}")
+        p = W.start(IW.push_loop, local, remote, log, ready)
+        procs.append(p)
+        W.wait_for_file(ready, p)
+        time.sleep(rng.uniform(0.0, 0.3))
+        W.kill(p)
+        pushes = sum(1 for tag, _ in parse_log(log) if tag == "P")
+        try:
+            got = pull(remote, str(tmp_path / f"check{i}"))
+        except StoreNotFoundError:
+            assert pushes == 0  # the first push never committed: nothing was published
+            continue
+        assert got["verified"] and got["steps"] == 150 + 40 * (got["episodes"] - 3)
+    assert sum(1 for tag, _ in parse_log(log) if tag == "P") > 0
