@@ -175,28 +175,36 @@ def test_pull_bad_input_writes_nothing(tmp_path):
     assert log(remote) == before
 
 
-def test_cli_log_diff_tag_push_pull(tmp_path):
+def test_cli_log_diff_tag_push_pull(tmp_path, capsys):
+    from trajstore.cli import main
+
     local = str(tmp_path / "local")
     remote = f"icechunk://{tmp_path / 'remote'}"
     _record(local, 20).close()
 
     def run(*args, ok=True):
-        p = subprocess.run([sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        assert (p.returncode == 0) == ok, p.stderr
-        return p
+        code = main(list(args))
+        out = capsys.readouterr()
+        assert (code == 0) == ok, out.err
+        return out
 
+    # (one real process: the console entry point, whose JSON icechunk's log lines must not corrupt)
+    p = subprocess.run([sys.executable, "-m", "trajstore", "push", local, remote, "--tag", "v0", "--json"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0 and json.loads(p.stdout)["tag"] == "v0", p.stderr
     run("push", local, remote, "--tag", "v1")
+
     run("tag", remote, "v1.0")
-    out = json.loads(run("log", remote, "--json").stdout)
-    assert out[0]["tags"] == ["v1", "v1.0"] and out[0]["episodes"] == 20 and out[0]["message"].startswith("push from")
+    out = json.loads(run("log", remote, "--json").out)
+    assert out[0]["tags"] == ["v1", "v1.0"] and out[1]["tags"] == ["v0"] and out[0]["episodes"] == 20 and out[0]["message"].startswith("push from")
     pulled = tmp_path / "pulled"
-    text = run("pull", f"{remote}@v1.0", str(pulled), "--episodes", "0:2", "--fields", "action").stdout
+    text = run("pull", f"{remote}@v1.0", str(pulled), "--episodes", "0:2", "--fields", "action").out
     assert "pulled 2 of 20 episodes" in text and "checksums checked" in text
-    assert json.loads(run("diff", remote, "v1", "v1.0", "--json").stdout)["episodes"]["changed"] == []
+    assert json.loads(run("diff", remote, "v0", "v1.0", "--json").out)["episodes"]["changed"] == []
     bad = run("pull", f"{remote}@v9", str(tmp_path / "x"), ok=False)
-    assert "no version named 'v9'" in bad.stderr and not (tmp_path / "x").exists()
-    assert "tags never move" in run("tag", remote, "v1", ok=False).stderr
+    assert "no version named 'v9'" in bad.err and not (tmp_path / "x").exists()
+    assert "tags never move" in run("tag", remote, "v1", ok=False).err
     digest = hashlib.sha256(open(os.path.join(pulled, "trajstore.head.json"), "rb").read()).hexdigest()
     assert digest and "trajstore.checksums.json" not in _tree(pulled)
 
