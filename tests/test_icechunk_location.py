@@ -19,7 +19,7 @@ import zarr
 from _kill_workers import parse_log
 from test_remote import s3_options  # noqa: F401  (the moto S3 server fixture)
 
-from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
 from trajstore.errors import (
     BadOptionError,
     ConcurrentWriteError,
@@ -206,3 +206,33 @@ def test_one_writer_at_a_time_on_a_local_repository(tmp_path):
     b = ReplayBuffer.load_from(url)
     assert len(b) == 3
     b.close()
+
+
+def test_a_commit_that_touches_no_key_of_another_is_rebased(tmp_path):
+    """Another program commits an array of its own to the repository while a writer appends: the
+    writer's commit is rebased onto it (ConflictDetector: no key changed by both) and both stay."""
+    url = f"icechunk://{tmp_path / 'repo'}"
+    buf = ReplayBuffer.create(IW.SPACE, cache_path=url, commit_interval=3600)
+    buf.extend(rows(0, 10))
+    other = _repo(tmp_path / "repo").writable_session("main")
+    zarr.create_array(other.store, name="notes", shape=(3,), dtype="i4")[:] = [1, 2, 3]
+    other.commit("another program's notes")
+    buf.flush()  # rebased, not refused
+    buf.close()
+    snap = _repo(tmp_path / "repo").readonly_session(branch="main").store
+    assert zarr.open_array(snap, path="notes", mode="r")[:].tolist() == [1, 2, 3]
+    got = ReplayBuffer.load_from(url, read_only=True)
+    np.testing.assert_array_equal(got[:], rows(0, 10))
+    got.close()
+    report = verify_store(url, deep=True)
+    assert report.ok, report.faults
+
+
+def test_multiprocessing_writers_refused(tmp_path):
+    url = f"icechunk://{tmp_path / 'repo'}"
+    with pytest.raises(BadOptionError, match="multiprocessing=True"):
+        ReplayBuffer.create(IW.SPACE, cache_path=url, multiprocessing=True)
+    ReplayBuffer.create(IW.SPACE, cache_path=url).close()  # (the refused open held no lock)
+    with pytest.raises(BadOptionError, match="multiprocessing=True"):
+        ReplayBuffer.load_from(url, multiprocessing=True)
+    ReplayBuffer.load_from(url, read_only=True, multiprocessing=True).close()

@@ -248,6 +248,7 @@ class Store(StoreCommits):
         # What open would refuse (sizes past its limits...) is refused before a byte is written.
         check_schema(attrs, str(cache_path))
         loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
+        _one_process_per_session(loc, multiprocessing)
         # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
         lease = None
@@ -329,6 +330,7 @@ class Store(StoreCommits):
         """
         _before_open()
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
+        _one_process_per_session(loc, multiprocessing and not read_only)
         where = str(loc.url)
         root_id = None if read_only else file_identity(loc, "zarr.json")  # before the read: see Publisher.seed
         root = read_root(loc)
@@ -526,6 +528,16 @@ class Store(StoreCommits):
             self.lease = None
         if self.loc.transaction is not None:  # icechunk: drop what no commit named, unlock a local repository
             self.loc.transaction.close()
+
+
+def _one_process_per_session(loc: Location, multiprocessing: bool) -> None:
+    """Refuse ``multiprocessing=True`` writers of an icechunk location: each process would commit
+    its own session, and every commit after another's would be refused (ConcurrentWriteError)."""
+    if multiprocessing and loc.transaction is not None:
+        loc.close()
+        raise BadOptionError(f"{loc.url}: multiprocessing=True writers are not supported on an icechunk location "
+                             "(each process commits its own session); write from one process, or one shard per "
+                             "process (docs/scale.md)")
 
 
 def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:

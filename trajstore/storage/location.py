@@ -405,7 +405,10 @@ class Location:
 
     def close(self) -> None:
         """Close the zarr store.  Errors are ignored (closing twice is harmless), except from a
-        zip being written, whose close is what publishes the zip."""
+        zip being written, whose close is what publishes the zip.  A transactional location's
+        session drops what no commit named (and a local repository's writer lock is released)."""
+        if self.transaction is not None:
+            self.transaction.close()
         try:
             self.zstore.close()
         except Exception:  # closing a store twice or a store without close is harmless ...
@@ -542,6 +545,7 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
     loc = Location(tx.zstore, url, None)
     loc.transaction = tx
     if must_exist and not loc.exists("zarr.json"):
+        loc.close()
         raise StoreNotFoundError(f"no store at {url!r}: the icechunk repository holds no zarr.json at its root")
     if read_only and (storage_options or {}).get("trajstore_checksums"):
         tx.require_checksums()  # every key read is checked against the checksums of its push
