@@ -70,6 +70,8 @@ def test_every_commit_is_one_icechunk_commit_and_readers_read_one_snapshot(tmp_p
     # Plain zarr reads the repository's arrays through icechunk, trajstore's files included.
     group = zarr.open_group(_repo(tmp_path / "repo").readonly_session(branch="main").store, mode="r")
     assert "trajstore_files" in group
+    # ... and each snapshot's arrays record exactly its committed rows (published with the record).
+    assert group["step_data"].shape == (33, 4) and group["step_data"][:, 0].tolist() == list(range(2, 35))
 
 
 def test_two_writers_on_s3_the_second_commit_raises_and_loses_nothing(s3_options):  # noqa: F811

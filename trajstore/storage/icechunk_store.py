@@ -255,8 +255,9 @@ class SessionStore(Store):
             return False
         if any(i * c >= n for i, c, n in zip(index[1:], chunks[1:], meta["shape"][1:])):
             return False
-        meta["shape"][0] = max(meta["shape"][0], (index[0] + 1) * chunks[0])
-        self.extents[path] = meta["shape"][0]
+        # The fewest rows that keep this chunk: the commit publishes the committed rows' shape.
+        meta["shape"][0] = max(meta["shape"][0], index[0] * chunks[0] + 1)
+        self.extents[path] = max(self.extents.get(path, 0), meta["shape"][0])
         await self._inner.set(meta_key, default_buffer_prototype().buffer.from_bytes(json.dumps(meta).encode()))
         return True
 
