@@ -241,3 +241,13 @@ def test_a_push_killed_at_random_instants_publishes_a_whole_version_or_nothing(t
             continue
         assert got["verified"] and got["steps"] == 150 + 40 * (got["episodes"] - 3)
     assert sum(1 for tag, _ in parse_log(log) if tag == "P") > 0
+
+
+def test_command_line_versions_are_tags_ids_or_dates():
+    from trajstore.maintenance.versions import check_version
+
+    assert check_version("WK5YXQ440K3E8B4RKTCG") == "WK5YXQ440K3E8B4RKTCG"  # a snapshot id with a T
+    assert check_version("v1.0") == "v1.0"
+    assert check_version("2026-05-01T12:00") == datetime.datetime(2026, 5, 1, 12, 0)
+    with pytest.raises(VersionNotFoundError):
+        check_version("2026-13-45")

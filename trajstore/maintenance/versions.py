@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -251,7 +252,9 @@ def diff(path: PathLike, a: Any, b: Any, *, storage_options: dict[str, Any] | No
 def check_version(value: str) -> Any:
     """A version as the command line writes it: an ISO datetime (``2026-05-01T12:00``) becomes a
     ``datetime``; anything else is a tag or snapshot id."""
+    if not re.match(r"^\d{4}-\d{2}-\d{2}", value):
+        return value  # (snapshot ids are 20 characters of Crockford base32: never a date)
     try:
-        return datetime.datetime.fromisoformat(value) if "T" in value or value[:4].isdigit() and "-" in value else value
+        return datetime.datetime.fromisoformat(value)
     except ValueError:
         raise VersionNotFoundError(f"{value!r} is neither a tag, a snapshot id nor an ISO datetime") from None
