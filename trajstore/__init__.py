@@ -21,7 +21,7 @@ except PackageNotFoundError:  # pragma: no cover - imported from a source tree t
 # Maintenance (verify, repair, combine, split), the prioritized sampler and sharded datasets are imported on first
 # use: most programs never call them, and ``import trajstore`` should cost little beyond zarr, numpy and gymnasium.
 _LAZY = ("verify_store", "repair_store", "PrioritizedSampler", "combine", "split", "to_trajectory", "create_shard",
-         "open_sharded", "merge_shards", "break_lease")
+         "open_sharded", "merge_shards", "break_lease", "tag", "load_from", "push", "pull")
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +31,13 @@ def __getattr__(name: str) -> Any:
         from trajstore.maintenance.verify import verify_store as value
     elif name == "repair_store":
         from trajstore.maintenance.repair import repair_store as value
+    elif name == "tag":
+        from trajstore.maintenance.versions import tag as value
+    elif name == "load_from":
+        from trajstore.maintenance.versions import load_version as value
+    elif name in ("push", "pull"):
+        from trajstore.maintenance import push_pull as _push_pull
+        value = getattr(_push_pull, name)
     elif name == "break_lease":
         from trajstore.storage.lease import break_lease as value
     elif name == "PrioritizedSampler":
@@ -55,5 +62,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["ReplayBuffer", "TrajectoryReplayBuffer", "TrajectoryData", "ZarrStorage", "BatchBase", "SliceView", "ColumnView", "verify_store", "repair_store", "PrioritizedSampler", "combine", "split",
-           "to_trajectory", "create_shard", "open_sharded", "merge_shards", "break_lease", "errors",
+           "to_trajectory", "create_shard", "open_sharded", "merge_shards", "break_lease", "tag", "load_from", "push", "pull", "errors",
            "__version__"]

@@ -30,6 +30,9 @@ __all__ = [
     "BadIndexError",
     "EmptyBufferError",
     "ConcurrentWriteError",
+    "VersionNotFoundError",
+    "DatasetMismatchError",
+    "ChecksumError",
     "BadArgumentError",
     "BadOptionError",
     "ClosedError",
@@ -140,7 +143,23 @@ class EmptyBufferError(TrajstoreError, ValueError):
 
 class ConcurrentWriteError(TrajstoreError, RuntimeError):
     """A reader could not get one consistent result: the writer kept evicting or rewriting the
-    rows it read (retried many times first)."""
+    rows it read (retried many times first); or, on an icechunk location, another writer committed
+    changes to the same keys since this writer's session began (nothing of it was published)."""
+
+
+class VersionNotFoundError(TrajstoreError, LookupError):
+    """No version of this dataset has that name: an unknown tag, a snapshot id of another
+    dataset, a datetime before the first commit."""
+
+
+class DatasetMismatchError(TrajstoreError, ValueError):
+    """Two stores that should be versions of one dataset are not (another kind, other fields),
+    e.g. a push onto a remote that holds another dataset."""
+
+
+class ChecksumError(DamagedStoreError):
+    """Bytes read do not match the content checksum recorded when they were published (a pull
+    from a remote whose chunks changed or were damaged after the push)."""
 
 
 class BadArgumentError(TrajstoreError, TypeError):

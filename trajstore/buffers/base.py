@@ -22,6 +22,7 @@ from trajstore.core.store import BEFORE_OPEN, Store, in_zarr_loop, register_befo
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ClosedError
 from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
+from trajstore.storage.location import Location
 
 _T = TypeVar("_T")
 
@@ -230,6 +231,12 @@ class StoredBuffer(BatchBase):
             The local folder, ``.zip`` file or fsspec URL; ``None`` for an in-memory buffer.
         """
         return self._store.loc.url
+
+    @property
+    def location(self) -> Location:
+        """The :class:`~trajstore.storage.location.Location` the store lives at: its keys, and on
+        an icechunk location its ``transaction`` (the snapshot read, the bytes fetched)."""
+        return self._store.loc
 
     @property
     def storage_options(self) -> dict[str, Any] | None:

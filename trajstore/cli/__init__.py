@@ -8,7 +8,8 @@ errors.  Progress bars (tqdm) appear only when stderr is a terminal.
 
 Commands live in :mod:`.show` (info, ls, episodes, head, stats, plot, demo) and
 :mod:`.maintain` (verify, repair, copy) and :mod:`.edit` (combine, split, filter, convert);
-:mod:`.view` serves the read-only web page of ``trajstore view``.
+:mod:`.view` serves the read-only web page of ``trajstore view``; :mod:`.versions` (log, diff, tag,
+push, pull: versions in icechunk repositories).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trajstore.cli import interop as _interop
 from trajstore.cli import maintain as _maintain
 from trajstore.cli import robot as _robot
 from trajstore.cli import show as _show
+from trajstore.cli import versions as _versions
 from trajstore.cli import view as _view
 from trajstore.cli._common import CLIError, error_text
 from trajstore.cli.parts import folder_hint
@@ -45,6 +47,8 @@ examples:
   trajstore convert demo_store demo_traj    a replay store's episodes as a trajectory store
   trajstore view demo_store --open          browse its episodes, plots and frames in a web page
   trajstore info s3://bucket/buf --storage-options '{"anon": true}'
+  trajstore push data icechunk+s3://bucket/data --tag v1   publish a version (docs/versions.md)
+  trajstore pull icechunk+s3://bucket/data@v1 local --episodes 0:100 --fields obs,action
 
 'trajstore COMMAND --help' describes each command."""
 
@@ -66,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     _interop.register(sub, common)
     _view.register(sub, common)
     _robot.register(sub, common)
+    _versions.register(sub, common)
     # Subcommands in a sensible order in --help.
     order = ["info", "ls", "episodes", "head", "stats", "verify", "repair", "copy", "convert", "combine", "split", "filter", "plot",
-             "view", "demo"]
+             "view", "demo", "log", "diff", "tag", "push", "pull"]
     sub._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     return p
 

@@ -89,10 +89,13 @@ class StoreCommits:
         # Plain zarr readers' view (storage/published.py): shapes drop rows before the record, gain them after.
         pub = self.publisher()
         pub.before_commit(self.committed, head, fsync=self.fsync)
+        if self.loc.transaction is not None:  # icechunk: shapes and record in one commit, no order to keep
+            pub.after_commit(head)
         write_head(self.loc, head, fsync=self.fsync)
         self.committed = head
         self._watch.wrote()
-        pub.after_commit(head)
+        if self.loc.transaction is None:
+            pub.after_commit(head)
 
     def publisher(self) -> Publisher:
         """The :class:`~trajstore.storage.published.Publisher` of this writer's commits."""

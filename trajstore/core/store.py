@@ -285,6 +285,7 @@ class Store(StoreCommits):
         # What open would refuse (sizes past its limits...) is refused before a byte is written.
         check_schema(attrs, str(cache_path))
         loc = resolve_location(cache_path, read_only=False, storage_options=storage_options, must_exist=False)
+        _one_process_per_session(loc, multiprocessing)
         # Lock first: overwrite=True must never erase a store another writer has open.
         lock = WriterLock(loc, shared=multiprocessing) if loc.is_local else None
         lease = None
@@ -366,6 +367,7 @@ class Store(StoreCommits):
         """
         _before_open()
         loc = resolve_location(path, read_only=read_only, storage_options=storage_options, must_exist=True)
+        _one_process_per_session(loc, multiprocessing and not read_only)
         where = str(loc.url)
         root_id = None if read_only else file_identity(loc, "zarr.json")  # before the read: see Publisher.seed
         root, attrs = _read_root_of_kind(loc, kind)
@@ -492,11 +494,20 @@ class Store(StoreCommits):
             remove_entry(build)
             raise destination_full(e, root)  # e itself unless a full disk (then its cause)
 
-    def _copy_keys(self, target: Location, progress: bool | None) -> None:
-        """Every data key, then the commit record (a copy cut short has none: not a store)."""
+    def data_keys(self) -> list[str]:
+        """Every key a copy of this store takes: all but the commit record (written last), the
+        previous record, locks, leases and temp or staging files.  Node metadata comes first,
+        parents before children: a transactional target (icechunk) takes a chunk only into an
+        array it knows."""
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
         keys = [k for k in self.loc.list_prefix("")
                 if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
+        meta = sorted((k for k in keys if k == "zarr.json" or k.endswith("/zarr.json")), key=lambda k: k.count("/"))
+        return meta + [k for k in keys if k not in set(meta)]
+
+    def _copy_keys(self, target: Location, progress: bool | None) -> None:
+        """Every data key, then the commit record (a copy cut short has none: not a store)."""
+        keys = self.data_keys()
         bar = progress_bar(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
@@ -517,6 +528,8 @@ class Store(StoreCommits):
             bar.close()
         head = self.committed.copy()
         head.pending = None
+        if target.transaction is not None:  # (icechunk: the copy is one commit, named for what it is)
+            target.transaction.message = f"copy from {self.loc.url}"
         write_head(target, head, fsync=self.fsync)
 
     def close(self) -> None:
@@ -534,6 +547,18 @@ class Store(StoreCommits):
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+        if self.loc.transaction is not None:  # icechunk: drop what no commit named, unlock a local repository
+            self.loc.transaction.close()
+
+
+def _one_process_per_session(loc: Location, multiprocessing: bool) -> None:
+    """Refuse ``multiprocessing=True`` writers of an icechunk location: each process would commit
+    its own session, and every commit after another's would be refused (ConcurrentWriteError)."""
+    if multiprocessing and loc.transaction is not None:
+        loc.close()
+        raise BadOptionError(f"{loc.url}: multiprocessing=True writers are not supported on an icechunk location "
+                             "(each process commits its own session); write from one process, or one shard per "
+                             "process (docs/scale.md)")
 
 
 def check_attrs(loc: Location, attrs: Any) -> dict[str, Any]:

@@ -184,13 +184,16 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
     return n
 
 
-def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None,
+                leaves: Sequence[int] | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
-    order, a bounded block at a time."""
+    order, a bounded block at a time; only the step leaves numbered ``leaves`` (default: all),
+    so a remote source transfers those arrays' chunks only."""
     buf.sync_reads()
     t = buf.rows_table
-    fields = list(range(len(buf._step_plan.leaves))) + [buf._id_field]
-    step = block_rows(t.row_bytes)
+    which = list(range(len(buf._step_plan.leaves))) if leaves is None else list(leaves)
+    fields = which + [buf._id_field]
+    step = block_rows(sum(t.fields[j].spec.row_bytes for j in fields))
     if ids is None:
         for lo in range(0, t.count, step):
             *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)

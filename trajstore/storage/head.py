@@ -176,6 +176,7 @@ def write_head(loc: Location, head: Head, *, fsync: bool = False) -> None:
     loc.put(HEAD_KEY, data, fsync=fsync)
     if loc.local_root is not None:
         _install_prev(loc, data, fsync)
+    loc.record_written(data)  # a transactional location (icechunk) commits the record with its data
 
 
 #: Records up to this size replace the previous copy in place (one write into one page).

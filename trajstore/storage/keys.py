@@ -4,7 +4,7 @@ Everything else in a store is zarr's (``zarr.json`` files and chunk keys); see d
 """
 
 __all__ = ["DATASET_KEY", "FORMAT_VERSION", "HEAD_KEY", "LOCK_KEY", "MPLOCK_KEY", "PREV_KEY", "PRIORITIES_DIR",
-           "ROBOT_KEY", "RUNS_KEY", "STATS_KEY"]
+           "ROBOT_KEY", "RUNS_KEY", "STATS_KEY", "CHECKSUMS_KEY"]
 
 #: The commit record: which rows of every table are committed (see :mod:`trajstore.storage.head`).
 HEAD_KEY = "trajstore.head.json"
@@ -28,6 +28,9 @@ STATS_KEY = "trajstore.stats"
 #: A store of its own inside a buffer's folder: the priorities a PrioritizedSampler keeps
 #: (:mod:`trajstore.sampling.prioritized`).  Not part of the buffer's rows (a ``.zip`` leaves it out).
 PRIORITIES_DIR = "trajstore.priorities"
+#: The content checksums of a pushed version (:mod:`trajstore.maintenance.push_pull`): the SHA-256 of
+#: every key's bytes and of the commit record pushed with them, checked by a pull.
+CHECKSUMS_KEY = "trajstore.checksums.json"
 #: Version of the format (root schema and commit record); a newer one is refused with
 #: FormatVersionError.  2: an unbounded table's zarr ``shape`` is its committed rows (published around
 #: each commit; the allocation lives in the commit record only) and arrays carry ``dimension_names``.

@@ -81,6 +81,9 @@ class Location:
         self.local_root = local_root
         self.head_path = None if local_root is None else str(local_root / "trajstore.head.json")
         self.chunk_cache: ChunkCache | None = None  # opt-in, remote stores (resolve_location)
+        # A transactional location's session (storage/icechunk_location.py): each commit record
+        # written ends one of its commits.
+        self.transaction: Any = None
         self._conf: Confinement | None = None
         if local_root is not None:
             conf = getattr(zstore, "_conf", None)  # share the folder checks with the zarr store
@@ -394,9 +397,18 @@ class Location:
         for key in self.list_prefix(prefix):
             yield key, int(sync(self.zstore.getsize(key)))
 
+    def record_written(self, data: bytes) -> None:
+        """The commit record ``data`` was just put: a transactional location commits here (one
+        icechunk commit per trajstore commit); others have nothing to do."""
+        if self.transaction is not None:
+            self.transaction.record_written(data)
+
     def close(self) -> None:
         """Close the zarr store.  Errors are ignored (closing twice is harmless), except from a
-        zip being written, whose close is what publishes the zip."""
+        zip being written, whose close is what publishes the zip.  A transactional location's
+        session drops what no commit named (and a local repository's writer lock is released)."""
+        if self.transaction is not None:
+            self.transaction.close()
         try:
             self.zstore.close()
         except Exception:  # closing a store twice or a store without close is harmless ...
@@ -416,8 +428,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-#: storage_options keys that trajstore reads itself (ChunkCache); never passed on to fsspec.
-TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes")
+#: storage_options keys that trajstore reads itself (ChunkCache, the version of an icechunk location);
+#: never passed on to fsspec.
+TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes", "trajstore_version",
+                         "trajstore_checksums")
 
 
 def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -475,6 +489,8 @@ def resolve_location(
         else:
             zstore = ZipWriter(path)
         return Location(zstore, path, None)
+    if path.startswith(("icechunk://", "icechunk+")):
+        return _icechunk_location(path, read_only=read_only, storage_options=storage_options, must_exist=must_exist)
     if _is_url(path):
         opts = fsspec_options(storage_options)
         cache_folder = (storage_options or {}).get("trajstore_chunk_cache")
@@ -493,6 +509,47 @@ def resolve_location(
     if not read_only:
         root.mkdir(parents=True, exist_ok=True)
     return Location(ConfinedLocalStore(root, read_only=read_only), str(root), root)
+
+
+def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, Any] | None,
+                       must_exist: bool) -> Location:
+    """A :class:`Location` inside an icechunk repository (storage/icechunk_location.py): a writer on
+    its branch, a reader on one snapshot (``storage_options["trajstore_version"]``: a tag, a
+    snapshot id or a datetime; default the branch's latest).  ``storage_options["trajstore_checksums"]``
+    (readers): every key read must match the checksums recorded when the version was pushed.
+
+    Raises
+    ------
+    BadOptionError
+        A version given to a writer (an old version is read-only), or an unknown scheme.
+    StoreNotFoundError, NotATrajstoreError, VersionNotFoundError
+        From :func:`~trajstore.storage.icechunk_location.open_repository` and ``resolve_version``.
+    """
+    from trajstore.errors import BadOptionError
+    from trajstore.storage import icechunk_location as ic
+
+    if not ic.is_icechunk_url(url):
+        raise BadOptionError(f"{url!r}: unknown icechunk location; use icechunk://PATH or icechunk+s3://BUCKET/PREFIX")
+    version = (storage_options or {}).get(ic.VERSION_OPTION)
+    if version is not None and not read_only:
+        raise BadOptionError(f"{url}: version {version!r} can only be opened read-only (read_only=True)")
+    try:
+        repo = ic.open_repository(url, fsspec_options(storage_options), create=not read_only and not must_exist)
+    except StoreNotFoundError:
+        if must_exist:
+            raise
+        # A reader of what need not exist (an fsspec URL's missing prefix lists nothing): nothing there.
+        return Location(MemoryStore(read_only=True), url, None)
+    tx = ic.IcechunkSession(repo, url, read_only=read_only,
+                            version=None if version is None else ic.resolve_version(repo, url, version))
+    loc = Location(tx.zstore, url, None)
+    loc.transaction = tx
+    if must_exist and not loc.exists("zarr.json"):
+        loc.close()
+        raise StoreNotFoundError(f"no store at {url!r}: the icechunk repository holds no zarr.json at its root")
+    if read_only and (storage_options or {}).get("trajstore_checksums"):
+        tx.require_checksums()  # every key read is checked against the checksums of its push
+    return loc
 
 
 def _check_not_a_file(root: Path) -> None:
