@@ -215,6 +215,9 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
 
         def compare(c: Mapping[str, np.ndarray]) -> np.ndarray:
             vals = [o(c) for o in operands]
+            if len({v.dtype.kind in "US" for v in vals}) > 1:  # numpy would answer False, not refuse
+                raise _refuse(expr, node, "text (the task strings of a store with a task dictionary, or quoted "
+                                          "strings) compares only with text")
             res = [op(a, b) for op, a, b in zip(ops, vals[:-1], vals[1:])]
             return np.logical_and.reduce(res) if len(res) > 1 else res[0]
 
@@ -238,13 +241,13 @@ def _build(expr: str, node: ast.AST, names: list[str]) -> Callable[[Mapping[str,
 
 
 def _check_text(expr: str, node: ast.AST, operands: list[ast.AST]) -> None:
-    """Strings compare only with text fields (:data:`TEXT_FIELDS`), and text fields only with strings."""
-    def is_text(n: ast.AST) -> bool:
-        return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or _field_name(n) in TEXT_FIELDS
-
-    kinds = {is_text(n) for n in operands}
-    if len(kinds) > 1:
-        raise _refuse(expr, node, f"text (quoted strings and {', '.join(TEXT_FIELDS)}) compares only with text")
+    """Quoted strings compare only with text fields (:data:`TEXT_FIELDS`).  A text field compared with
+    a number is checked when evaluated: a store without a task dictionary may keep a numeric episode
+    data column named ``task`` (its values are numbers then)."""
+    strings = any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in operands)
+    others = [n for n in operands if not (isinstance(n, ast.Constant) and isinstance(n.value, str))]
+    if strings and any(_field_name(n) not in TEXT_FIELDS for n in others):
+        raise _refuse(expr, node, f"quoted strings compare only with text fields ({', '.join(TEXT_FIELDS)})")
 
 
 def _bool(expr: str, v: np.ndarray) -> np.ndarray:
