@@ -55,3 +55,14 @@ def test_bench_import_quick(tmp_path: Path) -> None:
                           str(md)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| cached |" in out.stdout and "## Import time" in md.read_text()
+
+
+def test_bench_codecs_quick(tmp_path: Path) -> None:
+    """The codec benchmark's smoke run: every table of its section, and main() returns the section."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_codecs.py"), "--quick", "--codecs", "jpeg:90",
+                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for what in ("| photos | 84x84x3 | jpeg:90 | cold |", "| photos | 480x640x3 | jpeg:90 | steady |",
+                 "Disk, 300 frames of 480x640x3 as jpeg:90", "| 2 | "):
+        assert what in out.stdout, what
+    assert list(tmp_path.iterdir()) == []  # its stores removed
