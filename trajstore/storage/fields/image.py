@@ -26,6 +26,8 @@ import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
+from trajstore.storage.confined import full_disk
+from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
 from trajstore.storage.fields.image_codecs import ImageCodec
 from trajstore.storage.fields.spec import FieldSpec, chunk_key
@@ -167,6 +169,8 @@ class ImageField(ChunkedField):
         self._limit = 2 * self.C * self._rb + 16 * self.C + 4096
         # Writer: chunk -> each row's encoded frame (None: written since, to encode; b"": never written).
         self._blobs: dict[int, list[bytes | None]] = {}
+        # Rewrites: chunk -> (the decoded chunk edited_chunk returned, its frames; None: to encode).
+        self._staging: dict[int, tuple[np.ndarray, list[bytes | None]]] = {}
 
     # -- reads ------------------------------------------------------------------------------------
     def _damaged(self, k: int, row: int | None, e: BaseException) -> DamagedStoreError:
@@ -258,6 +262,72 @@ class ImageField(ChunkedField):
                     b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
         return out
 
+    # -- rewrites of committed rows (set_at, remove_at, episode edits) ------------------------------
+    def _encoded_chunk(self, k: int) -> list[bytes] | None:
+        """The encoded frames of chunk ``k`` as committed (``b""``: a row never written), or None
+        where this field holds newer rows than its shard (staged, or held without their frames)."""
+        if k in self._override:
+            return None
+        if k in self._cache:
+            blobs = self._blobs.get(k)
+            if blobs is None or any(b is None for b in blobs):
+                return None
+            return [b for b in blobs if b is not None]
+        s = self._get_shards([k], keep=False)[k]
+        if s is None:
+            return [b""] * self.C
+        return [b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
+
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`Field.edited_chunk`, remembering the chunk's encoded frames for
+        :meth:`stage_chunk`: frames kept or moved (``src``) are staged as the bytes they are, only
+        rows given ``values`` are encoded (a lossy frame decoded and encoded again loses quality)."""
+        chunk = edit_chunk(self, k, offs, values, src)
+        frames: list[bytes | None] | None = list(self._encoded_chunk(k) or []) or None
+        if frames is not None and src is not None:
+            moved: list[bytes | None] = []
+            for sk, rows in _by_chunk(src, self.C):
+                got = self._encoded_chunk(sk)
+                if got is None:
+                    frames = None
+                    break
+                moved += [got[r] for r in rows]
+            if frames is not None:
+                for o, b in zip(offs.tolist(), moved):
+                    frames[o] = b
+        elif frames is not None:
+            for o in offs.tolist():
+                frames[o] = None
+        if frames is not None:
+            self._staging[k] = (chunk, frames)
+        return chunk
+
+    def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        """Stage chunk ``k``: the frames :meth:`edited_chunk` kept as they are, the others encoded
+        (all of them for a chunk it did not prepare)."""
+        held = self._staging.pop(k, None)
+        if held is None or held[0] is not data:
+            return super().stage_chunk(prefix, k, data)
+        frames = held[1]
+        todo = [i for i, b in enumerate(frames) if b is None]
+        codec = self.codec
+
+        def run(part: Sequence[int]) -> None:
+            for i in part:
+                frames[i] = codec.encode_frame(data[i])
+
+        parallel(run, todo)
+        hi = min(self.C, self.allocated - k * self.C)
+        out = [b or b"" for b in frames[:hi]] + [b""] * (self.C - hi)
+        self.staging_meta(prefix)
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        try:
+            self.loc.put(f"{prefix}/{key}", write_shard(out))
+        except OSError as e:
+            raise full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
+        return key
+
     # -- writes -----------------------------------------------------------------------------------
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         C, n = self.C, len(data)
@@ -295,3 +365,16 @@ class ImageField(ChunkedField):
     def close(self) -> None:
         super().close()
         self._blobs.clear()
+        self._staging.clear()
+
+
+def _by_chunk(phys: np.ndarray, C: int) -> list[tuple[int, list[int]]]:
+    """Physical rows ``phys`` (in their order) as runs ``(chunk, offsets in it)``."""
+    out: list[tuple[int, list[int]]] = []
+    for r in phys.tolist():
+        k, o = divmod(r, C)
+        if out and out[-1][0] == k:
+            out[-1][1].append(o)
+        else:
+            out.append((k, [o]))
+    return out
