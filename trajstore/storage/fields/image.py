@@ -29,7 +29,7 @@ from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
 from trajstore.storage.confined import full_disk
 from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
-from trajstore.storage.fields.image_codecs import ImageCodec
+from trajstore.storage.fields.image_codecs import image_codec_of
 from trajstore.storage.fields.spec import FieldSpec, chunk_key
 from trajstore.storage.location import Location
 
@@ -158,9 +158,8 @@ class ImageField(ChunkedField):
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
         super().__init__(loc, spec, zarray, writable)
-        codecs = zarray.metadata.codecs  # type: ignore[union-attr]  # checked (array_meta) before opening
-        codec = codecs[0].codecs[0] if len(codecs) == 1 and isinstance(codecs[0], zarr.codecs.ShardingCodec) else None
-        if not isinstance(codec, ImageCodec):
+        codec = image_codec_of(zarray.metadata.codecs)  # type: ignore[union-attr]  # checked (array_meta) before opening
+        if codec is None:
             raise DamagedStoreError(f"{loc.url}: {spec.array_path}: image layout without a trajstore.image codec")
         self.codec = codec
         self._shards: OrderedDict[int, _Shard | None] = OrderedDict()
@@ -277,6 +276,19 @@ class ImageField(ChunkedField):
         if s is None:
             return [b""] * self.C
         return [b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
+
+    def encoded_rows(self, phys: np.ndarray) -> list[bytes]:
+        """The encoded frames of physical rows ``phys`` (B,) int64 as stored (``b""``: a row never
+        written); rows this writer holds newer than its shards (not flushed) are encoded here."""
+        out: list[bytes] = []
+        for k, offs in _by_chunk(np.asarray(phys, np.int64), self.C):
+            got = self._encoded_chunk(k)
+            if got is None:
+                rows = self.gather(np.asarray(offs, np.int64) + k * self.C)
+                out += [self.codec.encode_frame(r) for r in rows]
+            else:
+                out += [got[o] for o in offs]
+        return out
 
     def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
                      src: np.ndarray | None = None) -> np.ndarray:
