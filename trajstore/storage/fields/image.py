@@ -14,10 +14,11 @@ are never encoded twice (a lossy codec would lose quality each time).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -170,6 +171,7 @@ class ImageField(ChunkedField):
         self._blobs: dict[int, list[bytes | None]] = {}
         # Rewrites: chunk -> (the decoded chunk edited_chunk returned, its frames; None: to encode).
         self._staging: dict[int, tuple[np.ndarray, list[bytes | None]]] = {}
+        self._passed: tuple[int, list[bytes]] | None = None  # frames_as_encoded
 
     # -- reads ------------------------------------------------------------------------------------
     def _damaged(self, k: int, row: int | None, e: BaseException) -> DamagedStoreError:
@@ -341,6 +343,17 @@ class ImageField(ChunkedField):
         return key
 
     # -- writes -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def frames_as_encoded(self, phys_lo: int, frames: Sequence[bytes]) -> Iterator[None]:
+        """Within the block: rows ``[phys_lo, phys_lo + len(frames))`` written meanwhile are stored
+        as ``frames`` (bytes in this field's codec) instead of being encoded (an import passing
+        frames through).  The rows written must be what ``frames`` decode to with this codec."""
+        self._passed = (phys_lo, list(frames))
+        try:
+            yield
+        finally:
+            self._passed = None
+
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         C, n = self.C, len(data)
         ks = range(phys_lo // C, (phys_lo + n - 1) // C + 1) if n else range(0)
@@ -353,6 +366,11 @@ class ImageField(ChunkedField):
             blobs = self._blobs.setdefault(k, [None] * C)
             lo, hi = max(phys_lo, k * C) - k * C, min(phys_lo + n, (k + 1) * C) - k * C
             blobs[lo:hi] = [None] * (hi - lo)
+            if self._passed is not None:
+                p0, given = self._passed
+                a, b = max(k * C + lo, p0), min(k * C + hi, p0 + len(given))
+                if a < b:
+                    blobs[a - k * C : b - k * C] = given[a - p0 : b - p0]
 
     def _write_chunk(self, k: int, hi: int) -> None:
         blobs = self._blobs.setdefault(k, [None] * self.C)
