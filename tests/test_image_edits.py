@@ -137,3 +137,47 @@ def test_sigkill_during_set_at_of_a_lossy_field(tmp_path):
     got = stored_frames(store, "img")
     assert len(got) == 40 and all(g == o or g in new for g, o in zip(got, original))
     assert any(g != o for g, o in zip(got, original))  # some edits were committed
+
+
+def test_sequences_and_torch_datasets_decode_on_the_pool_into_one_batch(tmp_path, monkeypatch):
+    """get_sequences, sample_sequences and trajstore.torch's datasets decode a batch's frames on the
+    decode threads (the calling thread and the pool's), into one array of the whole batch.  The
+    codec is the real one; a wrapper records which thread ran each decode."""
+    import threading
+
+    from trajstore.images import ImageCodec, set_decode_threads
+    from trajstore.torch.datasets import SequenceDataset, TransitionDataset
+
+    imgs = frames(96, (20, 20, 3))
+    with TrajectoryReplayBuffer.create(Box(0, 255, (20, 20, 3), np.uint8), cache_path=str(tmp_path / "t"),
+                                       compressor={"step_data": "png"}, chunk_rows=16) as tb:
+        for ep in range(3):
+            tb.extend(imgs[ep * 32 : ep * 32 + 32])
+            tb.mark_episode_end()
+    seen: list[str] = []
+    real = ImageCodec.decode_into
+
+    def recording(self, data, out):
+        seen.append(threading.current_thread().name)
+        return real(self, data, out)
+
+    monkeypatch.setattr(ImageCodec, "decode_into", recording)
+    set_decode_threads(2)
+    try:
+        with TrajectoryReplayBuffer.load_from(str(tmp_path / "t"), read_only=True) as ro:
+            reads = {
+                "get_sequences": lambda: ro.get_sequences(np.arange(3, 96, 3), [-3, -2, -1, 0])[0]["step_data"],
+                "sample_sequences": lambda: ro.sample_sequences(32, 4, rng=0, within_episode=True)[0]["step_data"],
+                "SequenceDataset": lambda: SequenceDataset(str(tmp_path / "t"), 4, output="numpy").read_batch(
+                    np.arange(0, 64, 2))["data"],
+                "TransitionDataset": lambda: TransitionDataset(str(tmp_path / "t"), output="numpy").read_batch(
+                    np.arange(64))["data"],
+            }
+            for name, read in reads.items():
+                seen.clear()
+                got = read()
+                assert got.flags.c_contiguous or (got.base is not None and got.base.flags.c_contiguous), name
+                assert len(seen) >= 32, name
+                assert {s.startswith("trajstore-decode") for s in seen} == {True, False}, (name, set(seen))
+    finally:
+        set_decode_threads(None)
