@@ -28,7 +28,6 @@ import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
 from trajstore.storage.confined import full_disk
-from trajstore.storage.fields._encode_ahead import EncodeAhead
 from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
 from trajstore.storage.fields.image_codecs import image_codec_of
@@ -158,10 +157,6 @@ def write_shard(frames: Sequence[bytes]) -> bytes:
 class ImageField(ChunkedField):
     """A field of frames encoded one by one (a :class:`~trajstore.storage.fields.base.Field`)."""
 
-    #: Encode written rows on a background thread (:mod:`._encode_ahead`) rather than when their
-    #: shard is written.
-    encode_ahead = False
-
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
         super().__init__(loc, spec, zarray, writable)
         codec = image_codec_of(zarray.metadata.codecs)  # type: ignore[union-attr]  # checked (array_meta) before opening
@@ -177,7 +172,6 @@ class ImageField(ChunkedField):
         # Rewrites: chunk -> (the decoded chunk edited_chunk returned, its frames; None: to encode).
         self._staging: dict[int, tuple[np.ndarray, list[bytes | None]]] = {}
         self._passed: tuple[int, list[bytes]] | None = None  # frames_as_encoded
-        self._ahead = EncodeAhead(codec)
 
     # -- reads ------------------------------------------------------------------------------------
     def _damaged(self, k: int, row: int | None, e: BaseException) -> DamagedStoreError:
@@ -276,7 +270,6 @@ class ImageField(ChunkedField):
         if k in self._override:
             return None
         if k in self._cache:
-            self._ahead.wait(k)
             blobs = self._blobs.get(k)
             if blobs is None or any(b is None for b in blobs):
                 return None
@@ -367,7 +360,6 @@ class ImageField(ChunkedField):
         for k in ks:
             if k not in self._cache:
                 self._blobs.pop(k, None)  # (evicted or remapped since: its frames are read again)
-                self._ahead.forget(k)
         super().write(phys_lo, data)
         for k in ks:
             # A chunk held without its frames (read from a staging area) is encoded whole again.
@@ -378,13 +370,9 @@ class ImageField(ChunkedField):
                 p0, given = self._passed
                 a, b = max(k * C + lo, p0), min(k * C + hi, p0 + len(given))
                 if a < b:
-                    self._ahead.invalidate(k, a - k * C, b - k * C)
                     blobs[a - k * C : b - k * C] = given[a - p0 : b - p0]
-            elif self.encode_ahead:
-                self._ahead.submit(k, blobs, lo, self._cache[k][lo:hi].copy())
 
     def _write_chunk(self, k: int, hi: int) -> None:
-        self._ahead.wait(k)
         blobs = self._blobs.setdefault(k, [None] * self.C)
         chunk = self._cache[k]
         todo = [i for i in range(hi - k * self.C) if blobs[i] is None]
@@ -405,7 +393,6 @@ class ImageField(ChunkedField):
             del self._blobs[k]
 
     def close(self) -> None:
-        self._ahead.close()
         super().close()
         self._blobs.clear()
         self._staging.clear()
