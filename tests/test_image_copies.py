@@ -68,3 +68,27 @@ def test_copy_of_a_ring_to_zip_copies_only_committed_frames(tmp_path):
     with ReplayBuffer.load_from(str(dst), read_only=True) as z:
         assert np.array_equal(z[:]["seq"], np.arange(18, 50))
         assert np.array_equal(z[:]["img"], imgs[18:50])  # lossless: exact
+
+
+def test_combine_and_filter_keep_the_codec_and_pass_frames_through(tmp_path):
+    """combine and filter_store write image fields in the source's codec, each frame the bytes it
+    was stored as (a JPEG is not decoded and encoded again)."""
+    from gymnasium.spaces import Box
+
+    from trajstore import TrajectoryReplayBuffer
+    from trajstore.maintenance.combine import combine, filter_store
+
+    imgs = frames(30, (16, 16, 3))
+    for name in ("a", "b"):
+        with TrajectoryReplayBuffer.create(Box(0, 255, (16, 16, 3), np.uint8), cache_path=str(tmp_path / name),
+                                           compressor={"step_data": "jpeg:60"}, chunk_rows=8) as tb:
+            for ep in range(3):
+                tb.extend(imgs[ep * 10 : ep * 10 + 10] if name == "a" else imgs[::-1][ep * 10 : ep * 10 + 10])
+                tb.mark_episode_end()
+    a, b = stored_frames(tmp_path / "a", "step_data"), stored_frames(tmp_path / "b", "step_data")
+    combine([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab"))
+    assert stored_frames(tmp_path / "ab", "step_data") == a + b
+    filter_store(str(tmp_path / "a"), str(tmp_path / "f"), lambda e: e["episode_id"] != 1)
+    assert stored_frames(tmp_path / "f", "step_data") == a[:10] + a[20:]
+    meta = json.loads((tmp_path / "f" / "step_data" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["codecs"][0]["configuration"]["level"] == 60

@@ -36,10 +36,11 @@ from trajstore.maintenance.staged import (
     StagedFolders,
     block_rows,
     check_free,
+    copy_steps,
+    image_compressors,
     local_path,
     not_a_source,
     open_source,
-    step_blocks,
     verify_written,
 )
 from trajstore.maintenance.where import compile_where, where_fields
@@ -193,7 +194,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         tmp = staged.new(out_path)
         try:
             out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
-                                                cache_path=tmp)
+                                                cache_path=tmp, compressor=image_compressors(bufs[0]))
             try:
                 next_id = 0
                 for k, (b, table) in enumerate(zip(bufs, tables)):
@@ -202,10 +203,8 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                     fresh = np.empty(len(src_ids), np.int64)
                     fresh[np.searchsorted(src_ids, table["episode_id"])] = np.arange(next_id, next_id + len(src_ids))
                     next_id += len(src_ids)
-                    for arrays, eids in step_blocks(b, None):
-                        ids = fresh[np.searchsorted(src_ids, eids)]
-                        out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
-                        bar.update(len(eids))
+                    for n in copy_steps(b, out, None, lambda e: fresh[np.searchsorted(src_ids, e)]):
+                        bar.update(n)
                     _combine_episode_data(b, out, src_ids, fresh, k)
                 out.mark_episode_end()
             finally:
@@ -290,14 +289,14 @@ def split_counts(n: int, ratios: Mapping[str, float]) -> dict[str, int]:
 
 def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar: Any) -> int:
     """A store at ``tmp`` with the spaces of ``src`` and its episodes ``ids`` (sorted), ids kept."""
-    out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp)
+    out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp,
+                                        compressor=image_compressors(src))
     steps = 0
     try:
         if len(ids):
-            for arrays, eids in step_blocks(src, ids):
-                out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": eids})
-                bar.update(len(eids))
-                steps += len(eids)
+            for n in copy_steps(src, out, ids, lambda e: e):
+                bar.update(n)
+                steps += n
             if src._ep_plan is not None:
                 plan = src._ep_plan
                 for part, has, arrays in _episode_blocks(src, ids):
