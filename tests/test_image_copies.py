@@ -92,3 +92,18 @@ def test_combine_and_filter_keep_the_codec_and_pass_frames_through(tmp_path):
     assert stored_frames(tmp_path / "f", "step_data") == a[:10] + a[20:]
     meta = json.loads((tmp_path / "f" / "step_data" / "zarr.json").read_text())
     assert meta["codecs"][0]["configuration"]["codecs"][0]["configuration"]["level"] == 60
+
+
+def test_copy_to_a_new_layout_keeps_lossy_frames_bytes(tmp_path):
+    """``trajstore copy --chunk-rows`` (a relayout through the buffer API) keeps the image codec of
+    each field and its frames' bytes, so the copy compares equal to the source and verifies."""
+    src, dst = tmp_path / "s", tmp_path / "d"
+    imgs = frames(37, (24, 24, 3))
+    with make(src, (24, 24, 3), "jpeg:75", chunk_rows=16) as rb:
+        rb.extend({"img": imgs, "seq": np.arange(37)})
+    out = subprocess.run([sys.executable, "-m", "trajstore", "copy", str(src), str(dst), "--chunk-rows", "8"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert stored_frames(dst, "img") == stored_frames(src, "img")
+    meta = json.loads((dst / "step_data" / "img" / "zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"][0] == 8
