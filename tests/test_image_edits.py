@@ -181,3 +181,21 @@ def test_sequences_and_torch_datasets_decode_on_the_pool_into_one_batch(tmp_path
                 assert {s.startswith("trajstore-decode") for s in seen} == {True, False}, (name, set(seen))
     finally:
         set_decode_threads(None)
+
+
+def test_set_at_in_a_ring_still_filling_a_shard_keeps_other_frames(tmp_path):
+    """A ring whose writer holds the shard it fills (rows not yet encoded): ``set_at`` there encodes
+    the held rows once and the row written; committed frames keep their bytes."""
+    store = tmp_path / "r"
+    imgs, new = frames(30, (16, 16, 3)), frames(1, (16, 16, 3), seed=4)
+    with make(store, (16, 16, 3), "jpeg:70", capacity=24, chunk_rows=8) as rb:
+        rb.extend({"img": imgs[:20], "seq": np.arange(20)})
+        rb.flush()
+        before = stored_frames(store, "img")
+        rb.extend({"img": imgs[20:], "seq": np.arange(20, 30)})  # wraps: slots 20..23, then 0..5
+        rb.set_at(np.array([0]), {"img": new, "seq": np.array([99])})  # logical row 0 = slot 6
+        after = stored_frames(store, "img")
+    assert after[8:20] == before[8:20]  # shards the edit and the new rows did not touch
+    assert after[6] != before[6] and after[7] == before[7]  # the edited shard: its other committed frame kept
+    with ReplayBuffer.load_from(str(store), read_only=True) as ro:
+        assert ro[:]["seq"].tolist() == [99, *range(7, 30)]

@@ -264,16 +264,18 @@ class ImageField(ChunkedField):
         return out
 
     # -- rewrites of committed rows (set_at, remove_at, episode edits) ------------------------------
-    def _encoded_chunk(self, k: int) -> list[bytes] | None:
-        """The encoded frames of chunk ``k`` as committed (``b""``: a row never written), or None
-        where this field holds newer rows than its shard (staged, or held without their frames)."""
+    def _encoded_chunk(self, k: int) -> list[bytes | None] | None:
+        """The encoded frames of chunk ``k`` (``b""``: a row never written; None: a row this writer
+        holds written but not yet encoded, to encode from its decoded rows), or None where this
+        field holds newer rows than its shard without their frames (staged, or read from staging)."""
         if k in self._override:
             return None
         if k in self._cache:
             blobs = self._blobs.get(k)
-            if blobs is None or any(b is None for b in blobs):
-                return None
-            return [b for b in blobs if b is not None]
+            if blobs is not None:
+                return list(blobs)
+            if k in self._dirty:
+                return None  # (a clean chunk holds what the shard does)
         s = self._get_shards([k], keep=False)[k]
         if s is None:
             return [b""] * self.C
@@ -284,12 +286,13 @@ class ImageField(ChunkedField):
         written); rows this writer holds newer than its shards (not flushed) are encoded here."""
         out: list[bytes] = []
         for k, offs in _by_chunk(np.asarray(phys, np.int64), self.C):
-            got = self._encoded_chunk(k)
-            if got is None:
-                rows = self.gather(np.asarray(offs, np.int64) + k * self.C)
-                out += [self.codec.encode_frame(r) for r in rows]
-            else:
-                out += [got[o] for o in offs]
+            got = self._encoded_chunk(k) or [None] * self.C
+            todo = [o for o in offs if got[o] is None]
+            if todo:  # rows held decoded only: encoded here
+                rows = self.gather(np.asarray(todo, np.int64) + k * self.C)
+                for o, r in zip(todo, rows):
+                    got[o] = self.codec.encode_frame(r)
+            out += [got[o] or b"" for o in offs]
         return out
 
     def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
