@@ -63,6 +63,6 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     for what in ("| photos | 84x84x3 | jpeg:90 | cold |", "| photos | 480x640x3 | jpeg:90 | steady |",
-                 "Disk, 300 frames of 480x640x3 as jpeg:90", "| 2 | "):
+                 "Disk, 128 frames of 480x640x3 as jpeg:90", "| default | 2 | ", "| 1 | 2 | "):
         assert what in out.stdout, what
     assert list(tmp_path.iterdir()) == []  # its stores removed
