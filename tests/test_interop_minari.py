@@ -283,3 +283,65 @@ def test_export_image_observations_exactly(tmp_path: Path, data_format: str) -> 
     assert ds.storage.FORMAT == data_format
     (ep,) = list(ds.iterate_episodes())
     np.testing.assert_array_equal(ep.observations, frames)
+
+
+def _jpeg_dataset(dataset_id: str, data_format: str, lengths: tuple[int, ...] = (5, 9)) -> list[np.ndarray]:
+    """A dataset whose Dict observations hold an image (minari JPEG-encodes it, its default) and a
+    vector; returns each episode's T+1 images."""
+    y, x = np.mgrid[0:48, 0:40]
+    obs_space = gym.spaces.Dict({"cam": gym.spaces.Box(0, 255, (48, 40, 3), np.uint8),
+                                 "pos": gym.spaces.Box(-1, 1, (2,), np.float32)})
+    images, buffers = [], []
+    for k, t in enumerate(lengths):
+        cam = np.stack([np.stack([(128 + 100 * np.sin((x + 3 * i + c) / 6) * np.cos(y / 9)).astype(np.uint8)
+                                  for c in range(3)], -1) for i in range(t + 1)])
+        images.append(cam)
+        buffers.append(EpisodeBuffer(id=k, seed=k, observations={"cam": cam, "pos": np.zeros((t + 1, 2), np.float32)},
+                                     actions=np.zeros(t, np.int64), rewards=np.ones(t),
+                                     terminations=np.arange(t) == t - 1, truncations=np.zeros(t, bool)))
+    minari.create_dataset_from_buffers(dataset_id, buffers, observation_space=obs_space,
+                                       action_space=gym.spaces.Discrete(2), algorithm_name="x", data_format=data_format)
+    return images
+
+
+def _stored_jpegs(ds_path: Path, data_format: str, ep: int) -> list[bytes]:
+    """The JPEG bytes minari stored for episode ``ep``'s ``cam`` observations."""
+    if data_format == "hdf5":
+        import h5py
+
+        with h5py.File(ds_path / "data" / "main_data.hdf5", "r") as f:
+            return [np.asarray(a, np.uint8).tobytes() for a in f[f"episode_{ep}/observations/cam"][()]]
+    import pyarrow.dataset as pads
+
+    col = pads.dataset(str(ds_path / "data" / str(ep)), format=data_format,
+                       ignore_prefixes=["_", ".", "metadata.json"]).to_table()["observations"]
+    return [v.as_py() for v in col.combine_chunks().field("cam")]
+
+
+@pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
+def test_import_keeps_minari_jpeg_frames_as_their_bytes(tmp_path: Path, datasets_root: Path, data_format: str) -> None:
+    """With the destination a JPEG field at minari's quality (``MINARI_JPEG``), each stored frame is
+    the JPEG minari stored, byte for byte (no decode/encode round trip); another codec transcodes."""
+    pytest.importorskip("imagecodecs")
+    from trajstore.interop._minari_frames import MINARI_JPEG
+    from trajstore.storage.fields.image import read_index
+
+    images = _jpeg_dataset("toy/cam-v0", data_format)
+    comp = {"obs/cam": MINARI_JPEG, "next_obs/cam": MINARI_JPEG}
+    with import_minari("toy/cam-v0", tmp_path / "jpeg", compressor=comp) as b:
+        n = len(b)
+    assert n == 14
+    src = [_stored_jpegs(datasets_root / "toy" / "cam-v0", data_format, ep) for ep in range(2)]
+    for side, pick in (("obs", lambda s: s[:-1]), ("next_obs", lambda s: s[1:])):
+        arr = tmp_path / "jpeg" / "step_data" / side / "cam"
+        C = json.loads((arr / "zarr.json").read_text())["chunk_grid"]["configuration"]["chunk_shape"][0]
+        buf = np.fromfile(arr / "c" / "0" / "0" / "0" / "0", np.uint8)
+        offsets, sizes = read_index(buf, C)
+        stored = [buf[o : o + s].tobytes() for o, s in zip(offsets[:n].tolist(), sizes[:n].tolist())]
+        assert stored == pick(src[0]) + pick(src[1]), side
+    with TrajectoryReplayBuffer.load_from(tmp_path / "jpeg", read_only=True) as b:
+        cam = b[:]["step_data"]["obs"]["cam"]
+        assert 30 < 10 * np.log10(255**2 / np.mean((cam[:5].astype(float) - images[0][:5]) ** 2))
+    # Another codec: transcoded from the decoded frames, losslessly here.
+    with import_minari("toy/cam-v0", tmp_path / "png", compressor={"obs/cam": "png", "next_obs/cam": "png"}) as b:
+        assert np.array_equal(b[:]["step_data"]["obs"]["cam"], cam)

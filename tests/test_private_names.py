@@ -46,8 +46,8 @@ REACHES_LEFT = {
     "trajstore/interop/d4rl.py": 1,
     "trajstore/interop/diffusion_policy.py": 1,
     "trajstore/interop/minari.py": 2,
-    "trajstore/maintenance/combine.py": 14,
-    "trajstore/maintenance/staged.py": 2,
+    "trajstore/maintenance/combine.py": 12,
+    "trajstore/maintenance/staged.py": 3,
     # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
     # observation gathering read by the vectorized wrapper.
     "trajstore/buffers/replay.py": 1,

@@ -45,3 +45,16 @@ def test_ring_fullness_quick() -> None:
                           "--seconds", "1.5", "--check"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "capacity     1,000: writer" in out.stdout and "0 sample errors" in out.stdout
+
+
+def test_bench_codecs_quick(tmp_path: Path) -> None:
+    """The codec benchmark's smoke run: every table of its section, and main() returns the section."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_codecs.py"), "--quick", "--codecs", "jpeg:90",
+                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    for what in ("| photos | 84x84x3 | jpeg:90 | cold |", "| photos | 480x640x3 | jpeg:90 | steady |",
+                 "Disk, 128 frames of 480x640x3 as jpeg:90", "| default | 2 | ", "| 1 | 2 | "):
+        assert what in out.stdout, what
+    assert list(tmp_path.iterdir()) == []  # its stores removed
+    assert out.stdout.startswith("## Image codecs: size and random reads (bench_codecs.py)") or \
+        "\n## Image codecs: size and random reads (bench_codecs.py)\n" in out.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
@@ -23,6 +24,7 @@ from trajstore.maintenance.repair import RepairReport, repair_store
 from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
 from trajstore.metadata import DATASET_KEY
+from trajstore.storage.fields.image import ImageField
 from trajstore.storage.publish import destination_full, partial_path, publish, remove_entry
 
 __all__ = ["register", "copy_store"]
@@ -269,8 +271,15 @@ def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, c
     spaces = source.attrs["spaces"]
     steps = source.tables[STEPS]
 
+    images = {f.spec.array_path: f for f in steps.fields if isinstance(f, ImageField)}
+
     def comp(path: str) -> Any:
         if compressor in ("keep", "auto"):
+            if path == steps.fields[0].spec.array_path and images:
+                # Image fields keep their codecs; the others (as without images) the first one's.
+                other = next((f.spec.array_path for f in steps.fields if f.spec.array_path not in images), None)
+                return {**{p: f.codec for p, f in images.items()}, "*": None if other is None else
+                        _source_codec(source, other)}
             return _source_codec(source, path)
         return None if compressor == "none" else compressor
 
@@ -298,12 +307,20 @@ def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, c
             out.store.loc.put(DATASET_KEY, description)
         try:
             which = list(range(len(steps.fields)))
-            for _lo, arrays in iter_blocks(steps, which):
+            # Frames of image fields stored in the same codec in the copy pass as their bytes.
+            passed = [(images[f.spec.array_path], f) for f in out.row_source().table.fields
+                      if isinstance(f, ImageField) and f.spec.array_path in images
+                      and images[f.spec.array_path].codec == f.codec]
+            for lo, arrays in iter_blocks(steps, which):
                 value = step_plan.from_arrays(arrays[:n_leaves])
-                if kind == "ReplayBuffer":
-                    out.extend(value)
-                else:
-                    out.extend({"step_data": value, "episode_ids": arrays[n_leaves]})
+                with contextlib.ExitStack() as stack:
+                    rows = np.asarray(steps.physical(np.arange(lo, lo + len(arrays[0]))))
+                    for sf, df in passed:
+                        stack.enter_context(df.frames_as_encoded(len(out), sf.encoded_rows(rows)))
+                    if kind == "ReplayBuffer":
+                        out.extend(value)
+                    else:
+                        out.extend({"step_data": value, "episode_ids": arrays[n_leaves]})
                 bar.update(len(arrays[0]))
             if kind == "TrajectoryReplayBuffer":
                 et = source.tables.get("episode_data")

@@ -297,9 +297,7 @@ class Table:
             ks = phys // f.C
             for k in np.unique(ks).tolist():
                 sel = ks == k
-                chunk = f.read_chunk(k)
-                chunk[phys[sel] - k * f.C] = a[sel]
-                yield f, k, chunk
+                yield f, k, f.edited_chunk(k, phys[sel] - k * f.C, values=a[sel])
 
     def rewrite_plan_remove(self, logical: np.ndarray) -> Iterator[tuple[Field, int, np.ndarray]]:
         """Yield ``(field, chunk, new_chunk_data)`` that delete rows ``logical`` and move later rows up.
@@ -323,6 +321,4 @@ class Table:
             ks = dst_phys // f.C
             for k in np.unique(ks).tolist():
                 sel = ks == k
-                chunk = f.read_chunk(k)
-                chunk[dst_phys[sel] - k * f.C] = f.gather(src_phys[sel])
-                yield f, k, chunk
+                yield f, k, f.edited_chunk(k, dst_phys[sel] - k * f.C, src=src_phys[sel])

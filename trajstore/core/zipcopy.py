@@ -28,11 +28,13 @@ from trajstore.core.progress import progress_bar
 from trajstore.core.ring import contiguous_runs
 from trajstore.core.store import ATTRS_KEY, Store
 from trajstore.errors import StoreExistsError
+from trajstore.storage.fields.image import ImageField, write_shard
+from trajstore.storage.fields.image_codecs import image_codec_of
 from trajstore.storage.fields.spec import (
     FieldSpec,
     chunk_key,
+    create_codecs,
     make_field_spec,
-    parse_compressor,
     raw_row_align,
 )
 from trajstore.storage.head import (
@@ -60,16 +62,21 @@ _BLOCK_BYTES = 16 << 20
 
 def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np.dtype, capacity: int | None,
                 rows: int, src_chunk_rows: int, compressor: Any, chunk_rows: int | None) -> tuple[Any, Any]:
-    """``(FieldSpec, zarr compressors)`` of one field of a table holding ``rows`` committed rows
-    in the zip (see :func:`write_zip`)."""
+    """``(FieldSpec, zarr create_array codec arguments)`` of one field of a table holding ``rows``
+    committed rows in the zip (see :func:`write_zip`).  An image field keeps its codec under
+    ``"auto"`` and ``"keep"``."""
     codecs = store.group[path].metadata.codecs  # type: ignore[union-attr]
     src = [c for c in codecs if isinstance(c, zarr.abc.codec.BytesBytesCodec)]  # compressors, not the bytes codec
+    image = image_codec_of(codecs)
     choice = compressor
     if isinstance(choice, str) and choice == "auto":
-        choice = "keep" if src else ZIP_COMPRESSOR
+        choice = "keep" if src or image is not None else ZIP_COMPRESSOR
     if isinstance(choice, str) and choice == "keep":
+        if image is not None:  # frames stay as they are encoded (copied as bytes, see write_zip)
+            spec = FieldSpec(path, row_shape, dtype, chunk_rows or src_chunk_rows, "image", image)
+            return spec, create_codecs(spec)
         if src:  # the source's own codec, as configured (row blocks included)
-            return FieldSpec(path, row_shape, dtype, chunk_rows or src_chunk_rows, "compressed"), tuple(src)
+            return FieldSpec(path, row_shape, dtype, chunk_rows or src_chunk_rows, "compressed"), {"compressors": tuple(src)}
         choice = None
     spec = make_field_spec(path, row_shape, dtype, capacity=capacity, compressor=choice, chunk_rows=chunk_rows)
     if chunk_rows is None:
@@ -82,10 +89,22 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
             spec.chunk_rows = min(spec.chunk_rows, -(-max(rows, 1) // align) * align)
         else:
             spec.chunk_rows = min(spec.chunk_rows, 1 << max(rows - 1, 0).bit_length())
-    if spec.layout == "raw":
-        return spec, None
-    codec, _label = parse_compressor(spec.compressor, spec.dtype)
-    return spec, codec
+    return spec, create_codecs(spec)
+
+
+def _copy_frames(f: ImageField, loc: Location, spec: FieldSpec, runs: list[tuple[int, int, int]], needed: list[int],
+                 bar: Any) -> None:
+    """An image field's committed frames into the zip as the bytes they are stored as (no decode,
+    no encode: a lossy frame keeps its quality), in shards of ``spec.chunk_rows`` frames."""
+    C, ndim = spec.chunk_rows, len(spec.row_shape) + 1
+    for k in needed:
+        frames = [b""] * C  # rows not committed: never written (zarr's fill value)
+        for p, _o, m in runs:
+            a, b = max(p, k * C), min(p + m, (k + 1) * C)
+            if a < b:
+                frames[a - k * C : b - k * C] = f.encoded_rows(np.arange(a, b))
+                bar.update(b - a)
+        loc.put(chunk_key(spec.array_path, k, ndim), write_shard(frames))
 
 
 def _chunk_blocks(needed: list[int], per_block: int) -> list[tuple[int, int]]:
@@ -197,7 +216,7 @@ def _zip_metadata(store: "Store", attrs: dict[str, Any], plans: list[_Plan]) -> 
     group = zarr.create_group(mem.zstore, attributes={ATTRS_KEY: attrs})
     for _t, _f, spec, codec, alloc in plans:
         group.create_array(spec.array_path, shape=(alloc, *spec.row_shape), chunks=(spec.chunk_rows, *spec.row_shape),
-                           dtype=spec.dtype, compressors=codec, filters=None,
+                           dtype=spec.dtype, **codec, filters=None,
                            fill_value=np.zeros((), spec.dtype)[()], config={"write_empty_chunks": True})
     consolidate_metadata(mem)
     dataset = root_attribute(store.loc, DATASET_ATTR)
@@ -228,6 +247,9 @@ def _copy_rows(plan: _Plan, mem: Location, loc: Location, bar: Any) -> None:
     C, ndim = spec.chunk_rows, len(spec.row_shape) + 1
     runs = contiguous_runs(t.state.start, t.state.end, t.capacity)
     needed = sorted({k for p, _o, m in runs for k in range(p // C, (p + m - 1) // C + 1)})
+    if isinstance(f, ImageField) and spec.compressor == f.codec:
+        _copy_frames(f, loc, spec, runs, needed, bar)  # frames as the bytes they are
+        return
     z = zarr.open_array(mem.zstore, path=spec.array_path, mode="r+").with_config({"write_empty_chunks": True})
     for k0, k1 in _chunk_blocks(needed, max(1, _BLOCK_BYTES // max(C * spec.row_bytes, 1))):
         lo, hi = k0 * C, min(k1 * C, alloc)

@@ -9,6 +9,7 @@ the largest episode, not by the dataset.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,11 +40,12 @@ from trajstore.interop._common import (
     step_leaves,
 )
 from trajstore.interop._minari_arrow import iterate_episodes
+from trajstore.interop._minari_frames import MINARI_JPEG, MinariFrames, jpeg_leaves, passes_through
 from trajstore.interop.foreign_gate import check_declared, check_folder, h5py_module, open_below, open_hdf5, parse_json
 from trajstore.recording import EPISODE_SPACE
 from trajstore.storage.confined import MAX_META_BYTES
 
-__all__ = ["import_minari", "export_minari", "minari_to_store"]
+__all__ = ["MINARI_JPEG", "import_minari", "export_minari", "minari_to_store"]
 
 
 def _minari(what: str) -> Any:
@@ -215,16 +217,23 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
     leaves(obs_space)  # an unsupported space is refused here, naming its leaf
     leaves(act_space)
     first = next(_read_episodes(ds, where), (None, None))[0]
-    info = _info_spaces(first.infos, len(first.rewards), f"{where}: infos") if first is not None else {}
+    info = _info_spaces(first.infos or {}, len(first.rewards), f"{where}: infos") if first is not None else {}
     space = recorder_space(obs_space, act_space, next_obs=True, info=info)
     ep_space = Dict({**EPISODE_SPACE.spaces, "minari_id": Box(0, 2**62, (), np.int64)})
     meta = _json_metadata(ds.storage.metadata)
     with ImportWriter(cache_path, space, what="import_minari", create_kwargs=create_kwargs,
-                      total=int(ds.total_steps), tqdm=tqdm, overwrite=overwrite, episode_space=ep_space) as w:
+                      total=int(ds.total_steps), tqdm=tqdm, overwrite=overwrite, episode_space=ep_space) as w, \
+            MinariFrames(ds, where) as jpegs:
+        assert w.buf is not None
+        fields = {f.spec.array_path: f for f in w.buf.row_source().table.fields}
+        # Image leaves whose JPEG bytes go into both obs and next_obs fields as they are.
+        through = [p for p in jpeg_leaves(ds) if all(passes_through(fields.get("/".join(("step_data", side, *p))))
+                                                     for side in ("obs", "next_obs"))]
         for ep, seed in _read_episodes(ds, where):
             t = len(ep.rewards)
             if t == 0:
                 continue
+            passed = _passed_frames(jpegs, ep, t, through, fields, w.steps)
             w.set_episode_extra(w.episodes, {"minari_id": np.int64(ep.id),
                                              "seed": np.int64(-1 if seed is None else int(seed))})
             done = np.zeros(t, np.bool_)
@@ -236,9 +245,42 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
                                      "truncated": np.asarray(ep.truncations, np.bool_)}
             if info:
                 block["info"] = _step_infos({key: ep.infos[key] for key in info}, t)
-            w.write(block, done)
+            with contextlib.ExitStack() as stack:
+                for field, phys_lo, frames, decoded in passed:
+                    _put_leaf(block, field.spec.array_path.split("/")[1:], decoded)
+                    stack.enter_context(field.frames_as_encoded(phys_lo, frames))
+                w.write(block, done)
         out = w.finish({"imported_from": {"format": "minari", "source": where, "metadata": meta}})
     return {"source": where, **out}
+
+
+def _passed_frames(jpegs: MinariFrames, ep: Any, t: int, paths: list[tuple[str, ...]], fields: dict[str, Any],
+                   phys_lo: int) -> list[tuple[Any, int, list[bytes], np.ndarray]]:
+    """``(field, first row, JPEG frames, the frames decoded by the field's codec)`` of the obs and
+    next_obs fields of episode ``ep`` (``t`` steps, written from row ``phys_lo``) for each leaf in
+    ``paths``: its T+1 stored JPEGs, the first T as obs, the last T as next_obs."""
+    out = []
+    for path in paths:
+        blobs = jpegs.episode(int(ep.id), path, t + 1)
+        obs = fields["/".join(("step_data", "obs", *path))]
+        decoded = np.empty((t + 1, *obs.spec.row_shape), obs.spec.dtype)
+        for i, b in enumerate(blobs):
+            try:
+                obs.codec.decode_into(b, decoded[i])
+            except Exception as e:  # noqa: BLE001  # a frame is input: whatever garbage makes a codec raise
+                raise DamagedStoreError(f"import_minari: episode {ep.id}: observations{''.join('/' + k for k in path)} "
+                                        f"frame {i} does not decode ({type(e).__name__}: {e})") from None
+        nxt = fields["/".join(("step_data", "next_obs", *path))]
+        out += [(obs, phys_lo, blobs[:t], decoded[:t]), (nxt, phys_lo, blobs[1:], decoded[1:])]
+    return out
+
+
+def _put_leaf(block: dict[str, Any], keys: list[str], value: np.ndarray) -> None:
+    """Set ``block[keys[0]][keys[1]]...`` to ``value``."""
+    node = block
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
 
 
 def _read_episodes(ds: Any, where: str) -> Iterator[tuple[Any, Any]]:
@@ -287,6 +329,11 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         Replace an existing store at ``cache_path`` (after the new one verified).
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
+        Image observations that minari stores JPEG-encoded (its default) keep their JPEG bytes,
+        without a decode/encode round trip, where both their ``obs/<key>`` and ``next_obs/<key>``
+        fields are given ``compressor`` ``"jpeg:75"`` (Pillow's quality, which minari writes
+        with: ``trajstore.interop.minari.MINARI_JPEG``); any other compressor stores the decoded
+        frames (raw by default, or encoded in that codec).
 
     Returns
     -------

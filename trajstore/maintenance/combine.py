@@ -38,10 +38,11 @@ from trajstore.maintenance.staged import (
     adopt_video,
     block_rows,
     check_free,
+    copy_steps,
+    kept_compressors,
     local_path,
     not_a_source,
     open_source,
-    step_blocks,
     verify_written,
     video_compressors,
 )
@@ -203,7 +204,7 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
         tmp = staged.new(out_path)
         try:
             out = TrajectoryReplayBuffer.create(bufs[0].step_space, episode_data_instance_space=ep_space,
-                                                cache_path=tmp, compressor=video_compressors(bufs[0]))
+                                                cache_path=tmp, compressor=kept_compressors(bufs[0]))
             try:
                 next_id = 0
                 merged = RobotInfo(infos[0].fps)
@@ -214,10 +215,8 @@ def combine(sources: Sequence[PathLike | TrajectoryReplayBuffer], dst: PathLike,
                     fresh[np.searchsorted(src_ids, table["episode_id"])] = np.arange(next_id, next_id + len(src_ids))
                     next_id += len(src_ids)
                     adopt_video(b, None, out)  # video segments byte for byte (same settings as the first source)
-                    for arrays, eids in step_blocks(b, None):
-                        ids = fresh[np.searchsorted(src_ids, eids)]
-                        out.extend({"step_data": b._step_plan.from_arrays(arrays), "episode_ids": ids})
-                        bar.update(len(eids))
+                    for n in copy_steps(b, out, None, lambda e: fresh[np.searchsorted(src_ids, e)]):
+                        bar.update(n)
                     _combine_episode_data(b, out, src_ids, fresh, k)
                     merge_tasks(merged, infos[k], src_ids, fresh)
                 out.mark_episode_end()
@@ -306,15 +305,14 @@ def split_counts(n: int, ratios: Mapping[str, float]) -> dict[str, int]:
 def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar: Any) -> int:
     """A store at ``tmp`` with the spaces of ``src`` and its episodes ``ids`` (sorted), ids kept."""
     out = TrajectoryReplayBuffer.create(src.step_space, episode_data_instance_space=src.episode_space, cache_path=tmp,
-                                        compressor=video_compressors(src))
+                                        compressor=kept_compressors(src))
     steps = 0
     try:
         if len(ids):
             adopt_video(src, ids, out)  # video segments of whole episodes byte for byte
-            for arrays, eids in step_blocks(src, ids):
-                out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": eids})
-                bar.update(len(eids))
-                steps += len(eids)
+            for n in copy_steps(src, out, ids, lambda e: e):
+                bar.update(n)
+                steps += n
             if src._ep_plan is not None:
                 plan = src._ep_plan
                 for part, has, arrays in _episode_blocks(src, ids):

@@ -14,6 +14,7 @@ destinations.  Sources are read a bounded block of steps at a time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -25,10 +26,11 @@ from trajstore.buffers.rows import SelectionRows
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, DamagedStoreError, StoreExistsError
 from trajstore.maintenance.verify import verify_store
+from trajstore.storage.fields.image import ImageField
 from trajstore.storage.fields.video import VideoField
 from trajstore.storage.publish import destination_full, partial_path, publish, recover, remove_entry
 
-__all__ = ["BLOCK_BYTES", "local_path", "check_free", "partial_path", "StagedFolders", "not_a_source",
+__all__ = ["BLOCK_BYTES", "local_path", "check_free", "copy_steps", "image_compressors", "partial_path", "StagedFolders", "not_a_source",
            "verify_written", "open_source", "block_rows", "step_blocks"]
 
 #: Steps are copied in blocks of about this many bytes.
@@ -184,11 +186,45 @@ def adopt_video(src: TrajectoryReplayBuffer, ids: np.ndarray | None, out: Trajec
     return n
 
 
-def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None,
-                leaves: Sequence[int] | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+def image_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
+    """``{field path: its ImageCodec}`` of the image fields of ``buf``'s steps (a ``compressor``
+    for ``create`` that keeps their codecs; other fields raw), None when it has none."""
+    got = {f.spec.array_path: f.codec for f in buf.row_source().table.fields if isinstance(f, ImageField)}
+    return got or None
+
+
+def kept_compressors(buf: TrajectoryReplayBuffer) -> dict[str, Any] | None:
+    """``compressor=`` for a copy of ``buf``'s step data that keeps its image codecs
+    (:func:`image_compressors`) and video settings (:func:`video_compressors`); None: neither."""
+    got = (image_compressors(buf) or {}) | (video_compressors(buf) or {})
+    return got or None
+
+
+def copy_steps(src: TrajectoryReplayBuffer, out: TrajectoryReplayBuffer, ids: np.ndarray | None,
+               episode_ids: Callable[[np.ndarray], np.ndarray]) -> Iterator[int]:
+    """Append the steps of ``src``'s episodes ``ids`` (all with None) to the new unbounded store
+    ``out``, with episode ids ``episode_ids(source ids)``, a block at a time (yields each block's
+    steps).  Image fields stored in the same codec in both pass their frames as the bytes they are
+    (:meth:`ImageField.frames_as_encoded <trajstore.storage.fields.image.ImageField.frames_as_encoded>`):
+    a lossy frame is never encoded again."""
+    src_fields = {f.spec.array_path: f for f in src.row_source().table.fields if isinstance(f, ImageField)}
+    pairs = [(sf, f) for f in out.row_source().table.fields
+             if isinstance(f, ImageField) and (sf := src_fields.get(f.spec.array_path)) is not None and sf.codec == f.codec]
+    for arrays, eids, phys in step_blocks(src, ids, with_rows=True):
+        with contextlib.ExitStack() as stack:
+            lo = len(out)
+            for sf, df in pairs:
+                stack.enter_context(df.frames_as_encoded(lo, sf.encoded_rows(phys)))
+            out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": episode_ids(eids)})
+        yield len(eids)
+
+
+def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None, leaves: Sequence[int] | None = None,
+                with_rows: bool = False) -> Iterator[Any]:
     """``(step leaf arrays, episode ids)`` of the steps of episodes ``ids`` (all with None), in row
     order, a bounded block at a time; only the step leaves numbered ``leaves`` (default: all),
-    so a remote source transfers those arrays' chunks only."""
+    so a remote source transfers those arrays' chunks only; ``with_rows``: ``(arrays, ids,
+    physical rows (B,) int64)``."""
     buf.sync_reads()
     t = buf.rows_table
     which = list(range(len(buf._step_plan.leaves))) if leaves is None else list(leaves)
@@ -197,11 +233,11 @@ def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None,
     if ids is None:
         for lo in range(0, t.count, step):
             *arrays, eids = t.read_contiguous(lo, min(lo + step, t.count), fields)
-            yield arrays, eids
+            yield (arrays, eids, np.asarray(t.physical(np.arange(lo, lo + len(eids))))) if with_rows else (arrays, eids)
         return
     sel = SelectionRows(buf.row_source(), ids)
     n = sel.count
     for lo in range(0, n, step):
         rows = sel.to_parent(np.arange(lo, min(lo + step, n)))
         *arrays, eids = t.gather(rows, fields)
-        yield arrays, eids
+        yield (arrays, eids, np.asarray(t.physical(rows))) if with_rows else (arrays, eids)

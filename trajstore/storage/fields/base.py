@@ -19,7 +19,7 @@ import numpy as np
 from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.location import Location
 
-__all__ = ["Field", "gather_windows_by_rows"]
+__all__ = ["Field", "edit_chunk", "gather_windows_by_rows"]
 
 
 @runtime_checkable
@@ -83,6 +83,13 @@ class Field(Protocol):
     def read_chunk(self, k: int) -> np.ndarray:
         """A copy of chunk ``k``: (C, *row_shape)."""
 
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        """Chunk ``k`` (a copy, (C, *row_shape)) with its rows ``offs`` (n,) int64 replaced by
+        ``values`` (n, *row_shape), or by the physical rows ``src`` (n,) int64 of this field, for
+        :meth:`stage_chunk` (engines keeping encoded frames then encode only rows ``offs``, and
+        frames moved by ``src`` not at all; see :func:`edit_chunk`)."""
+
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Write chunk ``k`` whole under the staging ``prefix``; returns its key (relative to the prefix)."""
 
@@ -101,6 +108,15 @@ class Field(Protocol):
 
     def close(self) -> None:
         """Release maps, descriptors and caches."""
+
+
+def edit_chunk(field: Field, k: int, offs: np.ndarray, values: np.ndarray | None,
+               src: np.ndarray | None) -> np.ndarray:
+    """:meth:`Field.edited_chunk` through the decoded rows: ``field.read_chunk(k)`` with rows
+    ``offs`` set to ``values`` or to ``field.gather(src)``."""
+    chunk = field.read_chunk(k)
+    chunk[offs] = values if src is None else field.gather(src)
+    return chunk
 
 
 def gather_windows_by_rows(field: Field, phys: np.ndarray, length: int,

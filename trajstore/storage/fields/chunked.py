@@ -32,7 +32,7 @@ from trajstore.storage.fields._blosc import GETITEM as _GETITEM
 from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._blosc import check_frame as _check_frame
 from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
-from trajstore.storage.fields.base import gather_windows_by_rows
+from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,
     FieldSpec,
@@ -436,6 +436,10 @@ class ChunkedField:
     def read_chunk(self, k: int) -> np.ndarray:
         return self._chunks([k])[k].copy()
 
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        return edit_chunk(self, k, offs, values, src)
+
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         key = chunk_key(self.spec.array_path, k, self._ndim)
         try:
@@ -446,11 +450,15 @@ class ChunkedField:
             raise _full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
         return key
 
-    def _staging_array(self, prefix: str) -> zarr.Array[Any]:
-        """A zarr array with this field's metadata under ``prefix`` (so staged chunks decode alike)."""
+    def staging_meta(self, prefix: str) -> None:
+        """This field's ``zarr.json`` under the staging ``prefix`` (so staged chunks decode alike)."""
         meta_key = f"{prefix}/{self.spec.array_path}/zarr.json"
         if not self.loc.exists(meta_key):
             self.loc.put(meta_key, self.loc.get(f"{self.spec.array_path}/zarr.json") or b"")
+
+    def _staging_array(self, prefix: str) -> zarr.Array[Any]:
+        """A zarr array with this field's metadata under ``prefix`` (so staged chunks decode alike)."""
+        self.staging_meta(prefix)
         staged = zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r+" if self.writable else "r")
         staged = sized_array(staged, self.allocated)  # the copied zarr.json records the published rows only
         # Roll-forward moves every staged key into place, so even an all-zero chunk must be written.

@@ -28,7 +28,7 @@ from trajstore.errors import (
     TrajstoreError,
     UnsupportedSpaceError,
 )
-from trajstore.storage.fields.base import gather_windows_by_rows
+from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.location import Location
@@ -225,6 +225,10 @@ class EpisodeIdField:
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         """Refused: raises ReadOnlyError."""
         _refuse(self.loc, "write episode ids")
+
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        return edit_chunk(self, k, offs, values, src)
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Refused: raises ReadOnlyError."""

@@ -14,10 +14,11 @@ are never encoded twice (a lossy codec would lose quality each time).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,8 +27,10 @@ import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
+from trajstore.storage.confined import full_disk
+from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
-from trajstore.storage.fields.image_codecs import ImageCodec
+from trajstore.storage.fields.image_codecs import image_codec_of
 from trajstore.storage.fields.spec import FieldSpec, chunk_key
 from trajstore.storage.location import Location
 
@@ -156,9 +159,8 @@ class ImageField(ChunkedField):
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
         super().__init__(loc, spec, zarray, writable)
-        codecs = zarray.metadata.codecs  # type: ignore[union-attr]  # checked (array_meta) before opening
-        codec = codecs[0].codecs[0] if len(codecs) == 1 and isinstance(codecs[0], zarr.codecs.ShardingCodec) else None
-        if not isinstance(codec, ImageCodec):
+        codec = image_codec_of(zarray.metadata.codecs)  # type: ignore[union-attr]  # checked (array_meta) before opening
+        if codec is None:
             raise DamagedStoreError(f"{loc.url}: {spec.array_path}: image layout without a trajstore.image codec")
         self.codec = codec
         self._shards: OrderedDict[int, _Shard | None] = OrderedDict()
@@ -167,6 +169,9 @@ class ImageField(ChunkedField):
         self._limit = 2 * self.C * self._rb + 16 * self.C + 4096
         # Writer: chunk -> each row's encoded frame (None: written since, to encode; b"": never written).
         self._blobs: dict[int, list[bytes | None]] = {}
+        # Rewrites: chunk -> (the decoded chunk edited_chunk returned, its frames; None: to encode).
+        self._staging: dict[int, tuple[np.ndarray, list[bytes | None]]] = {}
+        self._passed: tuple[int, list[bytes]] | None = None  # frames_as_encoded
 
     # -- reads ------------------------------------------------------------------------------------
     def _damaged(self, k: int, row: int | None, e: BaseException) -> DamagedStoreError:
@@ -258,7 +263,100 @@ class ImageField(ChunkedField):
                     b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
         return out
 
+    # -- rewrites of committed rows (set_at, remove_at, episode edits) ------------------------------
+    def _encoded_chunk(self, k: int) -> list[bytes | None] | None:
+        """The encoded frames of chunk ``k`` (``b""``: a row never written; None: a row this writer
+        holds written but not yet encoded, to encode from its decoded rows), or None where this
+        field holds newer rows than its shard without their frames (staged, or read from staging)."""
+        if k in self._override:
+            return None
+        if k in self._cache:
+            blobs = self._blobs.get(k)
+            if blobs is not None:
+                return list(blobs)
+            if k in self._dirty:
+                return None  # (a clean chunk holds what the shard does)
+        s = self._get_shards([k], keep=False)[k]
+        if s is None:
+            return [b""] * self.C
+        return [b"" if (f := s.frame(i)) is None else f.tobytes() for i in range(self.C)]
+
+    def encoded_rows(self, phys: np.ndarray) -> list[bytes]:
+        """The encoded frames of physical rows ``phys`` (B,) int64 as stored (``b""``: a row never
+        written); rows this writer holds newer than its shards (not flushed) are encoded here."""
+        out: list[bytes] = []
+        for k, offs in _by_chunk(np.asarray(phys, np.int64), self.C):
+            got = self._encoded_chunk(k) or [None] * self.C
+            todo = [o for o in offs if got[o] is None]
+            if todo:  # rows held decoded only: encoded here
+                rows = self.gather(np.asarray(todo, np.int64) + k * self.C)
+                for o, r in zip(todo, rows):
+                    got[o] = self.codec.encode_frame(r)
+            out += [got[o] or b"" for o in offs]
+        return out
+
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`Field.edited_chunk`, remembering the chunk's encoded frames for
+        :meth:`stage_chunk`: frames kept or moved (``src``) are staged as the bytes they are, only
+        rows given ``values`` are encoded (a lossy frame decoded and encoded again loses quality)."""
+        chunk = edit_chunk(self, k, offs, values, src)
+        frames: list[bytes | None] | None = list(self._encoded_chunk(k) or []) or None
+        if frames is not None and src is not None:
+            moved: list[bytes | None] = []
+            for sk, rows in _by_chunk(src, self.C):
+                got = self._encoded_chunk(sk)
+                if got is None:
+                    frames = None
+                    break
+                moved += [got[r] for r in rows]
+            if frames is not None:
+                for o, b in zip(offs.tolist(), moved):
+                    frames[o] = b
+        elif frames is not None:
+            for o in offs.tolist():
+                frames[o] = None
+        if frames is not None:
+            self._staging[k] = (chunk, frames)
+        return chunk
+
+    def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
+        """Stage chunk ``k``: the frames :meth:`edited_chunk` kept as they are, the others encoded
+        (all of them for a chunk it did not prepare)."""
+        held = self._staging.pop(k, None)
+        if held is None or held[0] is not data:
+            return super().stage_chunk(prefix, k, data)
+        frames = held[1]
+        todo = [i for i, b in enumerate(frames) if b is None]
+        codec = self.codec
+
+        def run(part: Sequence[int]) -> None:
+            for i in part:
+                frames[i] = codec.encode_frame(data[i])
+
+        parallel(run, todo)
+        hi = min(self.C, self.allocated - k * self.C)
+        out = [b or b"" for b in frames[:hi]] + [b""] * (self.C - hi)
+        self.staging_meta(prefix)
+        key = chunk_key(self.spec.array_path, k, self._ndim)
+        try:
+            self.loc.put(f"{prefix}/{key}", write_shard(out))
+        except OSError as e:
+            raise full_disk(e, f"{self.loc.url}/{prefix}/{key}", f"stage chunk {k} of {self.spec.array_path}")
+        return key
+
     # -- writes -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def frames_as_encoded(self, phys_lo: int, frames: Sequence[bytes]) -> Iterator[None]:
+        """Within the block: rows ``[phys_lo, phys_lo + len(frames))`` written meanwhile are stored
+        as ``frames`` (bytes in this field's codec) instead of being encoded (an import passing
+        frames through).  The rows written must be what ``frames`` decode to with this codec."""
+        self._passed = (phys_lo, list(frames))
+        try:
+            yield
+        finally:
+            self._passed = None
+
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         C, n = self.C, len(data)
         ks = range(phys_lo // C, (phys_lo + n - 1) // C + 1) if n else range(0)
@@ -271,6 +369,11 @@ class ImageField(ChunkedField):
             blobs = self._blobs.setdefault(k, [None] * C)
             lo, hi = max(phys_lo, k * C) - k * C, min(phys_lo + n, (k + 1) * C) - k * C
             blobs[lo:hi] = [None] * (hi - lo)
+            if self._passed is not None:
+                p0, given = self._passed
+                a, b = max(k * C + lo, p0), min(k * C + hi, p0 + len(given))
+                if a < b:
+                    blobs[a - k * C : b - k * C] = given[a - p0 : b - p0]
 
     def _write_chunk(self, k: int, hi: int) -> None:
         blobs = self._blobs.setdefault(k, [None] * self.C)
@@ -295,3 +398,16 @@ class ImageField(ChunkedField):
     def close(self) -> None:
         super().close()
         self._blobs.clear()
+        self._staging.clear()
+
+
+def _by_chunk(phys: np.ndarray, C: int) -> list[tuple[int, list[int]]]:
+    """Physical rows ``phys`` (in their order) as runs ``(chunk, offsets in it)``."""
+    out: list[tuple[int, list[int]]] = []
+    for r in phys.tolist():
+        k, o = divmod(r, C)
+        if out and out[-1][0] == k:
+            out[-1][1].append(o)
+        else:
+            out.append((k, [o]))
+    return out

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from zarr.core.array_spec import ArraySpec
 
-__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "codec_from_config", "parse_image_compressor",
+__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "codec_from_config", "image_codec_of", "parse_image_compressor",
            "register_numcodecs_jpeg2k", "unreadable_codec"]
 
 #: The zarr v3 codec name of :class:`ImageCodec`.
@@ -338,6 +338,17 @@ def parse_image_compressor(compressor: Any, row_shape: tuple[int, ...], dtype: n
     codec.check(tuple(row_shape), np.dtype(dtype))
     _imagecodecs()  # refuse at create, not at the first flush
     return codec
+
+
+def image_codec_of(codecs: Any) -> ImageCodec | None:
+    """The :class:`ImageCodec` of an image field's zarr codecs (``metadata.codecs``: one
+    ``sharding_indexed`` codec whose inner codec is an ImageCodec), else None."""
+    from zarr.codecs import ShardingCodec
+
+    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec) and len(codecs[0].codecs) == 1:
+        inner = codecs[0].codecs[0]
+        return inner if isinstance(inner, ImageCodec) else None
+    return None
 
 
 def codec_from_config(cfg: Any) -> ImageCodec:

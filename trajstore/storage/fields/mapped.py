@@ -32,6 +32,7 @@ import numpy as np
 from trajstore.errors import DamagedStoreError, MappingLimitError
 from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.storage.fields import _syscalls, _vmap
+from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.spec import (
     PWRITE_BYTES,
     FieldSpec,
@@ -357,6 +358,10 @@ class MappedField:
 
     def read_chunk(self, k: int) -> np.ndarray:
         return self._va.chunks[k].copy()
+
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        return edit_chunk(self, k, offs, values, src)
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Write a full chunk under the staging ``prefix``; returns its key (relative to the prefix).

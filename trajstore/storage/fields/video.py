@@ -409,6 +409,11 @@ class VideoField:
     def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
         """Nothing to map: segments are read on demand (the index when a row is past it)."""
 
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        """Refused: video rows are not rewritten (BadOptionError)."""
+        raise self._refuse("rewriting rows")
+
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Refused: video rows are not rewritten (BadOptionError)."""
         raise self._refuse("rewriting rows")
