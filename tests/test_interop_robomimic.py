@@ -15,6 +15,7 @@ import pytest
 
 h5py = pytest.importorskip("h5py")
 
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.cli import main  # noqa: E402
 from trajstore.errors import BadValueError, DamagedStoreError, NotATrajstoreError  # noqa: E402
 from trajstore.interop import export_diffusion_policy, import_robomimic  # noqa: E402
@@ -153,8 +154,18 @@ def test_damaged_demo_leaves_no_partial_store(tmp_path: Path) -> None:
 
 
 def test_cli_import_robomimic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The env_name is every demo's task; --stats stores every episode's statistics at import."""
     write_robomimic(tmp_path / "lift.hdf5")
-    assert main(["import", "robomimic", str(tmp_path / "lift.hdf5"), str(tmp_path / "s"), "--json"]) == 0
+    assert main(["import", "robomimic", str(tmp_path / "lift.hdf5"), str(tmp_path / "s"), "--json", "--stats"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "robomimic" and out["episodes"] == 4 and out["skipped"] == ["demo_2"]
-    assert out["steps"] == sum(LENGTHS.values())
+    assert out["steps"] == sum(LENGTHS.values()) and out["task"] == "Lift" and out["stats"] is True
+    assert main(["info", str(tmp_path / "s"), "--json"]) == 0
+    robot = json.loads(capsys.readouterr().out)["robot"]
+    assert robot["tasks"] == 1 and robot["episodes_with_task"] == 4 and robot["stats"]["current"]
+    assert robot["stats"]["episodes"] == 4 and "action" in robot["stats"]["fields"]
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as buf:
+        assert buf.tasks == ["Lift"] and set(buf.episode_tasks().values()) == {"Lift"}
+        stored, exact = buf.stats(fields=["action"]), buf.stats(fields=["action"], exact=True)
+    np.testing.assert_allclose(stored["action"]["mean"], exact["action"]["mean"])
+    np.testing.assert_array_equal(stored["action"]["max"], exact["action"]["max"])
