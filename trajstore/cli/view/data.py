@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from trajstore.cli.view.robot import check_where_tasks, stats_answer, task_dictionary, time_axis
 from trajstore.core.store import Store
 from trajstore.core.table import Table
 from trajstore.errors import (
@@ -35,7 +36,6 @@ from trajstore.errors import (
 )
 from trajstore.maintenance.summary import STEP_IDS, STEPS, episode_table, open_store, store_info
 from trajstore.maintenance.where import MAX_WHERE_CHARS, compile_where
-from trajstore.cli.view.robot import check_where_tasks, stats_answer, task_dictionary, time_axis
 from trajstore.storage.robot_files import RobotInfo, load_robot
 
 __all__ = ["StorePart", "MAX_PAGE", "MAX_SERIES_STEPS", "MAX_SERIES_VALUES", "MAX_SERIES_WIDTH", "is_image_shape"]
