@@ -97,7 +97,7 @@ def test_video_frames_are_served_through_the_buffers_read_path(tmp_path):
         assert get(s, "/api/frame?id=1&field=step_data/cam&step=8")[0] == 400
         ov = get_json(s, "/api/overview")[1]
     assert tree_hashes(path) == before
-    assert [a["codec"] for a in ov["arrays"] if a["path"] == "step_data/cam"][0].startswith("video h264:crf=18:g=4")
+    assert next(a["codec"] for a in ov["arrays"] if a["path"] == "step_data/cam").startswith("video h264:crf=18:g=4")
     with TrajectoryReplayBuffer.load_from(path, read_only=True) as buf:
         decoded = buf[[13, 8, 15]]["step_data"]["cam"]
     np.testing.assert_array_equal(np.stack(frames), decoded)  # the buffer's own decode, pixel for pixel
