@@ -105,7 +105,7 @@ def test_video_frames_are_served_through_the_buffers_read_path(tmp_path):
     assert err < 4  # and the recorded frames within the codec's loss
 
 
-def test_an_icechunk_store_and_one_of_its_versions_are_served_read_only(tmp_path, monkeypatch):
+def test_an_icechunk_store_and_one_of_its_versions_are_served_read_only(tmp_path, monkeypatch, capsys):
     import trajstore
     from trajstore.cli.view import version_options
     from trajstore.errors import BadOptionError
@@ -135,3 +135,19 @@ def test_an_icechunk_store_and_one_of_its_versions_are_served_read_only(tmp_path
     assert tree_hashes(tmp_path / "repo") == before
     with pytest.raises(BadOptionError, match="has no versions"):
         version_options(str(tmp_path / "plain"), "v1", None)
+    assert main(["view", url, "--version", "v9", "--port", "0"]) == 1  # refused before serving
+    assert "v9" in capsys.readouterr().err
+    assert tree_hashes(tmp_path / "repo") == before
+
+
+def test_a_damaged_task_file_is_the_clis_error_on_the_page(tmp_path, capsys):
+    path = image_store(tmp_path / "bad", episodes=2, length=3, robot=True)
+    (tmp_path / "bad" / "trajstore.robot.json").write_text('{"version": 1, "fps": -3, "tasks": [], "episode_tasks": []}')
+    assert main(["info", path]) == 1
+    cli = capsys.readouterr().err.strip().split("error: ", 1)[1]
+    assert "trajstore.robot.json fps is -3" in cli
+    with serving(path) as s:
+        for target in ("/api/overview", "/api/episodes", "/api/episode?id=0"):
+            status, err = get_json(s, target)
+            assert status == 422 and err["error"] == cli, target
+        assert get_json(s, "/api/status")[0] == 200  # the server goes on

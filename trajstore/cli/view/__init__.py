@@ -73,17 +73,17 @@ def version_options(path: str, version: str | None, storage_options: dict[str, A
 
 
 def _cmd_view(args: argparse.Namespace) -> int:
-    from trajstore.errors import NotATrajstoreError, StoreNotFoundError, TrajstoreError
+    from trajstore.errors import NotATrajstoreError, StoreNotFoundError, TrajstoreError, VersionNotFoundError
 
     options = version_options(args.path, args.version, args.storage_options)
     server = open_view(args.path, storage_options=options, host=args.host, port=args.port)
     if len(server.parts) == 1:
-        # Nothing to show at all (no store there): say so now, as the other commands do.  A store
-        # that is there but damaged is served: the page shows what is wrong with it.
+        # Nothing to show at all (no store there, no such version): say so now, as the other
+        # commands do.  A store that is there but damaged is served: the page shows what is wrong.
         try:
             with server.parts[0].lock:
                 server.parts[0].store()
-        except (StoreNotFoundError, NotATrajstoreError):
+        except (StoreNotFoundError, NotATrajstoreError, VersionNotFoundError):
             server.server_close()
             raise
         except (TrajstoreError, OSError, ValueError):
