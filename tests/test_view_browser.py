@@ -163,12 +163,15 @@ def test_robot_store_tasks_stats_and_time_axis(browser, tmp_path):
     page.on("pageerror", lambda e: errors.append(str(e)))
     with serving(path) as s:
         page.goto(s.url)
+        page.wait_for_selector("#stats summary", timeout=WAIT_MS)
+        assert not page.locator("#stats-table").is_visible()  # 23 rows (grey's first 16 channels): folded
+        page.locator("#stats summary").click()
         page.wait_for_selector("#stats-table", timeout=WAIT_MS)
         assert "10 fps" in page.locator("#overview dl").inner_text()
         assert page.locator("#tasks-table tr").all_inner_texts()[1:] == ["0\tpick cube\t1", "1\tplace cube\t1",
                                                                         "2\tstack cubes\t1"]
         stats = page.locator("#stats-table").inner_text()
-        assert "action[1]" in stats and "cam[2]" in stats and "reward" in stats
+        assert "action[1]" in stats and "cam[2]" in stats and "reward" in stats and "grey: 240 more channels" in stats
         page.fill("#where", "task == 'place cube'")
         page.locator("#apply").click()
         page.wait_for_function("document.getElementById('matched').textContent === '1 match'", timeout=WAIT_MS)

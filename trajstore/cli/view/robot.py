@@ -28,8 +28,9 @@ __all__ = ["MAX_STAT_CHANNELS", "MAX_TASKS_SHOWN", "STAT_KEYS", "TIME_PATH", "ch
 
 #: Tasks of the dictionary listed in the overview (the rest are counted).
 MAX_TASKS_SHOWN = 200
-#: Channels of one field shown in the statistics table (the rest are counted).
-MAX_STAT_CHANNELS = 64
+#: Channels of one field shown in the statistics table (the rest are counted): as many as a plot
+#: draws lines (a (16, 16) frame that is no image has 256 channels of its own).
+MAX_STAT_CHANNELS = 16
 #: The statistics shown per channel, in this order (``count`` is per field).
 STAT_KEYS = ("mean", "std", "min", "max", "q01", "q10", "q50", "q90", "q99")
 #: Array path of the step field holding each step's time in seconds.

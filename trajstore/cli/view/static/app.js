@@ -7,7 +7,7 @@
   const POLL_MS = Math.max(200, Number(params.get("poll")) || 1000);
   const PAGE = 50;
   const state = { part: 0, parts: [], sort: "", desc: false, offset: 0, where: "", generation: null,
-                  episode: null, step: 0, plots: [], playing: null, xTime: false };
+                  episode: null, step: 0, plots: [], playing: null, xTime: false, statsOpen: null };
 
   async function api(what, q) {
     const url = "/api/" + what + "?" + new URLSearchParams(Object.assign(what === "parts" ? {} : { part: state.part }, q || {}));
@@ -53,13 +53,6 @@
       add("statistics", r.stats ? "stored for " + r.stats.episodes + " episodes" + (r.stats.current ? "" : " (stale: rows rewritten since)") : "none stored (trajstore stats --save)");
     }
     box.append(dl);
-    if (o.task_dictionary) {
-      const tt = el("table"); tt.id = "tasks-table";
-      const th = el("tr"); ["task_index", "task", "episodes"].forEach((h) => th.append(el("th", h))); tt.append(th);
-      for (const t of o.task_dictionary.tasks) { const tr = el("tr"); [t.index, t.task, t.episodes].forEach((v) => tr.append(el("td", v))); tt.append(tr); }
-      box.append(el("h3", "tasks"), tt);
-      if (o.task_dictionary.more) box.append(el("p", "... and " + o.task_dictionary.more + " more tasks"));
-    }
     const t = el("table"); t.id = "fields-table";
     const head = el("tr"); ["field", "shape", "dtype", "chunk rows", "codec", "stored"].forEach((h) => head.append(el("th", h)));
     t.append(head);
@@ -69,14 +62,25 @@
       t.append(tr);
     }
     box.append(t);
-    const statsBox = el("div"); statsBox.id = "stats"; box.append(statsBox);
+    if (o.task_dictionary) {
+      const tt = el("table"); tt.id = "tasks-table";
+      const th = el("tr"); ["task_index", "task", "episodes"].forEach((h) => th.append(el("th", h))); tt.append(th);
+      for (const t of o.task_dictionary.tasks) { const tr = el("tr"); [t.index, t.task, t.episodes].forEach((v) => tr.append(el("td", v))); tt.append(tr); }
+      box.append(el("h3", "tasks"), tt);
+      if (o.task_dictionary.more) box.append(el("p", "... and " + o.task_dictionary.more + " more tasks"));
+    }
+    const statsBox = el("details"); statsBox.id = "stats"; box.append(statsBox);
     if (r && r.stats) await loadStats(statsBox);
   }
   // The stored statistics, aggregated over the episodes they are current for (no rows read).
   async function loadStats(box) {
     const s = await api("stats");
     if (!s.stored) return;
-    box.append(el("h3", "statistics (stored, " + s.episodes + " of " + s.of + " episodes)"));
+    // Open unless long (it would push the episode table down): a click on its heading opens it,
+    // and the page keeps the reader's choice while a live store redraws the overview.
+    box.append(el("summary", "statistics (stored, " + s.episodes + " of " + s.of + " episodes)"));
+    box.open = state.statsOpen !== null ? state.statsOpen : s.fields.reduce((n, f) => n + f.channels.length + (f.more ? 1 : 0), 0) <= 20;
+    box.addEventListener("toggle", () => { state.statsOpen = box.open; });
     if (!s.fields.length) { box.append(el("p", "none current: rows were rewritten since they were stored (trajstore stats --save)")); return; }
     const t = el("table"); t.id = "stats-table";
     const keys = ["mean", "std", "min", "max", "q01", "q10", "q50", "q90", "q99"];
