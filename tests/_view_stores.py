@@ -28,17 +28,29 @@ def frames_of(episode: int, length: int) -> np.ndarray:
     return f
 
 
-def image_store(path: Path, episodes: int = 3, length: int = 12, capacity: int | None = None) -> str:
+#: The task of episode e of :func:`image_store` is ``TASKS[e % 3]``.
+TASKS = ("pick cube", "place cube", "stack cubes")
+#: The frame rate :func:`image_store` declares.
+FPS = 10.0
+
+
+def image_store(path: Path, episodes: int = 3, length: int = 12, capacity: int | None = None,
+                robot: bool = False) -> str:
     """A trajectory store of ``episodes`` episodes: a PNG-coded camera, a grey raw frame, a 2-d
-    action, a reward and the episode data ``task`` (int) and ``success`` (float)."""
+    action, a reward and the episode data ``goal`` (int) and ``success`` (float).  ``robot``: it
+    also declares :data:`FPS`, gives episode e the task ``TASKS[e % 3]`` and stores statistics."""
     space = Dict({"cam": Box(0, 255, (H, W, 3), np.uint8), "grey": Box(0, 255, (16, 16), np.uint8),
                   "action": Box(-1, 1, (2,), np.float32), "reward": Box(-10, 10, (), np.float32)})
-    eps = Dict({"task": Discrete(8), "success": Box(0, 1, (), np.float32)})
+    eps = Dict({"goal": Discrete(8), "success": Box(0, 1, (), np.float32)})
     buf = TrajectoryReplayBuffer.create(space, cache_path=str(path), episode_data_instance_space=eps,
                                         compressor={"cam": "png"}, step_data_capacity=capacity)
     for e in range(episodes):
         append_episode(buf, e, length)
-    buf.close()
+    if robot:
+        buf.set_fps(FPS)
+        for e in range(episodes):
+            buf.assign_task(e, TASKS[e % 3])
+    buf.close(save_stats=robot)
     return str(path)
 
 
@@ -48,9 +60,24 @@ def append_episode(buf: TrajectoryReplayBuffer, e: int, length: int) -> None:
     buf.extend({"cam": frames_of(e, length), "grey": np.full((length, 16, 16), e * 10 % 256, np.uint8),
                 "action": np.stack([np.sin(steps / 3), np.cos(steps / 3)], 1).astype(np.float32),
                 "reward": np.full(length, 0.1 * (e + 1), np.float32)})
-    buf.set_current_episode_data({"task": e % 3, "success": np.float32(e % 2)})
+    buf.set_current_episode_data({"goal": e % 3, "success": np.float32(e % 2)})
     buf.mark_episode_end()
     buf.flush()
+
+
+def video_store(path: Path, episodes: int = 2, length: int = 8) -> tuple[str, np.ndarray]:
+    """A trajectory store whose camera ``cam`` is an H.264 video field of 64x48 frames (one stream
+    per episode) and an action; returns its path and every frame recorded, (episodes * length, 48,
+    64, 3) uint8 (the stored frames decode to these within the codec's loss)."""
+    y, x = np.mgrid[0:48, 0:64].astype(np.float64)
+    allf = np.stack([np.stack([128 + 60 * np.sin((x + 3 * i + 7 * c) / 6) + 50 * np.cos((y - i) / 5)
+                               for c in range(3)], -1) for i in range(episodes * length)]).clip(0, 255).astype(np.uint8)
+    space = Dict({"cam": Box(0, 255, (48, 64, 3), np.uint8), "action": Box(-1, 1, (2,), np.float32)})
+    with TrajectoryReplayBuffer.create(space, cache_path=str(path), compressor={"cam": "h264:crf=18:g=4"}) as buf:
+        for e in range(episodes):
+            buf.extend({"cam": allf[e * length:(e + 1) * length], "action": np.zeros((length, 2), np.float32)})
+            buf.mark_episode_end()
+    return str(path), allf
 
 
 def tree_hashes(root: str | os.PathLike[str]) -> dict[str, str]:

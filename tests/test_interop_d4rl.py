@@ -440,3 +440,14 @@ def test_import_cost_per_info_key_is_constant(tmp_path: Path, monkeypatch: pytes
     calls = sum(c[k] - b[k] for k in c if k.endswith("calls") and k != "pwrite calls")
     assert calls <= 10 * 80, (b, c)
     assert c["pwrite calls"] - b["pwrite calls"] >= 80, (b, c)
+
+
+def test_stats_computed_at_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_d4rl(tmp_path / "d.hdf5", n=600)
+    with import_d4rl(tmp_path / "d.hdf5", tmp_path / "s", stats=True) as buf:
+        s = buf.stats(fields=["reward"])["reward"]
+        assert buf.tasks == []  # a D4RL env_name names the dataset, not a task
+    assert s["count"] == 600 and s["max"] == data["rewards"].max()
+    np.testing.assert_allclose(s["mean"], data["rewards"].astype(np.float64).mean(), rtol=1e-6)
+    assert main(["info", str(tmp_path / "s")]) == 0
+    assert "statistics of " in capsys.readouterr().out

@@ -246,9 +246,14 @@ def test_export_refusals(tmp_path: Path) -> None:
 def test_cli_import_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data, ends = pusht_like(n_eps=3)
     write_dp(tmp_path / "src.zarr.zip", data, ends)
-    assert main(["import", "diffusion-policy", str(tmp_path / "src.zarr.zip"), str(tmp_path / "s"), "--json"]) == 0
+    assert main(["import", "diffusion-policy", str(tmp_path / "src.zarr.zip"), str(tmp_path / "s"), "--json",
+                 "--stats"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "diffusion-policy" and out["episodes"] == 3 and out["steps"] == int(ends[-1])
+    assert out["stats"] is True and out["task"] is None
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as buf:
+        assert buf.robot_info().tasks == [] and verify_store(tmp_path / "s").ok
+        np.testing.assert_allclose(buf.stats(fields=["action"])["action"]["mean"], data["action"].mean(0), rtol=1e-5)
     assert main(["export", "diffusion-policy", str(tmp_path / "s"), str(tmp_path / "o.zarr"), "--zarr-format", "3",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

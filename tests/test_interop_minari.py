@@ -345,3 +345,19 @@ def test_import_keeps_minari_jpeg_frames_as_their_bytes(tmp_path: Path, datasets
     # Another codec: transcoded from the decoded frames, losslessly here.
     with import_minari("toy/cam-v0", tmp_path / "png", compressor={"obs/cam": "png", "next_obs/cam": "png"}) as b:
         assert np.array_equal(b[:]["step_data"]["obs"]["cam"], cam)
+
+
+def test_env_id_is_every_episodes_task_and_stats_at_import(tmp_path: Path) -> None:
+    obs, act = gym.spaces.Box(-5, 5, (3,), np.float32), gym.spaces.Box(-2, 2, (1,), np.float32)
+    rng = np.random.default_rng(0)
+    bufs = [EpisodeBuffer(id=k, observations=rng.uniform(-1, 1, (5, 3)).astype(np.float32),
+                          actions=rng.uniform(-1, 1, (4, 1)).astype(np.float32), rewards=np.full(4, float(k)),
+                          terminations=np.arange(4) == 3, truncations=np.zeros(4, bool), infos={}) for k in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        minari.create_dataset_from_buffers("toy/pend-v0", bufs, env=gym.spec("Pendulum-v1"), observation_space=obs,
+                                           action_space=act, algorithm_name="random-policy")
+    with import_minari("toy/pend-v0", tmp_path / "s", stats=True) as buf:
+        assert buf.tasks == ["Pendulum-v1"] and buf.episode_tasks() == {0: "Pendulum-v1", 1: "Pendulum-v1", 2: "Pendulum-v1"}
+        s = buf.stats(episodes=[1, 2], fields=["reward"])["reward"]
+        assert s["count"] == 8 and s["mean"] == 1.5

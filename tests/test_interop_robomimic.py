@@ -15,6 +15,7 @@ import pytest
 
 h5py = pytest.importorskip("h5py")
 
+from trajstore import TrajectoryReplayBuffer  # noqa: E402
 from trajstore.cli import main  # noqa: E402
 from trajstore.errors import BadValueError, DamagedStoreError, NotATrajstoreError  # noqa: E402
 from trajstore.interop import export_diffusion_policy, import_robomimic  # noqa: E402
@@ -153,8 +154,66 @@ def test_damaged_demo_leaves_no_partial_store(tmp_path: Path) -> None:
 
 
 def test_cli_import_robomimic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The env_name is every demo's task; --stats stores every episode's statistics at import."""
     write_robomimic(tmp_path / "lift.hdf5")
-    assert main(["import", "robomimic", str(tmp_path / "lift.hdf5"), str(tmp_path / "s"), "--json"]) == 0
+    assert main(["import", "robomimic", str(tmp_path / "lift.hdf5"), str(tmp_path / "s"), "--json", "--stats"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "robomimic" and out["episodes"] == 4 and out["skipped"] == ["demo_2"]
-    assert out["steps"] == sum(LENGTHS.values())
+    assert out["steps"] == sum(LENGTHS.values()) and out["task"] == "Lift" and out["stats"] is True
+    assert main(["info", str(tmp_path / "s"), "--json"]) == 0
+    robot = json.loads(capsys.readouterr().out)["robot"]
+    assert robot["tasks"] == 1 and robot["episodes_with_task"] == 4 and robot["stats"]["current"]
+    assert robot["stats"]["episodes"] == 4 and "action" in robot["stats"]["fields"]
+    with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as buf:
+        assert buf.tasks == ["Lift"] and set(buf.episode_tasks().values()) == {"Lift"}
+        stored, exact = buf.stats(fields=["action"]), buf.stats(fields=["action"], exact=True)
+    np.testing.assert_allclose(stored["action"]["mean"], exact["action"]["mean"])
+    np.testing.assert_array_equal(stored["action"]["max"], exact["action"]["max"])
+
+
+_KILLED_IMPORT = """
+import sys, time
+from trajstore import TrajectoryReplayBuffer
+from trajstore.interop import import_robomimic
+original = TrajectoryReplayBuffer.save_stats
+def stored_then_wait(self):  # the statistics and tasks are written: tell the parent, wait to be killed
+    n = original(self)
+    open(sys.argv[3], "w").close()
+    time.sleep(60)
+    return n
+TrajectoryReplayBuffer.save_stats = stored_then_wait
+import_robomimic(sys.argv[1], sys.argv[2], stats=True)
+"""
+
+
+def test_import_killed_after_storing_stats_leaves_no_store(tmp_path: Path) -> None:
+    """SIGKILL of an import once it stored the statistics and tasks in its temporary store (before
+    its close, verify and rename): nothing at the destination; the import run again gives a store
+    whose statistics are current."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_robomimic(tmp_path / "lift.hdf5")
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_IMPORT, str(tmp_path / "lift.hdf5"), str(tmp_path / "dst"),
+                              str(ready)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the import child never stored its statistics"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert not (tmp_path / "dst").exists()
+    with import_robomimic(tmp_path / "lift.hdf5", tmp_path / "dst", stats=True) as buf:
+        assert buf.tasks == ["Lift"] and len(buf.episode_tasks()) == 4
+    assert verify_store(tmp_path / "dst").ok
+    from trajstore.maintenance.summary import store_info
+
+    stats = store_info(tmp_path / "dst")["robot"]["stats"]
+    assert stats["current"] and stats["episodes"] == 4 and "action" in stats["fields"]
+    _no_leftovers(tmp_path)

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from _view_stores import append_episode, frames_of, image_store, serving
+from _view_stores import append_episode, frames_of, image_store, serving, video_store
 
 from trajstore import TrajectoryReplayBuffer
 from trajstore.demo import record_demo
@@ -118,7 +118,7 @@ def test_image_store_frames_are_the_stored_pixels_and_follow_the_scrubber(browse
 
 
 def test_live_page_shows_appended_episodes_and_drops_evicted_ones(browser, tmp_path):
-    path = image_store(tmp_path / "live", episodes=3, length=4, capacity=12)  # a ring of 3 episodes
+    path = image_store(tmp_path / "live", episodes=3, length=4, capacity=12, robot=True)  # a ring of 3 episodes
     page = browser.new_page()
     with serving(path) as s:
         page.goto(s.url + "?poll=250")
@@ -135,6 +135,8 @@ def test_live_page_shows_appended_episodes_and_drops_evicted_ones(browser, tmp_p
         finally:
             buf.close()
         assert done.is_set()
+        tasks = "() => Array.from(document.querySelectorAll('#episodes-table tbody tr')).map(r => r.lastChild.textContent).join(',')"
+        assert page.evaluate(tasks) == "stack cubes,,"  # the evicted episodes' tasks went with them
         page.screenshot(path=str(tmp_path / "live.png"))
     page.close()
 
@@ -152,3 +154,61 @@ def test_a_damaged_store_shows_the_clis_message_on_the_page(browser, tmp_path, c
         page.wait_for_selector("#error:not([hidden])", timeout=WAIT_MS)
         assert page.locator("#error").inner_text() == cli
     page.close()
+
+
+def test_robot_store_tasks_stats_and_time_axis(browser, tmp_path):
+    path = image_store(tmp_path / "robot", episodes=3, length=6, robot=True)
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    with serving(path) as s:
+        page.goto(s.url)
+        page.wait_for_selector("#stats summary", timeout=WAIT_MS)
+        assert not page.locator("#stats-table").is_visible()  # 23 rows (grey's first 16 channels): folded
+        page.locator("#stats summary").click()
+        page.wait_for_selector("#stats-table", timeout=WAIT_MS)
+        assert "10 fps" in page.locator("#overview dl").inner_text()
+        assert page.locator("#tasks-table tr").all_inner_texts()[1:] == ["0\tpick cube\t1", "1\tplace cube\t1",
+                                                                        "2\tstack cubes\t1"]
+        stats = page.locator("#stats-table").inner_text()
+        assert "action[1]" in stats and "cam[2]" in stats and "reward" in stats and "grey: 240 more channels" in stats
+        page.fill("#where", "task == 'place cube'")
+        page.locator("#apply").click()
+        page.wait_for_function("document.getElementById('matched').textContent === '1 match'", timeout=WAIT_MS)
+        row = page.locator("#episodes-table tbody tr").first
+        assert row.locator("a.ep-link").inner_text() == "1" and row.locator("td").last.inner_text() == "place cube"
+        row.locator("a.ep-link").click()
+        page.wait_for_selector("#episode-view:not([hidden]) .plot canvas", timeout=WAIT_MS)
+        assert page.locator("#step-label").inner_text() == "step 0 / 5, t = 0 s"
+        page.locator("#x-axis").click()
+        page.wait_for_function("document.getElementById('x-axis').textContent === 'x: time (s)'", timeout=WAIT_MS)
+        box = page.locator("#plots .plot .u-over").first.bounding_box()
+        page.mouse.click(box["x"] + box["width"] - 2, box["y"] + box["height"] / 2)  # the last step's time
+        page.wait_for_function("document.getElementById('step-label').textContent === 'step 5 / 5, t = 0.5 s'",
+                               timeout=WAIT_MS)
+        assert all(c.evaluate(DRAWN) for c in page.locator("#plots .plot canvas").all())
+        page.screenshot(path=str(tmp_path / "robot-episode.png"))
+    page.close()
+    assert not errors
+
+
+def test_video_field_frames_play_in_the_scrubber(browser, tmp_path):
+    path, _ = video_store(tmp_path / "video", episodes=2, length=8)
+    with TrajectoryReplayBuffer.load_from(path, read_only=True) as buf:
+        want = buf[8:16]["step_data"]["cam"]  # episode 1, as the buffer decodes it
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    with serving(path) as s:
+        page.goto(s.url + "#/episode/0/1")
+        page.wait_for_selector("#episode-view:not([hidden]) .plot canvas", timeout=WAIT_MS)
+        got = _frame_pixels(page, "step_data/cam", 0)
+        np.testing.assert_array_equal(got[:, :3].reshape(want[0].shape), want[0])
+        page.locator("#scrubber").focus()
+        for _ in range(6):
+            page.keyboard.press("ArrowRight")
+        got = _frame_pixels(page, "step_data/cam", 6)
+        np.testing.assert_array_equal(got[:, :3].reshape(want[6].shape), want[6])
+        page.screenshot(path=str(tmp_path / "video-episode.png"))
+    page.close()
+    assert not errors

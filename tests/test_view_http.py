@@ -25,7 +25,7 @@ from trajstore.demo import record_demo
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("view_http")
     return {"cartpole": record_demo(str(root / "cartpole"), episodes=4),
-            "images": image_store(root / "images")}
+            "images": image_store(root / "images", robot=True)}
 
 
 def test_a_session_of_requests_reads_and_never_writes(stores):
@@ -34,7 +34,7 @@ def test_a_session_of_requests_reads_and_never_writes(stores):
     for name, path in stores.items():
         with serving(path) as s:
             for target in ["/", "/static/app.js", "/static/uPlot.iife.min.js", "/api/parts", "/api/status",
-                           "/api/overview", "/api/episodes?sort=return&desc=1", "/api/episodes?where=length%3E3",
+                           "/api/overview", "/api/stats", "/api/episodes?sort=return&desc=1", "/api/episodes?where=length%3E3",
                            "/api/episode?id=1", "/api/episode?id=999", "/api/frame?id=0&field=step_data/cam&step=2",
                            "/api/frame?id=0&field=step_data/grey&step=1&fmt=jpeg&size=8"]:
                 status, body, _ = get(s, target)
@@ -61,13 +61,13 @@ def test_overview_and_episode_table_match_the_cli(stores, capsys):
 
 def test_filter_uses_the_where_language_over_episode_data(stores):
     with serving(stores["images"]) as s:
-        status, page = get_json(s, "/api/episodes?where=task%20%3D%3D%201%20or%20success%20%3E%200.5")
+        status, page = get_json(s, "/api/episodes?where=goal%20%3D%3D%201%20or%20success%20%3E%200.5")
         assert status == 200 and page["matched"] == 1
         assert page["rows"][0][page["columns"].index("episode_id")] == 1
         status, err = get_json(s, "/api/episodes?where=__import__('os')")
         assert status == 400 and "allowed: numbers" in err["error"]
         status, err = get_json(s, "/api/episodes?where=nope%20%3E%201")
-        assert status == 404 and "no episode field 'nope'" in err["error"] and "task" in err["error"]
+        assert status == 404 and "no episode field 'nope'" in err["error"] and "goal" in err["error"]
         status, err = get_json(s, "/api/episodes?sort=nope")
         assert status == 400 and "no column 'nope'" in err["error"]
 

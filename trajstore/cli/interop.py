@@ -45,13 +45,14 @@ def _cmd_import(args: argparse.Namespace) -> int:
         from trajstore.interop.sb3_pickle import sb3_replay_buffer_to_store
 
         out = sb3_replay_buffer_to_store(args.src, args.dst, trust=args.trust, tqdm=_bar(args),
-                                         overwrite=args.overwrite)
+                                         overwrite=args.overwrite, stats=args.stats)
         return _report_import(args, out)
     else:
         from trajstore.interop.diffusion_policy import diffusion_policy_to_store as convert
     if args.trust:
         raise CLIError("--trust applies to sb3 imports only (the other formats are never unpickled)", code=2)
-    return _report_import(args, convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite))
+    return _report_import(args, convert(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite,
+                                        stats=args.stats))
 
 
 def _report_import(args: argparse.Namespace, out: dict[str, Any]) -> int:
@@ -59,8 +60,9 @@ def _report_import(args: argparse.Namespace, out: dict[str, Any]) -> int:
     if args.json:
         print_json(out)
     else:
+        extra = (f"; task {out['task']!r}" if out.get("task") else "") + ("; statistics stored" if out.get("stats") else "")
         print(f"imported {out['source']} ({args.format}): {out['steps']} steps, {out['episodes']} episodes -> "
-              f"{out['destination']}; verified")
+              f"{out['destination']}{extra}; verified")
     return 0
 
 
@@ -115,6 +117,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", action="store_true",
                    help="sb3: unpickle SRC (unpickling runs code named in the file: only for files you trust)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    p.add_argument("--stats", action="store_true",
+                   help="store every episode's statistics, computed at import (buf.stats(), docs/robot.md)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_import)
 

@@ -36,7 +36,7 @@ from trajstore.maintenance.summary import (
     store_info,
 )
 
-__all__ = ["register", "print_info", "episode_text", "ratio_text"]
+__all__ = ["register", "print_info", "episode_text", "ratio_text", "robot_text"]
 
 
 # -- info ----------------------------------------------------------------------------------------
@@ -61,6 +61,16 @@ def ratio_text(info: dict[str, Any]) -> str:
     return f"compression ratio {ratio_s}" + (f" ({raw} raw array(s) not counted)" if raw else "")
 
 
+def robot_text(robot: dict[str, Any]) -> str:
+    """``fps 50, 2 tasks (3 episodes with one), statistics of 3 episodes stored`` from ``info["robot"]``."""
+    fps = "no fps" if robot["fps"] is None else f"fps {robot['fps']:g}"
+    st = robot["stats"]
+    stats = ("no statistics stored" if st is None else
+             f"statistics of {st['episodes']} episodes stored" + ("" if st["current"] else
+                                                                 " (stale: rows rewritten since; trajstore stats --save)"))
+    return f"{fps}, {robot['tasks']} task(s) ({robot['episodes_with_task']} episode(s) with one), {stats}"
+
+
 def print_info(info: dict[str, Any]) -> None:
     """Print what ``trajstore info`` shows, from a :func:`~trajstore.maintenance.summary.store_info` dict."""
     print(f"store          {info['path']}")
@@ -78,6 +88,9 @@ def print_info(info: dict[str, Any]) -> None:
         print(f"episodes       {episode_text(eps, info['tables']['step_data']['capacity'])}")
     print(f"size on disk   {fmt_bytes(info['stored_bytes'])}: {fmt_bytes(info['logical_bytes'])} of committed data, "
           f"{ratio_text(info)}")
+    robot = info.get("robot")
+    if robot and (robot["fps"] is not None or robot["tasks"] or robot["stats"] is not None):
+        print(f"robot          {robot_text(robot)}")
     print_spaces(info["spaces_text"])
     print("arrays")
     print_table(["path", "shape", "dtype", "chunks", "codec", "stored"],

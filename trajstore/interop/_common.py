@@ -186,9 +186,12 @@ class ImportWriter:
         self.steps += n
         self.bar.update(n)
 
-    def finish(self, dataset_info: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the trailing episode (kept even without an end), verify, rename into place;
-        returns ``destination``, ``steps``, ``episodes``, ``verified``."""
+    def finish(self, dataset_info: dict[str, Any] | None = None, *, stats: bool = False,
+               task: str | None = None) -> dict[str, Any]:
+        """Close the trailing episode (kept even without an end), give every episode the task
+        ``task`` and store every episode's statistics (``stats``; docs/robot.md), verify, rename
+        into place; returns ``destination``, ``steps``, ``episodes``, ``task`` (the task given, or
+        None), ``stats`` (whether stored), ``verified``."""
         assert self.buf is not None
         try:
             if self.length:
@@ -199,6 +202,7 @@ class ImportWriter:
                 from trajstore.metadata import set_dataset_info
 
                 set_dataset_info(self.buf, **dataset_info)
+            task = self._robot(stats, task)
             self.buf.close()
             self.buf = None
             self.bar.close()
@@ -217,7 +221,23 @@ class ImportWriter:
         except BaseException as e:
             self._discard()
             raise destination_full(e, self.out_path)  # e itself unless a full disk
-        return {"destination": self.out_path, "steps": self.steps, "episodes": self.episodes, "verified": True}
+        return {"destination": self.out_path, "steps": self.steps, "episodes": self.episodes, "task": task,
+                "stats": bool(stats and self.episodes), "verified": True}
+
+    def _robot(self, stats: bool, task: str | None) -> str | None:
+        """Every episode's task and statistics, after the last step (the statistics of the
+        committed rows, stored under the commit epoch the copy keeps).  A source's name that is no
+        task string (empty, not printable, over 4096 characters) is left out; returns the task given."""
+        assert self.buf is not None
+        ids = self.buf.episodes()["episode_id"]
+        if task is not None and len(ids):
+            try:
+                self.buf.assign_task(ids, task)
+            except BadArgumentError:
+                task = None  # the source's own text: not a task, but no reason to refuse the data
+        if stats and len(ids):
+            self.buf.save_stats()
+        return task if len(ids) else None
 
 
 # -- exports -----------------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ def _small_attrs(node: Any) -> dict[str, Any]:
 
 
 def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                  stats: bool = False,
                   **create_kwargs: Any) -> dict[str, Any]:
     """Write the D4RL file ``path`` to a new store at ``cache_path`` (see :func:`import_d4rl`).
 
@@ -144,6 +145,8 @@ def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overw
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -183,11 +186,12 @@ def d4rl_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overw
                 if infos:
                     block["info"] = nest({p: rows(f"infos/{p}", d) for p, d in infos})
                 w.write(block, term | tout)
-            out = w.finish(info)
+            out = w.finish(info, stats=stats)
     return {"source": src, **out}
 
 
 def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                stats: bool = False,
                 **create_kwargs: Any) -> TrajectoryReplayBuffer:
     """Import a D4RL HDF5 file into a new trajectory store with the recorders' schema.
 
@@ -212,6 +216,8 @@ def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwri
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -238,7 +244,7 @@ def import_d4rl(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwri
         The file holds what trajstore never reads (links or storage out of it, special files,
         sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
-    out = d4rl_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    out = d4rl_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, stats=stats, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
 
 

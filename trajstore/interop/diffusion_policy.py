@@ -212,6 +212,7 @@ def _keep_jpeg2k(arrays: dict[str, Any], create_kwargs: dict[str, Any]) -> dict[
 
 
 def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                              stats: bool = False,
                               **create_kwargs: Any) -> dict[str, Any]:
     """Write the Diffusion Policy store ``path`` to a new store at ``cache_path`` (see
     :func:`import_diffusion_policy`).
@@ -226,6 +227,8 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -260,13 +263,14 @@ def diffusion_policy_to_store(path: Any, cache_path: Any, *, tqdm: bool | None =
                 w.write({"obs": obs, "action": _read(arrays["action"], lo, hi, f"{src}: data/action"),
                          "reward": np.zeros(hi - lo), "terminated": np.zeros(hi - lo, np.bool_),
                          "truncated": done}, done)
-            out = w.finish(info)
+            out = w.finish(info, stats=stats)
     finally:
         loc.close()
     return {"source": src, **out}
 
 
 def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                            stats: bool = False,
                             **create_kwargs: Any) -> TrajectoryReplayBuffer:
     """Import a Diffusion Policy replay buffer (zarr format 2 or 3, folder or ``.zarr.zip``) into a
     new trajectory store with the recorders' schema.
@@ -291,6 +295,8 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -313,7 +319,7 @@ def import_diffusion_policy(path: Any, cache_path: Any, *, tqdm: bool | None = N
         The file holds what trajstore never reads (links or storage out of it, special files,
         sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
-    out = diffusion_policy_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    out = diffusion_policy_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, stats=stats, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
 
 

@@ -188,7 +188,21 @@ def _json_metadata(meta: Any) -> dict[str, Any]:
     return out
 
 
+def _env_id(meta: dict[str, Any], where: str) -> str | None:
+    """The id of the environment the dataset was recorded in (``env_spec``'s ``id``:
+    ``"PointMaze_UMaze-v3"``), the task of every episode; None when the metadata has none."""
+    spec = meta.get("env_spec")
+    if isinstance(spec, str):
+        try:
+            spec = parse_json(spec, where, "metadata env_spec")
+        except ForeignFileError:
+            return None  # not JSON: kept as text in the dataset description only
+    name = spec.get("id") if isinstance(spec, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                    stats: bool = False,
                     **create_kwargs: Any) -> dict[str, Any]:
     """Write the Minari dataset ``src`` to a new store at ``cache_path`` (see :func:`import_minari`).
 
@@ -202,6 +216,8 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create`.
 
@@ -250,7 +266,8 @@ def minari_to_store(src: Any, cache_path: Any, *, tqdm: bool | None = None, over
                     _put_leaf(block, field.spec.array_path.split("/")[1:], decoded)
                     stack.enter_context(field.frames_as_encoded(phys_lo, frames))
                 w.write(block, done)
-        out = w.finish({"imported_from": {"format": "minari", "source": where, "metadata": meta}})
+        out = w.finish({"imported_from": {"format": "minari", "source": where, "metadata": meta}}, stats=stats,
+                       task=_env_id(meta, where))
     return {"source": where, **out}
 
 
@@ -304,6 +321,7 @@ def _read_episodes(ds: Any, where: str) -> Iterator[tuple[Any, Any]]:
 
 
 def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                  stats: bool = False,
                   **create_kwargs: Any) -> TrajectoryReplayBuffer:
     """Import a Minari dataset into a new trajectory store with the recorders' schema.
 
@@ -313,7 +331,8 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
     step infos (entries 1..T of T+1) -> ``info/<key>``.  The observation and action spaces are
     minari's own (Box, Discrete, Dict, Tuple, ...), kept exactly.  Episode data: ``seed`` (minari's,
     -1 when None), ``return``, ``length``, ``minari_id``.  Dataset metadata (env spec, algorithm,
-    author, ...) goes to the dataset description (``trajstore info``).  Read and written one
+    author, ...) goes to the dataset description (``trajstore info``); the env spec's ``id`` is every
+    episode's task (``buf.tasks``, docs/robot.md).  Read and written one
     episode at a time, under a temporary name, verified, renamed.
 
     Parameters
@@ -327,6 +346,8 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
         Image observations that minari stores JPEG-encoded (its default) keep their JPEG bytes,
@@ -356,7 +377,7 @@ def import_minari(src: Any, cache_path: Any, *, tqdm: bool | None = None, overwr
         The file holds what trajstore never reads (links or storage out of it, special files,
         sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
-    out = minari_to_store(src, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    out = minari_to_store(src, cache_path, tqdm=tqdm, overwrite=overwrite, stats=stats, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
 
 

@@ -165,7 +165,15 @@ def _env_args(data: Any, src: str) -> Any:
         return None
 
 
+def _env_name(env_args: Any) -> str | None:
+    """The environment robomimic recorded the demos in (``env_args["env_name"]``: ``"Lift"``), the
+    task of every demo (robomimic's datasets hold one task each); None when absent."""
+    name = env_args.get("env_name") if isinstance(env_args, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                       stats: bool = False,
                        **create_kwargs: Any) -> dict[str, Any]:
     """Write the robomimic file ``path`` to a new store at ``cache_path`` (see
     :func:`import_robomimic`).
@@ -180,14 +188,16 @@ def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, 
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create`.
 
     Returns
     -------
     dict
-        ``source``, ``destination``, ``steps``, ``episodes``, ``skipped`` (empty demos),
-        ``verified`` (True).
+        ``source``, ``destination``, ``steps``, ``episodes``, ``skipped`` (empty demos), ``task``
+        (the task given to every demo), ``stats`` (whether stored), ``verified`` (True).
     """
     h5py = h5py_module("import_robomimic")
     src = source_file(path, "import_robomimic: path")
@@ -228,11 +238,12 @@ def robomimic_to_store(path: Any, cache_path: Any, *, tqdm: bool | None = None, 
                     if other:
                         block["info"] = nest(other)
                     w.write(block, done)
-            out = w.finish(info)
+            out = w.finish(info, stats=stats, task=_env_name(lay["env_args"]))
     return {"source": src, **out, "skipped": lay["skipped"]}
 
 
 def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, overwrite: bool = False,
+                     stats: bool = False,
                      **create_kwargs: Any) -> TrajectoryReplayBuffer:
     """Import a robomimic HDF5 dataset into a new trajectory store with the recorders' schema.
 
@@ -243,7 +254,7 @@ def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, ov
     ``action_dict/*``, ...) -> ``info/<path>``.  Episode data: ``seed`` -1, ``return``,
     ``length``, ``demo`` (the i of ``demo_<i>``) and, when the file has ``mask/*``, ``mask/<split>``
     (bool: whether the demo is listed in that split).  ``data``'s ``env_args`` goes to the dataset
-    description.  Demos with no steps are skipped.  Streams blocks of about 8 MiB; the store is
+    description, and its ``env_name`` (``"Lift"``) is every demo's task (``buf.tasks``, docs/robot.md).  Demos with no steps are skipped.  Streams blocks of about 8 MiB; the store is
     built under a temporary name, verified, renamed.
 
     Parameters
@@ -256,6 +267,8 @@ def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, ov
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -279,6 +292,6 @@ def import_robomimic(path: Any, cache_path: Any, *, tqdm: bool | None = None, ov
         The file holds what trajstore never reads (links or storage out of it, special files,
         sizes, nesting or link counts beyond a store's limits); see docs/reliability.md.
     """
-    out = robomimic_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    out = robomimic_to_store(path, cache_path, tqdm=tqdm, overwrite=overwrite, stats=stats, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])
 

@@ -81,7 +81,8 @@ def _order(buf: Any) -> np.ndarray:
 
 
 def sb3_replay_buffer_to_store(path: Any, cache_path: Any, *, trust: bool = False, tqdm: bool | None = None,
-                               overwrite: bool = False, **create_kwargs: Any) -> dict[str, Any]:
+                               overwrite: bool = False, stats: bool = False,
+                               **create_kwargs: Any) -> dict[str, Any]:
     """Write the SB3 replay-buffer pickle ``path`` to a new store at ``cache_path`` (see
     :func:`import_sb3_replay_buffer`).
 
@@ -98,6 +99,8 @@ def sb3_replay_buffer_to_store(path: Any, cache_path: Any, *, trust: bool = Fals
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create`.
 
@@ -159,12 +162,13 @@ def sb3_replay_buffer_to_store(path: Any, cache_path: Any, *, trust: bool = Fals
                 if lo + step >= n:
                     ends[-1] = True  # the env's stream ends here: its unfinished episode is kept as one
                 w.write(block, ends)
-        out = w.finish(info)
+        out = w.finish(info, stats=stats)
     return {"source": src, **out}
 
 
 def import_sb3_replay_buffer(path: Any, cache_path: Any, *, trust: bool = False, tqdm: bool | None = None,
-                             overwrite: bool = False, **create_kwargs: Any) -> TrajectoryReplayBuffer:
+                             overwrite: bool = False, stats: bool = False,
+                             **create_kwargs: Any) -> TrajectoryReplayBuffer:
     """Import a replay buffer saved by stable-baselines3's ``model.save_replay_buffer`` into a new
     trajectory store with the recorders' schema.
 
@@ -193,6 +197,8 @@ def import_sb3_replay_buffer(path: Any, cache_path: Any, *, trust: bool = False,
         Progress bar: True / False force it; None shows it on a terminal.
     overwrite : bool
         Replace an existing store at ``cache_path`` (after the new one verified).
+    stats : bool
+        Store every episode's statistics (``buf.stats()``, docs/robot.md), computed at import.
     **create_kwargs
         Passed to :meth:`TrajectoryReplayBuffer.create` (``compressor``, ``chunk_rows``, ...).
 
@@ -212,5 +218,5 @@ def import_sb3_replay_buffer(path: Any, cache_path: Any, *, trust: bool = False,
     MissingDependencyError
         stable-baselines3 is not installed (the pickle names its classes).
     """
-    out = sb3_replay_buffer_to_store(path, cache_path, trust=trust, tqdm=tqdm, overwrite=overwrite, **create_kwargs)
+    out = sb3_replay_buffer_to_store(path, cache_path, trust=trust, tqdm=tqdm, overwrite=overwrite, stats=stats, **create_kwargs)
     return TrajectoryReplayBuffer.load_from(out["destination"])

@@ -21,6 +21,7 @@ from trajstore.core.store import Store
 from trajstore.core.table import Table
 from trajstore.errors import DamagedStoreError, NoEpisodesError, UnknownEpisodeError, UnknownFieldError
 from trajstore.storage.keys import DATASET_KEY
+from trajstore.storage.robot_files import robot_summary
 from trajstore.storage.schema import load_json
 
 __all__ = [
@@ -187,6 +188,7 @@ def store_info(path: str | os.PathLike[str], *, storage_options: dict[str, Any] 
             "raw_arrays": len(arrays) - len(packed),
             "state": store.committed.state,
             "dataset": _dataset_info(store),
+            "robot": robot_summary(store.loc, store.committed.epoch),
         }
     finally:
         store.close()

@@ -24,7 +24,7 @@ from trajstore.storage.location import Location
 from trajstore.storage.schema import load_json
 
 __all__ = ["MAX_TASKS", "MAX_TASK_CHARS", "QUANTILE_GRID", "RobotInfo", "StatsTable", "load_robot", "load_stats",
-           "robot_bytes", "stats_bytes"]
+           "robot_bytes", "robot_summary", "stats_bytes"]
 
 #: At most this many distinct tasks, each at most this many characters.
 MAX_TASKS = 1 << 16
@@ -82,6 +82,36 @@ def load_robot(loc: Location) -> RobotInfo:
     """
     raw = loc.get(ROBOT_KEY, limit=MAX_ROBOT_BYTES)
     return RobotInfo() if raw is None else _parse_robot(raw, str(loc.url))
+
+
+def robot_summary(loc: Location, epoch: int) -> dict[str, Any]:
+    """What ``trajstore info`` says of the two files (both read and checked; a damaged one raises).
+
+    Parameters
+    ----------
+    loc : Location
+        The store's location.
+    epoch : int
+        The commit record's epoch now: stored statistics of another epoch are stale.
+
+    Returns
+    -------
+    dict
+        ``fps`` (None: not declared), ``tasks`` (how many in the dictionary), ``episodes_with_task``
+        (entries of the file: episodes a ring evicted since the last edit included) and ``stats``:
+        None when no statistics are stored, else ``episodes`` (stored), ``fields`` (their names)
+        and ``current`` (computed under this epoch: no rows rewritten or removed since).
+
+    Raises
+    ------
+    DamagedStoreError
+        Either file is not what this module writes.
+    """
+    info = load_robot(loc)
+    st = load_stats(loc)
+    stats = None if st is None else {"episodes": int(len(st.episode_ids)), "fields": [n for n, _ in st.fields],
+                                     "current": st.epoch == epoch}
+    return {"fps": info.fps, "tasks": len(info.tasks), "episodes_with_task": len(info.episode_tasks), "stats": stats}
 
 
 def _bad(where: str, what: str) -> DamagedStoreError:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from trajstore.cli.view.robot import check_where_tasks, stats_answer, task_dictionary, time_axis
 from trajstore.core.store import Store
 from trajstore.core.table import Table
 from trajstore.errors import (
@@ -35,6 +36,7 @@ from trajstore.errors import (
 )
 from trajstore.maintenance.summary import STEP_IDS, STEPS, episode_table, open_store, store_info
 from trajstore.maintenance.where import MAX_WHERE_CHARS, compile_where
+from trajstore.storage.robot_files import RobotInfo, load_robot
 
 __all__ = ["StorePart", "MAX_PAGE", "MAX_SERIES_STEPS", "MAX_SERIES_VALUES", "MAX_SERIES_WIDTH", "is_image_shape"]
 
@@ -53,9 +55,9 @@ _TRIES = 3
 
 
 def is_image_shape(shape: tuple[int, ...], dtype: np.dtype, layout: str) -> bool:
-    """Whether rows of ``shape`` and ``dtype`` are shown as frames: image fields, and uint8 rows of
-    shape (H, W) or (H, W, C) with C in 1, 3, 4 and H, W >= 8 (raw Atari or camera frames)."""
-    if layout == "image":
+    """Whether rows of ``shape`` and ``dtype`` are shown as frames: image and video fields, and uint8
+    rows of shape (H, W) or (H, W, C) with C in 1, 3, 4 and H, W >= 8 (raw Atari or camera frames)."""
+    if layout in ("image", "video"):
         return True
     if dtype != np.uint8 or len(shape) not in (2, 3) or min(shape[:2]) < 8:
         return False
@@ -93,6 +95,8 @@ class StorePart:
         self._cache: dict[str, tuple[int, Any]] = {}  # what -> (generation, value)
         self._rows: dict[int, np.ndarray] = {}  # episode id -> logical step rows (this generation)
         self._rows_gen = -1
+        self._tasks: tuple[dict[str, np.ndarray], RobotInfo, np.ndarray] | None = None  # the last task column
+        self._stats: dict[str, Any] = {}  # the last statistics answer (trajstore.cli.view.robot.stats_answer)
 
     # -- opening and refreshing ------------------------------------------------------------------
     def store(self) -> Store:
@@ -132,9 +136,23 @@ class StorePart:
                 "episodes": None if eps is None else len(eps["episode_id"])}
 
     def overview(self) -> dict[str, Any]:
-        """``trajstore info --json`` of the store (its text rendering of the spaces included)."""
-        self.store()
-        return self._cached("overview", lambda: store_info(self.url, storage_options=self.storage_options))
+        """``trajstore info --json`` of the store (its text rendering of the spaces included; its
+        ``robot`` entry says the frame rate and whether statistics are stored) and
+        ``task_dictionary`` (:func:`~trajstore.cli.view.robot.task_dictionary`; None without tasks)."""
+        store = self.store()
+        info: dict[str, Any] = self._cached("overview", lambda: store_info(self.url, storage_options=self.storage_options))
+        robot = load_robot(store.loc)
+        eps = self._episodes_or_none() if robot.tasks else None
+        tasks = None if eps is None else task_dictionary(robot, eps["episode_id"])
+        return {**info, "task_dictionary": tasks}
+
+    def stats(self) -> dict[str, Any]:
+        """The stored statistics aggregated over the episodes they are current for
+        (:func:`~trajstore.cli.view.robot.stats_answer`); ``stored`` False for a store without them."""
+        buf = self.trajectory()
+        if buf is None:
+            return {"stored": False, "episodes": 0, "of": 0, "fields": []}
+        return stats_answer(buf, self._stats)
 
     def _episodes_or_none(self) -> dict[str, np.ndarray] | None:
         try:
@@ -154,19 +172,42 @@ class StorePart:
         store = self.store()
         eps = episode_table(store)
         cols = {k: np.asarray(v) for k, v in eps.items() if isinstance(v, np.ndarray)}
-        if "episode_data" in store.tables and store.tables["episode_data"].count:
+        if "episode_data" in store.tables and store.tables["episode_data"].count and self.trajectory() is not None:
             cols.update(self._episode_data(cols["episode_id"]))
         return cols
+
+    def trajectory(self) -> Any:
+        """The store as a read-only TrajectoryReplayBuffer (opened on first use), or None for
+        another kind of store (its robot metadata, episode data and statistics are a trajectory
+        store's)."""
+        from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+
+        if self._buf is None:
+            if self.store().attrs.get("kind") != TrajectoryReplayBuffer.__name__:
+                return None
+            self._buf = TrajectoryReplayBuffer.load_from(self.url, read_only=True, storage_options=self.storage_options)
+        return self._buf
+
+    def table_columns(self) -> dict[str, np.ndarray]:
+        """:meth:`episode_columns` and, when the store has a task dictionary (and no episode-data
+        field ``task``), ``task``: each episode's task string ("" for none), the column ``trajstore
+        filter --where`` compares quoted strings with.  The task file is read at each call (an edit
+        of the tasks commits nothing, so the commit generation does not say it changed)."""
+        cols = self.episode_columns()
+        info = load_robot(self.store().loc)
+        if not info.tasks or "task" in cols:
+            return cols
+        hit = self._tasks
+        if hit is None or hit[0] is not cols or hit[1] != info:
+            hit = self._tasks = (cols, info, info.task_of(cols["episode_id"]).astype(str))
+        return {**cols, "task": hit[2]}
 
     def _episode_data(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Scalar episode-data columns aligned with ``ids`` (read through the buffer's
         :func:`~trajstore.buffers.episode_edit.episode_columns`, the columns ``filter --where`` sees)."""
         from trajstore.buffers.episode_edit import TABLE_COLUMNS, episode_columns
-        from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
-        if self._buf is None:
-            self._buf = TrajectoryReplayBuffer.load_from(self.url, read_only=True, storage_options=self.storage_options)
-        data = episode_columns(self._buf)
+        data = episode_columns(self.trajectory())
         # The buffer may have read a newer record than the table: align its rows on the ids.
         sorter = np.argsort(data["episode_id"], kind="stable")
         sorted_ids = data["episode_id"][sorter]
@@ -214,18 +255,18 @@ class StorePart:
             raise BadOptionError(f"limit must be 1..{MAX_PAGE} and offset >= 0; got limit={limit}, offset={offset}")
         if len(where) > MAX_WHERE_CHARS:
             raise BadOptionError(f"where: {len(where)} characters; at most {MAX_WHERE_CHARS}")
-        cols = self.episode_columns()
+        cols = self.table_columns()
         names = list(cols)
         n = len(cols["episode_id"])
         keep = np.arange(n)
         if where.strip():
-            keep = np.flatnonzero(compile_where(where, cols)(cols))
+            evaluate = compile_where(where, cols)  # unknown fields and bad syntax first
+            check_where_tasks(self.trajectory() if "task" in cols else None, where)
+            keep = np.flatnonzero(evaluate(cols))
         if sort:
             if sort not in cols:
                 raise BadOptionError(f"sort: no column {sort!r}; the columns are {names}")
-            key = cols[sort][keep].astype(np.float64)  # bools and unsigned ints negate as numbers
-            order = np.argsort(-key if desc else key, kind="stable")  # ties keep first-step order
-            keep = keep[order]
+            keep = keep[_order(cols[sort][keep], desc)]
         page = keep[offset:offset + limit]
         rows = [[_json_value(cols[c][i]) for c in names] for i in page.tolist()]
         return {"columns": names, "total": n, "matched": int(len(keep)), "offset": offset, "rows": rows}
@@ -299,7 +340,8 @@ class StorePart:
     def _episode_now(self, eid: int) -> dict[str, Any]:
         """Episode ``eid``: ``id, length, rows`` (first and last step row), ``stride`` (every k-th
         step is in the series), ``steps`` (the step numbers sent), ``fields`` (as :meth:`fields`)
-        and ``series``: field path -> list of per-element lists (one per number of the row)."""
+        ``series``: field path -> list of per-element lists (one per number of the row) and ``time``:
+        the steps' times in seconds when the store has a time (:func:`~trajstore.cli.view.robot.time_axis`)."""
         rows = self.episode_rows(eid)
         t = self.store().tables[STEPS]
         fields = self.fields()
@@ -314,7 +356,8 @@ class StorePart:
             flat = np.asarray(a).reshape(len(steps), -1).astype(np.float64)
             series[f["path"]] = [[_json_value(x) for x in flat[:, k].tolist()] for k in range(flat.shape[1])]
         return {"id": eid, "length": int(len(rows)), "rows": [int(rows[0]), int(rows[-1])] if len(rows) else [],
-                "stride": stride, "steps": steps.tolist(), "fields": fields, "series": series}
+                "stride": stride, "steps": steps.tolist(), "fields": fields, "series": series,
+                "time": time_axis(self.store().loc, series, steps)}
 
     def frame(self, eid: int, field: str, step: int) -> np.ndarray:
         """Frame ``step`` of image field ``field`` in episode ``eid``, decoded: (H, W) or (H, W, C)
@@ -344,6 +387,13 @@ class StorePart:
 
         frame: np.ndarray = self._consistent(read)
         return frame
+
+
+def _order(col: np.ndarray, desc: bool) -> np.ndarray:
+    """Positions sorting ``col`` stably (ties keep first-step order): numbers as numbers (bools and
+    unsigned ints negate as numbers), text by its rank in code-point order."""
+    key = np.unique(col, return_inverse=True)[1].astype(np.float64) if col.dtype.kind in "USO" else col.astype(np.float64)
+    return np.argsort(-key if desc else key, kind="stable")
 
 
 def _field_index(t: Table, path: str) -> int | None:

@@ -6,7 +6,7 @@ Routes (GET only; anything else is 405):
   files loaded into memory at start: no request names a file);
 - ``/api/parts``: the stores shown (one, or a buffer folder's stores, or a dataset's shards) and
   any error opening them;
-- ``/api/status``, ``/api/overview``, ``/api/episodes``, ``/api/episode``: JSON
+- ``/api/status``, ``/api/overview``, ``/api/stats``, ``/api/episodes``, ``/api/episode``: JSON
   (:class:`~trajstore.cli.view.data.StorePart`);
 - ``/api/frame``: one frame of an image field as PNG or JPEG, made on demand.
 
@@ -37,6 +37,7 @@ from trajstore.errors import (
     NoEpisodesError,
     UnknownEpisodeError,
     UnknownFieldError,
+    UnknownTaskError,
 )
 
 __all__ = ["ViewServer", "make_server", "STATIC", "MAX_INFLIGHT", "MAX_URL"]
@@ -51,7 +52,7 @@ _WAIT_S = 10.0
 #: Longest request target accepted (a where expression fits well inside).
 MAX_URL = 8192
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_PARAMS: dict[str, set[str]] = {"parts": set(), "status": {"part"}, "overview": {"part"},
+_PARAMS: dict[str, set[str]] = {"parts": set(), "status": {"part"}, "overview": {"part"}, "stats": {"part"},
            "episodes": {"part", "where", "sort", "desc", "offset", "limit"}, "episode": {"part", "id"},
            "frame": {"part", "id", "field", "step", "fmt", "size"}}
 
@@ -67,7 +68,7 @@ class RequestError(Exception):
 def _status_of(e: Exception) -> int:
     if isinstance(e, RequestError):
         return e.status
-    if isinstance(e, (UnknownEpisodeError, UnknownFieldError)):
+    if isinstance(e, (UnknownEpisodeError, UnknownFieldError, UnknownTaskError)):
         return 404
     if isinstance(e, (BadOptionError, IndexOutOfRangeError)):
         return 400
@@ -205,7 +206,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._frame(part, q)
                 return
             answer: Callable[[], Any] = {
-                "status": part.status, "overview": part.overview,
+                "status": part.status, "overview": part.overview, "stats": part.stats,
                 "episode": lambda: part.episode(_int(q, "id", lo=-(2**62))),
                 "episodes": lambda: part.episodes(q.get("where", ""), q.get("sort", ""), q.get("desc", "0") == "1",
                                                   _int(q, "offset", 0), _int(q, "limit", 100, 1, 10**6)),

@@ -7,7 +7,7 @@
   const POLL_MS = Math.max(200, Number(params.get("poll")) || 1000);
   const PAGE = 50;
   const state = { part: 0, parts: [], sort: "", desc: false, offset: 0, where: "", generation: null,
-                  episode: null, step: 0, plots: [], playing: null };
+                  episode: null, step: 0, plots: [], playing: null, xTime: false, statsOpen: null };
 
   async function api(what, q) {
     const url = "/api/" + what + "?" + new URLSearchParams(Object.assign(what === "parts" ? {} : { part: state.part }, q || {}));
@@ -46,6 +46,12 @@
     if (o.episodes) add("episodes", o.episodes.finished + " finished" + (o.episodes.in_progress ? " (+1 in progress)" : "") + ", from " + o.episodes.source);
     add("size on disk", bytes(o.stored_bytes) + " (" + bytes(o.logical_bytes) + " of committed data)");
     if (o.dataset) add("dataset", JSON.stringify(o.dataset).slice(0, 400));
+    const r = o.robot;
+    if (r && (r.fps !== null || r.tasks || r.stats)) {
+      add("frame rate", r.fps === null ? "not declared" : r.fps + " fps");
+      add("tasks", r.tasks + " in the dictionary, " + r.episodes_with_task + " episode(s) with one");
+      add("statistics", r.stats ? "stored for " + r.stats.episodes + " episodes" + (r.stats.current ? "" : " (stale: rows rewritten since)") : "none stored (trajstore stats --save)");
+    }
     box.append(dl);
     const t = el("table"); t.id = "fields-table";
     const head = el("tr"); ["field", "shape", "dtype", "chunk rows", "codec", "stored"].forEach((h) => head.append(el("th", h)));
@@ -54,6 +60,39 @@
       const tr = el("tr");
       [a.path, "(" + a.shape.join(", ") + ")", a.dtype, a.chunk_rows, a.codec, bytes(a.stored_bytes)].forEach((v) => tr.append(el("td", v)));
       t.append(tr);
+    }
+    box.append(t);
+    if (o.task_dictionary) {
+      const tt = el("table"); tt.id = "tasks-table";
+      const th = el("tr"); ["task_index", "task", "episodes"].forEach((h) => th.append(el("th", h))); tt.append(th);
+      for (const t of o.task_dictionary.tasks) { const tr = el("tr"); [t.index, t.task, t.episodes].forEach((v) => tr.append(el("td", v))); tt.append(tr); }
+      box.append(el("h3", "tasks"), tt);
+      if (o.task_dictionary.more) box.append(el("p", "... and " + o.task_dictionary.more + " more tasks"));
+    }
+    const statsBox = el("details"); statsBox.id = "stats"; box.append(statsBox);
+    if (r && r.stats) await loadStats(statsBox);
+  }
+  // The stored statistics, aggregated over the episodes they are current for (no rows read).
+  async function loadStats(box) {
+    const s = await api("stats");
+    if (!s.stored) return;
+    // Open unless long (it would push the episode table down): a click on its heading opens it,
+    // and the page keeps the reader's choice while a live store redraws the overview.
+    box.append(el("summary", "statistics (stored, " + s.episodes + " of " + s.of + " episodes)"));
+    box.open = state.statsOpen !== null ? state.statsOpen : s.fields.reduce((n, f) => n + f.channels.length + (f.more ? 1 : 0), 0) <= 20;
+    box.addEventListener("toggle", () => { state.statsOpen = box.open; });
+    if (!s.fields.length) { box.append(el("p", "none current: rows were rewritten since they were stored (trajstore stats --save)")); return; }
+    const t = el("table"); t.id = "stats-table";
+    const keys = ["mean", "std", "min", "max", "q01", "q10", "q50", "q90", "q99"];
+    const head = el("tr"); ["field", "steps"].concat(keys).forEach((h) => head.append(el("th", h))); t.append(head);
+    for (const f of s.fields) {
+      f.channels.forEach((vals, c) => {
+        const tr = el("tr");
+        tr.append(el("td", f.channels.length > 1 || f.more ? f.field + "[" + c + "]" : f.field), el("td", f.count, "num"));
+        vals.forEach((v) => tr.append(el("td", fmt(v), "num")));
+        t.append(tr);
+      });
+      if (f.more) { const tr = el("tr"); tr.append(el("td", f.field + ": " + f.more + " more channels")); t.append(tr); }
     }
     box.append(t);
   }
@@ -100,9 +139,27 @@
   }
 
   // -- one episode ----------------------------------------------------------------------------
+  // The x of a step: the step, or its time in seconds (the nearest step sent, for a strided episode).
+  function hasTime(ep) { return !!(ep && ep.time && ep.time.source && ep.time.time.every((v) => typeof v === "number")); }
+  function useTime() { return state.xTime && hasTime(state.episode); }
+  function xOf(step) {
+    const ep = state.episode;
+    if (!useTime()) return step;
+    const k = Math.min(ep.steps.length - 1, Math.round(step / ep.stride));
+    return ep.time.source === "fps" ? step / ep.time.fps : ep.time.time[k];
+  }
+  function stepAt(x) {
+    const ep = state.episode;
+    if (!useTime()) return Math.round(x);
+    if (ep.time.source === "fps") return Math.round(x * ep.time.fps);
+    let lo = 0, hi = ep.time.time.length - 1;  // the sent step nearest to time x
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (ep.time.time[mid] < x) lo = mid + 1; else hi = mid; }
+    if (lo > 0 && Math.abs(ep.time.time[lo - 1] - x) <= Math.abs(ep.time.time[lo] - x)) lo--;
+    return ep.steps[lo];
+  }
   function cursorPlugin() {
     return { hooks: { draw: [(u) => {
-      const x = Math.round(u.valToPos(state.step, "x", true));
+      const x = Math.round(u.valToPos(xOf(state.step), "x", true));
       const ctx = u.ctx; ctx.save(); ctx.strokeStyle = "#d33"; ctx.lineWidth = 2;
       ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke(); ctx.restore();
     }] } };
@@ -117,10 +174,10 @@
     for (const [path, cols] of Object.entries(ep.series)) {
       const div = el("div", null, "plot"); div.dataset.field = path;
       div.append(el("h3", path)); box.append(div);
-      const series = [{ label: "step" }].concat(cols.map((_c, k) => ({ label: cols.length > 1 ? "[" + k + "]" : path.split("/").pop(), stroke: COLORS[k % COLORS.length], width: 1 })));
+      const series = [{ label: useTime() ? "time (s)" : "step" }].concat(cols.map((_c, k) => ({ label: cols.length > 1 ? "[" + k + "]" : path.split("/").pop(), stroke: COLORS[k % COLORS.length], width: 1 })));
       const u = new uPlot({ width: width, height: 160, series: series, plugins: [cursorPlugin()], scales: { x: { time: false }, y: { range: yRange } },
-                            legend: { show: cols.length > 1, live: false } }, [ep.steps].concat(cols), div);
-      u.over.addEventListener("click", () => { const v = u.posToVal(u.cursor.left, "x"); if (Number.isFinite(v)) setStep(Math.round(v)); });
+                            legend: { show: cols.length > 1, live: false } }, [useTime() ? ep.time.time : ep.steps].concat(cols), div);
+      u.over.addEventListener("click", () => { const v = u.posToVal(u.cursor.left, "x"); if (Number.isFinite(v)) setStep(stepAt(v)); });
       state.plots.push(u);
     }
   }
@@ -144,7 +201,8 @@
     if (!state.episode) return;
     state.step = Math.max(0, Math.min(state.episode.length - 1, s));
     $("scrubber").value = String(state.step);
-    $("step-label").textContent = "step " + state.step + " / " + (state.episode.length - 1);
+    $("step-label").textContent = "step " + state.step + " / " + (state.episode.length - 1) +
+      (hasTime(state.episode) ? ", t = " + fmt(state.episode.time.source === "fps" ? state.step / state.episode.time.fps : state.episode.time.time[Math.min(state.episode.steps.length - 1, Math.round(state.step / state.episode.stride))]) + " s" : "");
     state.plots.forEach((u) => u.redraw(false, false));
     loadFrames();
   }
@@ -164,6 +222,9 @@
       img.width = Math.max(128, Math.min(512, side * (side < 128 ? 4 : 1)));
       fig.append(img, el("figcaption", f.path + " (" + f.shape.join("x") + ")")); frames.append(fig);
     }
+    $("x-axis").hidden = !hasTime(ep);
+    $("x-axis").textContent = "x: " + (useTime() ? "time (s)" : "step");
+    $("x-axis").title = hasTime(ep) ? "plot against " + (useTime() ? "step" : "time, from " + (ep.time.source === "fps" ? "the store's frame rate (" + ep.time.fps + " fps)" : "the timestamp field")) : "";
     const others = ep.fields.filter((f) => f.kind === "other");
     $("other-fields").textContent = others.length ? "not plotted: " + others.map((f) => f.path + " (" + f.shape.join("x") + ")").join(", ") : "";
     drawPlots(ep);
@@ -224,6 +285,12 @@
     $("prev").onclick = () => { state.offset = Math.max(0, state.offset - PAGE); refreshList(); };
     $("next").onclick = () => { state.offset += PAGE; refreshList(); };
     $("scrubber").oninput = () => setStep(Number($("scrubber").value));
+    $("x-axis").onclick = () => {
+      state.xTime = !state.xTime;
+      if (!state.episode) return;
+      $("x-axis").textContent = "x: " + (useTime() ? "time (s)" : "step");
+      drawPlots(state.episode); setStep(state.step);
+    };
     $("play").onclick = () => {
       if (state.playing) { clearInterval(state.playing); state.playing = null; $("play").textContent = "play"; return; }
       $("play").textContent = "pause";
