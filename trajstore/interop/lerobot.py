@@ -261,5 +261,5 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
     finally:
         if bar is not None:
             bar.close()
-    return {"destination": out_path, "steps": steps, "episodes": len(lay.episodes), "version": lay.version,
+    return {"source": root, "destination": out_path, "steps": steps, "episodes": len(lay.episodes), "version": lay.version,
             "adopted": imp.adopted, "transcoded": imp.transcoded, "verified": True}

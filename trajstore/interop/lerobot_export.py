@@ -158,6 +158,7 @@ def export_lerobot(src: Any, path: Any, *, fps: float | None = None, video: str 
         with staged_path(path, f"{_WHAT}: path", overwrite) as tmp:
             result = _write(buf, tmp, float(rate), video, robot_type)
         result["destination"] = os.path.abspath(os.fspath(path))
+        result["source"] = buf.cache_path if opened or not isinstance(src, (str, os.PathLike)) else os.fspath(src)
         return result
     finally:
         if opened:

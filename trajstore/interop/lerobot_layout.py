@@ -179,7 +179,7 @@ def _feature(name: str, spec: Any, where: str) -> Feature:
         hwc = tuple(shape) if list(names)[:1] != ["channels"] else (shape[1], shape[2], shape[0])
         if len(hwc) != 3 or hwc[2] != 3:
             raise ForeignFileError(f"{where}: video feature {name!r} shape {shape} is not RGB (H, W, 3)")
-        info = spec.get("info") if isinstance(spec.get("info"), dict) else {}
+        info: dict[str, Any] = spec["info"] if isinstance(spec.get("info"), dict) else {}
         return Feature(name, np.dtype(np.uint8), hwc, True, info)
     if spec["dtype"] not in _DTYPES:
         raise ForeignFileError(f"{where}: feature {name!r} has dtype {spec['dtype']!r:.40}; trajstore reads numbers, "

@@ -31,7 +31,8 @@ import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
 
-__all__ = ["EpisodePackets", "episode_packets", "episode_frames", "write_mp4", "ADOPTABLE"]
+__all__ = ["EpisodePackets", "episode_packets", "episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
+           "av_module"]
 
 #: MP4 codec names (as FFmpeg names the stream) whose packets become trajstore segments unchanged
 #: (after AVCC -> Annex B for H.264), and the trajstore codec they decode with.
@@ -257,6 +258,90 @@ class Mp4Writer:
         self.c.close()
 
 
-def write_mp4(path: str, fps: int, shape: tuple[int, int], codec: str = "av1") -> Mp4Writer:
-    """A :class:`Mp4Writer` at ``path``."""
-    return Mp4Writer(path, fps, shape, codec)
+class Mp4Index:
+    """Where an MP4's video packets are: presentation ``times`` (float64 s), file ``pos`` and
+    ``size`` (int64), ``keys`` (bool), in demux order; ``codec`` (trajstore's name or None) and
+    ``headers`` (H.264: the SPS/PPS as Annex B)."""
+
+    __slots__ = ("codec", "headers", "keys", "pos", "size", "times", "where")
+
+    def __init__(self, where: str, times: np.ndarray, pos: np.ndarray, size: np.ndarray, keys: np.ndarray,
+                 codec: str | None, headers: bytes) -> None:
+        self.where, self.times, self.pos, self.size, self.keys = where, times, pos, size, keys
+        self.codec, self.headers = codec, headers
+
+    def episode(self, lay: Any, path: str, t0: float, t1: float, length: int) -> tuple[list[bytes], list[bool]]:
+        """The packets (display order, Annex B for H.264) and keyframe flags of the ``length``
+        frames in ``[t0, t1)``, read from the file ``path`` of ``lay`` at their offsets.
+
+        Raises
+        ------
+        ForeignFileError
+            Another frame count, an episode not starting on a keyframe, packets out of display
+            order or a codec trajstore does not keep as it is (naming the file).
+        """
+        fps_half = 0.5 * (float(np.median(np.diff(self.times))) if len(self.times) > 1 else 0.0)
+        lo = int(np.searchsorted(self.times, t0 - fps_half))
+        hi = int(np.searchsorted(self.times, t1 - fps_half))
+        if hi - lo != length:
+            raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
+                                   f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
+        if self.codec is None or not length or not self.keys[lo]:
+            why = "its codec is not AV1 or H.264" if self.codec is None else "the episode does not start on a keyframe"
+            raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
+                                   "import the dataset (import_lerobot re-encodes such episodes)")
+        a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
+        with lay.open(path) as f:
+            f.seek(a)
+            blob = f.read(b - a)
+        if len(blob) != b - a:
+            raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
+        packets, keys = [], []
+        for p, s, k in zip(self.pos[lo:hi].tolist(), self.size[lo:hi].tolist(), self.keys[lo:hi].tolist()):
+            data = blob[p - a : p - a + s]
+            if self.codec == "h264":
+                data = (self.headers if k else b"") + _avcc_to_annexb(data, self.where)
+            packets.append(data)
+            keys.append(bool(k))
+        return packets, keys
+
+
+def index_packets(fileobj: Any, where: str) -> Mp4Index:
+    """The :class:`Mp4Index` of the MP4 ``fileobj`` (demuxed once, nothing decoded).
+
+    Raises
+    ------
+    ForeignFileError
+        Not an MP4 with a video stream, packets with no position, or out of display order.
+    """
+    av = av_module(where)
+    c, s = _open_container(av, fileobj, where)
+    times: list[float] = []
+    pos: list[int] = []
+    size: list[int] = []
+    keys: list[bool] = []
+    try:
+        cc = s.codec_context
+        codec = ADOPTABLE.get(cc.name)
+        headers = _avcc_headers(cc.extradata, where) if codec == "h264" else b""
+        tb = Fraction(s.time_base)
+        for p in c.demux(s):
+            if p.size == 0 or p.pts is None:
+                continue
+            if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
+                raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
+            times.append(float(p.pts * tb))
+            pos.append(int(p.pos))
+            size.append(int(p.size))
+            keys.append(bool(p.is_keyframe))
+    except ForeignFileError:
+        raise
+    except Exception as e:  # noqa: BLE001  # the file is input
+        raise ForeignFileError(f"{where}: the MP4 does not demux ({type(e).__name__}: {e})") from None
+    finally:
+        c.close()
+    t = np.asarray(times, np.float64)
+    if len(t) > 1 and not (np.diff(t) > 0).all():
+        codec = None  # B-frames: demux order is not display order
+    return Mp4Index(where, t, np.asarray(pos, np.int64), np.asarray(size, np.int64), np.asarray(keys, bool), codec,
+                    headers)
