@@ -22,7 +22,7 @@ def frames_of(ep: int, n: int) -> np.ndarray:
     return np.stack([base, (base + 85) % 256, (255 - base)], -1).astype(np.uint8)
 
 
-def _encode(path: str, episodes: list[np.ndarray], fps: int, codec: str) -> None:
+def _encode(path: str, episodes: list[np.ndarray], fps: int, codec: str, force_key: bool = True) -> None:
     import av
 
     os.environ.setdefault("SVT_LOG", "1")
@@ -37,7 +37,7 @@ def _encode(path: str, episodes: list[np.ndarray], fps: int, codec: str) -> None
         for i, f in enumerate(fr):
             vf = av.VideoFrame.from_ndarray(f, format="rgb24")
             vf.pts = pts
-            if i == 0:
+            if i == 0 and force_key:
                 vf.pict_type = av.video.frame.PictureType.I
             pts += 1
             for p in s.encode(vf):
@@ -97,7 +97,7 @@ def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0) -> Any:
 
 
 def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observation.images.top",),
-             codec: str = "av1", fps: int = 10) -> str:
+             codec: str = "av1", fps: int = 10, force_key: bool = True) -> str:
     """A LeRobot v3.0 dataset: every episode in data/chunk-000/file-000.parquet and one MP4 per camera."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -115,7 +115,7 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
     pq.write_table(_data_table(lengths), os.path.join(root, "data/chunk-000/file-000.parquet"))
     for cam in cams:
         _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-000.mp4"),
-                [frames_of(e, n) for e, n in enumerate(lengths)], fps, codec)
+                [frames_of(e, n) for e, n in enumerate(lengths)], fps, codec, force_key)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
                           "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,

@@ -41,6 +41,8 @@ __all__ = ["Feature", "Episode", "LeRobotLayout", "read_layout", "read_parquet",
 DEFAULT_COLUMNS = ("timestamp", "frame_index", "episode_index", "index", "task_index")
 _PLACEHOLDERS = {"chunk_index", "file_index", "video_key", "episode_chunk", "episode_index"}
 _INT_SPEC = re.compile(r"^0?[0-9]{0,2}d?$")
+#: Bytes of a v2.1 JSON-lines metadata file read at most.
+MAX_JSONL_BYTES = 256 << 20
 _DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
            "bool"}
 
@@ -381,7 +383,10 @@ def _episodes_v3(root: str, videos: list[str]) -> list[Episode]:
 def _jsonl(root: str, key: str) -> list[dict[str, Any]]:
     where = os.path.join(root, key)
     with open_below(root, key, "LeRobot dataset") as f:
-        raw = f.read(MAX_ARRAY_BYTES // 64 + 1)
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_JSONL_BYTES:
+            raise ForeignFileError(f"{where}: {size} bytes; at most {MAX_JSONL_BYTES} are read")
+        raw = f.read(size)
     out = []
     for n, line in enumerate(bytes(raw).splitlines()):
         if line.strip():
