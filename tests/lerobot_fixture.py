@@ -14,26 +14,29 @@ H, W = 48, 64
 TASKS = ["pick cube", "place cube"]
 
 
-def frames_of(ep: int, n: int) -> np.ndarray:
+def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
     """Smooth, distinct frames of episode ``ep`` (video compresses them well)."""
-    y, x = np.mgrid[0:H, 0:W]
+    y, x = np.mgrid[0 : size[0], 0 : size[1]]
     t = np.arange(n)[:, None, None]
     base = (x[None] * 3 + y[None] * 2 + t * 5 + ep * 40) % 256
     return np.stack([base, (base + 85) % 256, (255 - base)], -1).astype(np.uint8)
 
 
-def _encode(path: str, episodes: list[np.ndarray], fps: int, codec: str, force_key: bool = True) -> None:
+def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = True) -> None:
     import av
 
     os.environ.setdefault("SVT_LOG", "1")
     c = av.open(path, "w", format="mp4")
     s = c.add_stream("libsvtav1" if codec == "av1" else "libx264", rate=fps)
-    s.width, s.height, s.pix_fmt = W, H, "yuv420p"
+    first = None
     s.options = {"g": "2", "crf": "30" if codec == "av1" else "18", "preset": "12" if codec == "av1" else "veryfast"}
     if codec == "h264":
         s.codec_context.max_b_frames = 0
     pts = 0
     for fr in episodes:
+        if first is None:
+            first = fr
+            s.width, s.height, s.pix_fmt = fr.shape[2], fr.shape[1], "yuv420p"
         for i, f in enumerate(fr):
             vf = av.VideoFrame.from_ndarray(f, format="rgb24")
             vf.pts = pts
@@ -47,14 +50,14 @@ def _encode(path: str, episodes: list[np.ndarray], fps: int, codec: str, force_k
     c.close()
 
 
-def _features(cams: list[str]) -> dict[str, Any]:
+def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, int] = (3, 2)) -> dict[str, Any]:
     f: dict[str, Any] = {
-        "observation.state": {"dtype": "float32", "shape": [3], "names": ["a", "b", "c"]},
-        "action": {"dtype": "float32", "shape": [2], "names": ["x", "y"]},
+        "observation.state": {"dtype": "float32", "shape": [dims[0]], "names": [f"s{i}" for i in range(dims[0])]},
+        "action": {"dtype": "float32", "shape": [dims[1]], "names": [f"a{i}" for i in range(dims[1])]},
         "next.reward": {"dtype": "float32", "shape": [1], "names": None},
     }
     for cam in cams:
-        f[cam] = {"dtype": "video", "shape": [H, W, 3], "names": ["height", "width", "channels"],
+        f[cam] = {"dtype": "video", "shape": [size[0], size[1], 3], "names": ["height", "width", "channels"],
                   "info": {"video.fps": 10, "video.codec": "av1", "video.pix_fmt": "yuv420p"}}
     for k, dt in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
                   ("index", "int64"), ("task_index", "int64")):
@@ -62,21 +65,23 @@ def _features(cams: list[str]) -> dict[str, Any]:
     return f
 
 
-def step_values(ep: int, n: int) -> dict[str, np.ndarray]:
+def step_values(ep: int, n: int, dims: tuple[int, int] = (3, 2)) -> dict[str, np.ndarray]:
     t = np.arange(n, dtype=np.float32)
-    return {"observation.state": np.stack([t, t * 2 + ep, -t], 1).astype(np.float32),
-            "action": np.stack([t / 10, np.full(n, ep, np.float32)], 1).astype(np.float32),
+    state = np.stack([t, t * 2 + ep, -t], 1)
+    action = np.stack([t / 10, np.full(n, ep, np.float32)], 1)
+    return {"observation.state": np.resize(state.T, (dims[0], n)).T.astype(np.float32),
+            "action": np.resize(action.T, (dims[1], n)).T.astype(np.float32),
             "next.reward": (t / n).astype(np.float32)}
 
 
-def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0) -> Any:
+def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tuple[int, int] = (3, 2)) -> Any:
     import pyarrow as pa
 
     cols: dict[str, list[Any]] = {k: [] for k in ("observation.state", "action", "next.reward", "timestamp",
                                                   "frame_index", "episode_index", "index", "task_index")}
     index = first_index
     for e, n in enumerate(lengths, start=ep0):
-        v = step_values(e, n)
+        v = step_values(e, n, dims)
         cols["observation.state"] += v["observation.state"].tolist()
         cols["action"] += v["action"].tolist()
         cols["next.reward"] += v["next.reward"].tolist()
@@ -86,8 +91,8 @@ def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0) -> Any:
         cols["index"] += list(range(index, index + n))
         cols["task_index"] += [e % 2] * n
         index += n
-    return pa.table({"observation.state": pa.array(cols["observation.state"], pa.list_(pa.float32(), 3)),
-                     "action": pa.array(cols["action"], pa.list_(pa.float32(), 2)),
+    return pa.table({"observation.state": pa.array(cols["observation.state"], pa.list_(pa.float32(), dims[0])),
+                     "action": pa.array(cols["action"], pa.list_(pa.float32(), dims[1])),
                      "next.reward": pa.array(cols["next.reward"], pa.float32()),
                      "timestamp": pa.array(cols["timestamp"], pa.float32()),
                      "frame_index": pa.array(cols["frame_index"], pa.int64()),
@@ -97,7 +102,8 @@ def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0) -> Any:
 
 
 def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observation.images.top",),
-             codec: str = "av1", fps: int = 10, force_key: bool = True) -> str:
+             codec: str = "av1", fps: int = 10, force_key: bool = True, size: tuple[int, int] = (H, W),
+             dims: tuple[int, int] = (3, 2)) -> str:
     """A LeRobot v3.0 dataset: every episode in data/chunk-000/file-000.parquet and one MP4 per camera."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -109,13 +115,13 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
             "video_files_size_in_mb": 500, "fps": fps, "splits": {"train": f"0:{len(lengths)}"},
             "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
             "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
-            "features": _features(list(cams))}
+            "features": _features(list(cams), size, dims)}
     with open(os.path.join(root, "meta/info.json"), "w") as f:
         json.dump(info, f, indent=4)
-    pq.write_table(_data_table(lengths), os.path.join(root, "data/chunk-000/file-000.parquet"))
+    pq.write_table(_data_table(lengths, dims=dims), os.path.join(root, "data/chunk-000/file-000.parquet"))
     for cam in cams:
         _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-000.mp4"),
-                [frames_of(e, n) for e, n in enumerate(lengths)], fps, codec, force_key)
+                (frames_of(e, n, size) for e, n in enumerate(lengths)), fps, codec, force_key)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
                           "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,

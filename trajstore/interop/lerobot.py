@@ -29,7 +29,14 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.core.progress import progress_bar
 from trajstore.errors import BadOptionError, ForeignFileError, NotATrajstoreError, TimeOrderError
 from trajstore.interop._common import box_for, check_destination, source_file
-from trajstore.interop.lerobot_layout import Episode, LeRobotLayout, column_array, read_layout, read_parquet
+from trajstore.interop.lerobot_layout import (
+    Episode,
+    LeRobotLayout,
+    column_array,
+    episode_starts,
+    read_layout,
+    read_parquet,
+)
 from trajstore.interop.lerobot_video import ADOPTABLE, av_module, episode_frames, episode_packets
 from trajstore.maintenance.staged import StagedFolders, local_path, verify_written
 from trajstore.storage.fields.video import VideoField, write_segment
@@ -37,7 +44,7 @@ from trajstore.storage.fields.video_codec import VideoCodec
 from trajstore.storage.publish import destination_full
 from trajstore.storage.robot_files import RobotInfo
 
-__all__ = ["import_lerobot", "lerobot_space", "probe_codec"]
+__all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups"]
 
 _WHAT = "import_lerobot"
 
@@ -86,16 +93,6 @@ def _compressors(lay: LeRobotLayout, video: Any) -> tuple[dict[str, Any], dict[s
     return comp, adopt
 
 
-def _episode_rows(table: Any, ep: Episode, where: str, eps: np.ndarray) -> np.ndarray:
-    """Rows of ``table`` (one data file) holding episode ``ep``: contiguous, ``ep.length`` of them."""
-    rows = np.flatnonzero(eps == ep.index)
-    if len(rows) != ep.length or (len(rows) and rows[-1] - rows[0] != len(rows) - 1):
-        raise ForeignFileError(f"{where}: episode {ep.index} has {len(rows)} rows here"
-                               f"{' (not contiguous)' if len(rows) == ep.length else ''}; meta/episodes gives it "
-                               f"{ep.length}")
-    return rows
-
-
 class _Importer:
     """The store being written and the per-episode steps (one instance per import)."""
 
@@ -132,12 +129,10 @@ class _Importer:
         with lay.open(path) as f:
             return episode_frames(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
 
-    def episode(self, table: Any, key: str, ep: Episode, eps: np.ndarray) -> None:
-        """Append episode ``ep`` from the data file ``key`` (read as ``table``)."""
+    def episode(self, table: Any, key: str, ep: Episode, lo: int) -> None:
+        """Append episode ``ep`` from the data file ``key`` (read as ``table``; its rows from ``lo``)."""
         lay, where = self.lay, self.lay.where(key)
-        rows = _episode_rows(table, ep, where, eps)
-        lo, hi = int(rows[0]), int(rows[-1]) + 1
-        part = table.slice(lo, hi - lo)
+        part = table.slice(lo, ep.length)
         ts = column_array(part, "timestamp", np.dtype(np.float64), (), where)
         bad = np.flatnonzero(~(np.diff(ts) >= 0))
         if bad.size or not np.isfinite(ts).all():
@@ -165,7 +160,7 @@ class _Importer:
         self.buf.flush()  # the episode's segments go out now: frames are not held
 
 
-def _data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
+def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
     """Episodes grouped by data file, files in order of their first episode."""
     groups: dict[str, list[Episode]] = {}
     for ep in lay.episodes:
@@ -235,12 +230,12 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         imp = _Importer(lay, buf, adopt)
         bar = progress_bar(len(lay.episodes), f"{_WHAT} into {os.path.basename(out_path)}", tqdm, unit="episode")
         steps = 0
-        for key, eps in _data_groups(lay):
+        for key, eps in data_groups(lay):
             cols = ["episode_index", "timestamp", *lay.tabular]
             table = read_parquet(root, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
             ids = column_array(table, "episode_index", np.dtype(np.int64), (), lay.where(key))
-            for ep in eps:
-                imp.episode(table, key, ep, ids)
+            for ep, lo in zip(eps, episode_starts(ids, eps, lay.where(key))):
+                imp.episode(table, key, ep, lo)
                 steps += ep.length
                 bar.update(1)
         first = {ep.index: lay.tasks.index(ep.tasks[0]) for ep in lay.episodes if ep.tasks}

@@ -34,7 +34,7 @@ from trajstore.interop.foreign_gate import check_declared, check_folder, open_be
 from trajstore.storage.confined import MAX_META_BYTES
 from trajstore.storage.schema import MAX_ARRAY_BYTES
 
-__all__ = ["Feature", "Episode", "LeRobotLayout", "read_layout", "read_parquet", "column_array", "pyarrow_module",
+__all__ = ["Feature", "Episode", "LeRobotLayout", "read_layout", "episode_starts", "read_parquet", "column_array", "pyarrow_module",
            "DEFAULT_COLUMNS", "render"]
 
 #: Columns every LeRobot data file carries besides the features (kept as the store's structure).
@@ -324,6 +324,32 @@ def column_array(table: Any, name: str, dtype: np.dtype[Any], shape: tuple[int, 
         return values.astype(dtype, copy=False).reshape((n, *shape))
     except ValueError as e:
         raise ForeignFileError(f"{where}: column {name!r}: {e}") from None
+
+
+def episode_starts(ids: np.ndarray, episodes: list[Episode], where: str) -> list[int]:
+    """The first row of each of ``episodes`` in a data file whose ``episode_index`` column is
+    ``ids``: each episode's rows must be contiguous and ``length`` many (one sort, not a scan per
+    episode).
+
+    Raises
+    ------
+    ForeignFileError
+        An episode with another row count here, or rows not together (naming the file).
+    """
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    want = np.array([ep.index for ep in episodes], np.int64)
+    lo = np.searchsorted(sorted_ids, want, side="left")
+    hi = np.searchsorted(sorted_ids, want, side="right")
+    out = []
+    for ep, a, b in zip(episodes, lo.tolist(), hi.tolist()):
+        first = int(order[a]) if b > a else 0
+        if b - a != ep.length or int(order[b - 1]) - first != ep.length - 1:
+            raise ForeignFileError(f"{where}: episode {ep.index} has {b - a} rows here"
+                                   f"{' (not contiguous)' if b - a == ep.length else ''}; meta/episodes gives it "
+                                   f"{ep.length}")
+        out.append(first)
+    return out
 
 
 def _task_column(table: Any, where: str) -> list[str]:

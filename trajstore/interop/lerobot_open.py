@@ -29,10 +29,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from trajstore.buffers.in_place import InPlaceStore, InPlaceTrajectoryBuffer
-from trajstore.errors import ForeignFileError, NotATrajstoreError, ReadOnlyError
+from trajstore.errors import NotATrajstoreError, ReadOnlyError, TimeOrderError
 from trajstore.interop._common import source_file
-from trajstore.interop.lerobot import lerobot_space, probe_codec
-from trajstore.interop.lerobot_layout import LeRobotLayout, column_array, read_layout, read_parquet
+from trajstore.interop.lerobot import data_groups, lerobot_space, probe_codec
+from trajstore.interop.lerobot_layout import LeRobotLayout, column_array, episode_starts, read_layout, read_parquet
 from trajstore.interop.lerobot_video import Mp4Index, index_packets
 from trajstore.spaces import ValuePlan
 from trajstore.storage.fields.base import Field, gather_windows_by_rows
@@ -255,37 +255,35 @@ def _video_field(loc: Mp4Segments, lay: LeRobotLayout, name: str, rows: int) -> 
 
 
 def _columns(lay: LeRobotLayout, rows: int) -> dict[str, np.ndarray]:
-    """Every tabular column (and timestamp, task_index) of every episode, in episode order."""
+    """Every tabular column (and timestamp, task_index) of every episode, in episode order: per
+    data file one ``take`` of its episodes' rows, one conversion per column."""
     out = {"timestamp": np.empty(rows, np.float64), "task_index": np.zeros(rows, np.int64)}
     for k in lay.tabular:
         f = lay.features[k]
         out[k] = np.empty((rows, *f.shape), f.dtype)
     pos = 0
-    groups: dict[str, list[Any]] = {}
-    for ep in lay.episodes:
-        groups.setdefault(lay.data_key(ep), []).append(ep)
     has_task = "task_index" in lay.info["features"]
-    for key, eps in groups.items():
+    for key, eps in data_groups(lay):
         where = lay.where(key)
         t = read_parquet(lay.root, key, ["episode_index", "timestamp", *lay.tabular] + (["task_index"] if has_task else []))
         ids = column_array(t, "episode_index", np.dtype(np.int64), (), where)
-        for ep in eps:
-            rows_of = np.flatnonzero(ids == ep.index)
-            if len(rows_of) != ep.length or rows_of[-1] - rows_of[0] != ep.length - 1:
-                raise ForeignFileError(f"{where}: episode {ep.index} has {len(rows_of)} rows here; meta/episodes "
-                                       f"gives it {ep.length}")
-            part = t.slice(int(rows_of[0]), ep.length)
-            sl = slice(pos, pos + ep.length)
-            ts = column_array(part, "timestamp", np.dtype(np.float64), (), where)
-            if (np.diff(ts) < 0).any() or not np.isfinite(ts).all():
-                from trajstore.errors import TimeOrderError
-
-                raise TimeOrderError(f"{where}: episode {ep.index}: timestamps go back in time or are not finite")
-            out["timestamp"][sl] = ts
-            if has_task:
-                out["task_index"][sl] = column_array(part, "task_index", np.dtype(np.int64), (), where)
-            for k in lay.tabular:
-                f = lay.features[k]
-                out[k][sl] = column_array(part, k, f.dtype, f.shape, where)
-            pos += ep.length
+        lengths = np.array([ep.length for ep in eps], np.int64)
+        firsts = np.asarray(episode_starts(ids, eps, where), np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        take = np.repeat(firsts - offsets, lengths) + np.arange(int(lengths.sum()))
+        part = t.take(take)
+        sl = slice(pos, pos + len(take))
+        ts = column_array(part, "timestamp", np.dtype(np.float64), (), where)
+        back = np.diff(ts) < 0
+        back[(offsets[1:] - 1)] = False  # an episode's first step may be earlier than the last one's
+        if back.any() or not np.isfinite(ts).all():
+            e = int(np.searchsorted(offsets, int(np.flatnonzero(back)[0]) + 1 if back.any() else 0, side="right")) - 1
+            raise TimeOrderError(f"{where}: episode {eps[e].index}: timestamps go back in time or are not finite")
+        out["timestamp"][sl] = ts
+        if has_task:
+            out["task_index"][sl] = column_array(part, "task_index", np.dtype(np.int64), (), where)
+        for k in lay.tabular:
+            f = lay.features[k]
+            out[k][sl] = column_array(part, k, f.dtype, f.shape, where)
+        pos += len(take)
     return out
