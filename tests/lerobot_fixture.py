@@ -4,6 +4,7 @@ encoded from a keyframe as LeRobot's concatenation leaves it) and v2.1 (one file
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -14,12 +15,16 @@ H, W = 48, 64
 TASKS = ["pick cube", "place cube"]
 
 
-def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
-    """Smooth, distinct frames of episode ``ep`` (video compresses them well)."""
+def frame_of(ep: int, t: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
+    """Frame ``t`` of episode ``ep``: smooth and distinct (video compresses it well)."""
     y, x = np.mgrid[0 : size[0], 0 : size[1]]
-    t = np.arange(n)[:, None, None]
-    base = (x[None] * 3 + y[None] * 2 + t * 5 + ep * 40) % 256
-    return np.stack([base, (base + 85) % 256, (255 - base)], -1).astype(np.uint8)
+    base = ((x * 3 + y * 2 + t * 5 + ep * 40) % 256).astype(np.uint8)
+    return np.stack([base, base + np.uint8(85), 255 - base], -1)
+
+
+def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
+    """Frames 0..n-1 of episode ``ep`` (n, H, W, 3) uint8."""
+    return np.stack([frame_of(ep, t, size) for t in range(n)])
 
 
 def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = True) -> None:
@@ -34,10 +39,12 @@ def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = Tr
         s.codec_context.max_b_frames = 0
     pts = 0
     for fr in episodes:
+        it = iter(fr)
+        f0 = next(it)
         if first is None:
-            first = fr
-            s.width, s.height, s.pix_fmt = fr.shape[2], fr.shape[1], "yuv420p"
-        for i, f in enumerate(fr):
+            first = f0
+            s.width, s.height, s.pix_fmt = f0.shape[1], f0.shape[0], "yuv420p"
+        for i, f in enumerate(itertools.chain([f0], it)):
             vf = av.VideoFrame.from_ndarray(f, format="rgb24")
             vf.pts = pts
             if i == 0 and force_key:
@@ -121,7 +128,7 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
     pq.write_table(_data_table(lengths, dims=dims), os.path.join(root, "data/chunk-000/file-000.parquet"))
     for cam in cams:
         _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-000.mp4"),
-                (frames_of(e, n, size) for e, n in enumerate(lengths)), fps, codec, force_key)
+                ((frame_of(e, t, size) for t in range(n)) for e, n in enumerate(lengths)), fps, codec, force_key)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
                           "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,

@@ -124,7 +124,8 @@ class _Importer:
                 blob = write_segment(got.packets, got.keyframes)
                 field.adopt(start, ep.length, functools.partial(bytes, blob))
                 self.adopted[key] += 1
-                return np.zeros((ep.length, h, w, 3), np.uint8)  # not encoded: the segment is the MP4's packets
+                # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
+                return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
             self.transcoded[key] += 1
         with lay.open(path) as f:
             return episode_frames(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
