@@ -255,3 +255,31 @@ def test_cli_import_and_export(v3: Path, tmp_path: Path) -> None:
     got = subprocess.run(run + ["import", "d4rl", str(v3), str(tmp_path / "x"), "--video", "png"],
                          capture_output=True, text=True, env=env)
     assert got.returncode == 2 and "lerobot imports only" in got.stderr
+
+
+def test_import_and_open_through_fsspec(v3: Path, tmp_path: Path) -> None:
+    """A dataset behind fsspec (its in-memory filesystem): the same store as from the folder."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = f"/lerobot-{uuid.uuid4().hex}"
+    for p in v3.rglob("*"):
+        if p.is_file():
+            fs.pipe(f"{base}/{p.relative_to(v3).as_posix()}", p.read_bytes())
+    try:
+        out = import_lerobot(f"memory://{base}", tmp_path / "s")
+        assert out["adopted"] == {c: 3 for c in CAMS}
+        import_lerobot(v3, tmp_path / "local")
+        with TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True) as a, \
+                TrajectoryReplayBuffer.load_from(tmp_path / "local", read_only=True) as b, \
+                open_lerobot(f"memory://{base}") as c:
+            for k in a.step_space.keys():
+                np.testing.assert_array_equal(a[:]["step_data"][k], b[:]["step_data"][k])
+                np.testing.assert_array_equal(c[:]["step_data"][k], b[:]["step_data"][k])
+        with pytest.raises(NotATrajstoreError, match="meta/info.json"):
+            fs.rm(f"{base}/meta/info.json")
+            import_lerobot(f"memory://{base}", tmp_path / "t")
+    finally:
+        fs.rm(base, recursive=True)

@@ -27,8 +27,8 @@ from gymnasium.spaces import Box, Dict
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.core.progress import progress_bar
-from trajstore.errors import BadOptionError, ForeignFileError, NotATrajstoreError, TimeOrderError
-from trajstore.interop._common import box_for, check_destination, source_file
+from trajstore.errors import BadArgumentError, BadOptionError, ForeignFileError, TimeOrderError
+from trajstore.interop._common import box_for, check_destination
 from trajstore.interop.lerobot_layout import (
     Episode,
     LeRobotLayout,
@@ -170,13 +170,15 @@ def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
 
 
 def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats: bool = False,
-                   tqdm: bool | None = None, overwrite: bool = False, **create_kwargs: Any) -> dict[str, Any]:
+                   storage_options: dict[str, Any] | None = None, tqdm: bool | None = None, overwrite: bool = False,
+                   **create_kwargs: Any) -> dict[str, Any]:
     """Import a LeRobot dataset folder (v3.0, or v2.1: one file per episode) as a new trajectory store.
 
     Parameters
     ----------
     src : str or os.PathLike
-        The dataset folder (``meta/info.json``, ``data/``, ``videos/``).
+        The dataset folder (``meta/info.json``, ``data/``, ``videos/``): a local path or an fsspec
+        URL (``s3://bucket/dataset``, ``memory://...``).
     cache_path : str or os.PathLike
         The store to write (a new local folder; built under a temporary name and renamed into
         place once verified: nothing appears there on failure).
@@ -188,6 +190,8 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
     save_stats : bool
         Store every episode's statistics (:meth:`~trajstore.TrajectoryReplayBuffer.save_stats`;
         decodes video).
+    storage_options : dict, optional
+        fsspec options of a URL ``src``.
     tqdm : bool, optional
         Progress bar (None: when stderr is a terminal).
     overwrite : bool
@@ -213,13 +217,13 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
     MissingDependencyError
         pyarrow (the ``interop`` extra) or PyAV (the ``video`` extra) is missing.
     """
-    root = source_file(src, f"{_WHAT}: src")
-    if not os.path.isdir(root):
-        raise NotATrajstoreError(f"{_WHAT}: {root} is a file; a LeRobot dataset is a folder with meta/info.json")
+    if not isinstance(src, (str, os.PathLike)):
+        raise BadArgumentError(f"{_WHAT}: src must be a path or URL (str or os.PathLike); got {type(src).__name__}")
     check_destination(cache_path, overwrite, create_kwargs, _WHAT)
     if "compressor" in create_kwargs:
         raise BadOptionError(f"{_WHAT}: choose the cameras' codec with video=, not compressor=")
-    lay = read_layout(root)
+    lay = read_layout(src, storage_options)
+    root = lay.root
     out_path = local_path(cache_path, f"{_WHAT}: cache_path")
     comp, adopt = _compressors(lay, video)
     staged = StagedFolders()
@@ -233,7 +237,7 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         steps = 0
         for key, eps in data_groups(lay):
             cols = ["episode_index", "timestamp", *lay.tabular]
-            table = read_parquet(root, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
+            table = read_parquet(lay.source, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
             ids = column_array(table, "episode_index", np.dtype(np.int64), (), lay.where(key))
             for ep, lo in zip(eps, episode_starts(ids, eps, lay.where(key))):
                 imp.episode(table, key, ep, lo)

@@ -29,12 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.errors import BadValueError, ForeignFileError, NotATrajstoreError, StoreNotFoundError
-from trajstore.interop.foreign_gate import check_declared, check_folder, open_below, parse_json
+from trajstore.errors import BadOptionError, BadValueError, ForeignFileError, NotATrajstoreError, StoreNotFoundError
+from trajstore.interop.foreign_gate import (
+    MAX_FOREIGN_FILE_BYTES,
+    check_declared,
+    check_folder,
+    open_below,
+    parse_json,
+)
 from trajstore.storage.confined import MAX_META_BYTES
 from trajstore.storage.schema import MAX_ARRAY_BYTES
 
-__all__ = ["Feature", "Episode", "LeRobotLayout", "read_layout", "episode_starts", "read_parquet", "column_array", "pyarrow_module",
+__all__ = ["Source", "Feature", "Episode", "LeRobotLayout", "read_layout", "episode_starts", "read_parquet", "column_array", "pyarrow_module",
            "DEFAULT_COLUMNS", "render"]
 
 #: Columns every LeRobot data file carries besides the features (kept as the store's structure).
@@ -56,6 +62,72 @@ def pyarrow_module(what: str) -> Any:
 
         raise missing("pyarrow", what) from None
     return pq
+
+
+class Source:
+    """Where a dataset's files are: a local folder (every file opened below it without following
+    links: :func:`~trajstore.interop.foreign_gate.open_below`) or a folder behind fsspec (``url``
+    with ``storage_options``).  Keys are rendered paths (:func:`render` refuses ``..``)."""
+
+    def __init__(self, path: Any, storage_options: dict[str, Any] | None = None) -> None:
+        p = os.fspath(path)
+        self.fs: Any = None
+        if "://" in p or "::" in p:
+            import fsspec
+
+            self.fs, self.base = fsspec.core.url_to_fs(p, **(storage_options or {}))
+            self.base = self.base.rstrip("/")
+            self.root = p.rstrip("/")
+            if not self.fs.isdir(self.base):
+                raise StoreNotFoundError(f"LeRobot dataset {p}: no such folder")
+        else:
+            if storage_options:
+                raise BadOptionError(f"LeRobot dataset {p}: storage_options apply to fsspec URLs only")
+            self.root = self.base = os.path.abspath(p)
+            if not os.path.exists(self.root):
+                raise StoreNotFoundError(f"LeRobot dataset {self.root}: no such file or folder")
+            if not os.path.isdir(self.root):
+                raise NotATrajstoreError(f"{self.root} is a file; a LeRobot dataset is a folder with meta/info.json")
+
+    def where(self, key: str) -> str:
+        """``key``'s full path or URL, for messages."""
+        return f"{self.root}/{key}"
+
+    def check(self) -> None:
+        """A local folder holds no link or special file (a remote one has none)."""
+        if self.fs is None:
+            check_folder(self.root, "LeRobot dataset")
+
+    def open(self, key: str) -> Any:
+        """The file ``key`` opened for reading (binary, seekable)."""
+        if self.fs is None:
+            return open_below(self.root, key, "LeRobot dataset")
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ForeignFileError(f"{self.where(key)}: a path outside the dataset folder is refused")
+        try:
+            size = self.fs.size(f"{self.base}/{key}")
+            if size is not None and size > MAX_FOREIGN_FILE_BYTES:
+                raise ForeignFileError(f"{self.where(key)}: {size} bytes; more than trajstore reads")
+            return self.fs.open(f"{self.base}/{key}", "rb")
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"LeRobot dataset: {self.where(key)}: no such file") from None
+
+    def listdir(self, key: str) -> tuple[list[str], list[str]]:
+        """``(folders, files)`` directly in folder ``key`` (names, sorted; empty when absent)."""
+        if self.fs is None:
+            path = os.path.join(self.root, key)
+            if not os.path.isdir(path):
+                return [], []
+            names = sorted(os.listdir(path))
+            return ([n for n in names if os.path.isdir(os.path.join(path, n))],
+                    [n for n in names if os.path.isfile(os.path.join(path, n))])
+        try:
+            entries = self.fs.ls(f"{self.base}/{key}", detail=True)
+        except FileNotFoundError:
+            return [], []
+        dirs = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+        files = sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
+        return dirs, files
 
 
 @dataclass
@@ -90,7 +162,7 @@ class LeRobotLayout:
     (tabular ones in the data files, video ones in MP4s), task dictionary, episodes (by index)
     and ``info`` / ``stats`` (info.json and stats.json as parsed)."""
 
-    root: str
+    source: Source
     version: str
     fps: float
     features: dict[str, Feature]
@@ -123,13 +195,18 @@ class LeRobotLayout:
         return render(self.video_path, "video_path", video_key=key, chunk_index=chunk, file_index=file,
                       episode_chunk=chunk, episode_index=ep.index)
 
+    @property
+    def root(self) -> str:
+        """The dataset folder (a path or URL)."""
+        return self.source.root
+
     def open(self, key: str) -> Any:
         """The file ``key`` below the root, opened for reading (no link followed)."""
-        return open_below(self.root, key, "LeRobot dataset")
+        return self.source.open(key)
 
     def where(self, key: str) -> str:
         """``key``'s full path, for messages."""
-        return os.path.join(self.root, key)
+        return self.source.where(key)
 
 
 def _check_template(template: Any, name: str, where: str) -> str:
@@ -159,11 +236,11 @@ def render(template: str, name: str, **values: Any) -> str:
     return path
 
 
-def _read_small(root: str, key: str) -> bytes:
-    with open_below(root, key, "LeRobot dataset") as f:
+def _read_small(src: Source, key: str) -> bytes:
+    with src.open(key) as f:
         data = f.read(MAX_META_BYTES + 1)
     if len(data) > MAX_META_BYTES:
-        raise ForeignFileError(f"{os.path.join(root, key)}: more than {MAX_META_BYTES} bytes; not read")
+        raise ForeignFileError(f"{src.where(key)}: more than {MAX_META_BYTES} bytes; not read")
     return bytes(data)
 
 
@@ -189,21 +266,21 @@ def _feature(name: str, spec: Any, where: str) -> Feature:
     return Feature(name, np.dtype(spec["dtype"]), tuple(shape), False)
 
 
-def _info(root: str) -> dict[str, Any]:
+def _info(src: Source) -> dict[str, Any]:
     key = "meta/info.json"
     try:
-        raw = _read_small(root, key)
+        raw = _read_small(src, key)
     except StoreNotFoundError:
-        raise NotATrajstoreError(f"{os.path.join(root, key)}: no such file; a LeRobot dataset has meta/info.json") from None
-    info = parse_json(raw, os.path.join(root, key), "info")
+        raise NotATrajstoreError(f"{src.where(key)}: no such file; a LeRobot dataset has meta/info.json") from None
+    info = parse_json(raw, src.where(key), "info")
     if not isinstance(info, dict):
-        raise ForeignFileError(f"{os.path.join(root, key)}: not a JSON object")
+        raise ForeignFileError(f"{src.where(key)}: not a JSON object")
     return info
 
 
-def read_layout(root: str) -> LeRobotLayout:
-    """The LeRobot dataset in the folder ``root``, checked (the data and video files are opened
-    later, when read).
+def read_layout(path: Any, storage_options: dict[str, Any] | None = None) -> LeRobotLayout:
+    """The LeRobot dataset in the folder ``path`` (local, or an fsspec URL with
+    ``storage_options``), checked (the data and video files are opened later, when read).
 
     Raises
     ------
@@ -213,9 +290,10 @@ def read_layout(root: str) -> LeRobotLayout:
         A link or special file in the folder, malformed metadata, a version other than v2.x / v3.x,
         a hostile path template, episodes that contradict each other (naming the file).
     """
-    check_folder(root, "LeRobot dataset")
-    info = _info(root)
-    where = os.path.join(root, "meta/info.json")
+    src = Source(path, storage_options)
+    src.check()
+    info = _info(src)
+    where = src.where("meta/info.json")
     version = str(info.get("codebase_version", ""))
     if not re.fullmatch(r"v[23]\.[0-9]+", version):
         raise ForeignFileError(f"{where}: codebase_version {version!r:.40}; trajstore reads LeRobot v2.x and v3.x")
@@ -229,17 +307,17 @@ def read_layout(root: str) -> LeRobotLayout:
     data_path = _check_template(info.get("data_path"), "data_path", where)
     video_path = _check_template(info.get("video_path") or "videos/{video_key}.mp4", "video_path", where)
     if version.startswith("v3"):
-        tasks = _tasks_v3(root)
-        episodes = _episodes_v3(root, [k for k, f in features.items() if f.video])
+        tasks = _tasks_v3(src)
+        episodes = _episodes_v3(src, [k for k, f in features.items() if f.video])
     else:
-        tasks, episodes = _meta_v2(root, info, features)
+        tasks, episodes = _meta_v2(src, info, features)
     stats = None
     try:
-        stats = parse_json(_read_small(root, "meta/stats.json"), os.path.join(root, "meta/stats.json"), "stats")
+        stats = parse_json(_read_small(src, "meta/stats.json"), src.where("meta/stats.json"), "stats")
     except StoreNotFoundError:
         pass
-    _check_episodes(episodes, tasks, os.path.join(root, "meta/episodes"))
-    return LeRobotLayout(root, version, float(fps), features, tasks, episodes, info, stats, data_path, video_path)
+    _check_episodes(episodes, tasks, src.where("meta/episodes"))
+    return LeRobotLayout(src, version, float(fps), features, tasks, episodes, info, stats, data_path, video_path)
 
 
 def _check_episodes(episodes: list[Episode], tasks: list[str], where: str) -> None:
@@ -261,8 +339,8 @@ def _check_episodes(episodes: list[Episode], tasks: list[str], where: str) -> No
 
 
 # -- Parquet ---------------------------------------------------------------------------------------
-def read_parquet(layout_root: str, key: str, columns: list[str] | None = None) -> Any:
-    """The Parquet file ``key`` below ``layout_root`` as a pyarrow Table (``columns`` only),
+def read_parquet(src: Source, key: str, columns: list[str] | None = None) -> Any:
+    """The Parquet file ``key`` of ``src`` as a pyarrow Table (``columns`` only),
     its size bounded from its footer before any value is read.
 
     Raises
@@ -272,9 +350,9 @@ def read_parquet(layout_root: str, key: str, columns: list[str] | None = None) -
     ForeignFileError
         Not Parquet, larger than trajstore reads, or a listed column missing (naming the file).
     """
-    where = os.path.join(layout_root, key)
+    where = src.where(key)
     pq = pyarrow_module(where)
-    with open_below(layout_root, key, "LeRobot dataset") as f:
+    with src.open(key) as f:
         try:
             pf = pq.ParquetFile(f)
             md = pf.metadata
@@ -366,31 +444,28 @@ def _task_column(table: Any, where: str) -> list[str]:
     return out
 
 
-def _tasks_v3(root: str) -> list[str]:
-    return _task_column(read_parquet(root, "meta/tasks.parquet"), os.path.join(root, "meta/tasks.parquet"))
+def _tasks_v3(src: Source) -> list[str]:
+    return _task_column(read_parquet(src, "meta/tasks.parquet"), src.where("meta/tasks.parquet"))
 
 
-def _episode_files(root: str) -> list[str]:
-    base = os.path.join(root, "meta", "episodes")
-    if not os.path.isdir(base):
-        raise ForeignFileError(f"{base}: no such folder; a LeRobot v3 dataset lists its episodes there")
-    out = []
-    for chunk in sorted(os.listdir(base)):
-        if os.path.isdir(os.path.join(base, chunk)):
-            out += [f"meta/episodes/{chunk}/{f}" for f in sorted(os.listdir(os.path.join(base, chunk)))
-                    if f.endswith(".parquet")]
-    return out
+def _episode_files(src: Source) -> list[str]:
+    chunks, _files = src.listdir("meta/episodes")
+    if not chunks:
+        raise ForeignFileError(f"{src.where('meta/episodes')}: no chunk folders; a LeRobot v3 dataset lists its "
+                               "episodes there")
+    return [f"meta/episodes/{c}/{f}" for c in chunks for f in src.listdir(f"meta/episodes/{c}")[1]
+            if f.endswith(".parquet")]
 
 
-def _episodes_v3(root: str, videos: list[str]) -> list[Episode]:
+def _episodes_v3(src: Source, videos: list[str]) -> list[Episode]:
     out: list[Episode] = []
-    for key in _episode_files(root):
-        where = os.path.join(root, key)
+    for key in _episode_files(src):
+        where = src.where(key)
         cols = ["episode_index", "tasks", "length", "data/chunk_index", "data/file_index", "dataset_from_index",
                 "dataset_to_index"]
         vcols = [f"videos/{v}/{c}" for v in videos for c in ("chunk_index", "file_index", "from_timestamp",
                                                              "to_timestamp")]
-        t = read_parquet(root, key, cols + vcols)
+        t = read_parquet(src, key, cols + vcols)
         ints = {c: column_array(t, c, np.dtype(np.int64), (), where) for c in cols if c != "tasks"}
         floats = {c: column_array(t, c, np.dtype(np.float64), (), where) for c in vcols}
         tasks = t.column("tasks").to_pylist()
@@ -406,13 +481,12 @@ def _episodes_v3(root: str, videos: list[str]) -> list[Episode]:
     return out
 
 
-def _jsonl(root: str, key: str) -> list[dict[str, Any]]:
-    where = os.path.join(root, key)
-    with open_below(root, key, "LeRobot dataset") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_JSONL_BYTES:
-            raise ForeignFileError(f"{where}: {size} bytes; at most {MAX_JSONL_BYTES} are read")
-        raw = f.read(size)
+def _jsonl(src: Source, key: str) -> list[dict[str, Any]]:
+    where = src.where(key)
+    with src.open(key) as f:
+        raw = f.read(MAX_JSONL_BYTES + 1)
+    if len(raw) > MAX_JSONL_BYTES:
+        raise ForeignFileError(f"{where}: more than {MAX_JSONL_BYTES} bytes; not read")
     out = []
     for n, line in enumerate(bytes(raw).splitlines()):
         if line.strip():
@@ -423,16 +497,16 @@ def _jsonl(root: str, key: str) -> list[dict[str, Any]]:
     return out
 
 
-def _meta_v2(root: str, info: dict[str, Any], features: dict[str, Feature]) -> tuple[list[str], list[Episode]]:
-    where = os.path.join(root, "meta")
+def _meta_v2(src: Source, info: dict[str, Any], features: dict[str, Feature]) -> tuple[list[str], list[Episode]]:
+    where = src.where("meta")
     chunks = info.get("chunks_size", 1000)
     if type(chunks) is not int or chunks < 1:
         raise ForeignFileError(f"{where}/info.json: chunks_size {chunks!r:.40} is not a positive int")
-    tasks_rows = _jsonl(root, "meta/tasks.jsonl")
+    tasks_rows = _jsonl(src, "meta/tasks.jsonl")
     try:
         pairs = sorted((int(r["task_index"]), str(r["task"])) for r in tasks_rows)
         eps = [(int(r["episode_index"]), int(r["length"]), [str(t) for t in r.get("tasks", [])])
-               for r in _jsonl(root, "meta/episodes.jsonl")]
+               for r in _jsonl(src, "meta/episodes.jsonl")]
     except (KeyError, TypeError, ValueError) as e:
         raise ForeignFileError(f"{where}: tasks.jsonl / episodes.jsonl rows lack a field or hold a wrong type ({e})") \
             from None

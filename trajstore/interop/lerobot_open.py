@@ -29,8 +29,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from trajstore.buffers.in_place import InPlaceStore, InPlaceTrajectoryBuffer
-from trajstore.errors import NotATrajstoreError, ReadOnlyError, TimeOrderError
-from trajstore.interop._common import source_file
+from trajstore.errors import BadArgumentError, ReadOnlyError, TimeOrderError
 from trajstore.interop.lerobot import data_groups, lerobot_space, probe_codec
 from trajstore.interop.lerobot_layout import LeRobotLayout, column_array, episode_starts, read_layout, read_parquet
 from trajstore.interop.lerobot_video import Mp4Index, index_packets
@@ -193,21 +192,24 @@ class LeRobotBuffer(InPlaceTrajectoryBuffer):
                   read_only: bool = True, multiprocessing: bool = False,
                   storage_options: dict[str, Any] | None = None, **kwargs: Any) -> "LeRobotBuffer":
         """:func:`open_lerobot` (``read_only`` must stay True)."""
-        cls.check_open_args(_WHAT, read_only, multiprocessing, storage_options)
-        return open_lerobot(path, backend=backend, device=device)
+        cls.check_open_args(_WHAT, read_only, multiprocessing)
+        return open_lerobot(path, backend=backend, device=device, storage_options=storage_options)
 
 
-def open_lerobot(path: Any, *, backend: str = "numpy", device: Any = None) -> LeRobotBuffer:
+def open_lerobot(path: Any, *, backend: str = "numpy", device: Any = None,
+                 storage_options: dict[str, Any] | None = None) -> LeRobotBuffer:
     """Open a LeRobot dataset folder read-only in place, without copying it.
 
     Parameters
     ----------
     path : str or os.PathLike
-        The dataset folder (v3.0 or v2.1).
+        The dataset folder (v3.0 or v2.1): a local path or an fsspec URL.
     backend : {"numpy", "torch"}
         What reads return.
     device : optional
         Torch device (backend ``"torch"``).
+    storage_options : dict, optional
+        fsspec options of a URL ``path``.
 
     Returns
     -------
@@ -222,10 +224,9 @@ def open_lerobot(path: Any, *, backend: str = "numpy", device: Any = None) -> Le
         As :func:`~trajstore.interop.import_lerobot` for the metadata and data files (the MP4s
         are checked when first read).
     """
-    root = source_file(path, f"{_WHAT}: path")
-    if not os.path.isdir(root):
-        raise NotATrajstoreError(f"{_WHAT}: {root} is a file; a LeRobot dataset is a folder with meta/info.json")
-    lay = read_layout(root)
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadArgumentError(f"{_WHAT}: path must be a path or URL (str or os.PathLike); got {type(path).__name__}")
+    lay = read_layout(path, storage_options)
     lengths = np.array([ep.length for ep in lay.episodes], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     loc = Mp4Segments(lay, starts)
@@ -265,7 +266,7 @@ def _columns(lay: LeRobotLayout, rows: int) -> dict[str, np.ndarray]:
     has_task = "task_index" in lay.info["features"]
     for key, eps in data_groups(lay):
         where = lay.where(key)
-        t = read_parquet(lay.root, key, ["episode_index", "timestamp", *lay.tabular] + (["task_index"] if has_task else []))
+        t = read_parquet(lay.source, key, ["episode_index", "timestamp", *lay.tabular] + (["task_index"] if has_task else []))
         ids = column_array(t, "episode_index", np.dtype(np.int64), (), where)
         lengths = np.array([ep.length for ep in eps], np.int64)
         firsts = np.asarray(episode_starts(ids, eps, where), np.int64)
