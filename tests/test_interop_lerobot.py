@@ -158,6 +158,14 @@ def test_open_in_place_equals_import(v3: Path, tmp_path: Path) -> None:
         assert b.sample(3)["step_data"]["observation.state"].shape == (3, 3)
         with pytest.raises(ReadOnlyError):
             b.mark_episode_end()
+        from torch.utils.data import DataLoader
+
+        from trajstore.torch import TimeWindowDataset
+
+        ds = TimeWindowDataset(b, {"observation.images.top": [-0.1, 0.0], "action": [0.0, 0.1]})
+        batch = next(iter(DataLoader(ds, batch_size=4, num_workers=1)))  # the worker reopens it by path
+        assert tuple(batch["observation.images.top"].shape) == (4, 2, 48, 64, 3)
+        np.testing.assert_array_equal(batch["action"][1].numpy(), a[1:3]["step_data"]["action"])
     assert sorted(str(p) for p in v3.rglob("*")) == before  # nothing written next to the files
 
 
