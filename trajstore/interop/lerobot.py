@@ -37,7 +37,7 @@ from trajstore.interop.lerobot_layout import (
     read_layout,
     read_parquet,
 )
-from trajstore.interop.lerobot_video import ADOPTABLE, av_module, episode_frames, episode_packets
+from trajstore.interop.lerobot_video import ADOPTABLE, Mp4Index, av_module, episode_frames, index_packets
 from trajstore.maintenance.staged import StagedFolders, local_path, verify_written
 from trajstore.storage.fields.video import VideoField, write_segment
 from trajstore.storage.fields.video_codec import VideoCodec
@@ -100,6 +100,7 @@ class _Importer:
         self.lay, self.buf, self.adopt = lay, buf, adopt
         self.fields = {f.spec.array_path: f for f in buf.rows_table.fields if f.spec.layout == "video"}
         self.transcoded = {k: 0 for k in lay.videos}
+        self.mp4: dict[str, tuple[str, Mp4Index]] = {}
         self.adopted = {k: 0 for k in lay.videos}
 
     def _video_field(self, key: str) -> VideoField | None:
@@ -107,6 +108,30 @@ class _Importer:
             if path.split("/")[-1] == key:
                 return f  # type: ignore[return-value]  # layout "video" fields are VideoFields
         return None
+
+    def _index(self, key: str, path: str, shape: tuple[int, int]) -> Mp4Index:
+        """The packet index of camera ``key``'s MP4 ``path`` (one kept open per camera: episodes
+        come in file order, so each file is demuxed once, not once per episode)."""
+        held = self.mp4.get(key)
+        if held is not None and held[0] == path:
+            return held[1]
+        if held is not None:
+            held[1].close()
+            del self.mp4[key]
+        f = self.lay.open(path)
+        try:
+            idx = index_packets(f, self.lay.where(path), shape)
+        except BaseException:
+            f.close()
+            raise
+        self.mp4[key] = (path, idx)
+        return idx
+
+    def close(self) -> None:
+        """Close the MP4s held open."""
+        for _path, idx in self.mp4.values():
+            idx.close()
+        self.mp4.clear()
 
     def _camera(self, key: str, ep: Episode, start: int) -> np.ndarray:
         """Frames of camera ``key`` for ``ep``: placeholders when its packets are adopted as the
@@ -118,16 +143,17 @@ class _Importer:
         field = self._video_field(key)
         want = self.adopt.get(key)
         if want is not None and field is not None:
-            with lay.open(path) as f:
-                got = episode_packets(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
-            if got.codec == want:
-                blob = write_segment(got.packets, got.keyframes)
+            idx = self._index(key, path, (h, w))
+            lo, hi = idx.range(t0, t1, lay.fps)
+            if idx.codec == want and hi - lo == ep.length and not idx.adoptable(lo, hi):
+                blob = write_segment(*idx.episode(t0, t1, lay.fps, ep.length))
                 field.adopt(start, ep.length, functools.partial(bytes, blob))
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
                 return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
-            self.transcoded[key] += 1
-        with lay.open(path) as f:
+            if hi - lo == ep.length:
+                self.transcoded[key] += 1
+        with lay.open(path) as f:  # also raises, naming the file, when the MP4 lacks the episode's frames
             return episode_frames(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
 
     def episode(self, table: Any, key: str, ep: Episode, lo: int) -> None:
@@ -167,6 +193,20 @@ def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
     for ep in lay.episodes:
         groups.setdefault(lay.data_key(ep), []).append(ep)
     return list(groups.items())
+
+
+def _episodes(lay: LeRobotLayout, imp: _Importer, bar: Any) -> int:
+    """Append every episode, data file by data file; returns the steps written."""
+    steps = 0
+    for key, eps in data_groups(lay):
+        cols = ["episode_index", "timestamp", *lay.tabular]
+        table = read_parquet(lay.source, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
+        ids = column_array(table, "episode_index", np.dtype(np.int64), (), lay.where(key))
+        for ep, lo in zip(eps, episode_starts(ids, eps, lay.where(key))):
+            imp.episode(table, key, ep, lo)
+            steps += ep.length
+            bar.update(1)
+    return steps
 
 
 def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats: bool = False,
@@ -234,15 +274,10 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         buf = TrajectoryReplayBuffer.create(lerobot_space(lay), cache_path=tmp, compressor=comp, **create_kwargs)
         imp = _Importer(lay, buf, adopt)
         bar = progress_bar(len(lay.episodes), f"{_WHAT} into {os.path.basename(out_path)}", tqdm, unit="episode")
-        steps = 0
-        for key, eps in data_groups(lay):
-            cols = ["episode_index", "timestamp", *lay.tabular]
-            table = read_parquet(lay.source, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
-            ids = column_array(table, "episode_index", np.dtype(np.int64), (), lay.where(key))
-            for ep, lo in zip(eps, episode_starts(ids, eps, lay.where(key))):
-                imp.episode(table, key, ep, lo)
-                steps += ep.length
-                bar.update(1)
+        try:
+            steps = _episodes(lay, imp, bar)
+        finally:
+            imp.close()
         first = {ep.index: lay.tasks.index(ep.tasks[0]) for ep in lay.episodes if ep.tasks}
         buf.put_robot_info(RobotInfo(lay.fps, list(lay.tasks), first))
         if save_stats and lay.episodes:

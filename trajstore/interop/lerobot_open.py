@@ -138,10 +138,14 @@ class Mp4Segments(Location):
         with self.lock:
             got = self.indexes.get(path)
             if got is None:
-                with self.lay.open(path) as f:
+                f = self.lay.open(path)
+                try:
                     got = index_packets(f, self.lay.where(path))
-                if len(self.indexes) >= 256:
-                    self.indexes.pop(next(iter(self.indexes)))
+                except BaseException:
+                    f.close()
+                    raise
+                if len(self.indexes) >= 256:  # files kept open at most
+                    self.indexes.pop(next(iter(self.indexes))).close()
                 self.indexes[path] = got
             return got
 
@@ -162,8 +166,7 @@ class Mp4Segments(Location):
         ep = self.lay.episodes[i]
         path = self.lay.video_key(cam, ep)
         _c, _f, t0, t1 = ep.videos[cam]
-        idx = self._index(path)
-        packets, keys = idx.episode(self.lay, path, t0, t1, ep.length)
+        packets, keys = self._index(path).episode(t0, t1, self.lay.fps, ep.length)
         return write_segment(packets, keys)
 
     def exists(self, key: str) -> bool:
@@ -175,8 +178,11 @@ class Mp4Segments(Location):
         return []
 
     def close(self) -> None:
-        """Forget the packet indexes."""
-        self.indexes.clear()
+        """Close the MP4s and forget their packet indexes."""
+        with self.lock:
+            for idx in self.indexes.values():
+                idx.close()
+            self.indexes.clear()
 
 
 class LeRobotBuffer(InPlaceTrajectoryBuffer):

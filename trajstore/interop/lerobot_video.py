@@ -5,9 +5,11 @@ file per episode); an episode is the frames whose presentation time lies in ``[f
 to_timestamp)`` of its file.  LeRobot encodes each episode on its own and concatenates the
 files without re-encoding, so every episode starts on a keyframe.
 
-:func:`episode_packets` demuxes the packets of one episode (PyAV, no decoding) into what a
-trajstore video segment holds (:func:`~trajstore.storage.fields.video.write_segment`: one packet
-per frame in display order, each keyframe carrying its stream headers):
+:func:`index_packets` demuxes an MP4 once (PyAV, no decoding) into an :class:`Mp4Index` of its
+packets (time, file offset, size, keyframe); :meth:`Mp4Index.episode` gives one episode's packets,
+read at their offsets, as a trajstore video segment holds them
+(:func:`~trajstore.storage.fields.video.write_segment`: one packet per frame in display order,
+each keyframe carrying its stream headers):
 
 - AV1 (``libsvtav1``, LeRobot's default): MP4 samples are the low-overhead OBU stream our
   decoder reads, keyframes carrying the sequence header, so packets pass byte for byte;
@@ -15,15 +17,17 @@ per frame in display order, each keyframe carrying its stream headers):
   ``avcC`` box; they become Annex B (start codes), each keyframe prefixed by the SPS/PPS.
 
 An episode that does not start on a keyframe, a stream whose packets are not in display order
-(B-frames) or another codec is *not adoptable*: the caller decodes it (:func:`episode_frames`)
-and encodes it again, and says so.  Everything in an MP4 is input: frame sizes are checked
+(B-frames) or another codec is *not adoptable* (:meth:`Mp4Index.adoptable`): an import decodes it
+(:func:`episode_frames`) and encodes it again, and says so.  Everything in an MP4 is input: frame sizes are checked
 against the declared feature, and every PyAV failure becomes a :class:`ForeignFileError`
 naming the file.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import threading
 from fractions import Fraction
 from typing import Any
 
@@ -31,7 +35,7 @@ import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
 
-__all__ = ["EpisodePackets", "episode_packets", "episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
+__all__ = ["episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
            "av_module"]
 
 #: MP4 codec names (as FFmpeg names the stream) whose packets become trajstore segments unchanged
@@ -39,6 +43,8 @@ __all__ = ["EpisodePackets", "episode_packets", "episode_frames", "Mp4Writer", "
 ADOPTABLE = {"av1": "av1", "libdav1d": "av1", "h264": "h264"}
 #: Packets of one episode read at most (a camera at 1 kHz for 10 minutes).
 MAX_EPISODE_PACKETS = 1 << 20
+#: Bytes of one episode's packets read at most.
+MAX_SEGMENT_BYTES = 1 << 32
 
 
 def av_module(what: str) -> Any:
@@ -48,17 +54,6 @@ def av_module(what: str) -> Any:
     except ImportError:
         raise MissingDependencyError(f"{what}: LeRobot's videos need PyAV: pip install 'trajstore[video]'") from None
     return av
-
-
-class EpisodePackets:
-    """One episode's frames as demuxed: ``packets`` (bytes, display order), ``keyframes`` (bool
-    each), ``codec`` (the trajstore codec name or None: not adoptable) and ``why`` (the reason it
-    is not adoptable, for messages)."""
-
-    __slots__ = ("codec", "keyframes", "packets", "why")
-
-    def __init__(self, packets: list[bytes], keyframes: list[bool], codec: str | None, why: str) -> None:
-        self.packets, self.keyframes, self.codec, self.why = packets, keyframes, codec, why
 
 
 def _avcc_to_annexb(sample: bytes, where: str) -> bytes:
@@ -110,70 +105,6 @@ def _in_range(pts: Any, tb: Fraction, lo: float, hi: float, half: float) -> int:
     """-1 before ``[lo, hi)`` (times within half a frame), 0 inside, 1 past it."""
     t = float(pts * tb)
     return -1 if t < lo - half else (1 if t >= hi - half else 0)
-
-
-def episode_packets(fileobj: Any, where: str, t0: float, t1: float, fps: float, length: int,
-                    shape: tuple[int, int]) -> EpisodePackets:
-    """The ``length`` packets of the frames in ``[t0, t1)`` seconds of the MP4 ``fileobj`` (a
-    file object; ``where`` names it), as a segment's packets when its codec is adoptable.
-
-    Raises
-    ------
-    ForeignFileError
-        Not an MP4 with a video stream, frames of another size than ``shape`` (H, W), packets
-        out of time order, or fewer or more than ``length`` frames in the range (naming the file,
-        the range and the count).
-    """
-    av = av_module(where)
-    c, s = _open_container(av, fileobj, where)
-    try:
-        cc = s.codec_context
-        if (int(cc.height), int(cc.width)) != tuple(shape):
-            raise ForeignFileError(f"{where}: frames are {cc.height}x{cc.width}; info.json declares "
-                                   f"{shape[0]}x{shape[1]}")
-        codec = ADOPTABLE.get(cc.name)
-        why = "" if codec else f"codec {cc.name!r} is not one trajstore keeps as it is"
-        headers = _avcc_headers(cc.extradata, where) if codec == "h264" else b""
-        tb, half = Fraction(s.time_base), 0.5 / fps
-        packets: list[bytes] = []
-        keys: list[bool] = []
-        last = None
-        try:
-            if t0 > half:
-                c.seek(int(max(t0 - 1.0, 0.0) / tb), stream=s, backward=True, any_frame=False)
-            for p in c.demux(s):
-                if p.size == 0 or p.pts is None:
-                    continue
-                pos = _in_range(p.pts, tb, t0, t1, half)
-                if pos < 0:
-                    continue
-                if pos > 0:
-                    break
-                if last is not None and p.pts <= last:
-                    codec, why = None, "its packets are not in display order (B-frames)"
-                last = p.pts
-                if len(packets) >= min(length, MAX_EPISODE_PACKETS):
-                    raise ForeignFileError(f"{where}: more than the {length} frames its episode declares in "
-                                           f"[{t0:.4f}, {t1:.4f}) s")
-                data = bytes(p)
-                if codec == "h264":
-                    data = _avcc_to_annexb(data, where)
-                    if p.is_keyframe:
-                        data = headers + data
-                packets.append(data)
-                keys.append(bool(p.is_keyframe))
-        except ForeignFileError:
-            raise
-        except Exception as e:  # noqa: BLE001  # the file is input
-            raise ForeignFileError(f"{where}: the MP4 does not demux ({type(e).__name__}: {e})") from None
-    finally:
-        c.close()
-    if len(packets) != length:
-        raise ForeignFileError(f"{where}: {len(packets)} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
-                               f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
-    if codec is not None and length and not keys[0]:
-        codec, why = None, "the episode does not start on a keyframe"
-    return EpisodePackets(packets, keys, codec, why)
 
 
 def episode_frames(fileobj: Any, where: str, t0: float, t1: float, fps: float, length: int,
@@ -261,39 +192,59 @@ class Mp4Writer:
 class Mp4Index:
     """Where an MP4's video packets are: presentation ``times`` (float64 s), file ``pos`` and
     ``size`` (int64), ``keys`` (bool), in demux order; ``codec`` (trajstore's name or None) and
-    ``headers`` (H.264: the SPS/PPS as Annex B)."""
+    ``headers`` (H.264: the SPS/PPS as Annex B).  ``fileobj`` stays open (packets are read at
+    their offsets: ``os.pread`` on a local file, seek and read under a lock otherwise) until
+    :meth:`close`."""
 
-    __slots__ = ("codec", "headers", "keys", "pos", "size", "times", "where")
+    __slots__ = ("codec", "fileobj", "headers", "keys", "lock", "pos", "size", "times", "where")
 
-    def __init__(self, where: str, times: np.ndarray, pos: np.ndarray, size: np.ndarray, keys: np.ndarray,
-                 codec: str | None, headers: bytes) -> None:
-        self.where, self.times, self.pos, self.size, self.keys = where, times, pos, size, keys
+    def __init__(self, where: str, fileobj: Any, times: np.ndarray, pos: np.ndarray, size: np.ndarray,
+                 keys: np.ndarray, codec: str | None, headers: bytes) -> None:
+        self.where, self.fileobj, self.times, self.pos, self.size, self.keys = where, fileobj, times, pos, size, keys
         self.codec, self.headers = codec, headers
+        self.lock = threading.Lock()
 
-    def episode(self, lay: Any, path: str, t0: float, t1: float, length: int) -> tuple[list[bytes], list[bool]]:
+    def _read(self, offset: int, n: int) -> bytes:
+        fd = getattr(self.fileobj, "fileno", None)
+        if isinstance(self.fileobj, io.FileIO) and fd is not None:
+            return os.pread(fd(), n, offset)
+        with self.lock:
+            self.fileobj.seek(offset)
+            return bytes(self.fileobj.read(n))
+
+    def range(self, t0: float, t1: float, fps: float) -> tuple[int, int]:
+        """Packets ``[lo, hi)`` whose times lie in ``[t0, t1)`` (within half a frame)."""
+        half = 0.5 / fps
+        return int(np.searchsorted(self.times, t0 - half)), int(np.searchsorted(self.times, t1 - half))
+
+    def adoptable(self, lo: int, hi: int) -> str:
+        """Why packets ``[lo, hi)`` cannot be kept as a segment ("" when they can)."""
+        if self.codec is None:
+            return "its codec is not AV1 or H.264, or its packets are not in display order"
+        return "" if hi > lo and self.keys[lo] else "the episode does not start on a keyframe"
+
+    def episode(self, t0: float, t1: float, fps: float, length: int) -> tuple[list[bytes], list[bool]]:
         """The packets (display order, Annex B for H.264) and keyframe flags of the ``length``
-        frames in ``[t0, t1)``, read from the file ``path`` of ``lay`` at their offsets.
+        frames in ``[t0, t1)``, read at their offsets.
 
         Raises
         ------
         ForeignFileError
-            Another frame count, an episode not starting on a keyframe, packets out of display
-            order or a codec trajstore does not keep as it is (naming the file).
+            Another frame count, or packets that cannot be kept as they are (:meth:`adoptable`),
+            naming the file.
         """
-        fps_half = 0.5 * (float(np.median(np.diff(self.times))) if len(self.times) > 1 else 0.0)
-        lo = int(np.searchsorted(self.times, t0 - fps_half))
-        hi = int(np.searchsorted(self.times, t1 - fps_half))
+        lo, hi = self.range(t0, t1, fps)
         if hi - lo != length:
             raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
                                    f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
-        if self.codec is None or not length or not self.keys[lo]:
-            why = "its codec is not AV1 or H.264" if self.codec is None else "the episode does not start on a keyframe"
+        why = self.adoptable(lo, hi)
+        if why:
             raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
                                    "import the dataset (import_lerobot re-encodes such episodes)")
         a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
-        with lay.open(path) as f:
-            f.seek(a)
-            blob = f.read(b - a)
+        if b - a > MAX_SEGMENT_BYTES:
+            raise ForeignFileError(f"{self.where}: an episode of {b - a} bytes of packets; more than trajstore reads")
+        blob = self._read(a, b - a)
         if len(blob) != b - a:
             raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
         packets, keys = [], []
@@ -305,23 +256,32 @@ class Mp4Index:
             keys.append(bool(k))
         return packets, keys
 
+    def close(self) -> None:
+        """Close the file."""
+        self.fileobj.close()
 
-def index_packets(fileobj: Any, where: str) -> Mp4Index:
-    """The :class:`Mp4Index` of the MP4 ``fileobj`` (demuxed once, nothing decoded).
+
+def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None) -> Mp4Index:
+    """The :class:`Mp4Index` of the MP4 ``fileobj`` (demuxed once, nothing decoded; the index
+    keeps ``fileobj`` open and closes it).
 
     Raises
     ------
     ForeignFileError
-        Not an MP4 with a video stream, packets with no position, or out of display order.
+        Not an MP4 with a video stream, frames of another size than ``shape`` (H, W), packets
+        with no position (naming the file).
     """
     av = av_module(where)
     c, s = _open_container(av, fileobj, where)
-    times: list[float] = []
+    times: list[int] = []
     pos: list[int] = []
     size: list[int] = []
     keys: list[bool] = []
     try:
         cc = s.codec_context
+        if shape is not None and (int(cc.height), int(cc.width)) != tuple(shape):
+            raise ForeignFileError(f"{where}: frames are {cc.height}x{cc.width}; info.json declares "
+                                   f"{shape[0]}x{shape[1]}")
         codec = ADOPTABLE.get(cc.name)
         headers = _avcc_headers(cc.extradata, where) if codec == "h264" else b""
         tb = Fraction(s.time_base)
@@ -330,7 +290,7 @@ def index_packets(fileobj: Any, where: str) -> Mp4Index:
                 continue
             if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
                 raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
-            times.append(float(p.pts * tb))
+            times.append(p.pts)
             pos.append(int(p.pos))
             size.append(int(p.size))
             keys.append(bool(p.is_keyframe))
@@ -340,8 +300,8 @@ def index_packets(fileobj: Any, where: str) -> Mp4Index:
         raise ForeignFileError(f"{where}: the MP4 does not demux ({type(e).__name__}: {e})") from None
     finally:
         c.close()
-    t = np.asarray(times, np.float64)
+    t = np.asarray(times, np.int64) * float(tb)  # one product, not a Fraction per packet
     if len(t) > 1 and not (np.diff(t) > 0).all():
         codec = None  # B-frames: demux order is not display order
-    return Mp4Index(where, t, np.asarray(pos, np.int64), np.asarray(size, np.int64), np.asarray(keys, bool), codec,
+    return Mp4Index(where, fileobj, t, np.asarray(pos, np.int64), np.asarray(size, np.int64), np.asarray(keys, bool), codec,
                     headers)
