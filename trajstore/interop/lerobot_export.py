@@ -33,6 +33,7 @@ from trajstore.interop._common import StepBlocks, export_source, staged_path
 from trajstore.interop.lerobot_layout import DEFAULT_COLUMNS, pyarrow_module
 from trajstore.interop.lerobot_video import Mp4Writer
 from trajstore.maintenance.staged import step_blocks
+from trajstore.spaces import ValuePlan
 
 __all__ = ["export_lerobot"]
 
@@ -47,7 +48,7 @@ def _plan(buf: TrajectoryReplayBuffer) -> tuple[dict[str, int], dict[str, int], 
     if not isinstance(buf.step_space, Dict):
         raise UnsupportedSpaceError(f"{_WHAT}: the step space is {buf.step_space}; expected a Dict of Boxes")
     tab, cams, ts = {}, {}, None
-    for k, leaf in enumerate(buf._step_plan.leaves):
+    for k, leaf in enumerate(ValuePlan(buf.step_space).leaves):
         name, space = leaf.name.replace("/", "."), leaf.space
         if not isinstance(space, (Box, Discrete)):
             raise UnsupportedSpaceError(f"{_WHAT}: step field {leaf.name!r} is a {type(space).__name__}; LeRobot "
@@ -100,7 +101,8 @@ def _tasks_table(tasks: list[str]) -> Any:
 
 
 def _stats_json(buf: TrajectoryReplayBuffer, tab: dict[str, int], cams: dict[str, int]) -> dict[str, Any]:
-    leaves = {name: buf._step_plan.leaves[k].name for name, k in {**tab, **cams}.items()}
+    plan = ValuePlan(buf.step_space).leaves
+    leaves = {name: plan[k].name for name, k in {**tab, **cams}.items()}
     if not len(buf):
         return {}
     got = buf.stats(fields=list(leaves.values()))
@@ -178,7 +180,7 @@ def _write(buf: TrajectoryReplayBuffer, tmp: str, fps: float, video: str, robot_
         tasks.append("")
     os.makedirs(os.path.join(tmp, "meta", "episodes", "chunk-000"))
     os.makedirs(os.path.join(tmp, "data", "chunk-000"))
-    leaves = buf._step_plan.leaves
+    leaves = ValuePlan(buf.step_space).leaves  # the step arrays' order
     writers = {}
     for name, k in cams.items():
         os.makedirs(os.path.join(tmp, "videos", name, "chunk-000"))
@@ -232,7 +234,7 @@ def _meta(tmp: str, buf: TrajectoryReplayBuffer, episodes: list[dict[str, Any]],
           tab: dict[str, int], cams: dict[str, int], fps: float, video: str, robot_type: str | None, pq: Any) -> None:
     import pyarrow as pa
 
-    leaves = buf._step_plan.leaves
+    leaves = ValuePlan(buf.step_space).leaves  # the step arrays' order
     cols: dict[str, Any] = {
         "episode_index": pa.array(np.arange(len(episodes), dtype=np.int64)),
         "tasks": pa.array([[e["task"]] for e in episodes], pa.list_(pa.string())),
