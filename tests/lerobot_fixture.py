@@ -110,8 +110,9 @@ def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tu
 
 def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observation.images.top",),
              codec: str = "av1", fps: int = 10, force_key: bool = True, size: tuple[int, int] = (H, W),
-             dims: tuple[int, int] = (3, 2)) -> str:
-    """A LeRobot v3.0 dataset: every episode in data/chunk-000/file-000.parquet and one MP4 per camera."""
+             dims: tuple[int, int] = (3, 2), files: int = 1) -> str:
+    """A LeRobot v3.0 dataset: the episodes split in order over ``files`` data files
+    (data/chunk-000/file-00k.parquet) and as many MP4s per camera (times restart in each)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -125,20 +126,28 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
             "features": _features(list(cams), size, dims)}
     with open(os.path.join(root, "meta/info.json"), "w") as f:
         json.dump(info, f, indent=4)
-    pq.write_table(_data_table(lengths, dims=dims), os.path.join(root, "data/chunk-000/file-000.parquet"))
-    for cam in cams:
-        _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-000.mp4"),
-                ((frame_of(e, t, size) for t in range(n)) for e, n in enumerate(lengths)), fps, codec, force_key)
+    groups = np.array_split(np.arange(len(lengths)), files)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    file_of = np.zeros(len(lengths), np.int64)
+    t_from = np.zeros(len(lengths))
+    for k, g in enumerate(groups):
+        eps = g.tolist()
+        file_of[eps] = k
+        t_from[eps] = (starts[eps] - starts[eps[0]]) / fps
+        pq.write_table(_data_table([lengths[e] for e in eps], int(starts[eps[0]]), eps[0], dims),
+                       os.path.join(root, f"data/chunk-000/file-{k:03d}.parquet"))
+        for cam in cams:
+            _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-{k:03d}.mp4"),
+                    ((frame_of(e, t, size) for t in range(lengths[e])) for e in eps), fps, codec, force_key)
     ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
                           "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,
-                          "data/chunk_index": [0] * len(lengths), "data/file_index": [0] * len(lengths),
+                          "data/chunk_index": [0] * len(lengths), "data/file_index": file_of.tolist(),
                           "dataset_from_index": starts[:-1].tolist(), "dataset_to_index": starts[1:].tolist()}
     for cam in cams:
         ep[f"videos/{cam}/chunk_index"] = [0] * len(lengths)
-        ep[f"videos/{cam}/file_index"] = [0] * len(lengths)
-        ep[f"videos/{cam}/from_timestamp"] = (starts[:-1] / fps).tolist()
-        ep[f"videos/{cam}/to_timestamp"] = (starts[1:] / fps).tolist()
+        ep[f"videos/{cam}/file_index"] = file_of.tolist()
+        ep[f"videos/{cam}/from_timestamp"] = t_from.tolist()
+        ep[f"videos/{cam}/to_timestamp"] = (t_from + np.asarray(lengths) / fps).tolist()
     pq.write_table(pa.table(ep), os.path.join(root, "meta/episodes/chunk-000/file-000.parquet"))
     tasks = pa.table({"task_index": pa.array([0, 1], pa.int64()), "task": pa.array(TASKS)})
     pq.write_table(tasks, os.path.join(root, "meta/tasks.parquet"))

@@ -95,6 +95,20 @@ def test_import_h264_and_png(tmp_path: Path) -> None:
         np.testing.assert_array_equal(p[4:10]["step_data"]["cam"], ref)  # png: the decoded frames, lossless
 
 
+def test_import_and_open_episodes_over_several_files(tmp_path: Path) -> None:
+    """Episodes spread over two data files and two MP4s per camera (times restart in each)."""
+    root = write_v3(str(tmp_path / "two"), [4, 6, 2, 4], ("cam",), files=2)
+    assert import_lerobot(root, tmp_path / "s")["adopted"] == {"cam": 4}
+    with TrajectoryReplayBuffer.load_from(tmp_path / "s", read_only=True) as a, open_lerobot(root) as b:
+        start = 0
+        for e, n in enumerate([4, 6, 2, 4]):
+            np.testing.assert_array_equal(a[start : start + n]["step_data"]["action"], step_values(e, n)["action"])
+            assert _psnr(a[start : start + n]["step_data"]["cam"], frames_of(e, n)) > 20
+            start += n
+        for k in a.step_space.keys():
+            np.testing.assert_array_equal(a[:]["step_data"][k], b[:]["step_data"][k])
+
+
 def test_import_v21(tmp_path: Path) -> None:
     root = write_v21(str(tmp_path / "v21"), [4, 6])
     out = import_lerobot(root, tmp_path / "s")
@@ -291,3 +305,21 @@ def test_import_and_open_through_fsspec(v3: Path, tmp_path: Path) -> None:
             import_lerobot(f"memory://{base}", tmp_path / "t")
     finally:
         fs.rm(base, recursive=True)
+
+
+def test_export_refuses_timestamps_off_the_frame_grid(tmp_path: Path) -> None:
+    """With cameras, LeRobot finds a frame's picture at its timestamp: one off frame_index / fps
+    would show another picture, so the export refuses it and writes nothing."""
+    from gymnasium.spaces import Box, Dict
+
+    from trajstore.errors import BadValueError
+
+    space = Dict({"timestamp": Box(0, np.inf, (), np.float64), "cam": Box(0, 255, (16, 16, 3), np.uint8)})
+    with TrajectoryReplayBuffer.create(space, cache_path=tmp_path / "s") as b:
+        b.extend({"timestamp": np.array([0.0, 0.1, 0.25]), "cam": np.zeros((3, 16, 16, 3), np.uint8)})
+    with pytest.raises(BadValueError, match="frame 2: timestamp 0.25"):
+        export_lerobot(tmp_path / "s", tmp_path / "ex", fps=10)
+    assert not (tmp_path / "ex").exists()
+    with pytest.raises(BadValueError):
+        export_lerobot(tmp_path / "s", tmp_path / "ex", fps=8)
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]

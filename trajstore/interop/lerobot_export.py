@@ -28,7 +28,7 @@ import numpy as np
 from gymnasium.spaces import Box, Dict, Discrete
 
 from trajstore.buffers.trajectory import TrajectoryReplayBuffer
-from trajstore.errors import BadOptionError, UnsupportedSpaceError
+from trajstore.errors import BadOptionError, BadValueError, UnsupportedSpaceError
 from trajstore.interop._common import StepBlocks, export_source, staged_path
 from trajstore.interop.lerobot_layout import DEFAULT_COLUMNS, pyarrow_module
 from trajstore.interop.lerobot_video import Mp4Writer
@@ -149,6 +149,9 @@ def export_lerobot(src: Any, path: Any, *, fps: float | None = None, video: str 
         No frame rate, or an unknown ``video``.
     UnsupportedSpaceError
         A step field LeRobot cannot hold, or interleaved episodes.
+    BadValueError
+        With cameras: a ``timestamp`` that is not ``frame_index / fps`` (within 1e-4 s), as
+        LeRobot's loader finds video frames by time.
     """
     if video not in ("av1", "h264"):
         raise BadOptionError(f"{_WHAT}: video must be 'av1' or 'h264'; got {video!r}")
@@ -204,7 +207,7 @@ def _write(buf: TrajectoryReplayBuffer, tmp: str, fps: float, video: str, robot_
                     last, frame = eid, 0
                 m = b - a
                 fi = np.arange(frame, frame + m, dtype=np.int64)
-                ts = arrays[ts_leaf][a:b].astype(np.float32) if ts_leaf is not None else (fi / fps).astype(np.float32)
+                ts = _timestamps(arrays[ts_leaf][a:b] if ts_leaf is not None else None, fi, fps, bool(cams), eid)
                 cols = {name: _arrow_column(np.asarray(arrays[k][a:b])) for name, k in tab.items()}
                 cols |= {"timestamp": pa.array(ts), "frame_index": pa.array(fi),
                          "episode_index": pa.array(np.full(m, len(episodes) - 1, np.int64)),
@@ -228,6 +231,25 @@ def _write(buf: TrajectoryReplayBuffer, tmp: str, fps: float, video: str, robot_
             w.close()
     _meta(tmp, buf, episodes, tasks, tab, cams, fps, video, robot_type, pq)
     return {"episodes": len(episodes), "steps": index, "cameras": sorted(cams)}
+
+
+def _timestamps(ts: np.ndarray | None, fi: np.ndarray, fps: float, video: bool, eid: int) -> np.ndarray:
+    """LeRobot's ``timestamp`` column (float32 s) of frames ``fi``: the store's, or ``fi / fps``.
+
+    With cameras, LeRobot finds a frame's picture at ``from_timestamp + timestamp`` in the MP4,
+    whose frames are ``1 / fps`` apart: a store timestamp off ``frame_index / fps`` by more than
+    LeRobot's tolerance (1e-4 s) would show another frame, so it is refused (BadValueError)."""
+    grid = fi / fps
+    if ts is None:
+        return grid.astype(np.float32)
+    if video:
+        off = np.abs(np.asarray(ts, np.float64) - grid)
+        if (off > 1e-4).any():
+            i = int(np.argmax(off > 1e-4))
+            raise BadValueError(f"{_WHAT}: episode {eid}, frame {int(fi[i])}: timestamp {float(ts[i])!r} is not "
+                                f"frame_index / fps = {float(grid[i])!r}; LeRobot finds video frames at that time "
+                                "(pass the fps the store was recorded at)")
+    return np.asarray(ts).astype(np.float32)
 
 
 def _meta(tmp: str, buf: TrajectoryReplayBuffer, episodes: list[dict[str, Any]], tasks: list[str],
