@@ -5,7 +5,7 @@ The folder written is what LeRobot's ``LeRobotDataset`` reads (``datasets/utils.
 - ``meta/info.json``: ``codebase_version: "v3.0"``, ``fps``, ``features`` (each step field, plus
   LeRobot's ``timestamp``, ``frame_index``, ``episode_index``, ``index``, ``task_index``),
   ``data_path`` / ``video_path`` templates, ``chunks_size`` 1000, ``data_files_size_in_mb`` 100,
-  ``video_files_size_in_mb`` 500, totals and ``splits``;
+  ``video_files_size_in_mb`` 200 (LeRobot 0.4.4's defaults), totals and ``splits``;
 - ``meta/tasks.parquet`` (``task_index``, pandas index ``task``), ``meta/stats.json``
   (mean/std/min/max/count and q01..q99 per feature; cameras per channel as (3, 1, 1), in [0, 1]),
   ``meta/episodes/chunk-000/file-000.parquet`` (lengths, tasks, row and video offsets);
@@ -283,7 +283,7 @@ def _meta(tmp: str, buf: TrajectoryReplayBuffer, episodes: list[dict[str, Any]],
     total = episodes[-1]["to"] if episodes else 0
     info = {"codebase_version": "v3.0", "robot_type": robot_type, "total_episodes": len(episodes),
             "total_frames": total, "total_tasks": len(tasks), "chunks_size": 1000, "data_files_size_in_mb": 100,
-            "video_files_size_in_mb": 500, "fps": int(fps) if float(fps).is_integer() else fps,
+            "video_files_size_in_mb": 200, "fps": int(fps) if float(fps).is_integer() else fps,
             "splits": {"train": f"0:{len(episodes)}"}, "data_path": DATA_PATH,
             "video_path": VIDEO_PATH if cams else None, "features": features}
     with open(os.path.join(tmp, "meta", "info.json"), "w") as f:
