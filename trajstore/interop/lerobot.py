@@ -47,6 +47,9 @@ from trajstore.storage.robot_files import RobotInfo
 __all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups"]
 
 _WHAT = "import_lerobot"
+#: The import commits once this many bytes of segments or raw frames are held, or episodes appended.
+FLUSH_BYTES = 64 << 20
+FLUSH_EPISODES = 256
 
 
 def lerobot_space(lay: LeRobotLayout) -> Dict:
@@ -101,6 +104,7 @@ class _Importer:
         self.fields = {f.spec.array_path: f for f in buf.rows_table.fields if f.spec.layout == "video"}
         self.transcoded = {k: 0 for k in lay.videos}
         self.mp4: dict[str, tuple[str, Mp4Index]] = {}
+        self.held, self.pending = 0, 0  # bytes held for the next flush (segments, raw frames), episodes
         self.adopted = {k: 0 for k in lay.videos}
 
     def _video_field(self, key: str) -> VideoField | None:
@@ -148,11 +152,13 @@ class _Importer:
             if idx.codec == want and hi - lo == ep.length and not idx.adoptable(lo, hi):
                 blob = write_segment(*idx.episode(t0, t1, lay.fps, ep.length))
                 field.adopt(start, ep.length, functools.partial(bytes, blob))
+                self.held += len(blob)
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
                 return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
             if hi - lo == ep.length:
                 self.transcoded[key] += 1
+        self.held += ep.length * h * w * 3  # held raw until the writer encodes them at the next flush
         with lay.open(path) as f:  # also raises, naming the file, when the MP4 lacks the episode's frames
             return episode_frames(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
 
@@ -184,7 +190,10 @@ class _Importer:
             step[k] = self._camera(k, ep, start)
         self.buf.extend({"step_data": step, "episode_ids": np.full(ep.length, ep.index, np.int64)})
         self.buf.mark_episode_end()
-        self.buf.flush()  # the episode's segments go out now: frames are not held
+        self.pending += 1
+        if self.held >= FLUSH_BYTES or self.pending >= FLUSH_EPISODES:
+            self.buf.flush()  # one commit per batch: a commit (and the segment index) per episode costs more
+            self.held, self.pending = 0, 0
 
 
 def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
