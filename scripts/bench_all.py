@@ -74,6 +74,7 @@ SECTIONS = (
             (), ("--quick",), 180),
     Section("video", "bench_video.py", "Video (scripts/bench_video.py)", (), ("--quick",), 60),
     Section("import", "bench_import.py", "Import time (scripts/bench_import.py)", (), ("--runs", "1"), 20),
+    Section("lerobot", "bench_lerobot.py", "LeRobot datasets (scripts/bench_lerobot.py)", (), ("--quick",), 75),
     Section("peers", "bench_peers.py", "Peer suite (scripts/bench_peers.py)",
             (), ("--quick", "--calls", "40", "--budget", "0.25"), 240),
 )

@@ -29,6 +29,7 @@ ROWS = {
     "import": ["| cached |", "| compiled afresh |"],
     "shards": ["| sample(256) | 64 shards |", "| sample_sequences(256, 8) | one store |"],
     "open_dp": ["| sample(256) | in place |", "| `import_diffusion_policy` |"],
+    "lerobot": ["| import_lerobot |", "| 100 |", "| 1000 |"],
 }
 
 

@@ -20,13 +20,16 @@ IMPORTS = {"d4rl": "D4RL's flat HDF5 file (observations, actions, rewards, termi
                                "folder or .zarr.zip)",
            "robomimic": "robomimic's HDF5 file (data/demo_<i>/{obs/*, next_obs/*, actions, rewards, dones}, mask/*)",
            "minari": "a Minari dataset: its id (under MINARI_DATASETS_PATH) or its folder",
+           "lerobot": "a LeRobot dataset folder (v3.0 or v2.1: meta/info.json, data/, videos/; cameras kept as "
+                      "video, --video CODEC to store decoded frames)",
            "sb3": "a stable-baselines3 replay buffer saved by model.save_replay_buffer (a pickle: needs --trust)"}
 #: Formats ``trajstore export`` writes (name -> help).
 EXPORTS = {"d4rl": "D4RL's flat HDF5 file",
            "minari": "a Minari dataset: DST is its dataset id (namespace/name-v0), written under --datasets-path "
                      "or MINARI_DATASETS_PATH",
            "diffusion-policy": "Diffusion Policy's zarr store (--zarr-format 2 or 3; a name ending in .zip "
-                               "writes a zip)"}
+                               "writes a zip)",
+           "lerobot": "a LeRobot v3.0 dataset folder (--fps unless the store declares one; --video av1|h264)"}
 
 
 def _bar(args: argparse.Namespace) -> bool | None:
@@ -35,12 +38,20 @@ def _bar(args: argparse.Namespace) -> bool | None:
 
 def _cmd_import(args: argparse.Namespace) -> int:
     convert: Any
+    if (args.video is not None or args.save_stats) and args.format != "lerobot":
+        raise CLIError("--video and --save-stats apply to lerobot imports only", code=2)
     if args.format == "d4rl":
         from trajstore.interop.d4rl import d4rl_to_store as convert
     elif args.format == "robomimic":
         from trajstore.interop.robomimic import robomimic_to_store as convert
     elif args.format == "minari":
         from trajstore.interop.minari import minari_to_store as convert
+    elif args.format == "lerobot":
+        from trajstore.interop.lerobot import import_lerobot
+
+        return _report_import(args, import_lerobot(args.src, args.dst, video=args.video or "keep",
+                                                   save_stats=args.save_stats, tqdm=_bar(args),
+                                                   overwrite=args.overwrite))
     elif args.format == "sb3":
         from trajstore.interop.sb3_pickle import sb3_replay_buffer_to_store
 
@@ -71,7 +82,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise CLIError("--zarr-format applies to diffusion-policy exports only", code=2)
     if args.datasets_path is not None and args.format != "minari":
         raise CLIError("--datasets-path applies to minari exports only", code=2)
-    if args.format == "d4rl":
+    if (args.fps is not None or args.video is not None) and args.format != "lerobot":
+        raise CLIError("--fps and --video apply to lerobot exports only", code=2)
+    if args.format == "lerobot":
+        from trajstore.interop.lerobot_export import export_lerobot
+
+        out = export_lerobot(args.src, args.dst, fps=args.fps, video=args.video or "av1", overwrite=args.overwrite)
+    elif args.format == "d4rl":
         from trajstore.interop.d4rl import export_d4rl
 
         out = export_d4rl(args.src, args.dst, tqdm=_bar(args), overwrite=args.overwrite)
@@ -116,6 +133,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst", metavar="DST", help="the new store (a local folder)")
     p.add_argument("--trust", action="store_true",
                    help="sb3: unpickle SRC (unpickling runs code named in the file: only for files you trust)")
+    p.add_argument("--video", default=None, metavar="CODEC",
+                   help="lerobot: store the cameras' decoded frames with this compressor (png, jpeg:90, h264...) "
+                        "instead of keeping the MP4s' packets")
+    p.add_argument("--save-stats", action="store_true", help="lerobot: store every episode's statistics")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     p.add_argument("--stats", action="store_true",
                    help="store every episode's statistics, computed at import (buf.stats(), docs/robot.md)")
@@ -136,6 +157,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="minari: root of the datasets folder (default MINARI_DATASETS_PATH or ~/.minari/datasets)")
     p.add_argument("--zarr-format", type=int, choices=(2, 3), default=None,
                    help="diffusion-policy: zarr format of DST (default 2, what Diffusion Policy's code reads)")
+    p.add_argument("--fps", type=float, default=None, help="lerobot: frames per second (default: the store's)")
+    p.add_argument("--video", default=None, choices=("av1", "h264"), help="lerobot: the cameras' codec (default av1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file at DST")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_export)

@@ -6,6 +6,8 @@
   one read-only in place, without a copy, as a :class:`~trajstore.TrajectoryReplayBuffer`.
 - :func:`import_minari` / :func:`export_minari`: Minari datasets (needs minari).
 - :func:`import_robomimic`: robomimic's HDF5 datasets (``data/demo_<i>``, ``mask/*``; needs h5py).
+- :func:`import_lerobot` / :func:`export_lerobot`: LeRobot datasets (v3.0 in and out, v2.1 in;
+  cameras kept as video); :func:`open_lerobot` opens one read-only in place (needs pyarrow, PyAV).
 - :func:`import_sb3_replay_buffer`: stable-baselines3's ``save_replay_buffer`` pickles, only with
   ``trust=True`` (the one place trajstore unpickles).
 
@@ -21,10 +23,14 @@ from __future__ import annotations
 from trajstore.interop.d4rl import export_d4rl, import_d4rl
 from trajstore.interop.diffusion_policy import export_diffusion_policy, import_diffusion_policy
 from trajstore.interop.dp_open import DiffusionPolicyBuffer, open_diffusion_policy
+from trajstore.interop.lerobot import import_lerobot
+from trajstore.interop.lerobot_export import export_lerobot
+from trajstore.interop.lerobot_open import LeRobotBuffer, open_lerobot
 from trajstore.interop.minari import export_minari, import_minari
 from trajstore.interop.robomimic import import_robomimic
 from trajstore.interop.sb3_pickle import import_sb3_replay_buffer
 
 __all__ = ["import_d4rl", "export_d4rl", "import_diffusion_policy", "export_diffusion_policy", "import_robomimic",
            "import_sb3_replay_buffer", "import_minari", "export_minari",
-           "open_diffusion_policy", "DiffusionPolicyBuffer"]
+           "open_diffusion_policy", "DiffusionPolicyBuffer", "import_lerobot", "export_lerobot", "open_lerobot",
+           "LeRobotBuffer"]

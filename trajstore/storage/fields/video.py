@@ -322,7 +322,10 @@ class VideoField:
                                                     f"(bounds {keep[-3:].tolist()}...)"))
             self._bounds, self._open_lo, self._started = keep, phys_lo, True
         if len(data):
-            self._blocks.append(np.array(data, dtype=self.spec.dtype, copy=True))
+            # A block repeating one frame (zero row stride: an import's placeholder rows for a segment
+            # it adopts) is held as it is, one frame of memory; any other block is copied.
+            same = data.ndim and data.strides[0] == 0 and data.dtype == self.spec.dtype
+            self._blocks.append(data if same else np.array(data, dtype=self.spec.dtype, copy=True))
             self._held += len(data)
         if self._held >= 2 * MAX_RUN_ROWS:  # a long episode and rare commits: bound the frames held
             self.flush(False)

@@ -1,0 +1,182 @@
+"""LeRobot datasets written per LeRobot's specification with pyarrow and PyAV (LeRobot itself is
+not installable here): v3.0 (episodes concatenated in shared Parquet and MP4 files, each episode
+encoded from a keyframe as LeRobot's concatenation leaves it) and v2.1 (one file per episode)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+H, W = 48, 64
+TASKS = ["pick cube", "place cube"]
+
+
+def frame_of(ep: int, t: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
+    """Frame ``t`` of episode ``ep``: smooth and distinct (video compresses it well)."""
+    y, x = np.mgrid[0 : size[0], 0 : size[1]]
+    base = ((x * 3 + y * 2 + t * 5 + ep * 40) % 256).astype(np.uint8)
+    return np.stack([base, base + np.uint8(85), 255 - base], -1)
+
+
+def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
+    """Frames 0..n-1 of episode ``ep`` (n, H, W, 3) uint8."""
+    return np.stack([frame_of(ep, t, size) for t in range(n)])
+
+
+def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = True) -> None:
+    import av
+
+    os.environ.setdefault("SVT_LOG", "1")
+    c = av.open(path, "w", format="mp4")
+    s = c.add_stream("libsvtav1" if codec == "av1" else "libx264", rate=fps)
+    first = None
+    s.options = {"g": "2", "crf": "30" if codec == "av1" else "18", "preset": "12" if codec == "av1" else "veryfast"}
+    if codec == "h264":
+        s.codec_context.max_b_frames = 0
+    pts = 0
+    for fr in episodes:
+        it = iter(fr)
+        f0 = next(it)
+        if first is None:
+            first = f0
+            s.width, s.height, s.pix_fmt = f0.shape[1], f0.shape[0], "yuv420p"
+        for i, f in enumerate(itertools.chain([f0], it)):
+            vf = av.VideoFrame.from_ndarray(f, format="rgb24")
+            vf.pts = pts
+            if i == 0 and force_key:
+                vf.pict_type = av.video.frame.PictureType.I
+            pts += 1
+            for p in s.encode(vf):
+                c.mux(p)
+    for p in s.encode(None):
+        c.mux(p)
+    c.close()
+
+
+def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, int] = (3, 2)) -> dict[str, Any]:
+    f: dict[str, Any] = {
+        "observation.state": {"dtype": "float32", "shape": [dims[0]], "names": [f"s{i}" for i in range(dims[0])]},
+        "action": {"dtype": "float32", "shape": [dims[1]], "names": [f"a{i}" for i in range(dims[1])]},
+        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+    }
+    for cam in cams:
+        f[cam] = {"dtype": "video", "shape": [size[0], size[1], 3], "names": ["height", "width", "channels"],
+                  "info": {"video.fps": 10, "video.codec": "av1", "video.pix_fmt": "yuv420p"}}
+    for k, dt in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
+                  ("index", "int64"), ("task_index", "int64")):
+        f[k] = {"dtype": dt, "shape": [1], "names": None}
+    return f
+
+
+def step_values(ep: int, n: int, dims: tuple[int, int] = (3, 2)) -> dict[str, np.ndarray]:
+    t = np.arange(n, dtype=np.float32)
+    state = np.stack([t, t * 2 + ep, -t], 1)
+    action = np.stack([t / 10, np.full(n, ep, np.float32)], 1)
+    return {"observation.state": np.resize(state.T, (dims[0], n)).T.astype(np.float32),
+            "action": np.resize(action.T, (dims[1], n)).T.astype(np.float32),
+            "next.reward": (t / n).astype(np.float32)}
+
+
+def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tuple[int, int] = (3, 2)) -> Any:
+    import pyarrow as pa
+
+    cols: dict[str, list[Any]] = {k: [] for k in ("observation.state", "action", "next.reward", "timestamp",
+                                                  "frame_index", "episode_index", "index", "task_index")}
+    index = first_index
+    for e, n in enumerate(lengths, start=ep0):
+        v = step_values(e, n, dims)
+        cols["observation.state"] += v["observation.state"].tolist()
+        cols["action"] += v["action"].tolist()
+        cols["next.reward"] += v["next.reward"].tolist()
+        cols["timestamp"] += (np.arange(n) / 10.0).astype(np.float32).tolist()
+        cols["frame_index"] += list(range(n))
+        cols["episode_index"] += [e] * n
+        cols["index"] += list(range(index, index + n))
+        cols["task_index"] += [e % 2] * n
+        index += n
+    return pa.table({"observation.state": pa.array(cols["observation.state"], pa.list_(pa.float32(), dims[0])),
+                     "action": pa.array(cols["action"], pa.list_(pa.float32(), dims[1])),
+                     "next.reward": pa.array(cols["next.reward"], pa.float32()),
+                     "timestamp": pa.array(cols["timestamp"], pa.float32()),
+                     "frame_index": pa.array(cols["frame_index"], pa.int64()),
+                     "episode_index": pa.array(cols["episode_index"], pa.int64()),
+                     "index": pa.array(cols["index"], pa.int64()),
+                     "task_index": pa.array(cols["task_index"], pa.int64())})
+
+
+def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observation.images.top",),
+             codec: str = "av1", fps: int = 10, force_key: bool = True, size: tuple[int, int] = (H, W),
+             dims: tuple[int, int] = (3, 2), files: int = 1) -> str:
+    """A LeRobot v3.0 dataset: the episodes split in order over ``files`` data files
+    (data/chunk-000/file-00k.parquet) and as many MP4s per camera (times restart in each)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for d in ("meta/episodes/chunk-000", "data/chunk-000", *[f"videos/{c}/chunk-000" for c in cams]):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    info = {"codebase_version": "v3.0", "robot_type": "fixture", "total_episodes": len(lengths),
+            "total_frames": sum(lengths), "total_tasks": 2, "chunks_size": 1000, "data_files_size_in_mb": 100,
+            "video_files_size_in_mb": 500, "fps": fps, "splits": {"train": f"0:{len(lengths)}"},
+            "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+            "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+            "features": _features(list(cams), size, dims)}
+    with open(os.path.join(root, "meta/info.json"), "w") as f:
+        json.dump(info, f, indent=4)
+    groups = np.array_split(np.arange(len(lengths)), files)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    file_of = np.zeros(len(lengths), np.int64)
+    t_from = np.zeros(len(lengths))
+    for k, g in enumerate(groups):
+        eps = g.tolist()
+        file_of[eps] = k
+        t_from[eps] = (starts[eps] - starts[eps[0]]) / fps
+        pq.write_table(_data_table([lengths[e] for e in eps], int(starts[eps[0]]), eps[0], dims),
+                       os.path.join(root, f"data/chunk-000/file-{k:03d}.parquet"))
+        for cam in cams:
+            _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-{k:03d}.mp4"),
+                    ((frame_of(e, t, size) for t in range(lengths[e])) for e in eps), fps, codec, force_key)
+    ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
+                          "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,
+                          "data/chunk_index": [0] * len(lengths), "data/file_index": file_of.tolist(),
+                          "dataset_from_index": starts[:-1].tolist(), "dataset_to_index": starts[1:].tolist()}
+    for cam in cams:
+        ep[f"videos/{cam}/chunk_index"] = [0] * len(lengths)
+        ep[f"videos/{cam}/file_index"] = file_of.tolist()
+        ep[f"videos/{cam}/from_timestamp"] = t_from.tolist()
+        ep[f"videos/{cam}/to_timestamp"] = (t_from + np.asarray(lengths) / fps).tolist()
+    pq.write_table(pa.table(ep), os.path.join(root, "meta/episodes/chunk-000/file-000.parquet"))
+    tasks = pa.table({"task_index": pa.array([0, 1], pa.int64()), "task": pa.array(TASKS)})
+    pq.write_table(tasks, os.path.join(root, "meta/tasks.parquet"))
+    with open(os.path.join(root, "meta/stats.json"), "w") as f:
+        json.dump({"action": {"mean": [0.0, 0.0]}}, f)
+    return root
+
+
+def write_v21(root: str, lengths: list[int], cam: str = "observation.images.top", fps: int = 10) -> str:
+    """A LeRobot v2.1 dataset: one Parquet and one MP4 per episode, JSON-lines metadata."""
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.join(root, "meta"), exist_ok=True)
+    info = {"codebase_version": "v2.1", "fps": fps, "chunks_size": 1000, "total_episodes": len(lengths),
+            "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+            "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
+            "features": _features([cam])}
+    with open(os.path.join(root, "meta/info.json"), "w") as f:
+        json.dump(info, f)
+    with open(os.path.join(root, "meta/tasks.jsonl"), "w") as f:
+        for i, t in enumerate(TASKS):
+            f.write(json.dumps({"task_index": i, "task": t}) + "\n")
+    start = 0
+    with open(os.path.join(root, "meta/episodes.jsonl"), "w") as f:
+        for e, n in enumerate(lengths):
+            f.write(json.dumps({"episode_index": e, "tasks": [TASKS[e % 2]], "length": n}) + "\n")
+            os.makedirs(os.path.join(root, "data/chunk-000"), exist_ok=True)
+            os.makedirs(os.path.join(root, f"videos/chunk-000/{cam}"), exist_ok=True)
+            pq.write_table(_data_table([n], start, e), os.path.join(root, f"data/chunk-000/episode_{e:06d}.parquet"))
+            _encode(os.path.join(root, f"videos/chunk-000/{cam}/episode_{e:06d}.mp4"), [frames_of(e, n)], fps, "av1")
+            start += n
+    return root
