@@ -195,7 +195,7 @@ class RobotData:
     def _clock(self) -> _tw.Clock:
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
-        for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves):
+        for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves):
             if lf.name == TIME_FIELD:
                 return _tw.Clock(leaf, None)
         fps = self.fps
@@ -208,10 +208,10 @@ class RobotData:
         """``[(leaf name, source leaf)]`` of a step field or Dict node named ``key``."""
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
-        got = [(lf.name, leaf) for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves)
+        got = [(lf.name, leaf) for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves)
                if lf.name == key or lf.name.startswith(key + "/") or key == ""]
         if not got:
-            raise UnknownFieldError(f"no step field {key!r}; the fields are {[lf.name for lf in buf._step_plan.leaves]}")
+            raise UnknownFieldError(f"no step field {key!r}; the fields are {[lf.name for lf in buf.layout.step_plan.leaves]}")
         return got
 
     def _check_timestamps(self, arrays: list[np.ndarray], ids: np.ndarray) -> None:
@@ -221,7 +221,7 @@ class RobotData:
         buf = cast("TrajectoryReplayBuffer", self)
         at = self.__dict__.get("_time_leaf")
         if at is None:
-            names = [lf.name for lf in buf._step_plan.leaves]
+            names = [lf.name for lf in buf.layout.step_plan.leaves]
             at = self.__dict__["_time_leaf"] = names.index(TIME_FIELD) if TIME_FIELD in names else -1
         if at < 0 or not len(ids):
             return
@@ -328,7 +328,7 @@ class RobotData:
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
         every = [_fs.StatField(lf.name or "value", leaf, tuple(lf.shape), np.dtype(lf.dtype))
-                 for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves)]
+                 for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves)]
         if names is None:
             return every
         known = {f.name: f for f in every}

@@ -191,8 +191,8 @@ def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None,
     so a remote source transfers those arrays' chunks only."""
     buf.sync_reads()
     t = buf.rows_table
-    which = list(range(len(buf._step_plan.leaves))) if leaves is None else list(leaves)
-    fields = which + [buf._id_field]
+    which = list(range(len(buf.layout.step_plan.leaves))) if leaves is None else list(leaves)
+    fields = which + [buf.layout.id_field]
     step = block_rows(sum(t.fields[j].spec.row_bytes for j in fields))
     if ids is None:
         for lo in range(0, t.count, step):
