@@ -37,7 +37,7 @@ REACHES_LEFT = {
     # generator, the backend, the closed flag, the pinned flag and the unsynchronized read).
     "trajstore/buffers/episode_edit.py": 2,
     "trajstore/buffers/episode_windows.py": 1,
-    "trajstore/buffers/robot.py": 4,
+    "trajstore/buffers/robot.py": 2,
     "trajstore/buffers/rows.py": 5,
     # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
     # observation gathering read by the vectorized wrapper.

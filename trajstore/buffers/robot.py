@@ -300,8 +300,8 @@ class RobotData:
                                      f"{deltas[key][k]}); pass on_missing='pad' to mask it")
             prefix = key.split("/", 1)[0] + "/" if owner is not self else ""
             for (name, _), a in zip(leaves, arrays):
-                out[prefix + name] = buf._backend.out(a)
-            out[key + "_is_pad"] = buf._backend.out(pad)
+                out[prefix + name] = buf.output.backend.out(a)
+            out[key + "_is_pad"] = buf.output.backend.out(pad)
         return out
 
     def _time_plan(self, deltas: Mapping[str, np.ndarray], streams: dict[str, Any]
