@@ -410,7 +410,7 @@ def test_torch_datasets_over_a_live_store(live, monkeypatch):
     path = lv.ro.cache_path
     items = np.array([0, 1, 17, 40, 63])
     steps = TransitionDataset(path, ["obs", "episode_data"], output="numpy", episode_ids=True)
-    lv.during(monkeypatch, steps.buffer, ["_read_rows"])
+    lv.during(monkeypatch, steps.buffer.row_source(), ["read_rows", "read_episode_rows"])
     batch = steps.read_batch(items)
     assert lv.fired
     start = int(steps.buffer.row_source().last_read.tables["step_data"].start)
@@ -422,7 +422,7 @@ def test_torch_datasets_over_a_live_store(live, monkeypatch):
 
     lv.fired.clear()
     windows = SequenceDataset(path, 4, ["obs", "episode_data"], output="numpy")
-    lv.during(monkeypatch, windows.buffer, ["_read_rows"])
+    lv.during(monkeypatch, windows.buffer.row_source(), ["read_rows", "read_episode_rows"])
     batch = windows.read_batch(items)
     assert lv.fired
     start = int(windows.buffer.row_source().last_read.tables["step_data"].start)

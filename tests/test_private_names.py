@@ -38,7 +38,7 @@ REACHES_LEFT = {
     "trajstore/buffers/episode_edit.py": 2,
     "trajstore/buffers/episode_windows.py": 1,
     "trajstore/buffers/robot.py": 2,
-    "trajstore/buffers/rows.py": 5,
+    "trajstore/buffers/rows.py": 4,
     # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
     # observation gathering read by the vectorized wrapper.
     "trajstore/buffers/replay.py": 1,

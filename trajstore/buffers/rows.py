@@ -155,8 +155,11 @@ class TrajectoryRows(BufferRows):
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.buffer.run_index.runs()
 
+    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self.layout.read_rows(self.buffer.episode_index, rows, leaves)
+
     def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._read_rows(anchors, leaves)
+        return self.layout.read_rows(self.buffer.episode_index, anchors, leaves)
 
     def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
         """(B,) bool: which logical ``rows`` (stored under the current record) may have read their

@@ -15,6 +15,7 @@ the fourth piece.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -159,6 +160,25 @@ class TrajectoryLayout:
             if m != n:
                 raise BadValueError(f"episode_data has {m} rows; expected one per step ({n})")
         return arrays, n, ids, ep_arrays
+
+    def read_rows(self, index: EpisodeIndex, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
+        """Leaves ``leaf_ids`` of ``plan`` at logical step rows ``idx`` (int: unbatched values; (B,)
+        int64: (B, ...) arrays): step leaves from the step table, episode leaves from each step's
+        episode found through ``index`` (zeros where it has none).  No synchronization: the
+        caller resolved ``idx`` under the current commit record."""
+        src = self.sources
+        step_f = [src[j][1] for j in leaf_ids if src[j][0] == "s"]
+        ep_f = [src[j][1] for j in leaf_ids if src[j][0] == "e"]
+        single = isinstance(idx, int)
+        steps = ((self.steps.read_row(idx, step_f) if isinstance(idx, int) else self.steps.gather(idx, step_f))
+                 if step_f else [])
+        eps: list[np.ndarray] = []
+        if ep_f:
+            eps = self.episode_rows(index, np.atleast_1d(self.step_ids(idx)), ep_f)
+            if single:
+                eps = [e[0] for e in eps]
+        it_s, it_e = iter(steps), iter(eps)
+        return [next(it_s) if src[j][0] == "s" else next(it_e) for j in leaf_ids]
 
     def episode_rows(self, index: EpisodeIndex, ids: np.ndarray, fields: list[int]) -> list[np.ndarray]:
         """Episode-data fields ``fields`` of episodes ``ids`` (B,), found through ``index``: one

@@ -27,20 +27,7 @@ class TrajectoryReads(StoredBuffer):
     output: TrajectoryOutput
 
     def _read_rows(self, idx: int | np.ndarray, leaf_ids: Sequence[int]) -> list[np.ndarray]:
-        lay = self.layout
-        src = lay.sources
-        step_f = [src[j][1] for j in leaf_ids if src[j][0] == "s"]
-        ep_f = [src[j][1] for j in leaf_ids if src[j][0] == "e"]
-        single = isinstance(idx, int)
-        steps = ((lay.steps.read_row(idx, step_f) if isinstance(idx, int) else lay.steps.gather(idx, step_f))
-                 if step_f else [])
-        eps: list[np.ndarray] = []
-        if ep_f:
-            eps = lay.episode_rows(self.episode_index, np.atleast_1d(lay.step_ids(idx)), ep_f)
-            if single:
-                eps = [e[0] for e in eps]
-        it_s, it_e = iter(steps), iter(eps)
-        return [next(it_s) if src[j][0] == "s" else next(it_e) for j in leaf_ids]
+        return self.layout.read_rows(self.episode_index, idx, leaf_ids)
 
     def get_at(self, idx: IndexLike) -> TrajectoryData:
         """Steps at ``idx``, with the episode data of their episodes.
