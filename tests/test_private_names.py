@@ -33,12 +33,8 @@ IMPORTS_LEFT = {
 
 #: Attribute reaches into another module's private names that remain.  Only ever lower these.
 REACHES_LEFT = {
-    # The trajectory buffer's parts reading StoredBuffer's own state (base.py: the default
-    # generator, the backend, the closed flag, the pinned flag and the unsynchronized read).
-    "trajstore/buffers/episode_edit.py": 2,
-    "trajstore/buffers/episode_windows.py": 1,
-    "trajstore/buffers/robot.py": 2,
-    "trajstore/buffers/rows.py": 4,
+    # BufferRows' read of a ReplayBuffer's rows without synchronizing (StoredBuffer._read_rows).
+    "trajstore/buffers/rows.py": 1,
     # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
     # observation gathering read by the vectorized wrapper.
     "trajstore/buffers/replay.py": 1,

@@ -194,7 +194,7 @@ class EpisodeView(BatchBase):
         EmptyBufferError
             No selected episode has steps.
         """
-        gen = as_generator(rng, self.parent._rng)
+        gen = as_generator(rng, self.parent.default_rng)
         src, leaves = self._rows, self._all_leaves
         arrays = sample_consistent(src, lambda k: gen.integers(0, src.count, size=k),
                                    lambda idx: src.read_rows(idx, leaves), batch_size, put_rows)
@@ -233,7 +233,7 @@ class EpisodeView(BatchBase):
         """
         p = self.parent
         _fw.seq_len_or_offsets(seq_len, offsets)
-        g, within = as_generator(rng, p._rng), within_episode and not allow_pad
+        g, within = as_generator(rng, p.default_rng), within_episode and not allow_pad
         if offsets is not None:
             return p.output.field_windows(_fw.sample_field_windows(self._rows, p.step_space, batch_size, offsets, g, pad,
                                                              within))

@@ -90,7 +90,7 @@ class EpisodeWindows:
         """
         buf = cast("TrajectoryReplayBuffer", self)
         _fw.seq_len_or_offsets(seq_len, offsets)
-        g, within = as_generator(rng, buf._rng), within_episode and not allow_pad
+        g, within = as_generator(rng, buf.default_rng), within_episode and not allow_pad
         if offsets is not None:
             return self.output.field_windows(_fw.sample_field_windows(buf.row_source(), buf.step_space, batch_size,
                                                                      offsets, g, pad, within))

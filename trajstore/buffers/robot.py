@@ -320,7 +320,7 @@ class RobotData:
                             rng: np.random.Generator | int | None = None, **kwargs: Any) -> dict[str, Any]:
         """:meth:`get_time_windows` around ``batch_size`` uniformly drawn anchor rows."""
         buf = cast("TrajectoryReplayBuffer", self)
-        g = as_generator(rng, buf._rng)
+        g = as_generator(rng, buf.default_rng)
         return self.get_time_windows(g.integers(0, len(buf), size=int(batch_size)), delta_timestamps, **kwargs)
 
     # -- statistics ---------------------------------------------------------------------------
@@ -393,7 +393,7 @@ class RobotData:
         """Commit and release the store (``StoredBuffer.close``); ``save_stats=True`` first stores
         every episode's statistics (:meth:`save_stats`; a writer only)."""
         buf = cast("TrajectoryReplayBuffer", self)
-        if save_stats and not buf._closed:
+        if save_stats and not buf.closed:
             self.save_stats()
         super().close()  # type: ignore[misc]
 

@@ -10,7 +10,7 @@ torch datasets read through.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,14 +77,8 @@ class BufferRows:
     def sync(self) -> None:
         self.buffer.sync_reads()
 
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
-        buf = self.buffer
-        outer, buf._pinned = buf._pinned, True  # re-entrant: a read inside a read stays pinned
-        try:
-            yield
-        finally:
-            buf._pinned = outer
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        return self.buffer.pinned()
 
     def refresh(self) -> bool:
         return self.buffer.store.refresh()

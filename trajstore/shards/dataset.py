@@ -227,6 +227,11 @@ class ShardedDataset(BatchBase):
             return [a[0] for a in self._rows.read_rows(np.array([int(idx)], np.int64), leaf_ids)]
         return self._rows.read_rows(np.asarray(idx, dtype=np.int64), leaf_ids)
 
+    @property
+    def default_rng(self) -> np.random.Generator:
+        """The generator draws use when given no ``rng`` (this dataset's own)."""
+        return self._rng
+
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly (with replacement) from every row of every shard.
 
