@@ -24,12 +24,8 @@ from _package_ast import import_origin, module_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
 
-#: Imports of another module's underscore names that remain (the trajectory buffer's mixins,
-#: which another change restructures).
-IMPORTS_LEFT = {
-    "trajstore/buffers/trajectory.py": 2,
-    "trajstore/buffers/trajectory_edits.py": 1,
-}
+#: Imports of another module's underscore names that remain (none: keep it so).
+IMPORTS_LEFT: dict[str, int] = {}
 
 #: Attribute reaches into another module's private names that remain.  Only ever lower these.
 REACHES_LEFT = {

@@ -28,8 +28,8 @@ from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.episode_windows import EpisodeWindows
 from trajstore.buffers.replay import (
     ZarrStorage,
-    _is_remote,
-    _storage_cls_check,
+    check_storage_cls,
+    is_remote,
 )
 from trajstore.buffers.robot import RobotData
 from trajstore.buffers.rows import TrajectoryRows
@@ -192,7 +192,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         again; pickled handles keep it).
         """
         for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
-            _storage_cls_check(c)
+            check_storage_cls(c)
         if "capacity" in kwargs:  # ReplayBuffer.create's name; here steps and episode data each have one
             raise BadArgumentError(f"TrajectoryReplayBuffer.create takes step_data_capacity= (steps kept in the ring) "
                                    f"and episode_data_capacity= (episode-data rows), not capacity=; got "
@@ -211,7 +211,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         ep_plan = ValuePlan(episode_data_instance_space) if episode_data_instance_space is not None else None
         if ep_plan is not None and any(lf.path[:1] == (EP_ID_FIELD,) for lf in ep_plan.leaves):
             raise UnsupportedSpaceError(f"episode space key {EP_ID_FIELD!r} is reserved for the episode ids")
-        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        compressor = opts.pop("compressor", "lz4" if is_remote(cache_path) else None)
         chunk_rows = opts.pop("chunk_rows", None)
         check_compressor_keys(compressor, _field_paths(STEPS, step_plan, None))  # (a dict by leaf name)
         step_fields = _specs(_field_paths(STEPS, step_plan, None), step_plan, step_data_capacity, compressor,

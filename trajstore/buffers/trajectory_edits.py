@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import numpy as np
 
-from trajstore.buffers.replay import _copy_steps
+from trajstore.buffers.replay import copy_steps
 from trajstore.buffers.trajectory_layout import MAX_EPISODE_ID, check_episode_ids, set_episode_rows
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike, normalize_index
@@ -127,7 +127,7 @@ class TrajectoryEdits:
             raise SpaceMismatchError(f"extend_from: step spaces differ: {src_space} vs {buf.step_space}")
         lay, n = buf.layout, len(other)
         fresh: dict[int, int] = {}
-        step, bar = _copy_steps(n, buf.rows_table.row_bytes, chunk_size, tqdm)
+        step, bar = copy_steps(n, buf.rows_table.row_bytes, chunk_size, tqdm)
         try:
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
