@@ -105,6 +105,8 @@ class ZarrStorage:
 
 
 def check_storage_cls(storage_cls: Any) -> None:
+    """Refuse a ``storage_cls`` argument of ``create`` other than None or :class:`ZarrStorage`
+    (a path given there by mistake is named as one)."""
     if isinstance(storage_cls, (str, os.PathLike)):  # the usual slip: create(space, "runs/x")
         raise BadArgumentError(f"got the path {os.fspath(storage_cls)!r} as the storage class: the second positional "
                                "argument of create() is storage_cls (step_data_storage_cls for a "
@@ -114,6 +116,7 @@ def check_storage_cls(storage_cls: Any) -> None:
 
 
 def is_remote(cache_path: Any) -> bool:
+    """Whether ``cache_path`` names a remote store (a URL other than ``file://`` / ``memory://``)."""
     return cache_path is not None and "://" in os.fspath(cache_path) and not os.fspath(cache_path).startswith(
         ("file://", "memory://")
     )
