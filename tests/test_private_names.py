@@ -31,9 +31,7 @@ IMPORTS_LEFT: dict[str, int] = {}
 REACHES_LEFT = {
     # BufferRows' read of a ReplayBuffer's rows without synchronizing (StoredBuffer._read_rows).
     "trajstore/buffers/rows.py": 1,
-    # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
-    # observation gathering read by the vectorized wrapper.
-    "trajstore/buffers/replay.py": 1,
+    # The SB3 rollout buffer's observation gathering read by the vectorized wrapper.
     "trajstore/sb3/dummy_vec.py": 2,
     # zarr's LocalStore._open (no public way to open a store object in place).
     "trajstore/storage/location.py": 1,

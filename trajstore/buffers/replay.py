@@ -403,7 +403,7 @@ class ReplayBuffer(StoredBuffer):
         try:
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
-                arrays = other._read_slice(slice(lo, hi), other._all_leaves)
+                arrays = other.leaf_arrays(slice(lo, hi))
                 self._plan.check(arrays, first_row=lo)  # rows of a store written without these checks
                 with self._store.write_op():
                     self._table.extend(arrays, hi - lo)
