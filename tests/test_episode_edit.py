@@ -281,7 +281,7 @@ def test_remove_episodes_matches_the_model_and_survives_reopen(tmp_path):
         np.testing.assert_array_equal(data["step_data"]["obs"], m.obs(np.arange(len(m.ids))))
         np.testing.assert_array_equal(data["episode_data"]["return"], [m.ret[e] for e in m.ids])
         assert buf.episodes()["episode_id"].tolist() == [0, 2, 3, 5, 7]
-        assert sorted(buf._episodes.column().tolist()) == [0, 2, 3, 5, 7]  # their episode-data rows are gone
+        assert sorted(buf.episode_index.column().tolist()) == [0, 2, 3, 5, 7]  # their episode-data rows are gone
         before = buf[:]
         with pytest.raises(UnknownEpisodeError, match="4"):
             buf.remove_episodes([0, 4])  # 4 is gone: nothing is removed

@@ -15,7 +15,7 @@ import pytest
 from gymnasium.spaces import Box, Dict
 
 from trajstore import TrajectoryReplayBuffer
-from trajstore.buffers import trajectory_reads
+from trajstore.buffers.trajectory_layout import TrajectoryLayout
 
 STEP = Dict({"obs": Box(-1e9, 1e9, (), np.float64)})
 EP = Box(-1e9, 1e9, (), np.float64)
@@ -50,16 +50,16 @@ def test_episode_data_evicted_while_read(tmp_path, monkeypatch, how, view):
     reader = ro.select_episodes(np.arange(1, 8)) if view else ro
     sample = SAMPLERS[how]
     sample(reader)  # the reader's episode index is now built and cached
-    real, injected = trajectory_reads.TrajectoryReads._episode_rows, []
+    real, injected = TrajectoryLayout.episode_rows, []
 
-    def evict_while_reading(self, ids, fields):
-        if self is ro and not injected:  # episode 8 evicts episode 4's data row and takes its slot
+    def evict_while_reading(self, index, ids, fields):
+        if self is ro.layout and not injected:  # episode 8 evicts episode 4's data row and takes its slot
             injected.append(True)
             record_episode(w)
             w.flush()
-        return real(self, ids, fields)
+        return real(self, index, ids, fields)
 
-    monkeypatch.setattr(trajectory_reads.TrajectoryReads, "_episode_rows", evict_while_reading)
+    monkeypatch.setattr(TrajectoryLayout, "episode_rows", evict_while_reading)
     data, _ = sample(reader) if how != "sample" else (reader.sample(256, rng=np.random.default_rng(0)), None)
     assert injected
     obs = np.asarray(data["step_data"]["obs"])

@@ -208,7 +208,7 @@ def test_trajectory_get_at_with_metadata_while_both_rings_turn(live, monkeypatch
     lv = live(episode_capacity=4)
     idx, logical = INDICES[how]
     lv.ro.get_at_with_metadata(0)  # the reader's episode index is built (as in any running reader)
-    lv.during(monkeypatch, lv.ro._episodes, ["lookup"])  # between the step read and the episode-data read
+    lv.during(monkeypatch, lv.ro.episode_index, ["lookup"])  # between the step read and the episode-data read
     data, meta = lv.ro.get_at_with_metadata(idx)
     assert lv.fired and lv.start == TURN
     obs, ids = np.asarray(data["step_data"]["obs"]), np.asarray(meta["episode_ids"])
@@ -226,7 +226,7 @@ def test_trajectory_sample_while_the_episode_data_ring_turns(live, monkeypatch):
     the sequence samplers."""
     lv = live(episode_capacity=4)
     lv.ro.sample(8, rng=1)
-    lv.during(monkeypatch, lv.ro._ep_table, ["gather"])
+    lv.during(monkeypatch, lv.ro.layout.episode_table, ["gather"])
     data = lv.ro.sample(512, rng=0)
     assert lv.fired
     obs = np.asarray(data["step_data"]["obs"])
@@ -410,7 +410,7 @@ def test_torch_datasets_over_a_live_store(live, monkeypatch):
     path = lv.ro.cache_path
     items = np.array([0, 1, 17, 40, 63])
     steps = TransitionDataset(path, ["obs", "episode_data"], output="numpy", episode_ids=True)
-    lv.during(monkeypatch, steps.buffer, ["_read_rows"])
+    lv.during(monkeypatch, steps.buffer.row_source(), ["read_rows", "read_episode_rows"])
     batch = steps.read_batch(items)
     assert lv.fired
     start = int(steps.buffer.row_source().last_read.tables["step_data"].start)
@@ -422,7 +422,7 @@ def test_torch_datasets_over_a_live_store(live, monkeypatch):
 
     lv.fired.clear()
     windows = SequenceDataset(path, 4, ["obs", "episode_data"], output="numpy")
-    lv.during(monkeypatch, windows.buffer, ["_read_rows"])
+    lv.during(monkeypatch, windows.buffer.row_source(), ["read_rows", "read_episode_rows"])
     batch = windows.read_batch(items)
     assert lv.fired
     start = int(windows.buffer.row_source().last_read.tables["step_data"].start)
@@ -661,7 +661,7 @@ def test_sharded_samples_while_the_episode_data_ring_turns(live, monkeypatch, ho
     lv = live(episode_capacity=4, sharded=True)
     sample = SHARDED_SAMPLERS[how]
     sample(lv.ro)  # the shard reader's episode index is built
-    lv.during(monkeypatch, lv.store_reader._episodes, ["lookup"])
+    lv.during(monkeypatch, lv.store_reader.episode_index, ["lookup"])
     data, mask = sample(lv.ro)
     assert lv.fired and lv.start == TURN
     obs = np.asarray(data["step_data"]["obs"])
@@ -678,7 +678,7 @@ def test_episode_data_set_again_while_a_sample_reads_it(live, monkeypatch):
     row now" alone missed it (episode 9's data returned for episode 5)."""
     lv = live(episode_capacity=4)  # episodes 0-8 (8 open), data of 5-8 in the ring
     lv.ro.sample(8, rng=1)
-    real, fired = lv.ro._episodes.lookup, []
+    real, fired = lv.ro.episode_index.lookup, []
 
     def lookup(ids):
         rows = real(ids)  # episode 5's data row under the old record: its slot ...
@@ -689,7 +689,7 @@ def test_episode_data_set_again_while_a_sample_reads_it(live, monkeypatch):
             lv.w.flush()
         return rows
 
-    monkeypatch.setattr(lv.ro._episodes, "lookup", lookup)
+    monkeypatch.setattr(lv.ro.episode_index, "lookup", lookup)
     data = lv.ro.sample(512, rng=0)
     obs, ep = np.asarray(data["step_data"]["obs"]), np.asarray(data["episode_data"])
     five = obs[:, 1] == 5

@@ -24,33 +24,14 @@ from _package_ast import import_origin, module_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trajstore"
 
-#: Imports of another module's underscore names that remain (the trajectory buffer's mixins,
-#: which another change restructures).
-IMPORTS_LEFT = {
-    "trajstore/buffers/trajectory.py": 2,
-    "trajstore/buffers/trajectory_edits.py": 1,
-}
+#: Imports of another module's underscore names that remain (none: keep it so).
+IMPORTS_LEFT: dict[str, int] = {}
 
 #: Attribute reaches into another module's private names that remain.  Only ever lower these.
 REACHES_LEFT = {
-    # The trajectory buffer's mixins reach into each other (restructured by another change).
-    "trajstore/buffers/episode_edit.py": 20,
-    "trajstore/buffers/episode_windows.py": 16,
-    "trajstore/buffers/robot.py": 9,
-    "trajstore/buffers/rows.py": 20,
-    "trajstore/buffers/trajectory_edits.py": 60,
-    # Tools reading the trajectory buffer's internals (step/episode plans and tables, the episode
-    # index, the next episode id): they get public names with the mixins' restructuring.
-    "trajstore/cli/maintain.py": 1,
-    "trajstore/interop/_common.py": 1,
-    "trajstore/interop/d4rl.py": 1,
-    "trajstore/interop/diffusion_policy.py": 1,
-    "trajstore/interop/minari.py": 2,
-    "trajstore/maintenance/combine.py": 12,
-    "trajstore/maintenance/staged.py": 3,
-    # A view's leaves (buffers/views.py) read by ReplayBuffer; the SB3 rollout buffer's
-    # observation gathering read by the vectorized wrapper.
-    "trajstore/buffers/replay.py": 1,
+    # BufferRows' read of a ReplayBuffer's rows without synchronizing (StoredBuffer._read_rows).
+    "trajstore/buffers/rows.py": 1,
+    # The SB3 rollout buffer's observation gathering read by the vectorized wrapper.
     "trajstore/sb3/dummy_vec.py": 2,
     # zarr's LocalStore._open (no public way to open a store object in place).
     "trajstore/storage/location.py": 1,

@@ -61,7 +61,7 @@ def _reader_runs(path: Path) -> tuple[tuple[np.ndarray, ...], int, np.ndarray]:
         runs = src.runs()
         lo = np.arange(max(len(tb) - 8, 0))
         one = src.one_run(lo, 7) if len(lo) else np.zeros(0, bool)
-        return runs, tb._runs.scanned, one
+        return runs, tb.run_index.scanned, one
     finally:
         tb.close()
 
@@ -99,7 +99,7 @@ def test_a_fresh_reader_starts_from_the_saved_runs(tmp_path):
             os.unlink(p / RUNS_KEY)
         tb = TrajectoryReplayBuffer.load_from(p, read_only=True)
         data, mask = tb.sample_sequences(64, 16, within_episode=True, rng=np.random.default_rng(3))
-        assert tb._runs.scanned == (0 if keep else len(tb))
+        assert tb.run_index.scanned == (0 if keep else len(tb))
         got.append(np.asarray(data["step_data"]))
         tb.close()
     np.testing.assert_array_equal(got[0], got[1])
@@ -135,7 +135,7 @@ def test_a_writer_takes_the_file_and_saves_only_what_it_appended(tmp_path):
     _assert_like_a_scan(p, scanned=sum(LENGTHS))
     tb.extend({"step_data": np.zeros((50, 3), np.float32), "episode_ids": np.full(50, 10_000, np.int64)})
     tb.close()
-    assert tb._runs.scanned == 50  # the saved runs were handed over; only the new rows were read
+    assert tb.run_index.scanned == 50  # the saved runs were handed over; only the new rows were read
     _assert_like_a_scan(p, scanned=0)
 
 
@@ -203,7 +203,7 @@ def test_a_file_from_before_the_rings_start_keeps_only_the_rows_present(tmp_path
     (p / RUNS_KEY).write_bytes(encode_runs(early))
     tb = TrajectoryReplayBuffer.load_from(p, read_only=True)
     tb.row_source().runs()
-    assert tb._runs._begin == s.begin and tb._runs.scanned == 0
+    assert tb.run_index._begin == s.begin and tb.run_index.scanned == 0
     tb.close()
     _assert_like_a_scan(p, scanned=0)
 

@@ -28,7 +28,7 @@ def _check(tb: TrajectoryReplayBuffer, where: str) -> int:
     a, b, ok = TW.decode_steps(data["step_data"])
     assert ok.all(), f"{where}: torn or zeroed steps at rows {np.flatnonzero(~ok)[:5].tolist()}"
     assert np.array_equal(a, ids), f"{where}: a step's stored episode id differs from the episode it encodes"
-    with_data = tb._episodes.column()
+    with_data = tb.episode_index.column()
     assert set(with_data.tolist()) <= set(ids.tolist()), (
         f"{where}: episodes {sorted(set(with_data.tolist()) - set(ids.tolist()))} keep data without steps")
     ep = np.asarray(data["episode_data"])

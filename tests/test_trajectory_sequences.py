@@ -334,7 +334,7 @@ def _check_one_run(buf, ids):
             continue
         window = ids[lo[:, None] + np.arange(span + 1)]
         want = (window == window[:, :1]).all(axis=1)
-        np.testing.assert_array_equal(buf._runs.one_run(lo + start, span), want, err_msg=f"span {span}")
+        np.testing.assert_array_equal(buf.run_index.one_run(lo + start, span), want, err_msg=f"span {span}")
 
 
 def _check_block_windows(buf, offsets_list=((0, 1, 2, 3), (-3, -2, -1, 0), (-2, -1, 0, 1, 2), (0,)), n_idx=150,
@@ -413,7 +413,7 @@ def test_run_index_follows_rewrites_and_eviction(tmp_path, monkeypatch):
         else:
             row = record(buf, [int(step) + 2, 3], row=row, with_data=False)
         _check_block_windows(buf, seed=step)
-        starts = buf._runs._starts[: buf._runs._n]
+        starts = buf.run_index._starts[: buf.run_index._n]
         ids = logical_ids(buf)
         live = starts[starts >= buf._table.state.start] - buf._table.state.start
         want = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])

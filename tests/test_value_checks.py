@@ -309,14 +309,14 @@ def test_extend_from_default_steps_by_bytes(monkeypatch) -> None:
     src = ReplayBuffer.create(Box(-1, 1, (17,)))
     src.extend(np.random.default_rng(0).uniform(-1, 1, (1000, 17)).astype(np.float32))
     steps = []
-    real = rbmod._copy_steps
+    real = rbmod.copy_steps
 
     def spy(n, row_bytes, chunk_size, tqdm):
         out = real(n, row_bytes, chunk_size, tqdm)
         steps.append((row_bytes, out[0]))
         return out
 
-    monkeypatch.setattr(rbmod, "_copy_steps", spy)
+    monkeypatch.setattr(rbmod, "copy_steps", spy)
     monkeypatch.setattr(rbmod, "COPY_STEP_BYTES", 68 * 300)  # 300 rows of (17,) float32 per step
     dst = ReplayBuffer.create(Box(-1, 1, (17,)))
     dst.extend_from(src)
@@ -326,7 +326,7 @@ def test_extend_from_default_steps_by_bytes(monkeypatch) -> None:
     assert steps[-1] == (68, 7) and len(dst) == 2000
     with pytest.raises(BadArgumentError, match="chunk_size must be a positive int"):
         dst.extend_from(src, chunk_size=0)
-    assert rbmod._copy_steps(10, 10 << 20, None, False)[0] == 1  # huge rows: at least one per step
+    assert rbmod.copy_steps(10, 10 << 20, None, False)[0] == 1  # huge rows: at least one per step
 
 
 def test_trajectory_extend_from_default_steps() -> None:
@@ -349,8 +349,8 @@ def test_progress_auto_only_for_large_copies(monkeypatch) -> None:
 
     seen = []
     monkeypatch.setattr(rbmod, "progress_bar", lambda n, desc, enabled, unit: seen.append(enabled))
-    rbmod._copy_steps(100, 68, None, None)
-    rbmod._copy_steps(10**6, 68, None, None)  # 68 MB: auto (terminal only)
-    rbmod._copy_steps(100, 68, None, True)
-    rbmod._copy_steps(10**6, 68, None, False)
+    rbmod.copy_steps(100, 68, None, None)
+    rbmod.copy_steps(10**6, 68, None, None)  # 68 MB: auto (terminal only)
+    rbmod.copy_steps(100, 68, None, True)
+    rbmod.copy_steps(10**6, 68, None, False)
     assert seen == [False, None, True, False]

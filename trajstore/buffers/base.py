@@ -6,11 +6,12 @@ while a writer fills a ring, and pickling as a small handle.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -148,6 +149,26 @@ class StoredBuffer(BatchBase):
         """Make reads current: staged appends handed to the tables, the latest commit adopted by a
         reader (see :meth:`_sync`)."""
         self._sync()
+
+    @property
+    def default_rng(self) -> np.random.Generator:
+        """The generator draws use when given no ``rng`` (this handle's own)."""
+        return self._rng
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` released the store (reads and writes then raise ClosedError)."""
+        return self._closed
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Reads inside keep the commit record they started on (a consistent read must see one
+        record throughout); re-entrant, so a read inside a read stays pinned."""
+        outer, self._pinned = self._pinned, True
+        try:
+            yield
+        finally:
+            self._pinned = outer
 
     # -- state ---------------------------------------------------------------------------------
     def _drain(self) -> None:

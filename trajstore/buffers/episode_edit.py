@@ -27,6 +27,7 @@ from trajstore.buffers.base import as_generator
 from trajstore.buffers.episode_windows import read_episode
 from trajstore.buffers.rows import SelectionRows, short_ids
 from trajstore.buffers.trajectory_edits import remove_rows
+from trajstore.buffers.trajectory_layout import TrajectoryData, as_trajectory_data
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike, normalize_index
 from trajstore.errors import BadArgumentError, BadValueError, UnknownEpisodeError
@@ -35,7 +36,7 @@ from trajstore.sampling import sequences as _seq
 from trajstore.sampling.source import put_rows, read_consistent, sample_consistent
 
 if TYPE_CHECKING:
-    from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
+    from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["EpisodeEditing", "EpisodeView", "episode_columns", "TABLE_COLUMNS"]
 
@@ -54,7 +55,7 @@ def _as_ids(ids: Any) -> np.ndarray:
 def _data_names(buf: TrajectoryReplayBuffer) -> list[str]:
     """Column names of the episode-data leaves: their Dict keys joined by ``/`` (``"value"`` for an
     episode space that is a single leaf, as its array ``episode_data/value``)."""
-    plan = buf._ep_plan
+    plan = buf.layout.episode_plan
     return [] if plan is None else [leaf.name or "value" for leaf in plan.leaves]
 
 
@@ -99,11 +100,12 @@ def episode_columns(buf: TrajectoryReplayBuffer, names: Sequence[str] | None = N
         # gave starts and lengths of one record beside the data of the next.
         table = _seq.episode_table(buf.row_source())
         ids = table["episode_id"]
-        if buf._ep_table is None:
+        if buf.layout.episode_table is None:
             return table, np.zeros(len(ids), bool), []
-        return table, buf._episodes.lookup(ids) >= 0, (buf._episode_rows(ids, fields) if fields else [])
+        index = buf.episode_index
+        return table, index.lookup(ids) >= 0, (buf.layout.episode_rows(index, ids, fields) if fields else [])
 
-    table, has, arrays = buf._consistent(read)
+    table, has, arrays = read_consistent(buf.row_source(), read)
     cols: dict[str, np.ndarray] = {k: table[k] for k in ("episode_id", "start", "length", "live")}
     cols["has_data"] = has
     cols.update(zip(wanted, arrays))
@@ -133,8 +135,8 @@ class EpisodeView(BatchBase):
         self.episode_ids = ids
         self.single_space = parent.single_space
         self.step_space, self.episode_space = parent.step_space, parent.episode_space
-        self._plan = parent._plan
-        self._backend = parent._backend
+        self._plan = parent.layout.plan
+        self._backend = parent.output.backend
         self._rows = SelectionRows(parent.row_source(), ids)
 
     def row_source(self) -> SelectionRows:
@@ -166,7 +168,7 @@ class EpisodeView(BatchBase):
         TrajectoryData
             ``step_data`` (one value, or leaves with leading axis B), ``episode_data`` (or None).
         """
-        return self.parent._wrap(super().get_at(idx))
+        return as_trajectory_data(super().get_at(idx))
 
     def get_at_with_metadata(self, idx: IndexLike) -> tuple[TrajectoryData, dict[str, Any]]:
         """``(get_at(idx), {"episode_ids": ids})``, ids of shape () or (B,) int64."""
@@ -180,7 +182,7 @@ class EpisodeView(BatchBase):
 
         arrays, ids = self._consistent(read)
         out = self._backend.out
-        return (self.parent._wrap(self._plan.from_arrays([out(a) for a in arrays])),
+        return (as_trajectory_data(self._plan.from_arrays([out(a) for a in arrays])),
                 {"episode_ids": out(np.asarray(ids))})
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
@@ -192,11 +194,11 @@ class EpisodeView(BatchBase):
         EmptyBufferError
             No selected episode has steps.
         """
-        gen = as_generator(rng, self.parent._rng)
+        gen = as_generator(rng, self.parent.default_rng)
         src, leaves = self._rows, self._all_leaves
         arrays = sample_consistent(src, lambda k: gen.integers(0, src.count, size=k),
                                    lambda idx: src.read_rows(idx, leaves), batch_size, put_rows)
-        return self.parent._wrap(self._plan.from_arrays([self._backend.out(a) for a in arrays]))
+        return as_trajectory_data(self._plan.from_arrays([self._backend.out(a) for a in arrays]))
 
     def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray | Mapping[str, Any], *,
                       pad: str | Mapping[str, str] = "edge") -> tuple[TrajectoryData, Any]:
@@ -213,8 +215,8 @@ class EpisodeView(BatchBase):
         """
         p = self.parent
         if isinstance(offsets, Mapping):
-            return p._field_windows(_fw.get_field_windows(self._rows, p.step_space, idx, offsets, pad))
-        return p._windows(_seq.get_sequences(self._rows, idx, offsets, pad))  # type: ignore[arg-type]
+            return p.output.field_windows(_fw.get_field_windows(self._rows, p.step_space, idx, offsets, pad))
+        return p.output.windows(_seq.get_sequences(self._rows, idx, offsets, pad))  # type: ignore[arg-type]
 
     def sample_sequences(self, batch_size: int, seq_len: int | None = None, *,
                          offsets: Mapping[str, Any] | None = None, rng: np.random.Generator | int | None = None,
@@ -231,11 +233,11 @@ class EpisodeView(BatchBase):
         """
         p = self.parent
         _fw.seq_len_or_offsets(seq_len, offsets)
-        g, within = as_generator(rng, p._rng), within_episode and not allow_pad
+        g, within = as_generator(rng, p.default_rng), within_episode and not allow_pad
         if offsets is not None:
-            return p._field_windows(_fw.sample_field_windows(self._rows, p.step_space, batch_size, offsets, g, pad,
+            return p.output.field_windows(_fw.sample_field_windows(self._rows, p.step_space, batch_size, offsets, g, pad,
                                                              within))
-        return p._windows(_seq.sample_sequences(self._rows, batch_size, cast(int, seq_len), g,
+        return p.output.windows(_seq.sample_sequences(self._rows, batch_size, cast(int, seq_len), g,
                                                 pad, within))  # type: ignore[arg-type]
 
     def episodes(self) -> dict[str, np.ndarray]:
@@ -262,7 +264,7 @@ class EpisodeView(BatchBase):
 
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of selected episode ``episode_id`` (UnknownEpisodeError when it has none here)."""
-        return read_episode(self, self._rows, self.parent._wrap, episode_id)
+        return read_episode(self, self._rows, episode_id)
 
     def __repr__(self) -> str:
         return f"EpisodeView({short_ids(self.episode_ids)}, len={len(self)}) of {self.parent!r}"
@@ -349,17 +351,16 @@ class EpisodeEditing:
         """
         buf = cast("TrajectoryReplayBuffer", self)
         sel = _as_ids(ids)
-        buf._sync()
-        with buf._store.write_op():  # multiprocessing: under the writers' lock, on their latest commit
-            buf._drain()
+        buf.sync_reads()
+        with buf.writing():  # multiprocessing: under the writers' lock, on their latest commit
             _remove(buf, sel)
 
 
 def _remove(buf: TrajectoryReplayBuffer, sel: np.ndarray) -> None:
     """The body of ``remove_episodes`` (inside a write operation)."""
-    et = buf._ep_table
+    et = buf.layout.episode_table
     first, lengths, run_ids = buf.row_source().runs()
-    ep_rows = buf._episodes.lookup(sel) if et is not None else np.full(len(sel), -1, np.int64)
+    ep_rows = buf.episode_index.lookup(sel) if et is not None else np.full(len(sel), -1, np.int64)
     _check_known(buf, sel, extra=ep_rows >= 0)
     mine = np.isin(run_ids, sel)
     n = lengths[mine]
@@ -371,7 +372,7 @@ def _remove(buf: TrajectoryReplayBuffer, sel: np.ndarray) -> None:
 
     def fresh_episode() -> None:
         if buf.current_episode_id in sel:  # its id is gone: later steps start a fresh episode
-            buf._new_episode()
+            buf.id_counter.new_episode()
 
     remove_rows(buf, rows, gone_ep, fresh_episode)
 

@@ -7,12 +7,13 @@ structure and backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from trajstore.buffers.base import as_generator
+from trajstore.buffers.trajectory_layout import TrajectoryData, TrajectoryOutput, as_trajectory_data
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike
 from trajstore.sampling import field_windows as _fw
@@ -20,13 +21,16 @@ from trajstore.sampling import sequences as _seq
 from trajstore.sampling.source import EpisodeSource
 
 if TYPE_CHECKING:
-    from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
+    from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 
 __all__ = ["EpisodeWindows", "read_episode"]
 
 
 class EpisodeWindows:
-    """Sequence windows and the episode table, mixed into ``TrajectoryReplayBuffer``."""
+    """Sequence windows and the episode table, mixed into ``TrajectoryReplayBuffer`` (and
+    :class:`~trajstore.shards.dataset.ShardedTrajectories`), which set ``output``."""
+
+    output: TrajectoryOutput
 
     def get_sequences(self, idx: IndexLike, offsets: Sequence[int] | np.ndarray | Mapping[str, Any], *,
                       pad: str | Mapping[str, str] = "edge") -> tuple[TrajectoryData, Any]:
@@ -59,8 +63,8 @@ class EpisodeWindows:
         """
         buf = cast("TrajectoryReplayBuffer", self)
         if isinstance(offsets, Mapping):
-            return self._field_windows(_fw.get_field_windows(buf.row_source(), buf.step_space, idx, offsets, pad))
-        return self._windows(_seq.get_sequences(buf.row_source(), idx, offsets, pad))  # type: ignore[arg-type]
+            return self.output.field_windows(_fw.get_field_windows(buf.row_source(), buf.step_space, idx, offsets, pad))
+        return self.output.windows(_seq.get_sequences(buf.row_source(), idx, offsets, pad))  # type: ignore[arg-type]
 
     def sample_sequences(self, batch_size: int, seq_len: int | None = None, *,
                          offsets: Mapping[str, Any] | None = None, rng: np.random.Generator | int | None = None,
@@ -86,12 +90,12 @@ class EpisodeWindows:
         """
         buf = cast("TrajectoryReplayBuffer", self)
         _fw.seq_len_or_offsets(seq_len, offsets)
-        g, within = as_generator(rng, buf._rng), within_episode and not allow_pad
+        g, within = as_generator(rng, buf.default_rng), within_episode and not allow_pad
         if offsets is not None:
-            return self._field_windows(_fw.sample_field_windows(buf.row_source(), buf.step_space, batch_size,
-                                                                offsets, g, pad, within))
-        return self._windows(_seq.sample_sequences(buf.row_source(), batch_size, cast(int, seq_len), g,
-                                                   pad, within))  # type: ignore[arg-type]
+            return self.output.field_windows(_fw.sample_field_windows(buf.row_source(), buf.step_space, batch_size,
+                                                                     offsets, g, pad, within))
+        return self.output.windows(_seq.sample_sequences(buf.row_source(), batch_size, cast(int, seq_len), g,
+                                                        pad, within))  # type: ignore[arg-type]
 
     def episodes(self) -> dict[str, np.ndarray]:
         """One entry per episode with steps present: ``episode_id``, ``start`` (logical row of its
@@ -101,30 +105,14 @@ class EpisodeWindows:
     def get_episode(self, episode_id: int) -> TrajectoryData:
         """Every step of episode ``episode_id`` in row order (KeyError when it has none)."""
         buf = cast("TrajectoryReplayBuffer", self)
-        return read_episode(buf, buf.row_source(), buf._wrap, episode_id)
-
-    def _windows(self, w: _seq.Windows) -> tuple[TrajectoryData, Any]:
-        """Sequence windows (numpy, per leaf) as this buffer's structure and backend."""
-        buf = cast("TrajectoryReplayBuffer", self)
-        out = buf._backend.out
-        step_data = buf._step_plan.from_arrays([out(a) for a in w.steps])
-        episode_data = buf._ep_plan.from_arrays([out(a) for a in w.episodes]) if buf._ep_plan is not None else None
-        return buf._wrap({"step_data": step_data, "episode_data": episode_data}), out(w.valid)
-
-    def _field_windows(self, w: _fw.FieldWindows) -> tuple[TrajectoryData, dict[str, Any]]:
-        """Per-field windows as this buffer's structure and backend."""
-        buf = cast("TrajectoryReplayBuffer", self)
-        out = buf._backend.out
-        ep = buf._ep_plan.from_arrays([out(a) for a in w.episodes]) if buf._ep_plan is not None else None
-        return buf._wrap({"step_data": w.nest(out), "episode_data": ep}), {k: out(v) for k, v in w.valid.items()}
+        return read_episode(buf, buf.row_source(), episode_id)
 
 
-def read_episode(batch: BatchBase, src: EpisodeSource, wrap: Callable[[dict[str, Any]], TrajectoryData],
-                 episode_id: int) -> TrajectoryData:
+def read_episode(batch: BatchBase, src: EpisodeSource, episode_id: int) -> TrajectoryData:
     """Every step of episode ``episode_id`` of ``batch`` (a buffer, an episode view, a sharded
     dataset), whose rows ``src`` numbers, in row order.
 
-    The rows are found and read under one commit record (``batch._consistent``): rows found under
+    The rows are found and read under one commit record (``batch.read_values``): rows found under
     an older record name other steps once a ring has evicted (a reader got another episode's steps,
     16 rows further on, after a turn of 16 rows in between).
 
@@ -134,6 +122,4 @@ def read_episode(batch: BatchBase, src: EpisodeSource, wrap: Callable[[dict[str,
         The episode has no steps (a KeyError), also when a ring evicted them during the read.
     """
     eid = int(episode_id)
-    arrays = batch._consistent(lambda: batch._read(_seq.episode_rows(src, eid), batch._all_leaves))
-    out = batch._backend.out
-    return wrap(batch._plan.from_arrays([out(a) for a in arrays]))
+    return as_trajectory_data(batch.read_values(lambda: _seq.episode_rows(src, eid)))

@@ -21,7 +21,8 @@ from typing import Any, NoReturn
 import gymnasium
 
 from trajstore.buffers.backend import Backend
-from trajstore.buffers.trajectory import STEPS, TrajectoryReplayBuffer
+from trajstore.buffers.trajectory import TrajectoryReplayBuffer
+from trajstore.buffers.trajectory_layout import STEPS
 from trajstore.core.store import Store
 from trajstore.core.table import Table
 from trajstore.errors import BadOptionError, ReadOnlyError

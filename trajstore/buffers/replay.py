@@ -27,7 +27,7 @@ from trajstore.spaces import ValuePlan, flatdim, space_to_json
 from trajstore.storage.fields.layout import check_compressor_keys, make_field_spec
 from trajstore.storage.fields.spec import refuse_video
 
-__all__ = ["ReplayBuffer", "ZarrStorage"]
+__all__ = ["ReplayBuffer", "ZarrStorage", "copy_steps", "check_storage_cls", "is_remote"]
 
 TABLE = "step_data"
 
@@ -40,7 +40,7 @@ COPY_STEP_BYTES = 8 << 20
 COPY_BAR_BYTES = 64 << 20
 
 
-def _copy_steps(n: int, row_bytes: int, chunk_size: int | None, tqdm: bool | None) -> tuple[int, Any]:
+def copy_steps(n: int, row_bytes: int, chunk_size: int | None, tqdm: bool | None) -> tuple[int, Any]:
     """Rows per step and the progress bar of an ``extend_from`` of ``n`` rows of ``row_bytes``."""
     if chunk_size is None:
         step = max(1, COPY_STEP_BYTES // max(row_bytes, 1))
@@ -104,7 +104,9 @@ class ZarrStorage:
         return dict(kwargs)
 
 
-def _storage_cls_check(storage_cls: Any) -> None:
+def check_storage_cls(storage_cls: Any) -> None:
+    """Refuse a ``storage_cls`` argument of ``create`` other than None or :class:`ZarrStorage`
+    (a path given there by mistake is named as one)."""
     if isinstance(storage_cls, (str, os.PathLike)):  # the usual slip: create(space, "runs/x")
         raise BadArgumentError(f"got the path {os.fspath(storage_cls)!r} as the storage class: the second positional "
                                "argument of create() is storage_cls (step_data_storage_cls for a "
@@ -113,7 +115,8 @@ def _storage_cls_check(storage_cls: Any) -> None:
         raise BadArgumentError(f"storage_cls must be None or trajstore.ZarrStorage; got {storage_cls!r}")
 
 
-def _is_remote(cache_path: Any) -> bool:
+def is_remote(cache_path: Any) -> bool:
+    """Whether ``cache_path`` names a remote store (a URL other than ``file://`` / ``memory://``)."""
     return cache_path is not None and "://" in os.fspath(cache_path) and not os.fspath(cache_path).startswith(
         ("file://", "memory://")
     )
@@ -194,13 +197,13 @@ class ReplayBuffer(StoredBuffer):
         **storage_kwargs
             :class:`ZarrStorage` options: ``chunk_rows``, ``compressor``, ``fsync``, ``commit_interval``.
         """
-        _storage_cls_check(storage_cls)
+        check_storage_cls(storage_cls)
         opts = ZarrStorage.check_options(storage_kwargs, ZarrStorage.CREATE_OPTIONS)
         if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
             raise BadOptionError(f"capacity must be a positive int or None; got {capacity!r}")
         bk = Backend(backend, device)
         plan = ValuePlan(single_instance_space)  # refuses unsupported spaces before touching disk
-        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        compressor = opts.pop("compressor", "lz4" if is_remote(cache_path) else None)
         spec = _table_spec(TABLE, plan, capacity, compressor, opts.pop("chunk_rows", None))
         store = Store.create(
             cache_path, "ReplayBuffer", [spec], {"spaces": {TABLE: space_to_json(single_instance_space)}},
@@ -396,11 +399,11 @@ class ReplayBuffer(StoredBuffer):
             raise SpaceMismatchError(f"extend_from: spaces differ: {other.single_space} vs {self.single_space}")
         n = len(other)
         self._stager.drain()
-        step, bar = _copy_steps(n, self._table.row_bytes, chunk_size, tqdm)
+        step, bar = copy_steps(n, self._table.row_bytes, chunk_size, tqdm)
         try:
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
-                arrays = other._read_slice(slice(lo, hi), other._all_leaves)
+                arrays = other.leaf_arrays(slice(lo, hi))
                 self._plan.check(arrays, first_row=lo)  # rows of a store written without these checks
                 with self._store.write_op():
                     self._table.extend(arrays, hi - lo)

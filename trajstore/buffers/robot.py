@@ -195,7 +195,7 @@ class RobotData:
     def _clock(self) -> _tw.Clock:
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
-        for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves):
+        for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves):
             if lf.name == TIME_FIELD:
                 return _tw.Clock(leaf, None)
         fps = self.fps
@@ -208,10 +208,10 @@ class RobotData:
         """``[(leaf name, source leaf)]`` of a step field or Dict node named ``key``."""
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
-        got = [(lf.name, leaf) for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves)
+        got = [(lf.name, leaf) for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves)
                if lf.name == key or lf.name.startswith(key + "/") or key == ""]
         if not got:
-            raise UnknownFieldError(f"no step field {key!r}; the fields are {[lf.name for lf in buf._step_plan.leaves]}")
+            raise UnknownFieldError(f"no step field {key!r}; the fields are {[lf.name for lf in buf.layout.step_plan.leaves]}")
         return got
 
     def _check_timestamps(self, arrays: list[np.ndarray], ids: np.ndarray) -> None:
@@ -221,7 +221,7 @@ class RobotData:
         buf = cast("TrajectoryReplayBuffer", self)
         at = self.__dict__.get("_time_leaf")
         if at is None:
-            names = [lf.name for lf in buf._step_plan.leaves]
+            names = [lf.name for lf in buf.layout.step_plan.leaves]
             at = self.__dict__["_time_leaf"] = names.index(TIME_FIELD) if TIME_FIELD in names else -1
         if at < 0 or not len(ids):
             return
@@ -300,8 +300,8 @@ class RobotData:
                                      f"{deltas[key][k]}); pass on_missing='pad' to mask it")
             prefix = key.split("/", 1)[0] + "/" if owner is not self else ""
             for (name, _), a in zip(leaves, arrays):
-                out[prefix + name] = buf._backend.out(a)
-            out[key + "_is_pad"] = buf._backend.out(pad)
+                out[prefix + name] = buf.output.backend.out(a)
+            out[key + "_is_pad"] = buf.output.backend.out(pad)
         return out
 
     def _time_plan(self, deltas: Mapping[str, np.ndarray], streams: dict[str, Any]
@@ -320,7 +320,7 @@ class RobotData:
                             rng: np.random.Generator | int | None = None, **kwargs: Any) -> dict[str, Any]:
         """:meth:`get_time_windows` around ``batch_size`` uniformly drawn anchor rows."""
         buf = cast("TrajectoryReplayBuffer", self)
-        g = as_generator(rng, buf._rng)
+        g = as_generator(rng, buf.default_rng)
         return self.get_time_windows(g.integers(0, len(buf), size=int(batch_size)), delta_timestamps, **kwargs)
 
     # -- statistics ---------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class RobotData:
         buf = cast("TrajectoryReplayBuffer", self)
         src = buf.row_source()
         every = [_fs.StatField(lf.name or "value", leaf, tuple(lf.shape), np.dtype(lf.dtype))
-                 for leaf, lf in zip(src.step_leaves, buf._step_plan.leaves)]
+                 for leaf, lf in zip(src.step_leaves, buf.layout.step_plan.leaves)]
         if names is None:
             return every
         known = {f.name: f for f in every}
@@ -393,7 +393,7 @@ class RobotData:
         """Commit and release the store (``StoredBuffer.close``); ``save_stats=True`` first stores
         every episode's statistics (:meth:`save_stats`; a writer only)."""
         buf = cast("TrajectoryReplayBuffer", self)
-        if save_stats and not buf._closed:
+        if save_stats and not buf.closed:
             self.save_stats()
         super().close()  # type: ignore[misc]
 

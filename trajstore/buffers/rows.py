@@ -10,7 +10,7 @@ torch datasets read through.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +37,7 @@ class BufferRows:
 
     def __init__(self, buf: StoredBuffer) -> None:
         self.buffer = buf
-        self.table = buf._table
+        self.table = buf.rows_table
         self.name = buf.cache_path or "in-memory buffer"
         self.last_read: Head | None = None
 
@@ -55,16 +55,16 @@ class BufferRows:
 
     @property
     def live(self) -> bool:
-        store = self.buffer._store
+        store = self.buffer.store
         return not store.writable or store.multiprocessing
 
     @property
     def record(self) -> Head:
-        return self.buffer._store.committed
+        return self.buffer.store.committed
 
     @property
     def committed(self) -> tuple[int, int]:
-        st = self.buffer._store.committed.tables[self.table.name]
+        st = self.buffer.store.committed.tables[self.table.name]
         return st.start, st.end
 
     @property
@@ -75,22 +75,16 @@ class BufferRows:
         return (_reopen_rows, (type(buf), buf.cache_path, buf.storage_options))
 
     def sync(self) -> None:
-        self.buffer._sync()
+        self.buffer.sync_reads()
 
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
-        buf = self.buffer
-        outer, buf._pinned = buf._pinned, True  # re-entrant: a read inside a read stays pinned
-        try:
-            yield
-        finally:
-            buf._pinned = outer
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        return self.buffer.pinned()
 
     def refresh(self) -> bool:
-        return self.buffer._store.refresh()
+        return self.buffer.store.refresh()
 
     def rows_intact(self, before: Head) -> bool:
-        return self.buffer._store.rows_intact(before)
+        return self.buffer.store.rows_intact(before)
 
     def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(rows, dtype=np.int64) + self.start
@@ -125,37 +119,41 @@ class TrajectoryRows(BufferRows):
 
     def __init__(self, buf: TrajectoryReplayBuffer) -> None:
         super().__init__(buf)
-        self.step_leaves = [j for j, s in enumerate(buf._src) if s[0] == "s"]
-        self.episode_leaves = [j for j, s in enumerate(buf._src) if s[0] == "e"]
+        self.layout = buf.layout
+        self.step_leaves = buf.layout.step_leaves
+        self.episode_leaves = buf.layout.episode_leaves
 
     @property
     def current_episode_id(self) -> int:
         return self.buffer.current_episode_id
 
     def _field_index(self, leaf: int) -> int:
-        kind, f = self.buffer._src[leaf]
+        kind, f = self.layout.sources[leaf]
         if kind != "s":
             raise BadArgumentError(f"leaf {leaf} is episode data, stored once per episode, not per step row")
         return f
 
     def leaf_field(self, leaf: int) -> Field | None:
-        kind, f = self.buffer._src[leaf]
+        kind, f = self.layout.sources[leaf]
         return self.table.fields[f] if kind == "s" else None
 
     def step_ids(self, rows: np.ndarray) -> np.ndarray:
-        return np.asarray(self.buffer._step_ids(rows), dtype=np.int64)
+        return np.asarray(self.layout.step_ids(rows), dtype=np.int64)
 
     def window_ids(self, first: np.ndarray, length: int) -> np.ndarray:
-        return self.table.gather_windows(first, length, [self.buffer._id_field])[0]
+        return self.table.gather_windows(first, length, [self.layout.id_field])[0]
 
     def one_run(self, first: np.ndarray, span: int) -> np.ndarray:
-        return self.buffer._runs.one_run(first + self.start, span)
+        return self.buffer.run_index.one_run(first + self.start, span)
 
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.buffer._runs.runs()
+        return self.buffer.run_index.runs()
+
+    def read_rows(self, rows: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
+        return self.layout.read_rows(self.buffer.episode_index, rows, leaves)
 
     def read_episode_rows(self, anchors: np.ndarray, leaves: Sequence[int]) -> list[np.ndarray]:
-        return self.buffer._read_rows(anchors, leaves)
+        return self.layout.read_rows(self.buffer.episode_index, anchors, leaves)
 
     def episode_data_stale(self, rows: np.ndarray, before: Head) -> np.ndarray:
         """(B,) bool: which logical ``rows`` (stored under the current record) may have read their
@@ -171,14 +169,14 @@ class TrajectoryRows(BufferRows):
         ``logical_rows`` already follows no row across it.
         """
         rows = np.asarray(rows, np.int64)
-        et = self.buffer._ep_table
+        et = self.layout.episode_table
         if et is None or et.capacity is None or not len(rows):
             return np.zeros(rows.shape, bool)
         then, now = before.tables.get(et.name), self.record.tables.get(et.name)
         if then is None or now is None or now.start <= then.start:
             return np.zeros(rows.shape, bool)
         # No data row now, or one added since (an evicted episode's data set again): not the row read.
-        found = self.buffer._episodes.lookup(self.step_ids(rows))
+        found = self.buffer.episode_index.lookup(self.step_ids(rows))
         return (found < 0) | (et.state.start + found >= then.end)
 
 

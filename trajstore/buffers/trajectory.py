@@ -14,9 +14,10 @@ rows are evicted once the last step of their episode has left the step ring.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import gymnasium
 import numpy as np
@@ -27,13 +28,23 @@ from trajstore.buffers.episode_edit import EpisodeEditing
 from trajstore.buffers.episode_windows import EpisodeWindows
 from trajstore.buffers.replay import (
     ZarrStorage,
-    _is_remote,
-    _storage_cls_check,
+    check_storage_cls,
+    is_remote,
 )
 from trajstore.buffers.robot import RobotData
 from trajstore.buffers.rows import TrajectoryRows
-from trajstore.buffers.trajectory_edits import TrajectoryEdits, check_episode_ids
-from trajstore.buffers.trajectory_reads import TrajectoryData, TrajectoryReads
+from trajstore.buffers.trajectory_edits import TrajectoryEdits
+from trajstore.buffers.trajectory_layout import (
+    EPISODES,
+    STEPS,
+    WRAPPER_KEYS,
+    EpisodeIds,
+    TrajectoryData,
+    TrajectoryLayout,
+    TrajectoryOutput,
+    set_episode_rows,
+)
+from trajstore.buffers.trajectory_reads import TrajectoryReads
 from trajstore.core.episodes import EpisodeIndex, RunIndex
 from trajstore.core.stager import RowStager
 from trajstore.core.store import Store, TableSpec
@@ -41,7 +52,6 @@ from trajstore.errors import (
     BadArgumentError,
     BadOptionError,
     BadValueError,
-    SpaceMismatchError,
     TrajstoreError,
     UnknownEpisodeError,
     UnsupportedSpaceError,
@@ -53,11 +63,9 @@ from trajstore.storage.runs_file import SavedRuns, load_runs, save_runs
 
 __all__ = ["TrajectoryReplayBuffer", "TrajectoryData"]
 
-STEPS, EPISODES = "step_data", "episode_data"
 STEP_IDS = "step_episode_ids"
 EP_ID_FIELD = "_episode_id"
 _ID = ((), np.dtype(np.int64))
-_WRAPPER_KEYS = frozenset({"step_data", "episode_ids", "episode_data"})
 
 
 def _field_paths(prefix: str, plan: ValuePlan, root_leaf_name: str | None) -> list[str]:
@@ -90,46 +98,37 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         self.step_space, self.episode_space = step_space, episode_space
         parts = {"step_data": step_space} | ({"episode_data": episode_space} if episode_space is not None else {})
         self.single_space = gymnasium.spaces.Dict(parts)
-        cb = bool(open_args.get("check_bounds", False))
-        self._plan = ValuePlan(self.single_space, check_bounds=cb)
-        self._step_plan = ValuePlan(step_space, check_bounds=cb)
-        self._ep_plan = ValuePlan(episode_space, check_bounds=cb) if episode_space is not None else None
-        self._table = store.tables[STEPS]
-        self._ep_table = store.tables.get(EPISODES)
-        n_step = len(self._step_plan.leaves)
-        self._id_field = n_step  # the ids array is the step table's last field
-        self._ep_id_field = len(self._ep_plan.leaves) if self._ep_plan else -1
-        # Leaf j of single_space -> ("s", step field) or ("e", episode field); looked up in a dict
-        # (a search of the leaves per leaf cost O(fields**2): 3 s of an open with 3,000 fields).
-        at = {("step_data", *lf.path): ("s", i) for i, lf in enumerate(self._step_plan.leaves)}
-        if self._ep_plan is not None:
-            at.update({("episode_data", *lf.path): ("e", i) for i, lf in enumerate(self._ep_plan.leaves)})
-        self._src = [at[tuple(leaf.path)] for leaf in self._plan.leaves]
-        self._stager = RowStager(self._table, [(lf.shape, lf.dtype) for lf in self._step_plan.leaves] + [_ID])
+        #: Where every leaf lives (plans, tables, id fields): what the buffer's parts and the package's tools read.
+        self.layout = lay = TrajectoryLayout.of(store, step_space, episode_space,
+                                                bool(open_args.get("check_bounds", False)))
+        self._plan, self._table = lay.plan, lay.steps  # (StoredBuffer's and BatchBase's names for them)
+        #: Reads' structure and backend.
+        self.output = TrajectoryOutput(lay.step_plan, lay.episode_plan, backend)
+        self._stager = RowStager(self._table, [(lf.shape, lf.dtype) for lf in lay.step_plan.leaves] + [_ID])
         self._stagers = [self._stager]
-        state = store.committed.state
-        self.current_episode_id = int(state.get("current_episode_id", 0))
-        self._next_id = int(state.get("next_episode_id", self.current_episode_id + 1))
-        self._episodes = EpisodeIndex(store, self._table, self._id_field, self._ep_table, self._ep_id_field,
-                                      lambda: self.current_episode_id)
-        self._runs = RunIndex(self._table, self._id_field, lambda: store.committed.epoch, self._saved_runs)
+        #: The episode being recorded and the next fresh id.
+        self.id_counter = EpisodeIds.from_state(store.committed.state)
+        #: Episode id -> episode-data row.
+        self.episode_index = EpisodeIndex(store, self._table, lay.id_field, lay.episode_table, lay.episode_id_field,
+                                          lambda: self.current_episode_id)
+        self.run_index = RunIndex(self._table, self.layout.id_field, lambda: store.committed.epoch, self._saved_runs)
         store.state_provider = self._state
         store.refresh_listeners.append(self._adopt)
         store.op_listeners.append(self._check_fork)
         self._pid = os.getpid()
-        self._table.listeners.append(self._episodes.after_step_block)
+        self._table.listeners.append(self.episode_index.after_step_block)
         self._last_id: int | None = None  # episode id of the last step written (where video runs end)
         if any(f.spec.layout == "video" for f in self._table.fields):
             if store.multiprocessing:
                 raise BadOptionError(f"{store.loc.url}: video fields are written by one process per store "
                                      "(multiprocessing=False): each encodes the episodes it records")
             self._table.listeners.append(self._episode_ends)
-        self._table.extend_listeners.append(self._episodes.after_step_extend)
+        self._table.extend_listeners.append(self.episode_index.after_step_extend)
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
             # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
             with store.write_op():
-                self._new_episode()
+                self.id_counter.new_episode()
                 if not store.multiprocessing:
                     store.commit(state=self._state())
 
@@ -149,7 +148,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         if st.multiprocessing or not st.loc.is_local:
             return
         try:
-            saved = self._runs.saved()
+            saved = self.run_index.saved()
             if saved is not None:
                 save_runs(st.loc, saved)
         except (TrajstoreError, OSError) as e:
@@ -193,7 +192,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         again; pickled handles keep it).
         """
         for c in (step_data_storage_cls, step_episode_id_storage_cls, episode_data_storage_cls):
-            _storage_cls_check(c)
+            check_storage_cls(c)
         if "capacity" in kwargs:  # ReplayBuffer.create's name; here steps and episode data each have one
             raise BadArgumentError(f"TrajectoryReplayBuffer.create takes step_data_capacity= (steps kept in the ring) "
                                    f"and episode_data_capacity= (episode-data rows), not capacity=; got "
@@ -212,7 +211,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         ep_plan = ValuePlan(episode_data_instance_space) if episode_data_instance_space is not None else None
         if ep_plan is not None and any(lf.path[:1] == (EP_ID_FIELD,) for lf in ep_plan.leaves):
             raise UnsupportedSpaceError(f"episode space key {EP_ID_FIELD!r} is reserved for the episode ids")
-        compressor = opts.pop("compressor", "lz4" if _is_remote(cache_path) else None)
+        compressor = opts.pop("compressor", "lz4" if is_remote(cache_path) else None)
         chunk_rows = opts.pop("chunk_rows", None)
         check_compressor_keys(compressor, _field_paths(STEPS, step_plan, None))  # (a dict by leaf name)
         step_fields = _specs(_field_paths(STEPS, step_plan, None), step_plan, step_data_capacity, compressor,
@@ -277,38 +276,62 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
 
     # -- episode ids -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"current_episode_id": self.current_episode_id, "next_episode_id": self._next_id}
+        return self.id_counter.state()
 
-    def _new_episode(self) -> None:
-        self.current_episode_id = self._next_id
-        self._next_id += 1
+    @property
+    def current_episode_id(self) -> int:
+        """The id of the episode being recorded: appended steps get it."""
+        return self.id_counter.current
+
+    @current_episode_id.setter
+    def current_episode_id(self, episode_id: int) -> None:
+        self.id_counter.current = int(episode_id)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A write operation of the store (:meth:`Store.write_op <trajstore.core.store.Store.write_op>`)
+        with the staged appends handed to the tables first: what every edit runs in."""
+        with self._store.write_op():
+            self._drain()
+            yield
 
     def _adopt(self) -> None:
         """After a newer commit record was read (readers, multi-process writers)."""
         state = self._store.committed.state
-        self._next_id = max(self._next_id, int(state.get("next_episode_id", 0)))
-        if self.read_only:
-            self.current_episode_id = int(state.get("current_episode_id", self.current_episode_id))
-        self._episodes.forget()
+        self.id_counter.adopt(state, follow_current=self.read_only)
+        self.episode_index.forget()
 
     def _check_fork(self) -> None:
         """Multiprocessing: a forked copy of this handle must not continue the parent's episode."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._new_episode()
+            self.id_counter.new_episode()
 
     def mark_episode_end(self) -> None:
         """End the current episode: later steps get a new ``current_episode_id``."""
-        with self._store.write_op():
-            self._drain()
-            self._new_episode()
+        with self.writing():
+            self.id_counter.new_episode()
             if self._table.capacity is None:
                 self._table.end_run(self._table.state.end)  # a video field encodes the episode
+
+    def clear(self) -> None:
+        """Remove every step and episode; ids are never reused (a fresh episode starts)."""
+        with self._store.write_op():
+            self._stager.discard()
+            for tab in (self._table, self.layout.episode_table):
+                if tab is not None:
+                    tab.state.start = tab.state.end = 0
+            self.episode_index.forget()
+            self.id_counter.new_episode()
+            head = self._store.current_head()
+            head.epoch += 1
+            head.state = self._state()
+            self._store.write_record(head)
 
     def _episode_ends(self, lo: int, arrays: Any) -> None:
         """A block of steps at absolute row ``lo`` was written: where its episode id changes (also
         from the step before), an episode ended (video fields encode it at the next commit)."""
-        ids = np.asarray(arrays[self._id_field])
+        ids = np.asarray(arrays[self.layout.id_field])
         if not len(ids):
             return
         cuts = (lo + 1 + np.flatnonzero(ids[1:] != ids[:-1])).tolist()
@@ -322,7 +345,8 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
     def episode_capacity(self) -> int | None:
         """Rows of episode data kept (``episode_data_capacity`` at ``create``): ``None`` when
         unbounded or when the buffer has no episode data space."""
-        return None if self._ep_table is None else self._ep_table.capacity
+        et = self.layout.episode_table
+        return None if et is None else et.capacity
 
     def episode_id_to_episode_data_index(self, episode_id: Any) -> Any:
         """Logical episode-data row(s) of episode id(s); int in, int out; array (numpy or torch) in,
@@ -336,7 +360,7 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         self._sync()
         is_torch = is_tensor(episode_id)
         q = to_numpy(episode_id)
-        rows = self._episodes.lookup(q.astype(np.int64).ravel())
+        rows = self.episode_index.lookup(q.astype(np.int64).ravel())
         if (rows < 0).any():
             raise UnknownEpisodeError(f"no episode data for episode id(s) {np.unique(q.ravel()[rows < 0]).tolist()}")
         rows = rows.reshape(q.shape)
@@ -349,46 +373,23 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         return rows
 
     # -- writes ---------------------------------------------------------------------------------
-    def _split(self, value: Any, batched: bool) -> tuple[list[np.ndarray], int, np.ndarray | None, Any]:
-        """Validate an extend/append value: bare step data or {"step_data", "episode_ids"?, "episode_data"?}."""
-        if isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS:
-            step, ids, ep = value["step_data"], value.get("episode_ids"), value.get("episode_data")
-        else:
-            step, ids, ep = value, None, None
-        arrays, n = self._step_plan.to_arrays(step, batched=batched)
-        if ids is not None:
-            raw = to_numpy(ids)
-            if raw.dtype.kind not in "iu" or raw.shape != ((n,) if batched else ()):
-                raise BadValueError(f"episode_ids must be integers of shape {(n,) if batched else ()}; "
-                                    f"got {raw.dtype} {raw.shape}")
-            ids = check_episode_ids(raw).reshape(n)  # range checked before the cast to int64
-        ep_arrays = None
-        if ep is not None:
-            if self._ep_plan is None:
-                raise SpaceMismatchError("this buffer has no episode_data space; create it with "
-                                         "episode_data_instance_space=... to store episode data")
-            ep_arrays, m = self._ep_plan.to_arrays(ep, batched=batched)
-            if m != n:
-                raise BadValueError(f"episode_data has {m} rows; expected one per step ({n})")
-        return arrays, n, ids, ep_arrays
-
     def append(self, value: Any) -> None:
         """Add one step (bare step data, or ``{"step_data", "episode_ids"?, "episode_data"?}``)."""
         if (not self._store.multiprocessing and self._store.writable and not self._store.closed
-                and not (isinstance(value, dict) and "step_data" in value and set(value) <= _WRAPPER_KEYS)):
+                and not (isinstance(value, dict) and "step_data" in value and set(value) <= WRAPPER_KEYS)):
             st = self._stager
             st.room()
-            self._step_plan.write_row(value, st.bufs, st.n)
+            self.layout.step_plan.write_row(value, st.bufs, st.n)
             st.bufs[-1][st.n] = self.current_episode_id
             st.added()
             return
-        self._extend(*self._split(value, batched=False))
+        self.extend_leaves(*self.layout.split(value, batched=False))
 
     def extend(self, value: Any) -> None:
         """Add steps with a leading batch axis; every step gets ``current_episode_id`` unless the
         value carries ``"episode_ids"`` (B,).  ``"episode_data"`` (B rows) sets the data of the
         episodes of those steps (the last row of each episode wins)."""
-        self._extend(*self._split(value, batched=True))
+        self.extend_leaves(*self.layout.split(value, batched=True))
 
     def extend_flattened(self, value: Any) -> None:
         """Add steps given in gymnasium's flattened layout of ``single_space`` (B, flatdim)."""
@@ -423,28 +424,21 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
             raise BadValueError(f"append_flattened expects shape ({self._plan.flat_dim},); got {flat.shape}")
         self.extend_flattened(flat[None])
 
-    def _extend(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None, ep_arrays: list[np.ndarray] | None) -> None:
+    def extend_leaves(self, arrays: list[np.ndarray], n: int, ids: np.ndarray | None,
+                      ep_arrays: list[np.ndarray] | None) -> None:
+        """Add ``n`` steps given as checked leaf arrays (what :meth:`TrajectoryLayout.split
+        <trajstore.buffers.trajectory_layout.TrajectoryLayout.split>` returns): step leaves of n
+        rows, their (n,) int64 episode ids (None: the current episode) and episode leaves of n
+        rows (None: no episode data; the last row of each episode wins)."""
         self._check_timestamps(arrays, np.full(n, self.current_episode_id, np.int64) if ids is None else ids)
-        with self._store.write_op():
-            self._drain()
+        with self.writing():
             if ids is None:
                 ids = np.full(n, self.current_episode_id, np.int64)
             else:
-                self._claim_ids(ids)
+                self.id_counter.claim(ids)
             self._table.extend(arrays + [ids], n)
             if ep_arrays is not None and n:
-                self._set_episode_rows(ids, ep_arrays)
-
-    def _claim_ids(self, ids: np.ndarray) -> None:
-        """Explicit ids never advance current_episode_id, but fresh ids must never collide with them."""
-        if ids.size:
-            self._next_id = max(self._next_id, int(ids.max()) + 1)
-
-    def _set_episode_rows(self, ids: np.ndarray, ep_arrays: list[np.ndarray]) -> None:
-        """Episode data given per step row: the last row of each episode wins."""
-        uniq, last = np.unique(ids[::-1], return_index=True)
-        for eid, k in zip(uniq.tolist(), (len(ids) - 1 - last).tolist()):
-            self._episodes.set_row(eid, [a[k : k + 1] for a in ep_arrays])
+                set_episode_rows(self.episode_index, ids, ep_arrays)
 
     def row_source(self) -> "TrajectoryRows":
         """This buffer's step rows as an :class:`~trajstore.sampling.source.EpisodeSource`."""

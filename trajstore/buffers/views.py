@@ -79,6 +79,18 @@ class BatchBase:
         i = normalize_index(idx, len(self))
         return self._read(i, self._all_leaves), not isinstance(i, int)
 
+    def leaf_arrays(self, idx: IndexLike) -> list[np.ndarray]:
+        """The numpy array of every leaf (in ``single_space``'s leaf order) at ``idx``, as of one
+        commit record: what copies between batches (``extend_from``) read."""
+        return self._raw(idx)[0]
+
+    def read_values(self, rows: Callable[[], np.ndarray]) -> Any:
+        """The rows that ``rows()`` (B,) int64 names, every leaf, as a batch of ``single_space``
+        values in this batch's backend.  ``rows`` is called inside the read of one commit record:
+        rows found under an older record may name other rows once a ring has evicted."""
+        arrays = self._consistent(lambda: self._read(rows(), self._all_leaves))
+        return self._plan.from_arrays([self._backend.out(a) for a in arrays])
+
     def get_at(self, idx: IndexLike) -> Any:
         """Value(s) at ``idx``: one unbatched value for an int, a batch otherwise."""
         arrays, _ = self._raw(idx)

@@ -333,8 +333,8 @@ def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, c
                         bar.update(len(arrays[0]))
                 state = source.committed.state
                 out.current_episode_id = int(state.get("current_episode_id", 0))
-                # No public setter for the next fresh id: keep the source's so ids are never reused.
-                out._next_id = max(int(state.get("next_episode_id", 0)), out.current_episode_id + 1)
+                # Keep the source's next fresh id, so ids are never reused.
+                out.id_counter.next = max(int(state.get("next_episode_id", 0)), out.current_episode_id + 1)
         finally:
             out.close()
     finally:

@@ -292,7 +292,7 @@ def step_leaves(buf: TrajectoryReplayBuffer, what: str, *, box_only: tuple[str, 
     if not isinstance(buf.step_space, gymnasium.spaces.Dict):
         raise UnsupportedSpaceError(f"{what}: the store's step space is {buf.step_space}; expected the recorders' "
                                     "Dict(obs, action, reward, terminated, truncated, next_obs?, info?)")
-    names = {leaf.name: k for k, leaf in enumerate(buf._step_plan.leaves)}
+    names = {leaf.name: k for k, leaf in enumerate(buf.layout.step_plan.leaves)}
     missing = [f for f in ("obs", "action", "reward", "terminated", "truncated")
                if f not in names and not any(n.startswith(f + "/") for n in names)]
     if missing:

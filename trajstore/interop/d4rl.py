@@ -295,7 +295,7 @@ def export_d4rl(src: Any, path: Any, *, tqdm: bool | None = None, overwrite: boo
         names = step_leaves(buf, "export_d4rl")
         blocks = StepBlocks(buf, "export_d4rl")
         n = blocks.count
-        leaves = buf._step_plan.leaves
+        leaves = buf.layout.step_plan.leaves
         target = {"obs": "observations", "action": "actions", "reward": "rewards", "terminated": "terminals",
                   "truncated": "timeouts", "next_obs": "next_observations"}
         dsname = {k: target.get(name, "infos/" + name[len("info/"):]) for name, k in names.items()}

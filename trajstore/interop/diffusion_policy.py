@@ -397,7 +397,7 @@ def export_diffusion_policy(src: Any, path: Any, *, zarr_format: int = 2, tqdm: 
     buf, own = export_source(src, "export_diffusion_policy: src")
     try:
         names = step_leaves(buf, "export_diffusion_policy", box_only=(), allowed_extra=("obs", "next_obs"))
-        leaves = buf._step_plan.leaves
+        leaves = buf.layout.step_plan.leaves
         keys = _data_keys(names, leaves)
         blocks = StepBlocks(buf, "export_diffusion_policy")
         n = blocks.count

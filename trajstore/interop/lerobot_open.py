@@ -99,6 +99,11 @@ class ArrayField:
         """Refused."""
         _refuse("write rows")
 
+    def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> np.ndarray:
+        """Refused."""
+        _refuse("rewrite rows")
+
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
         """Refused."""
         _refuse("rewrite rows")

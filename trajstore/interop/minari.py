@@ -500,7 +500,7 @@ def _episodes(buf: TrajectoryReplayBuffer, ids: np.ndarray, bar: Any) -> Iterato
     """Minari EpisodeBuffers of the store's episodes ``ids``, one read at a time."""
     from minari.data_collector.episode_buffer import EpisodeBuffer  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-    has_seed = buf._ep_plan is not None and any(leaf.name == "seed" for leaf in buf._ep_plan.leaves)
+    has_seed = buf.layout.episode_plan is not None and any(leaf.name == "seed" for leaf in buf.layout.episode_plan.leaves)
     for k, eid in enumerate(ids.tolist()):
         ep: Any = buf.get_episode(eid)
         sd = ep["step_data"]

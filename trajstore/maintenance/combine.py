@@ -61,13 +61,13 @@ def _episode_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray) -> Iterator[tu
                                                                                    list[np.ndarray]]]:
     """``(ids, has_data, arrays)`` for blocks of episodes ``ids``: their episode-data leaves (zeros
     where an episode has none)."""
-    if buf._ep_plan is None:
+    if buf.layout.episode_plan is None:
         return
-    fields = list(range(len(buf._ep_plan.leaves)))
-    step = block_rows(buf._ep_table.row_bytes if buf._ep_table is not None else 1)
+    fields = list(range(len(buf.layout.episode_plan.leaves)))
+    step = block_rows(buf.layout.episode_table.row_bytes if buf.layout.episode_table is not None else 1)
     for lo in range(0, len(ids), step):
         part = ids[lo : lo + step]
-        yield part, buf._episodes.lookup(part) >= 0, buf._episode_rows(part, fields)
+        yield part, buf.episode_index.lookup(part) >= 0, buf.layout.episode_rows(buf.episode_index, part, fields)
 
 
 def space_difference(got: gymnasium.Space | None, want: gymnasium.Space | None, got_name: str = "the first",
@@ -243,11 +243,11 @@ def _combine_episode_data(src: TrajectoryReplayBuffer, out: TrajectoryReplayBuff
     """Episode data of every episode of ``src`` (zeros where it has none) plus ``source = k``."""
     source = np.int64(k)
     ep = src.episode_space
-    if src._ep_plan is None:
+    if src.layout.episode_plan is None:
         for new in fresh.tolist():
             out.set_episode_data_at(new, {SOURCE_FIELD: source})
         return
-    plan = src._ep_plan
+    plan = src.layout.episode_plan
     pos = 0
     for part, _has, arrays in _episode_blocks(src, src_ids):
         for i in range(len(part)):
@@ -313,8 +313,8 @@ def _write_selection(src: TrajectoryReplayBuffer, ids: np.ndarray, tmp: str, bar
             for n in copy_steps(src, out, ids, lambda e: e):
                 bar.update(n)
                 steps += n
-            if src._ep_plan is not None:
-                plan = src._ep_plan
+            if src.layout.episode_plan is not None:
+                plan = src.layout.episode_plan
                 for part, has, arrays in _episode_blocks(src, ids):
                     for i in np.flatnonzero(has).tolist():
                         out.set_episode_data_at(int(part[i]), plan.from_arrays([a[i] for a in arrays]))
@@ -460,7 +460,7 @@ def filter_store(src: PathLike | TrajectoryReplayBuffer, dst: PathLike,
             cols = episode_columns(buf, names=[])
         else:
             names = where_fields(where)
-            data_names = [leaf.name or "value" for leaf in buf._ep_plan.leaves] if buf._ep_plan is not None else []
+            data_names = [leaf.name or "value" for leaf in buf.layout.episode_plan.leaves] if buf.layout.episode_plan is not None else []
             text = check_task_strings(buf, where) if "task" in names and "task" not in data_names else []
             compile_where(where, list(TABLE_COLUMNS) + data_names + text)  # unknown fields: before reading anything
             cols = episode_columns(buf, names=[n for n in names if n in data_names])

@@ -215,7 +215,7 @@ def copy_steps(src: TrajectoryReplayBuffer, out: TrajectoryReplayBuffer, ids: np
             lo = len(out)
             for sf, df in pairs:
                 stack.enter_context(df.frames_as_encoded(lo, sf.encoded_rows(phys)))
-            out.extend({"step_data": src._step_plan.from_arrays(arrays), "episode_ids": episode_ids(eids)})
+            out.extend({"step_data": src.layout.step_plan.from_arrays(arrays), "episode_ids": episode_ids(eids)})
         yield len(eids)
 
 
@@ -227,8 +227,8 @@ def step_blocks(buf: TrajectoryReplayBuffer, ids: np.ndarray | None, leaves: Seq
     physical rows (B,) int64)``."""
     buf.sync_reads()
     t = buf.rows_table
-    which = list(range(len(buf._step_plan.leaves))) if leaves is None else list(leaves)
-    fields = which + [buf._id_field]
+    which = list(range(len(buf.layout.step_plan.leaves))) if leaves is None else list(leaves)
+    fields = which + [buf.layout.id_field]
     step = block_rows(sum(t.fields[j].spec.row_bytes for j in fields))
     if ids is None:
         for lo in range(0, t.count, step):

@@ -24,6 +24,7 @@ from trajstore.buffers.base import as_generator
 from trajstore.buffers.episode_windows import EpisodeWindows
 from trajstore.buffers.replay import ReplayBuffer
 from trajstore.buffers.trajectory import TrajectoryData, TrajectoryReplayBuffer
+from trajstore.buffers.trajectory_layout import TrajectoryOutput, as_trajectory_data
 from trajstore.buffers.views import BatchBase
 from trajstore.core.ring import IndexLike
 from trajstore.errors import BadArgumentError, ClosedError, DamagedStoreError, NotATrajstoreError
@@ -226,6 +227,11 @@ class ShardedDataset(BatchBase):
             return [a[0] for a in self._rows.read_rows(np.array([int(idx)], np.int64), leaf_ids)]
         return self._rows.read_rows(np.asarray(idx, dtype=np.int64), leaf_ids)
 
+    @property
+    def default_rng(self) -> np.random.Generator:
+        """The generator draws use when given no ``rng`` (this dataset's own)."""
+        return self._rng
+
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> Any:
         """``batch_size`` rows drawn uniformly (with replacement) from every row of every shard.
 
@@ -294,23 +300,21 @@ class ShardedTrajectories(EpisodeWindows, ShardedDataset):
 
         self.step_space = spaces["step_data"]
         self.episode_space = spaces.get("episode_data")
-        self._step_plan = ValuePlan(self.step_space)
-        self._ep_plan = ValuePlan(self.episode_space) if self.episode_space is not None else None
+        self.output = TrajectoryOutput(ValuePlan(self.step_space),
+                                       ValuePlan(self.episode_space) if self.episode_space is not None else None,
+                                       self._backend)
         return gymnasium.spaces.Dict({"step_data": self.step_space} |
                                      ({"episode_data": self.episode_space} if self.episode_space is not None else {}))
-
-    def _wrap(self, data: dict[str, Any]) -> TrajectoryData:
-        return TrajectoryData(step_data=data["step_data"], episode_data=data.get("episode_data"))
 
     def get_at(self, idx: IndexLike) -> TrajectoryData:
         """Steps at global rows ``idx`` with their episodes' data (see
         :meth:`TrajectoryReplayBuffer.get_at <trajstore.TrajectoryReplayBuffer.get_at>`)."""
-        return self._wrap(super().get_at(idx))
+        return as_trajectory_data(super().get_at(idx))
 
     def sample(self, batch_size: int, *, rng: np.random.Generator | int | None = None) -> TrajectoryData:
         """``batch_size`` steps drawn uniformly from every step of every shard, with their
         episodes' data."""
-        return self._wrap(super().sample(batch_size, rng=rng))
+        return as_trajectory_data(super().sample(batch_size, rng=rng))
 
     def episodes(self) -> dict[str, np.ndarray]:
         """One entry per episode with steps present, in row order: ``episode_id`` (global),

@@ -389,7 +389,8 @@ class ShardedRows(EpisodeSource):
 
     def _id_field(self) -> int | None:
         """The step table's field of episode ids (trajectory shards; None for ReplayBuffer shards)."""
-        return getattr(getattr(self.sources[0], "buffer", None), "_id_field", None) if self.sources else None
+        layout = getattr(getattr(self.sources[0], "buffer", None), "layout", None) if self.sources else None
+        return None if layout is None else int(layout.id_field)
 
     def _windows(self, first: np.ndarray, length: int, fields: Sequence[int],
                  ids: bool = False) -> list[np.ndarray] | None:
