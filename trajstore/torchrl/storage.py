@@ -4,7 +4,10 @@ TorchRL addresses a storage by slot: ``RoundRobinWriter`` writes slot ``cursor %
 samplers read slots ``0 .. len - 1``.  Here slot ``s`` is the store's physical ring row ``s``, so
 logical row ``(s - offset) % capacity`` (docs/design.md 1, "Ring rules"), and the writer's cursor,
 the ring seam TorchRL's ``SliceSampler`` reads from ``_last_cursor_index`` and the store's own
-overwrite order are one and the same.  Writes at the next free slot are the store's ``extend``
+overwrite order are one and the same.  One exception: a ring whose wrap a crash cut short (it
+holds fewer rows than its capacity but no longer starts at physical row 0, docs/design.md 3)
+is opened with its slots counted from its oldest row, so slots ``0 .. len - 1`` are its rows and
+the next append fills the gap at slot ``len`` (:meth:`TrajstoreStorage.next_slot`).  Writes at the next free slot are the store's ``extend``
 (its commit protocol, docs/design.md 3.1-3.3); writes into slots already written (``rb[i] = ...``,
 ``write_at``) are its ``set_at``.  A store that records episodes (a ``TrajectoryReplayBuffer``)
 shows its step episode ids under ``traj_key`` (TorchRL's ``("collector", "traj_ids")`` by default).
@@ -137,10 +140,12 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         self.storage_options = storage_options
         self._store_kwargs = store_kwargs
         self._buf: _Buffer | None = None
+        self._slot_origin: int | None = None
         self.device = torch.device("cpu")
         kind = _exists(self.path, storage_options)
         if kind is not None:
             self._buf = self._open(kind)
+            self._slot_origin = None
             cap = self._buf.capacity
             if max_size is not None and cap is not None and int(max_size) != cap:
                 raise BadOptionError(f"max_size={max_size}, but the store at {self.path!r} is a ring of {cap} rows")
@@ -206,12 +211,21 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
             leaves[self._traj()] = ((), np.dtype(np.int64))
         return leaves
 
+    def _origin(self) -> int:
+        """Physical row of slot 0: 0, except for a ring a crash left part-filled past its wrap
+        (its oldest row then, fixed for this object's life so that slots never move)."""
+        if self._slot_origin is None:
+            buf = self.buffer
+            n, cap = len(buf), buf.capacity
+            self._slot_origin = buf.offset if cap is not None and 0 < n < cap else 0
+        return self._slot_origin
+
     def next_slot(self) -> int:
         """The slot the next appended row goes to (TorchRL's writer cursor)."""
         if self._buf is None:
             return 0
         n, cap = len(self._buf), self._buf.capacity
-        return n if cap is None else (self._buf.offset + n) % cap
+        return n if cap is None else (self._buf.offset + n - self._origin()) % cap
 
     def _sync_cursor(self) -> None:
         if self._buf is not None and len(self._buf):
@@ -233,6 +247,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         if self._buf is not None:
             self._buf.close()
             self._buf = None
+            self._slot_origin = None
 
     # -- TorchRL's Storage interface -----------------------------------------------------------
     def __len__(self) -> int:
@@ -249,7 +264,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
             raise IndexOutOfRangeError(f"slot {int(slots.max() if slots.max() >= n else slots.min())} is out of "
                                        f"range for a storage of {n} rows")
         cap = buf.capacity
-        return slots if cap is None else (slots - buf.offset) % cap
+        return slots if cap is None else (slots + self._origin() - buf.offset) % cap
 
     def get(self, index: Any) -> Any:
         """The rows at slots ``index`` (int: one unbatched TensorDict; slice, array, tensor: a batch).
@@ -386,6 +401,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         finally:
             src.close()
         self._buf = self._open(kind)
+        self._slot_origin = None
         self._sync_cursor()
         self._bump_mutation_revision()
 
@@ -402,6 +418,7 @@ class TrajstoreStorage(StoreStorage):  # type: ignore[misc]  # torchrl ships no 
         Storage.__setstate__(self, state)
         if kind is not None:
             self._buf = self._open(kind)
+            self._slot_origin = None
 
     def __repr__(self) -> str:
         return f"TrajstoreStorage({self.path!r}, max_size={self.max_size}, rows={len(self)})"

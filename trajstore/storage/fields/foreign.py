@@ -228,6 +228,7 @@ class EpisodeIdField:
 
     def edited_chunk(self, k: int, offs: np.ndarray, values: np.ndarray | None = None,
                      src: np.ndarray | None = None) -> np.ndarray:
+        """Chunk ``k`` with rows ``offs`` replaced (:meth:`Field.edited_chunk`; staging it is refused)."""
         return edit_chunk(self, k, offs, values, src)
 
     def stage_chunk(self, prefix: str, k: int, data: np.ndarray) -> str:
