@@ -95,7 +95,9 @@ def test_sigkilled_torchrl_writer_leaves_every_committed_row(tmp_path) -> None:
         first = min(range(len(values)), key=lambda i: values[i])       # the ring's oldest slot
         ordered = values[first:] + values[:first]
         assert ordered == list(range(ordered[0], ordered[0] + len(ordered)))
-        assert ordered[-1] + 1 >= flushed[-1] and (flushed[-1] <= 48 or len(ordered) == 48)
+        # A kill inside a ring write leaves the ring short of the rows that write evicted first
+        # (docs/design.md 3: evicted before written), at most one extend of 7.
+        assert ordered[-1] + 1 >= flushed[-1] and (flushed[-1] <= 48 or len(ordered) >= 48 - 7)
         rb = ReplayBuffer(storage=st)
         st.resume(rb)
         n = ordered[-1] + 1
