@@ -95,3 +95,32 @@ def test_mixture_resumes_in_a_new_process_through_workers(tmp_path) -> None:
     with pytest.raises(ResumeStateError, match="weights: saved"):
         MixtureSampler(mix, 8, {"a": 1, "b": 2}, num_batches=10, seed=5).load_state_dict(
             json.loads((tmp_path / "state.json").read_text()))
+
+
+def test_buffer_sample_resumes_from_its_generator_state_in_a_new_process(tmp_path) -> None:
+    """``sample(n, rng=gen)`` draws only from ``gen``: its bit generator's state, saved as JSON and
+    loaded in a new process, continues the same batches (docs/offline.md, "Resuming mid-epoch")."""
+    path = store(tmp_path / "s", 500)
+    gen = np.random.default_rng(11)
+    with ReplayBuffer.load_from(path, read_only=True) as rb:
+        for _ in range(3):
+            rb.sample(16, rng=gen)
+        saved = json.dumps(gen.bit_generator.state)
+        later = [rb.sample(16, rng=gen)["obs"][:, 0].tolist() for _ in range(2)]
+        own_state = json.dumps(rb.default_rng.bit_generator.state)
+        own_later = rb.sample(16)["obs"][:, 0].tolist()
+    code = (
+        "import json, sys, numpy as np\n"
+        "from trajstore import ReplayBuffer\n"
+        "gen = np.random.default_rng()\n"
+        "gen.bit_generator.state = json.loads(sys.argv[2])\n"
+        "with ReplayBuffer.load_from(sys.argv[1], read_only=True) as rb:\n"
+        "    print(json.dumps([rb.sample(16, rng=gen)['obs'][:, 0].tolist() for _ in range(2)]))\n"
+        "    rb.default_rng.bit_generator.state = json.loads(sys.argv[3])\n"
+        "    print(json.dumps(rb.sample(16)['obs'][:, 0].tolist()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, path, saved, own_state], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)}).stdout.splitlines()
+    assert json.loads(out[0]) == later
+    assert json.loads(out[1]) == own_later
+    assert later[0] != later[1]
