@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> str:
             + text)
     return section("Offline datasets (scripts/bench_offline.py)", "bench_offline.py", argv,
                    runs=f"numpy: median of {repeats} timings of 20 batches; steady: median of {blocks} blocks; cold: "
-                        f"one fresh DataLoader per row; S3: median of {5 if args.quick else 20} cold batches.",
+                        f"one fresh DataLoader per row; S3: median of {5 if args.quick else 20} cold batches; S3 DataLoader: "
+                        f"one run of {loader_batches} batches per row ({cold_batches} for cold batches).",
                    body=body, quick=args.quick, started=started, packages=("torch", "s3fs", "moto"))
 
 

@@ -41,9 +41,10 @@ class ChunkShuffleSampler(ResumableOrder, Sampler[list[int]]):
 
     Each epoch visits the store's chunks in a random order (seeded by ``(seed, epoch)``), takes
     ``pool_chunks`` of them at a time into a pool, shuffles the pool's items and yields them in
-    batches of ``batch_size``; the few items a pool leaves over (less than a batch) join the next
-    pool.  Every item of the dataset comes exactly once per epoch (with ``drop_last=False``), each
-    batch from at most ``pool_chunks + 1`` chunks: on a remote store a batch costs a fraction of
+    batches of ``batch_size``; the few items a pool leaves over (less than a batch) open the next
+    pool's first batch.  Every item of the dataset comes exactly once per epoch (with
+    ``drop_last=False``), each batch from the chunks of one pool (or two, for a pool's first batch):
+    on a remote store a batch costs a fraction of
     a chunk request per field instead of a request per row (``scripts/bench_offline.py``).  The
     price is randomness: items of one batch come from a few chunks (neighbouring rows), as with
     any streaming dataset; a larger pool mixes more and holds more decoded chunks in memory.
@@ -200,14 +201,17 @@ class ChunkShuffleSampler(ResumableOrder, Sampler[list[int]]):
         return batches
 
     def _pool_batches(self, rng: np.random.Generator, chunks: Sequence[np.ndarray]) -> list[list[int]]:
-        """One stream's batches: ``pool_chunks`` chunks at a time (with what the pool before left
-        over), shuffled, cut into batches."""
+        """One stream's batches: ``pool_chunks`` chunks at a time, shuffled, after what the pool
+        before left over, cut into batches."""
         out: list[list[int]] = []
         left = np.zeros(0, np.int64)
         b = self.batch_size
         for g in range(0, len(chunks), self.pool_chunks):
-            pool = np.concatenate([left, *chunks[g : g + self.pool_chunks]])
+            pool = np.concatenate(chunks[g : g + self.pool_chunks])
             rng.shuffle(pool)
+            # The few items the pool before left go first: a batch then spans two pools at most,
+            # and no item waits in the pool for more than one refill.
+            pool = np.concatenate([left, pool])
             full = len(pool) - len(pool) % b
             out.extend(pool[i : i + b].tolist() for i in range(0, full, b))
             left = pool[full:]
