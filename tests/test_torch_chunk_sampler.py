@@ -41,7 +41,8 @@ def store(path, n: int, *, capacity: int | None = None, chunk_rows: int = C, sto
     """A ReplayBuffer store whose obs[:, 0] is the row's absolute number (its logical row unless a ring wrapped)."""
     obs = np.zeros((n, 2), np.float32)
     obs[:, 0] = np.arange(n)
-    with ReplayBuffer.create(SPACE, cache_path=path, capacity=capacity, chunk_rows=chunk_rows,
+    # lz4: chunks of exactly chunk_rows (raw chunks are rounded up to whole pages)
+    with ReplayBuffer.create(SPACE, cache_path=path, capacity=capacity, chunk_rows=chunk_rows, compressor="lz4",
                              storage_options=storage_options) as rb:
         rb.extend({"obs": obs, "reward": np.zeros(n, np.float32)})
     return str(path)
@@ -78,7 +79,7 @@ def test_every_item_once_from_a_few_chunks_per_batch(tmp_path) -> None:
 
 def test_sequences_and_a_wrapped_ring_group_items_by_their_chunk(tmp_path) -> None:
     ids = np.repeat(np.arange(10), 50)
-    with TrajectoryReplayBuffer.create(SPACE, cache_path=tmp_path / "t", chunk_rows=C) as tb:
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=tmp_path / "t", chunk_rows=C, compressor="lz4") as tb:
         tb.extend({"step_data": {"obs": np.zeros((500, 2), np.float32), "reward": np.zeros(500, np.float32)},
                    "episode_ids": ids})
     seqs = SequenceDataset(tmp_path / "t", 8, ["obs"], within_episode=True, stride=2)
