@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> str:
         text = "\n".join(lines) + "\n"
         workers = workers_table(d, data, args.quick)
     text += "\n### Workers\n\n" + workers
-    loader_batches, cold_batches = (20, 3) if args.quick else (80, 5)
+    loader_batches, cold_batches = (20, 3) if args.quick else (160, 5)
     s3 = s3_requests(make_data(20_000 if args.quick else 200_000), 5 if args.quick else 20, loader_batches,
                      cold_batches)
     if s3 is not None:
