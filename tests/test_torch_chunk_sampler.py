@@ -95,6 +95,25 @@ def test_sequences_and_a_wrapped_ring_group_items_by_their_chunk(tmp_path) -> No
     assert all(len(s) == 1 for s in slots)                          # pools of one whole chunk: 2 batches each
 
 
+def test_a_sharded_dataset_groups_items_by_the_chunks_of_each_shard(tmp_path) -> None:
+    from trajstore.shards import create_shard
+
+    for name, n in (("a", 200), ("b", 150)):                        # obs[:, 0]: 1000 * shard + row in it
+        obs = np.zeros((n, 2), np.float32)
+        obs[:, 0] = 1000 * (name == "b") + np.arange(n)
+        with create_shard(tmp_path / "sh", SPACE, shard=name, kind="replay", chunk_rows=C, compressor="lz4") as buf:
+            buf.extend({"obs": obs, "reward": np.zeros(n, np.float32)})
+    ds = TransitionDataset(tmp_path / "sh", ["obs"])
+    batches = list(ChunkShuffleSampler(ds, 16, pool_chunks=1, seed=2))
+    assert sorted(flat(batches)) == list(range(350))
+    where = ds.read_batch(np.arange(350))["obs"][:, 0].long()      # 0..199, then 1000..1149
+    chunks = [{(int(where[i]) // 1000, int(where[i]) % 1000 // C) for i in b} for b in batches]
+    # Pools of one chunk: shard a has 3 whole chunks of 64 rows and one of 8, shard b 2 and one of 22;
+    # a batch takes the rows the pool before left, and the pool of 8 rows passes them on.
+    assert len(set().union(*chunks)) == 4 + 3 and all(len(c) <= 3 for c in chunks)
+    assert sum(len(c) == 1 for c in chunks) >= 15                   # most batches: rows of one chunk
+
+
 def test_resumes_the_rest_of_its_epoch_in_a_new_process(tmp_path) -> None:
     path = store(tmp_path / "s", 700)
     ds = TransitionDataset(path, ["obs"])

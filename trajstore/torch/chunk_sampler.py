@@ -43,11 +43,12 @@ class ChunkShuffleSampler(ResumableOrder, Sampler[list[int]]):
     ``pool_chunks`` of them at a time into a pool, shuffles the pool's items and yields them in
     batches of ``batch_size``; the few items a pool leaves over (less than a batch) open the next
     pool's first batch.  Every item of the dataset comes exactly once per epoch (with
-    ``drop_last=False``), each batch from the chunks of one pool (or two, for a pool's first batch):
-    on a remote store a batch costs a fraction of
-    a chunk request per field instead of a request per row (``scripts/bench_offline.py``).  The
-    price is randomness: items of one batch come from a few chunks (neighbouring rows), as with
-    any streaming dataset; a larger pool mixes more and holds more decoded chunks in memory.
+    ``drop_last=False``), each batch from the chunks of one pool (two for a pool's first batch,
+    more only where pools hold fewer items than a batch): on a remote store a batch costs a
+    fraction of a chunk request per field instead of a request per row
+    (``scripts/bench_offline.py``).  The price is randomness: items of one batch come from a few
+    chunks (neighbouring rows), as with any streaming dataset; a larger pool mixes more and holds
+    more decoded chunks in memory.
 
     Use it as a DataLoader's ``batch_sampler`` over a :class:`~trajstore.torch.TransitionDataset`,
     :class:`~trajstore.torch.SequenceDataset` or :class:`~trajstore.torch.TimeWindowDataset`
