@@ -15,10 +15,12 @@ moto[server] and s3fs; skipped without them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -35,6 +37,7 @@ from benchdoc import section
 
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.torch import (
+    ChunkShuffleSampler,
     RandomBatchSampler,
     SampleBatch,
     SequenceDataset,
@@ -172,8 +175,64 @@ def numpy_rate(data: dict[str, np.ndarray], seq: bool, repeats: int) -> float:
     return B / _median_time(one, repeats, 20)
 
 
-def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
-    """Rows of the S3 table: requests per batch for transitions and sequences (moto on 127.0.0.1)."""
+def count_server_requests(server: MotoS3) -> list[int]:
+    """A counter of the HTTP requests the moto server serves (DataLoader workers' included): its
+    werkzeug app, wrapped."""
+    wsgi = server._server._server  # moto's ThreadedMotoServer -> werkzeug server
+    app, count, lock = wsgi.app, [0], threading.Lock()
+
+    def counting(environ, start_response):
+        with lock:
+            count[0] += 1
+        return app(environ, start_response)
+
+    wsgi.app = counting
+    return count
+
+
+def s3_loader_rows(url: str, opts: dict, count: list[int], batches: int, cold: int, cache_dir: str) -> list[str]:
+    """Rows of the S3 DataLoader table: requests per batch and samples/s of uniformly random
+    batches (``RandomBatchSampler``) against ``ChunkShuffleSampler``, each from a fresh dataset
+    (nothing cached), with and without the local chunk cache (``trajstore_chunk_cache``)."""
+    rows: list[str] = []
+    cached = {**opts, "trajstore_chunk_cache": cache_dir}
+
+    def run(label: str, options: dict, chunked: bool, workers: int, n: int, drop: bool = False) -> None:
+        ds = TransitionDataset(url, FIELDS, storage_options=options)
+        sampler = (ChunkShuffleSampler(ds, B, num_workers=workers, seed=0) if chunked
+                   else RandomBatchSampler(ds, B, num_batches=n, seed=0))
+        before, got = count[0], 0
+        t0 = time.perf_counter()
+        if drop:  # a store much bigger than the decoded-chunk cache: every batch starts cold
+            for idx in itertools.islice(sampler, n):
+                for f in ds.buffer._table.fields:
+                    f.drop_cache()
+                ds.__getitems__(idx)
+                got += 1
+        else:
+            loader = DataLoader(ds, batch_sampler=sampler, num_workers=workers, collate_fn=collate_batch)
+            for _batch in itertools.islice(loader, n):
+                got += 1
+            del loader
+        secs = time.perf_counter() - t0
+        rows.append(f"| {label} | {workers} | {got} | {(count[0] - before) / got:.1f} | {got * B / secs:,.0f} |")
+        ds.close()
+
+    run("`RandomBatchSampler`, cold batches (chunk cache dropped before each)", opts, False, 0, cold, drop=True)
+    run("`RandomBatchSampler`, fresh dataset (the store fits the decoded-chunk cache after a few batches)",
+        opts, False, 0, batches)
+    run("`ChunkShuffleSampler` (`pool_chunks=4`)", opts, True, 0, batches)
+    run("`ChunkShuffleSampler` (`pool_chunks=4`)", opts, True, 2, batches)
+    run("`RandomBatchSampler` + local chunk cache, empty folder", cached, False, 0, batches)
+    run("`RandomBatchSampler` + local chunk cache, warm folder", cached, False, 0, batches)
+    run("`ChunkShuffleSampler` + local chunk cache, warm folder", cached, True, 2, batches)
+    return rows
+
+
+def s3_requests(data: dict[str, np.ndarray], batches: int, loader_batches: int = 0,
+                cold: int = 0) -> tuple[list[str], list[str]] | None:
+    """Rows of the S3 tables (moto on 127.0.0.1): requests per batch for transitions and sequences;
+    then (``loader_batches`` > 0) DataLoader rows of :func:`s3_loader_rows`."""
     try:
         import s3fs
 
@@ -181,6 +240,7 @@ def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
         opts = server.options
     except ImportError:
         return None
+    count = count_server_requests(server)
     try:
         url = f"s3://bench/{uuid.uuid4().hex}"
         build(url, data, storage_options=opts, chunk_rows=1024)
@@ -217,7 +277,11 @@ def s3_requests(data: dict[str, np.ndarray], batches: int) -> list[str] | None:
                 rows.append(f"| {name} | {np.mean(per):.1f} | {np.mean(chunks):.1f} | {np.median(secs) * 1e3:.1f} |")
         finally:
             s3fs.S3FileSystem._call_s3 = orig
-        return rows
+        loader = []
+        if loader_batches:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                loader = s3_loader_rows(url, opts, count, loader_batches, cold, cache_dir)
+        return rows, loader
     finally:
         server.stop()
 
@@ -251,10 +315,15 @@ def main(argv: list[str] | None = None) -> str:
         text = "\n".join(lines) + "\n"
         workers = workers_table(d, data, args.quick)
     text += "\n### Workers\n\n" + workers
-    s3 = s3_requests(make_data(20_000 if args.quick else 200_000), 5 if args.quick else 20)
+    loader_batches, cold_batches = (20, 3) if args.quick else (160, 5)
+    s3 = s3_requests(make_data(20_000 if args.quick else 200_000), 5 if args.quick else 20, loader_batches,
+                     cold_batches)
     if s3 is not None:
         text += ("\n| S3 (moto) batch of 256 | requests per batch | chunks touched (arrays x chunks) | ms per batch (moto-bound) |\n"
-                 "|---|---|---|---|\n" + "\n".join(s3) + "\n")
+                 "|---|---|---|---|\n" + "\n".join(s3[0]) + "\n")
+        text += ("\n| S3 (moto) DataLoader, batches of 256 transitions | workers | batches | requests per batch "
+                 "(server-side, worker start-up included) | samples/s (start-up included) |\n"
+                 "|---|---|---|---|---|\n" + "\n".join(s3[1]) + "\n")
     body = (f"DataLoader over `TransitionDataset` / `SequenceDataset({T})` of a local {rows:,}-row store of (17,) f32 "
             f"obs, (6,) f32 actions and f32 rewards (raw chunks), random batches of {B} from `RandomBatchSampler`, "
             "`collate_fn=collate_batch`, fork workers, each row a fresh DataLoader: cold = its first batches, "
@@ -263,10 +332,16 @@ def main(argv: list[str] | None = None) -> str:
             f"{rows:,} vector rows and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames, raw, lz4 and zstd; "
             "the last table times a prepared batch that is only moved from a worker to the loop (the floor of any "
             "worker loader). S3: a cold batch (chunk cache dropped) read in-process through s3fs "
-            "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows).\n\n" + text)
+            "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows). S3 DataLoader: the "
+            "first batches of an epoch from a fresh dataset (nothing cached; a DataLoader with `collate_batch`) "
+            "on the same store, requests counted by the server, uniformly random batches (`RandomBatchSampler`) "
+            "against `ChunkShuffleSampler` (chunks in a random order, 4 at a time shuffled together), with and "
+            "without the local chunk cache (`trajstore_chunk_cache`: empty, then warm from the run before).\n\n"
+            + text)
     return section("Offline datasets (scripts/bench_offline.py)", "bench_offline.py", argv,
                    runs=f"numpy: median of {repeats} timings of 20 batches; steady: median of {blocks} blocks; cold: "
-                        f"one fresh DataLoader per row; S3: median of {5 if args.quick else 20} cold batches.",
+                        f"one fresh DataLoader per row; S3: median of {5 if args.quick else 20} cold batches; S3 DataLoader: "
+                        f"one run of {loader_batches} batches per row ({cold_batches} for cold batches).",
                    body=body, quick=args.quick, started=started, packages=("torch", "s3fs", "moto"))
 
 

@@ -16,3 +16,6 @@ def test_bench_offline_quick(tmp_path: Path) -> None:
     for rows in ("raw (17,)+(6,)+() f32", "raw (84,84,4) u8", "lz4 (84,84,4) u8"):  # workers vs no workers
         assert f"| {rows} | `RandomBatchSampler` + `collate_batch` | 2 |" in text
     assert "| (84,84,4) u8 (7 MiB, shared memory) |" in text  # the cost of moving one batch
+    if "S3 (moto) DataLoader" in text:  # with moto[server] and s3fs: uniform random against chunk-ordered epochs
+        assert "| `ChunkShuffleSampler` (`pool_chunks=4`) | 2 |" in text
+        assert "| `RandomBatchSampler` + local chunk cache, warm folder | 0 |" in text

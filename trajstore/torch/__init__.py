@@ -22,6 +22,7 @@ try:
 except ImportError:
     raise missing("torch", "trajstore.torch") from None
 
+from trajstore.torch.chunk_sampler import ChunkShuffleSampler  # noqa: E402
 from trajstore.torch.datasets import (  # noqa: E402
     SampleBatch,
     SequenceDataset,
@@ -33,4 +34,4 @@ from trajstore.torch.samplers import RandomBatchSampler  # noqa: E402
 from trajstore.torch.time_dataset import TimeWindowDataset  # noqa: E402
 
 __all__ = ["MixtureDataset", "MixtureSampler", "RandomBatchSampler", "SampleBatch", "SequenceDataset",
-           "TimeWindowDataset", "TransitionDataset", "collate_batch", "episode_item_weights"]
+           "ChunkShuffleSampler", "TimeWindowDataset", "TransitionDataset", "collate_batch", "episode_item_weights"]
