@@ -536,8 +536,8 @@ def test_a_copy_that_does_not_verify_fails_with_one_line(tmp_path: Path, capsys,
 
     damaged = tmp_path / "damaged"
 
-    def compare_then_truncate(source, copy, bar):  # the real comparison, then real damage on disk
-        n = real_compare(source, copy, bar)
+    def compare_then_truncate(source, copy, bar, *rest):  # the real comparison, then real damage on disk
+        n = real_compare(source, copy, bar, *rest)
         built = copy.loc.local_root  # the copy is built beside dst and published once it verifies
         assert built.parent == tmp_path and built.name.startswith(".c.trajstore-partial-")
         with open(built / "step_data" / "obs" / "c" / "2" / "0", "r+b") as f:

@@ -154,7 +154,7 @@ def test_refused_where_there_are_no_episodes_or_rows_change(tmp_path):
                        ("h264:g=0", "keyframe")]:
         with pytest.raises(BadOptionError, match=match):
             TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "b"), compressor={"obs": bad})
-    for shape, dtype in [((47, 64, 3), np.uint8), ((48, 64), np.uint8), ((48, 64, 3), np.float32)]:
+    for shape, dtype in [((47, 64, 3), np.uint8), ((48, 64, 17), np.uint8), ((48, 64, 3), np.float32)]:
         with pytest.raises(BadOptionError, match=r"uint8 RGB frames \(H, W, 3\)"):
             TrajectoryReplayBuffer.create(Dict({"obs": Box(0, 255, shape, dtype)}), cache_path=str(tmp_path / "c"),
                                           compressor={"obs": "h264"})

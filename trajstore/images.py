@@ -12,7 +12,8 @@ what a plain zarr-python reader needs to open an image field::
   strings such as ``"jpeg:90"`` name the same codecs.
 - :class:`VideoCodec`: a step field kept as one H.264 / AV1 stream per episode (``VideoCodec("h264",
   crf=23, gop=10)``; strings ``"h264:crf=23:g=10"``, ``"av1"``, ``"lerobot"`` name the same), through
-  PyAV (the ``video`` extra); docs/format.md "Video fields".
+  PyAV (the ``video`` extra): RGB ``(H, W, 3)``, grey ``(H, W)`` / ``(H, W, 1)`` and stacks of grey planes
+  ``(84, 84, 4)`` / ``(4, 84, 84)`` (coded as one grey picture); docs/format.md "Video fields".
 - :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames
   (image frames and video GOPs).
 """

@@ -18,6 +18,15 @@ from trajstore.cli._common import (
     print_json,
     progress,
 )
+from trajstore.cli.copy_codecs import (
+    KEYWORDS,
+    adopt_segments,
+    check_keys,
+    copy_compressor_arg,
+    field_choice,
+    lossy_fields,
+    source_codec,
+)
 from trajstore.cli.parts import run_on_parts, sb3_folder
 from trajstore.cli.shards import is_sharded_root, merge_copy, print_sharded_verify, verify_copy, verify_sharded
 from trajstore.maintenance.repair import RepairReport, repair_store
@@ -25,6 +34,7 @@ from trajstore.maintenance.summary import iter_blocks, open_store
 from trajstore.maintenance.verify import VerifyReport, verify_store
 from trajstore.metadata import DATASET_KEY
 from trajstore.storage.fields.image import ImageField
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.publish import destination_full, partial_path, publish, remove_entry
 
 __all__ = ["register", "copy_store"]
@@ -135,16 +145,13 @@ def _same(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _source_codec(store: Any, path: str) -> Any:
-    """The bytes-to-bytes codec of a source array (None for raw), reusable at create."""
-    z = store.group[path]
-    codecs = [c for c in z.metadata.codecs if c.to_dict()["name"] != "bytes"]
-    return codecs[0] if codecs else None
-
-
-def _compare(src: Any, dst: Any, bar: Any) -> int:
-    """Every committed row of every array equal (NaN equal to NaN); returns the arrays compared."""
+def _compare(src: Any, dst: Any, bar: Any, lossy: dict[str, str]) -> tuple[int, dict[str, float]]:
+    """Every committed row of every array equal (NaN equal to NaN), or for the fields of ``lossy``
+    (transcoded into a lossy codec) the same shape and dtype; returns the arrays compared and the
+    PSNR (dB, peak 255) of each lossy field against the source."""
     n = 0
+    sse = {p: 0.0 for p in lossy}
+    count = {p: 0 for p in lossy}
     for name, st in src.tables.items():
         dt = dst.tables.get(name)
         if dt is None or dt.count != st.count:
@@ -157,18 +164,22 @@ def _compare(src: Any, dst: Any, bar: Any) -> int:
                 raise CLIError(f"copy verification failed: the copy lacks array {p}")
             for lo, (a,) in iter_blocks(st, [j]):
                 b = dt.read_contiguous(lo, lo + len(a), [dpaths[p]])[0]
-                if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+                if p in lossy and a.shape == b.shape and a.dtype == b.dtype:
+                    sse[p] += float(((a.astype(np.float64) - b) ** 2).sum())
+                    count[p] += a.size
+                elif a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
                     raise CLIError(f"copy verification failed: {p} differs within rows [{lo}, {lo + len(a)})")
                 bar.update(len(a))
             n += 1
-    return n
+    psnr = {p: float("inf") if not sse[p] else 10 * float(np.log10(255.0**2 * count[p] / sse[p])) for p in lossy}
+    return n, psnr
 
 
 def _is_zip(path: str) -> bool:
     return not _is_url(path) and path.endswith(".zip") and not os.path.isdir(path)
 
 
-def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_rows: int | None = None,
+def copy_store(src: str, dst: str, *, compressor: str | dict[str, Any] | None = "auto", chunk_rows: int | None = None,
                src_options: dict[str, Any] | None = None, dst_options: dict[str, Any] | None = None,
                overwrite: bool = False) -> dict[str, Any]:
     """Copy the store ``src`` to ``dst`` (any locations, a ``.zip`` included), then verify the copy.
@@ -180,8 +191,15 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     the committed store (``dumps``); otherwise a new store with the same kind, spaces and
     capacities and the requested layout is created and every committed row (and, for
     trajectories, every episode id, every episode-data row and the episode counters) is copied
-    through the buffer API, a bounded block of rows at a time.  The copy is then compared row by
-    row with the source and verified.  A local folder is written, compared and verified under a
+    through the buffer API, a bounded block of rows at a time.  ``compressor`` may be a dict
+    ``{field: codec}`` (``trajstore copy --compressor cam=h264,*=keep``): each named field is
+    written with its codec (``"keep"``, ``"none"``, lz4/zstd, a per-frame image codec, a video
+    codec: a raw or per-frame field of a trajectory store becomes a video field, one segment per
+    episode; a video field becomes frames or raw rows), the others keep theirs (or take ``"*"``'s);
+    :mod:`trajstore.cli.copy_codecs`.  Frames and video segments kept in their codec pass as
+    their bytes.  The copy is then compared row by row with the source (fields transcoded into a
+    lossy codec: shape, dtype and PSNR, reported) and verified.
+    A local folder is written, compared and verified under a
     temporary name beside ``dst`` and only then published (:func:`trajstore.storage.publish.publish`:
     ``dst`` is its old store or the verified copy at every instant); a zip is written beside and
     renamed.  A failed copy leaves ``dst`` as it was and nothing beside it; a full disk is a
@@ -193,7 +211,14 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
         ``source, destination, kind, method`` (``"byte copy"``, ``"relayout"`` or ``"zip"``),
         ``rows`` (step rows), ``table_rows`` (rows of each table), ``episodes`` (as ``trajstore
         info``: finished episodes and the one in progress, or None), ``arrays``, ``bytes`` (stored
-        bytes of the copy) and ``verified``.
+        bytes of the copy), ``lossy`` (``{array path: {"codec": settings, "psnr_db": PSNR against
+        the source}}`` of the fields transcoded into a lossy codec) and ``verified``.
+
+    Raises
+    ------
+    BadOptionError
+        A ``compressor`` key that names no field, or a codec a field cannot hold (video: step
+        fields of an unbounded trajectory store, not a ``.zip``).
     """
     if _same(src, dst):
         raise CLIError("SRC and DST are the same store", code=2)
@@ -216,7 +241,7 @@ def copy_store(src: str, dst: str, *, compressor: str | None = "auto", chunk_row
     return {"source": src, "destination": dst, **out, "verified": True}
 
 
-def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int | None,
+def _copy_and_check(src: str, dst: str, compressor: str | dict[str, Any] | None, chunk_rows: int | None,
                     src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`copy_store`'s copy to ``dst`` (a new location), compared with the source and verified."""
     from trajstore import ReplayBuffer, TrajectoryReplayBuffer
@@ -232,6 +257,8 @@ def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int 
         episodes = episode_counts(source)
         to_zip = _is_zip(dst)
         relayout = compressor not in ("auto", "keep") or chunk_rows is not None
+        if isinstance(compressor, dict):
+            check_keys(source, compressor)
         if to_zip:
             method = "zip"
             write_zip(source, dst, compressor=compressor, chunk_rows=chunk_rows)
@@ -244,9 +271,10 @@ def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int 
                       ReplayBuffer, TrajectoryReplayBuffer, rows_total)
         copy = open_store(dst, dst_options)
         try:
+            lossy = lossy_fields(source, copy)
             bar = progress(rows_total, "verify copy", unit="row")
             try:
-                n_arrays = _compare(source, copy, bar)
+                n_arrays, psnr = _compare(source, copy, bar, lossy)
             finally:
                 bar.close()
             if kind == "TrajectoryReplayBuffer":
@@ -261,26 +289,33 @@ def _copy_and_check(src: str, dst: str, compressor: str | None, chunk_rows: int 
         source.close()
     verify_copy(dst, dst_options)
     return {"kind": kind, "method": method, "rows": table_rows[STEPS], "table_rows": table_rows, "episodes": episodes,
-            "arrays": n_arrays, "bytes": stored}
+            "arrays": n_arrays, "bytes": stored,
+            "lossy": {p: {"codec": label, "psnr_db": round(psnr[p], 2)} for p, label in lossy.items()}}
 
 
-def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, chunk_rows: int | None,
+def _relayout(source: Any, kind: str | None, dst: str, compressor: str | dict[str, Any] | None, chunk_rows: int | None,
               dst_options: dict[str, Any] | None, ValuePlan: Any, space_from_json: Any, STEPS: str,
               ReplayBuffer: Any, TrajectoryReplayBuffer: Any, rows_total: int) -> None:
     """A new store at ``dst`` (a folder or URL; zips go through ``write_zip``) with the requested layout."""
     spaces = source.attrs["spaces"]
     steps = source.tables[STEPS]
 
-    images = {f.spec.array_path: f for f in steps.fields if isinstance(f, ImageField)}
+    images = {f.spec.array_path: f for f in steps.fields if isinstance(f, (ImageField, VideoField))}
 
     def comp(path: str) -> Any:
+        if isinstance(compressor, dict):  # field by field (copy_codecs): a dict by path for a table
+            table = next(t for t in source.tables.values() if any(f.spec.array_path == path for f in t.fields))
+            by_path = {f.spec.array_path: field_choice(source, f, compressor) for f in table.fields}
+            if path == "step_episode_ids":  # the ids' own storage option: one codec
+                return by_path[path]
+            return {**{p: c for p, c in by_path.items() if p != "step_episode_ids"}, "*": None}
         if compressor in ("keep", "auto"):
             if path == steps.fields[0].spec.array_path and images:
-                # Image fields keep their codecs; the others (as without images) the first one's.
+                # Image and video fields keep their codecs; the others (as without them) the first one's.
                 other = next((f.spec.array_path for f in steps.fields if f.spec.array_path not in images), None)
                 return {**{p: f.codec for p, f in images.items()}, "*": None if other is None else
-                        _source_codec(source, other)}
-            return _source_codec(source, path)
+                        source_codec(source, other)}
+            return source_codec(source, path)
         return None if compressor == "none" else compressor
 
     step_plan = ValuePlan(space_from_json(spaces[STEPS]))
@@ -308,9 +343,11 @@ def _relayout(source: Any, kind: str | None, dst: str, compressor: str | None, c
         try:
             which = list(range(len(steps.fields)))
             # Frames of image fields stored in the same codec in the copy pass as their bytes.
-            passed = [(images[f.spec.array_path], f) for f in out.row_source().table.fields
-                      if isinstance(f, ImageField) and f.spec.array_path in images
-                      and images[f.spec.array_path].codec == f.codec]
+            passed = [(sf, f) for f in out.row_source().table.fields
+                      if isinstance(f, ImageField) and isinstance(sf := images.get(f.spec.array_path), ImageField)
+                      and sf.codec == f.codec]
+            if kind != "ReplayBuffer":  # video segments kept in their settings: their bytes
+                adopt_segments(steps, out.row_source().table.fields)
             for lo, arrays in iter_blocks(steps, which):
                 value = step_plan.from_arrays(arrays[:n_leaves])
                 with contextlib.ExitStack() as stack:
@@ -366,8 +403,11 @@ def _cmd_copy(args: argparse.Namespace) -> int:
             what += f", {out['table_rows']['episode_data']} episode-data rows"
         if "shards" in out:
             what += f" of {out['shards']} shard(s), merged"
+        lossy = out.get("lossy") or {}
+        match = "matches the source" if not lossy else "matches the source (" + ", ".join(
+            f"{p.split('/', 1)[-1]} {v['codec']} at {v['psnr_db']:.1f} dB PSNR" for p, v in lossy.items()) + ")"
         print(f"copied {what} from {out['source']} to {out['destination']} ({out['arrays']} arrays, {out['method']}, "
-              f"{fmt_bytes(out['bytes'])}); the copy matches the source and verifies")
+              f"{fmt_bytes(out['bytes'])}); the copy {match} and verifies")
     return 0
 
 
@@ -407,9 +447,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "into one store (merge_shards), compared shard by shard and verified.")
     p.add_argument("src", metavar="SRC", help="source store (folder, .zip or URL)")
     p.add_argument("dst", metavar="DST", help="destination (folder, .zip or URL)")
-    p.add_argument("--compressor", choices=("auto", "keep", "none", "lz4", "zstd"), default="auto",
-                   help="codec of the copy: auto (default: a .zip gets lz4 for raw arrays, other destinations keep "
-                        "the source's), keep (the source's), none (raw), lz4 or zstd (smallest, slower reads)")
+    p.add_argument("--compressor", type=copy_compressor_arg, default="auto", metavar="CODEC|FIELD=CODEC,...",
+                   help=f"codec of the copy: {KEYWORDS[0]} (default: a .zip gets lz4 for raw arrays, other destinations "
+                        "keep the source's), keep (the source's), none (raw), lz4 or zstd (smallest, slower reads); "
+                        "or field by field, e.g. cam=h264,depth=png,*=keep (fields not named keep their codec, or "
+                        "take *'s; per-frame image codecs such as jpeg:90 and video codecs h264, av1, lerobot "
+                        "transcode frames, episodes becoming video segments)")
     p.add_argument("--chunk-rows", type=positive_int, default=None, metavar="N", help="rows per chunk in the copy")
     p.add_argument("--src-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for SRC")
     p.add_argument("--dst-options", type=json_arg, default=None, metavar="JSON", help="fsspec options for DST")

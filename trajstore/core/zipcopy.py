@@ -27,13 +27,14 @@ from trajstore.core.commit import consolidate_metadata
 from trajstore.core.progress import progress_bar
 from trajstore.core.ring import contiguous_runs
 from trajstore.core.store import ATTRS_KEY, Store
-from trajstore.errors import StoreExistsError
+from trajstore.errors import BadOptionError, StoreExistsError
 from trajstore.storage.fields.image import ImageField, write_shard
 from trajstore.storage.fields.image_codecs import image_codec_of
 from trajstore.storage.fields.spec import (
     FieldSpec,
     chunk_key,
     create_codecs,
+    field_compressor,
     make_field_spec,
     raw_row_align,
 )
@@ -69,6 +70,8 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
     src = [c for c in codecs if isinstance(c, zarr.abc.codec.BytesBytesCodec)]  # compressors, not the bytes codec
     image = image_codec_of(codecs)
     choice = compressor
+    if isinstance(choice, dict):  # field by field (trajstore copy --compressor cam=png): others keep theirs
+        choice = field_compressor({**choice, "*": choice.get("*", "keep")}, path)
     if isinstance(choice, str) and choice == "auto":
         choice = "keep" if src or image is not None else ZIP_COMPRESSOR
     if isinstance(choice, str) and choice == "keep":
@@ -79,6 +82,9 @@ def _zip_layout(store: "Store", path: str, row_shape: tuple[int, ...], dtype: np
             return FieldSpec(path, row_shape, dtype, chunk_rows or src_chunk_rows, "compressed"), {"compressors": tuple(src)}
         choice = None
     spec = make_field_spec(path, row_shape, dtype, capacity=capacity, compressor=choice, chunk_rows=chunk_rows)
+    if spec.layout == "video":  # segments are written as episodes end, into a folder or URL
+        raise BadOptionError(f"{path}: a .zip copy cannot hold video fields ({spec.compressor.label}); copy to a "
+                             "folder or URL, or name a per-frame image codec such as 'jpeg:90'")
     if chunk_rows is None:
         # Chunks are stored whole, padding included (a compressed chunk still pays per block for
         # its padding: 85 demo rows in 1 MiB lz4 chunks were 5 KiB a field): no chunk much bigger

@@ -143,7 +143,8 @@ def read_index(data: bytes, max_rows: int) -> np.ndarray:
 
 
 class VideoField:
-    """A field of RGB frames stored as video per episode (a :class:`~trajstore.storage.fields.base.Field`)."""
+    """A field of frames (RGB, grey, stacks of grey planes) stored as video per episode (a
+    :class:`~trajstore.storage.fields.base.Field`)."""
 
     keeps_partial_chunk = False
 
@@ -224,7 +225,7 @@ class VideoField:
 
     # -- reads ---------------------------------------------------------------------------------
     def gather(self, phys: np.ndarray) -> np.ndarray:
-        """Rows ``phys`` (B,) int64: a new (B, H, W, 3) uint8 array; held rows from RAM, the others
+        """Rows ``phys`` (B,) int64: a new (B, *row_shape) uint8 array; held rows from RAM, the others
         decoded GOP by GOP (each GOP of the batch once).
 
         Raises DamagedStoreError (a row past the index, a missing, damaged or undecodable segment)
@@ -307,7 +308,7 @@ class VideoField:
                                           "per-frame image codec such as 'jpeg:90')"))
 
     def write(self, phys_lo: int, data: np.ndarray) -> None:
-        """Hold ``data`` (n, H, W, 3) as rows ``[phys_lo, phys_lo + n)`` until their episode ends.
+        """Hold ``data`` (n, *row_shape) as rows ``[phys_lo, phys_lo + n)`` until their episode ends.
 
         Rows are appended once, in order: a write elsewhere (a rewrite, a ring) raises BadOptionError."""
         if phys_lo != self._open_lo + self._held or not self._started:

@@ -13,7 +13,18 @@ native ``av1`` decoder needs a hardware accelerator).
 Settings strings: ``"h264"``, ``"av1"``, ``"lerobot"`` (LeRobot v3's defaults: libsvtav1, crf 30,
 g 2, yuv420p), each optionally followed by ``:key=value`` parts: ``crf`` (0-51 H.264, 0-63 AV1),
 ``g`` (keyframe interval, frames), ``preset`` (x264's names / SVT-AV1's 0-13) and ``pix_fmt``
-(``yuv420p``; ``yuv444p`` for H.264).  Video is lossy: it is chosen only by naming it.
+(``yuv420p``; for H.264 also ``yuv444p`` (RGB) and ``gray`` (grey frames, its default there)).
+Video is lossy: it is chosen only by naming it.
+
+Frames (uint8): ``(H, W, 3)`` RGB, coded in ``pix_fmt``; grey ``(H, W)`` and ``(H, W, 1)``, and
+frame stacks of ``C <= 16`` grey planes, ``(H, W, C)`` (``C`` not 1 or 3) or channel-first
+``(C, H, W)``, as the per-frame codecs lay them out (:func:`.image_codecs.default_planes`): the
+planes one above the other as one ``(C*H, W)`` grey picture, the luma of the stream (``gray`` for
+H.264 by default, 4:0:0; ``yuv420p`` with flat chroma for AV1, which libsvtav1 codes in 4:2:0
+only).  A grey picture of odd height or width is coded one pixel bigger (its last row / column
+repeated) and cropped when decoded; the luma plane is read as it decodes, with no colour
+conversion.  The planes layout is the setting ``planes`` (absent: pixels; -1: the last axis;
+0: the first), stored with the others.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import BadOptionError, MissingDependencyError
+from trajstore.storage.fields.image_codecs import MAX_PLANES, default_planes
 
 __all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "VideoCodec", "codec_from_attrs", "parse_video_compressor"]
 
@@ -33,11 +45,15 @@ __all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "VideoCodec", "codec_from_attrs", "pars
 VIDEO_ATTR = "trajstore_video"
 #: codec -> (encoder, decoder, crf range, default crf, default g, default preset, pixel formats)
 VIDEO_CODECS: dict[str, tuple[str, str, tuple[int, int], int, int, str, tuple[str, ...]]] = {
-    "h264": ("libx264", "h264", (0, 51), 23, 10, "veryfast", ("yuv420p", "yuv444p")),
+    "h264": ("libx264", "h264", (0, 51), 23, 10, "veryfast", ("yuv420p", "yuv444p", "gray")),
     "av1": ("libsvtav1", "libdav1d", (0, 63), 30, 2, "10", ("yuv420p",)),
 }
 _PRESETS = {"lerobot": ("av1", {"crf": 30, "g": 2, "pix_fmt": "yuv420p"})}
 _KEY = re.compile(r"^(crf|g|preset|pix_fmt)=([A-Za-z0-9_]{1,16})$")
+#: Pixel formats of a decoded frame whose first plane is 8-bit luma (a grey picture's pixels).
+_LUMA8 = frozenset({"gray", "yuv420p", "yuvj420p", "yuv422p", "yuvj422p", "yuv444p", "yuvj444p"})
+#: Largest side of a coded picture, pixels.
+MAX_SIDE = 8192
 _EXTRA = "video fields need PyAV: pip install 'trajstore[video]'"
 
 
@@ -63,13 +79,18 @@ class VideoCodec:
         Keyframe interval in frames (a random frame decodes at most ``gop`` frames); None: 10
         (H.264), 2 (AV1, LeRobot's choice).
     pix_fmt : str
-        ``"yuv420p"`` (even heights and widths) or, for H.264, ``"yuv444p"``.
+        ``"yuv420p"`` (RGB frames: even heights and widths) or, for H.264, ``"yuv444p"`` (RGB frames)
+        or ``"gray"`` (grey frames and stacks: 4:0:0).
     preset : str, optional
         Encoder speed preset; None: ``"veryfast"`` (x264), ``"10"`` (SVT-AV1).
+    planes : int or None
+        None: a frame is pixels (``(H, W, 3)`` RGB, ``(H, W)`` / ``(H, W, 1)`` grey); -1 / 0: its last
+        / first axis holds grey planes, coded one above the other as one grey picture.  A string
+        compressor sets it from the row shape (:func:`parse_video_compressor`).
     """
 
     def __init__(self, codec: str, crf: int | None = None, gop: int | None = None, pix_fmt: str = "yuv420p",
-                 preset: str | None = None):
+                 preset: str | None = None, planes: int | None = None):
         if codec not in VIDEO_CODECS:
             raise BadOptionError(f"video codec {codec!r} is not one of {sorted(VIDEO_CODECS)}")
         _enc, _dec, (lo, hi), dcrf, dg, dpreset, pix = VIDEO_CODECS[codec]
@@ -84,11 +105,14 @@ class VideoCodec:
         preset = dpreset if preset is None else preset
         if not isinstance(preset, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,16}", preset):
             raise BadOptionError(f"preset must be a short word (x264: 'veryfast'..., SVT-AV1: '0'..'13'); got {preset!r}")
+        if planes not in (None, -1, 0) or isinstance(planes, bool):
+            raise BadOptionError(f"planes must be None, -1 or 0; got {planes!r}")
         self.codec, self.crf, self.gop, self.pix_fmt, self.preset = codec, crf, gop, pix_fmt, preset
+        self.planes = planes
 
     def __repr__(self) -> str:
         return f"VideoCodec({self.codec!r}, crf={self.crf}, gop={self.gop}, pix_fmt={self.pix_fmt!r}, " \
-               f"preset={self.preset!r})"
+               f"preset={self.preset!r}, planes={self.planes})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, VideoCodec) and self.to_dict() == other.to_dict()
@@ -102,21 +126,75 @@ class VideoCodec:
         return f"{self.codec}:crf={self.crf}:g={self.gop}:pix_fmt={self.pix_fmt}:preset={self.preset}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as stored in the field's zarr attributes (:data:`VIDEO_ATTR`)."""
-        return {"codec": self.codec, "crf": self.crf, "gop": self.gop, "pix_fmt": self.pix_fmt, "preset": self.preset}
+        """The settings as stored in the field's zarr attributes (:data:`VIDEO_ATTR`); ``planes``
+        only when a frame is a stack of planes (stores of pixel frames keep the five keys)."""
+        out: dict[str, Any] = {"codec": self.codec, "crf": self.crf, "gop": self.gop, "pix_fmt": self.pix_fmt,
+                               "preset": self.preset}
+        if self.planes is not None:
+            out["planes"] = self.planes
+        return out
+
+    # -- the picture a frame is coded as -----------------------------------------------------------
+    def is_grey(self, row_shape: tuple[int, ...]) -> bool:
+        """Whether frames of ``row_shape`` are coded as one grey picture (all but RGB ``(H, W, 3)`` pixels)."""
+        return not (self.planes is None and len(row_shape) == 3 and row_shape[2] == 3)
+
+    def picture(self, row_shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(height, width)`` of the picture a frame is: ``(H, W)``, or ``(C*H, W)`` for C planes."""
+        if self.planes is None:
+            return int(row_shape[0]), int(row_shape[1])
+        c = int(row_shape[self.planes])
+        h, w = (row_shape[0], row_shape[1]) if self.planes == -1 else (row_shape[1], row_shape[2])
+        return c * int(h), int(w)
+
+    def coded(self, row_shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(height, width)`` of the coded picture: a grey one rounded up to even sides."""
+        h, w = self.picture(row_shape)
+        return (h + h % 2, w + w % 2) if self.is_grey(row_shape) else (h, w)
+
+    def _to_picture(self, frame: np.ndarray) -> np.ndarray:
+        """One frame as its grey picture (padded to the coded size by repeating the last row / column)."""
+        h, w = self.picture(frame.shape)
+        pic = (np.moveaxis(frame, -1, 0) if self.planes == -1 else frame).reshape(h, w)
+        ch, cw = self.coded(frame.shape)
+        return np.pad(pic, ((0, ch - h), (0, cw - w)), mode="edge") if (ch, cw) != (h, w) else pic
+
+    def _from_picture(self, pic: np.ndarray, out: np.ndarray) -> None:
+        """Write grey picture ``pic`` (cropped to :meth:`picture`) into the frame ``out``."""
+        if self.planes is None:
+            out[...] = pic.reshape(out.shape)
+        elif self.planes == -1:
+            out[...] = pic.reshape(out.shape[2], out.shape[0], out.shape[1]).transpose(1, 2, 0)
+        else:
+            out[...] = pic.reshape(out.shape)
 
     def check(self, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
         """Refuse frames this codec cannot hold (BadOptionError naming what it can)."""
-        shape_ok = len(row_shape) == 3 and row_shape[2] == 3 and min(row_shape) > 0 and max(row_shape[:2]) <= 8192
-        even = self.pix_fmt != "yuv420p" or (len(row_shape) == 3 and row_shape[0] % 2 == 0 and row_shape[1] % 2 == 0)
-        if np.dtype(dtype) != np.uint8 or not shape_ok or not even:
-            raise BadOptionError(f"video ({self.label}) holds uint8 RGB frames (H, W, 3) with H, W <= 8192"
-                                 f"{', both even (yuv420p)' if self.pix_fmt == 'yuv420p' else ''}; got {row_shape} "
-                                 f"{np.dtype(dtype).name} (other frames: a per-frame image codec such as 'png')")
+        n = len(row_shape)
+        shape_ok = min(row_shape, default=0) > 0 and {
+            None: n == 2 or (n == 3 and row_shape[2] in (1, 3)),
+            -1: n == 3 and row_shape[2] <= MAX_PLANES,
+            0: n == 3 and row_shape[0] <= MAX_PLANES}[self.planes]
+        if shape_ok:
+            grey = self.is_grey(row_shape)
+            h, w = self.coded(row_shape)
+            shape_ok = max(h, w) <= MAX_SIDE and (grey or self.pix_fmt != "yuv420p" or (h % 2 == 0 and w % 2 == 0))
+            if shape_ok and grey != (self.pix_fmt == "gray") and self.pix_fmt != "yuv420p":
+                use = "gray or yuv420p" if grey and self.codec == "h264" else "yuv420p"
+                raise BadOptionError(f"video ({self.label}): pixel format {self.pix_fmt} is for "
+                                     f"{'RGB' if self.pix_fmt == 'yuv444p' else 'grey'} frames; frames {row_shape} are "
+                                     f"{'grey' if grey else 'RGB'} (use {use})")
+        if np.dtype(dtype) != np.uint8 or not shape_ok:
+            raise BadOptionError(f"video ({self.label}) holds uint8 RGB frames (H, W, 3) (H and W even with yuv420p), "
+                                 f"grey frames (H, W) or (H, W, 1), and frame stacks of C <= {MAX_PLANES} grey planes "
+                                 f"(H, W, C) or (C, H, W) (coded one above the other: a (C*H, W) grey picture); "
+                                 f"every side at most {MAX_SIDE} pixels; got {row_shape} {np.dtype(dtype).name}"
+                                 f"{'' if self.planes is None else f' with planes={self.planes}'} (other frames: a "
+                                 f"per-frame image codec such as 'png')")
 
     # -- encoding and decoding -----------------------------------------------------------------
     def encode(self, frames: np.ndarray) -> tuple[list[bytes], list[bool]]:
-        """``frames`` (n, H, W, 3) uint8 as n packets (display order) and their keyframe flags.
+        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags.
 
         Raises
         ------
@@ -129,14 +207,24 @@ class VideoCodec:
         enc_name, *_ = VIDEO_CODECS[self.codec]
         if self.codec == "av1":
             os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr unless told not to
+        row_shape = tuple(frames.shape[1:])
+        grey = self.is_grey(row_shape)
+        ch, cw = self.coded(row_shape)
         ctx = av.CodecContext.create(enc_name, "w")
-        ctx.width, ctx.height = int(frames.shape[2]), int(frames.shape[1])
+        ctx.width, ctx.height = cw, ch
         ctx.pix_fmt, ctx.time_base, ctx.framerate = self.pix_fmt, Fraction(1, 30), Fraction(30)
         ctx.gop_size, ctx.max_b_frames = self.gop, 0  # no B-frames: packet i is frame i
         ctx.options = {"crf": str(self.crf), "preset": self.preset}
         packets = []
+        i420 = np.full((ch * 3 // 2, cw), 128, np.uint8) if grey and self.pix_fmt == "yuv420p" else None
         for i, f in enumerate(frames):
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24").reformat(format=self.pix_fmt)
+            if not grey:
+                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24").reformat(format=self.pix_fmt)
+            elif i420 is None:  # 4:0:0: the picture is the luma
+                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(self._to_picture(f)), format="gray")
+            else:  # the picture as luma, chroma flat (no colour conversion: the luma is coded as it is)
+                i420[:ch] = self._to_picture(f)
+                vf = av.VideoFrame.from_ndarray(i420, format="yuv420p")
             vf.pts = i
             packets += ctx.encode(vf)
         packets += ctx.encode(None)
@@ -146,17 +234,37 @@ class VideoCodec:
 
     def decode(self, packets: list[Any], n: int, dest: dict[int, list[int]], out: np.ndarray) -> None:
         """Decode ``packets`` (bytes-like, the first a keyframe; ``n`` of them) with a fresh decoder,
-        one frame at a time: frame ``i`` goes to ``out[p]`` for each ``p`` of ``dest.get(i, [])``.
+        one frame at a time: frame ``i`` goes to ``out[p]`` for each ``p`` of ``dest.get(i, [])``
+        (``out``: (B, \\*row_shape) uint8).
 
         Raises ValueError (or what FFmpeg raises) when the packets do not give exactly ``n`` frames
         of ``out``'s frame shape; callers turn it into DamagedStoreError."""
         av = _av()
         ctx = av.CodecContext.create(VIDEO_CODECS[self.codec][1], "r")
-        h, w = out.shape[1:3]
+        row_shape = tuple(out.shape[1:])
+        grey = self.is_grey(row_shape)
+        h, w = self.coded(row_shape)
+        ph, pw = self.picture(row_shape)
         # A stream announcing bigger frames fails inside FFmpeg before it allocates them (the coded
         # size is padded: H.264 to 16-pixel macroblocks, AV1 to 8; 64 bounds both).
         ctx.options = {"max_pixels": str(-(-h // 64) * 64 * (-(-w // 64) * 64))}
         i = 0
+
+        def frame_of(fr: Any) -> np.ndarray:
+            """The decoded frame in ``row_shape`` (RGB), or its cropped luma (grey); checked."""
+            if not grey:
+                a = fr.to_ndarray(format="rgb24")
+                if a.shape != row_shape or a.dtype != out.dtype:
+                    raise ValueError(f"a decoded frame is {a.shape} {a.dtype}; expected {row_shape} {out.dtype}")
+                return a
+            if fr.format.name not in _LUMA8:
+                raise ValueError(f"a decoded frame is {fr.format.name}; expected 8-bit luma ({sorted(_LUMA8)})")
+            plane = fr.planes[0]
+            y = np.frombuffer(memoryview(plane), np.uint8)
+            if plane.line_size < w or len(y) < plane.line_size * h:
+                raise ValueError(f"a decoded luma plane of {len(y)} bytes ({plane.line_size} a line) cannot hold "
+                                 f"{h}x{w} pixels")
+            return y[: plane.line_size * h].reshape(h, plane.line_size)[:ph, :pw]
 
         def take(frames: Any) -> None:
             nonlocal i
@@ -167,11 +275,12 @@ class VideoCodec:
                     raise ValueError(f"a decoded frame is {fr.height}x{fr.width}; the field's frames are {h}x{w}")
                 ps = dest.get(i)
                 if ps:
-                    a = fr.to_ndarray(format="rgb24")
-                    if a.shape != out.shape[1:] or a.dtype != out.dtype:
-                        raise ValueError(f"a decoded frame is {a.shape} {a.dtype}; expected {out.shape[1:]} {out.dtype}")
+                    a = frame_of(fr)
                     for p in ps:
-                        out[p] = a
+                        if grey:
+                            self._from_picture(a, out[p])
+                        else:
+                            out[p] = a
                 i += 1
 
         for p in packets:
@@ -195,8 +304,11 @@ def parse_video_compressor(compressor: Any, row_shape: tuple[int, ...], dtype: n
     MissingDependencyError
         PyAV is not installed (naming the ``video`` extra).
     """
+    planes = default_planes(tuple(row_shape))
     if isinstance(compressor, VideoCodec):
         codec = compressor
+        if codec.planes is None and planes is not None:  # a stack: its planes, as a string would say
+            codec = VideoCodec(codec.codec, codec.crf, codec.gop, codec.pix_fmt, codec.preset, planes)
     elif isinstance(compressor, str):
         name, *parts = compressor.split(":")
         if name not in VIDEO_CODECS and name not in _PRESETS:
@@ -210,7 +322,9 @@ def parse_video_compressor(compressor: Any, row_shape: tuple[int, ...], dtype: n
                                      f"preset=<word> or pix_fmt=<name>")
             k, v = m.groups()
             kw[k] = int(v) if k in ("crf", "g") and v.isdigit() else v
-        codec = VideoCodec(base, kw.get("crf"), kw.get("g"), kw.get("pix_fmt", "yuv420p"), kw.get("preset"))
+        grey = len(row_shape) != 3 or row_shape[2] != 3 or planes is not None
+        pix = kw.get("pix_fmt", "gray" if grey and base == "h264" else "yuv420p")  # H.264 codes grey as 4:0:0
+        codec = VideoCodec(base, kw.get("crf"), kw.get("g"), pix, kw.get("preset"), planes)
     else:
         return None
     codec.check(tuple(row_shape), np.dtype(dtype))
@@ -222,9 +336,11 @@ def codec_from_attrs(cfg: Any) -> VideoCodec:
     """The codec of a stored :data:`VIDEO_ATTR` entry (ValueError when it is not one this version
     knows: the attributes are input)."""
     keys = {"codec", "crf", "gop", "pix_fmt", "preset"}
-    if not isinstance(cfg, dict) or set(cfg) != keys:
-        raise ValueError(f"{VIDEO_ATTR} {cfg!r}: expected the keys {sorted(keys)}")
+    if not isinstance(cfg, dict) or set(cfg) - {"planes"} != keys:
+        raise ValueError(f"{VIDEO_ATTR} {cfg!r}: expected the keys {sorted(keys)} (and planes)")
+    if "planes" in cfg and (cfg["planes"] is None or isinstance(cfg["planes"], bool)):
+        raise ValueError(f"{VIDEO_ATTR} planes {cfg['planes']!r}: expected -1 or 0")
     try:
-        return VideoCodec(cfg["codec"], cfg["crf"], cfg["gop"], cfg["pix_fmt"], cfg["preset"])
+        return VideoCodec(cfg["codec"], cfg["crf"], cfg["gop"], cfg["pix_fmt"], cfg["preset"], cfg.get("planes"))
     except BadOptionError as e:
         raise ValueError(str(e)) from None
