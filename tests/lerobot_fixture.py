@@ -180,3 +180,31 @@ def write_v21(root: str, lengths: list[int], cam: str = "observation.images.top"
             _encode(os.path.join(root, f"videos/chunk-000/{cam}/episode_{e:06d}.mp4"), [frames_of(e, n)], fps, "av1")
             start += n
     return root
+
+
+# -- the dataset LeRobot's own writer made (tests/data/lerobot_v3, scripts/make_lerobot_fixture.py) --
+#: Its folder, its camera, frame size (H, W), fps, episodes x frames, and each episode's task.
+WRITTEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lerobot_v3")
+WRITTEN_CAM = "observation.images.top"
+WRITTEN_SIZE = (32, 48)
+WRITTEN_FPS = 10
+WRITTEN_EPISODES, WRITTEN_LENGTH = 3, 20
+WRITTEN_TASKS = ["pick cube", "place cube"]
+
+
+def written_task(ep: int) -> str:
+    """Episode ``ep``'s task (episodes 0 and 2 pick, 1 places)."""
+    return WRITTEN_TASKS[ep % 2]
+
+
+def written_step(ep: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(state, action) of step ``t`` of episode ``ep``: (6,) float32 each, exact in float32."""
+    j = np.arange(6, dtype=np.float32)
+    state = (j * 0.25 + t * 0.5 + ep * 100).astype(np.float32)
+    action = (-j * 0.125 + t * 0.75 - ep).astype(np.float32)
+    return state, action
+
+
+def written_frame(ep: int, t: int) -> np.ndarray:
+    """Camera frame of step ``t`` of episode ``ep``: (32, 48, 3) uint8."""
+    return frame_of(ep, t, WRITTEN_SIZE)
