@@ -1,5 +1,5 @@
-"""LeRobot datasets written per LeRobot's specification with pyarrow and PyAV (LeRobot itself is
-not installable here): v3.0 (episodes concatenated in shared Parquet and MP4 files, each episode
+"""LeRobot datasets written per LeRobot's specification with pyarrow and PyAV (any size, codec and
+file split, without LeRobot; tests/data/lerobot_v3 is one LeRobot's own writer made): v3.0 (episodes concatenated in shared Parquet and MP4 files, each episode
 encoded from a keyframe as LeRobot's concatenation leaves it) and v2.1 (one file per episode)."""
 
 from __future__ import annotations
