@@ -146,7 +146,8 @@ class Mp4Segments(Location):
             if got is None:
                 f = self.lay.open(path)
                 try:  # frames of another size than info.json declares are refused here, naming the MP4
-                    got = index_packets(f, self.lay.where(path), self.lay.features[cam].shape[:2])
+                    h, w = self.lay.features[cam].shape[:2]
+                    got = index_packets(f, self.lay.where(path), (h, w))
                 except BaseException:
                     f.close()
                     raise
