@@ -1,8 +1,12 @@
 """Write tests/data/lerobot_v3 with LeRobot's own writer: the dataset tests/test_interop_lerobot_written.py
 reads (the test needs no LeRobot; this script does).
 
-    python -m venv /work/venvs/lerobot && /work/venvs/lerobot/bin/pip install lerobot
+    python -m venv /work/venvs/lerobot
+    /work/venvs/lerobot/bin/pip install torch==2.9.1 torchvision==0.24.1 lerobot==0.4.4   # LeRobot pins torch<2.11
     /work/venvs/lerobot/bin/python scripts/make_lerobot_fixture.py            # rewrites tests/data/lerobot_v3
+
+(The tests' LeRobot parts also need trajstore's own dependencies there: ``pip install "zarr>=3.1.5,<4"
+numcodecs hypothesis pytest``, run with ``PYTHONPATH=.``.)
 
 3 episodes x 20 frames at 10 fps, one camera ``observation.images.top`` of 32x48 (LeRobot's video
 encoding: AV1, libsvtav1), 6-dim float32 ``observation.state`` and ``action``, tasks "pick cube"
