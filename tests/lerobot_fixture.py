@@ -1,5 +1,5 @@
-"""LeRobot datasets written per LeRobot's specification with pyarrow and PyAV (LeRobot itself is
-not installable here): v3.0 (episodes concatenated in shared Parquet and MP4 files, each episode
+"""LeRobot datasets written per LeRobot's specification with pyarrow and PyAV (any size, codec and
+file split, without LeRobot; tests/data/lerobot_v3 is one LeRobot's own writer made): v3.0 (episodes concatenated in shared Parquet and MP4 files, each episode
 encoded from a keyframe as LeRobot's concatenation leaves it) and v2.1 (one file per episode)."""
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = Tr
     c.close()
 
 
-def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, int] = (3, 2)) -> dict[str, Any]:
+def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, int] = (3, 2),
+              fps: int = 10) -> dict[str, Any]:
     f: dict[str, Any] = {
         "observation.state": {"dtype": "float32", "shape": [dims[0]], "names": [f"s{i}" for i in range(dims[0])]},
         "action": {"dtype": "float32", "shape": [dims[1]], "names": [f"a{i}" for i in range(dims[1])]},
@@ -65,7 +66,7 @@ def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, 
     }
     for cam in cams:
         f[cam] = {"dtype": "video", "shape": [size[0], size[1], 3], "names": ["height", "width", "channels"],
-                  "info": {"video.fps": 10, "video.codec": "av1", "video.pix_fmt": "yuv420p"}}
+                  "info": {"video.fps": fps, "video.codec": "av1", "video.pix_fmt": "yuv420p"}}
     for k, dt in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
                   ("index", "int64"), ("task_index", "int64")):
         f[k] = {"dtype": dt, "shape": [1], "names": None}
@@ -81,7 +82,8 @@ def step_values(ep: int, n: int, dims: tuple[int, int] = (3, 2)) -> dict[str, np
             "next.reward": (t / n).astype(np.float32)}
 
 
-def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tuple[int, int] = (3, 2)) -> Any:
+def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tuple[int, int] = (3, 2),
+                fps: int = 10) -> Any:
     import pyarrow as pa
 
     cols: dict[str, list[Any]] = {k: [] for k in ("observation.state", "action", "next.reward", "timestamp",
@@ -92,7 +94,7 @@ def _data_table(lengths: list[int], first_index: int = 0, ep0: int = 0, dims: tu
         cols["observation.state"] += v["observation.state"].tolist()
         cols["action"] += v["action"].tolist()
         cols["next.reward"] += v["next.reward"].tolist()
-        cols["timestamp"] += (np.arange(n) / 10.0).astype(np.float32).tolist()
+        cols["timestamp"] += (np.arange(n) / float(fps)).astype(np.float32).tolist()
         cols["frame_index"] += list(range(n))
         cols["episode_index"] += [e] * n
         cols["index"] += list(range(index, index + n))
@@ -123,7 +125,7 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
             "video_files_size_in_mb": 500, "fps": fps, "splits": {"train": f"0:{len(lengths)}"},
             "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
             "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
-            "features": _features(list(cams), size, dims)}
+            "features": _features(list(cams), size, dims, fps)}
     with open(os.path.join(root, "meta/info.json"), "w") as f:
         json.dump(info, f, indent=4)
     groups = np.array_split(np.arange(len(lengths)), files)
@@ -134,7 +136,7 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
         eps = g.tolist()
         file_of[eps] = k
         t_from[eps] = (starts[eps] - starts[eps[0]]) / fps
-        pq.write_table(_data_table([lengths[e] for e in eps], int(starts[eps[0]]), eps[0], dims),
+        pq.write_table(_data_table([lengths[e] for e in eps], int(starts[eps[0]]), eps[0], dims, fps),
                        os.path.join(root, f"data/chunk-000/file-{k:03d}.parquet"))
         for cam in cams:
             _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-{k:03d}.mp4"),
@@ -164,7 +166,7 @@ def write_v21(root: str, lengths: list[int], cam: str = "observation.images.top"
     info = {"codebase_version": "v2.1", "fps": fps, "chunks_size": 1000, "total_episodes": len(lengths),
             "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
             "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
-            "features": _features([cam])}
+            "features": _features([cam], fps=fps)}
     with open(os.path.join(root, "meta/info.json"), "w") as f:
         json.dump(info, f)
     with open(os.path.join(root, "meta/tasks.jsonl"), "w") as f:
@@ -176,7 +178,35 @@ def write_v21(root: str, lengths: list[int], cam: str = "observation.images.top"
             f.write(json.dumps({"episode_index": e, "tasks": [TASKS[e % 2]], "length": n}) + "\n")
             os.makedirs(os.path.join(root, "data/chunk-000"), exist_ok=True)
             os.makedirs(os.path.join(root, f"videos/chunk-000/{cam}"), exist_ok=True)
-            pq.write_table(_data_table([n], start, e), os.path.join(root, f"data/chunk-000/episode_{e:06d}.parquet"))
+            pq.write_table(_data_table([n], start, e, fps=fps), os.path.join(root, f"data/chunk-000/episode_{e:06d}.parquet"))
             _encode(os.path.join(root, f"videos/chunk-000/{cam}/episode_{e:06d}.mp4"), [frames_of(e, n)], fps, "av1")
             start += n
     return root
+
+
+# -- the dataset LeRobot's own writer made (tests/data/lerobot_v3, scripts/make_lerobot_fixture.py) --
+#: Its folder, its camera, frame size (H, W), fps, episodes x frames, and each episode's task.
+WRITTEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lerobot_v3")
+WRITTEN_CAM = "observation.images.top"
+WRITTEN_SIZE = (32, 48)
+WRITTEN_FPS = 10
+WRITTEN_EPISODES, WRITTEN_LENGTH = 3, 20
+WRITTEN_TASKS = ["pick cube", "place cube"]
+
+
+def written_task(ep: int) -> str:
+    """Episode ``ep``'s task (episodes 0 and 2 pick, 1 places)."""
+    return WRITTEN_TASKS[ep % 2]
+
+
+def written_step(ep: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(state, action) of step ``t`` of episode ``ep``: (6,) float32 each, exact in float32."""
+    j = np.arange(6, dtype=np.float32)
+    state = (j * 0.25 + t * 0.5 + ep * 100).astype(np.float32)
+    action = (-j * 0.125 + t * 0.75 - ep).astype(np.float32)
+    return state, action
+
+
+def written_frame(ep: int, t: int) -> np.ndarray:
+    """Camera frame of step ``t`` of episode ``ep``: (32, 48, 3) uint8."""
+    return frame_of(ep, t, WRITTEN_SIZE)

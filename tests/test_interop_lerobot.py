@@ -1,6 +1,8 @@
 """LeRobot datasets in and out (trajstore.interop.lerobot*): fixtures written per LeRobot's
-specification with pyarrow and PyAV (tests/lerobot_fixture.py; LeRobot itself is not installable
-here), the exact values and files checked, hostile inputs refused naming the file."""
+specification with pyarrow and PyAV (tests/lerobot_fixture.py: any sizes, codecs, file splits and
+v2.1), the exact values and files checked, hostile inputs refused naming the file.  A dataset
+written by LeRobot's own writer: tests/test_interop_lerobot_written.py; every bad input of issue 32
+through both import and open: tests/test_interop_lerobot_bad.py."""
 
 from __future__ import annotations
 

@@ -114,14 +114,14 @@ class LeRobotLayout:
     def data_key(self, ep: Episode) -> str:
         """Path (below the root) of the data file holding ``ep``."""
         chunk, file = ep.data
-        return render(self.data_path, "data_path", chunk_index=chunk, file_index=file, episode_chunk=chunk,
-                      episode_index=ep.index)
+        return render(self.data_path, "data_path", self.source.where("meta/info.json"), chunk_index=chunk,
+                      file_index=file, episode_chunk=chunk, episode_index=ep.index)
 
     def video_key(self, key: str, ep: Episode) -> str:
         """Path (below the root) of camera ``key``'s MP4 holding ``ep``."""
         chunk, file, _a, _b = ep.videos[key]
-        return render(self.video_path, "video_path", video_key=key, chunk_index=chunk, file_index=file,
-                      episode_chunk=chunk, episode_index=ep.index)
+        return render(self.video_path, "video_path", self.source.where("meta/info.json"), video_key=key,
+                      chunk_index=chunk, file_index=file, episode_chunk=chunk, episode_index=ep.index)
 
     @property
     def root(self) -> str:
@@ -151,15 +151,18 @@ def _check_template(template: Any, name: str, where: str) -> str:
                 (fname == "video_key" and spec):
             raise ForeignFileError(f"{where}: {name} {template!r}: placeholder {{{fname}{':' + spec if spec else ''}}} "
                                    f"is not one of LeRobot's ({sorted(_PLACEHOLDERS)}, integer formats)")
+    # the literal parts are checked here, naming info.json; render checks each path again with its values
+    render(template, name, where, chunk_index=0, file_index=0, video_key="key", episode_chunk=0, episode_index=0)
     return template
 
 
-def render(template: str, name: str, **values: Any) -> str:
-    """``template`` with ``values``, refused unless the path stays below the dataset folder."""
+def render(template: str, name: str, where: str = "LeRobot", **values: Any) -> str:
+    """``template`` with ``values``, refused unless the path stays below the dataset folder
+    (``where``: the info.json it came from, for the message)."""
     path = template.format(**values)
     parts = path.split("/")
     if path.startswith("/") or "\\" in path or "\x00" in path or any(p in ("", ".", "..") for p in parts):
-        raise ForeignFileError(f"LeRobot {name} {template!r} gives {path!r}: a path outside the dataset folder "
+        raise ForeignFileError(f"{where}: {name} {template!r} gives {path!r}: a path outside the dataset folder "
                                "(absolute, '..' or empty parts) is refused")
     return path
 
@@ -179,8 +182,9 @@ def _feature(name: str, spec: Any, where: str) -> Feature:
     if not isinstance(shape, list) or not 0 < len(shape) <= 4 or \
             not all(type(s) is int and 0 < s <= 1 << 20 for s in shape):
         raise ForeignFileError(f"{where}: feature {name!r} shape {shape!r:.100} is not 1 to 4 positive ints")
-    if "/" in name or not 0 < len(name) <= 128:
-        raise ForeignFileError(f"{where}: feature name {name!r:.140} (LeRobot refuses '/' in names)")
+    if "/" in name or "\\" in name or name in (".", "..") or not 0 < len(name) <= 128:
+        raise ForeignFileError(f"{where}: feature name {name!r:.140} (LeRobot refuses '/' in names; '.' and '..' "
+                               "would lead out of the videos folder)")
     if spec["dtype"] == "video":
         names = spec.get("names") or ["height", "width", "channels"]
         hwc = tuple(shape) if list(names)[:1] != ["channels"] else (shape[1], shape[2], shape[0])
@@ -327,6 +331,9 @@ def column_array(table: Any, name: str, dtype: np.dtype[Any], shape: tuple[int, 
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if len(values) != n * count:
             raise ValueError(f"{len(values)} values for {n} rows of shape {list(shape)}")
+        if values.dtype.kind == "f" and dtype.kind in "biu" and not np.array_equal(values, np.trunc(values)):
+            # info.json and the file disagree: a cast would silently truncate the fractions
+            raise ValueError(f"it holds {values.dtype} fractions; info.json declares {dtype}")
         return values.astype(dtype, copy=False).reshape((n, *shape))
     except ValueError as e:
         raise ForeignFileError(f"{where}: column {name!r}: {e}") from None

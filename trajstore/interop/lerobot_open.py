@@ -139,13 +139,15 @@ class Mp4Segments(Location):
         tasks = {i: lay.tasks.index(ep.tasks[0]) for i, ep in enumerate(lay.episodes) if ep.tasks}
         self.robot = robot_bytes(RobotInfo(lay.fps, list(lay.tasks), tasks))
 
-    def _index(self, path: str) -> Mp4Index:
+    def _index(self, path: str, cam: str) -> Mp4Index:
+        """The packet index of camera ``cam``'s MP4 ``path`` (built at its first read, kept open)."""
         with self.lock:
             got = self.indexes.get(path)
             if got is None:
                 f = self.lay.open(path)
-                try:
-                    got = index_packets(f, self.lay.where(path))
+                try:  # frames of another size than info.json declares are refused here, naming the MP4
+                    h, w = self.lay.features[cam].shape[:2]
+                    got = index_packets(f, self.lay.where(path), (h, w))
                 except BaseException:
                     f.close()
                     raise
@@ -171,7 +173,7 @@ class Mp4Segments(Location):
         ep = self.lay.episodes[i]
         path = self.lay.video_key(cam, ep)
         _c, _f, t0, t1 = ep.videos[cam]
-        packets, keys = self._index(path).episode(t0, t1, self.lay.fps, ep.length)
+        packets, keys = self._index(path, cam).episode(t0, t1, self.lay.fps, ep.length)
         return write_segment(packets, keys)
 
     def exists(self, key: str) -> bool:

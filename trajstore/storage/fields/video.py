@@ -34,7 +34,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from trajstore.errors import BadOptionError, DamagedStoreError, TrajstoreError
+from trajstore.errors import BadOptionError, DamagedStoreError, ForeignFileError, TrajstoreError
 from trajstore.storage.confined import full_disk
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.chunked import map_file
@@ -214,6 +214,8 @@ class VideoField:
             if buf is None:
                 raise DamagedStoreError(f"{where} are committed, but the segment file is missing; run `trajstore verify`")
             seg = read_segment(buf, hi - lo, owner)
+        except ForeignFileError:
+            raise  # a foreign file served as a segment (open_lerobot's MP4s): its message names it
         except (ValueError, DamagedStoreError) as e:
             if isinstance(e, DamagedStoreError) and str(e).startswith(where):
                 raise
