@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 from zarr.core.buffer import default_buffer_prototype
 
@@ -45,7 +45,7 @@ from trajstore.storage.icechunk_store import FILES_GROUP, SessionStore
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
 
 __all__ = ["IcechunkSession", "SessionStore", "is_icechunk_url", "open_repository", "resolve_version",
-           "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
+           "branch_history", "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
 
 #: The branch trajstore writes and reads by default.
 BRANCH = "main"
@@ -153,13 +153,33 @@ def resolve_version(repo: Any, url: str, version: Any) -> dict[str, Any]:
     if version in repo.list_branches():
         return {"branch": version}
     if _SNAPSHOT_ID.match(version):
-        if any(s.id == version for s in repo.ancestry(branch=BRANCH)):
+        if version in branch_history(repo):
             return {"snapshot_id": version}
         raise VersionNotFoundError(f"{url}: snapshot {version} is not a version of this dataset (not in the history "
                                    "of its branch); `trajstore log` lists its snapshots")
     tags = sorted(repo.list_tags())
     raise VersionNotFoundError(f"{url}: no version named {version!r}; its tags are {tags or 'none'} "
                                "(a snapshot id or a datetime also names a version)")
+
+
+#: The snapshot ids of each branch tip's history, newest tips last (a snapshot's parents never
+#: change, so the history of a tip is cached for good; a few tips are kept).
+_HISTORIES: dict[str, frozenset[str]] = {}
+_HISTORIES_KEPT = 8
+
+
+def branch_history(repo: Any, branch: str = BRANCH) -> frozenset[str]:
+    """The ids of every snapshot in the history of ``branch`` (its tip included): one walk of the
+    ancestry per tip, cached, so resolving many snapshot ids (``trajstore log``, ``diff``) reads
+    each snapshot once rather than once per id."""
+    tip = str(repo.lookup_branch(branch))
+    got = _HISTORIES.get(tip)
+    if got is None:
+        got = frozenset(s.id for s in repo.ancestry(snapshot_id=tip))
+        _HISTORIES[tip] = got
+        while len(_HISTORIES) > _HISTORIES_KEPT:
+            del _HISTORIES[next(iter(_HISTORIES))]
+    return got
 
 
 class IcechunkSession:
@@ -185,6 +205,12 @@ class IcechunkSession:
         self.broken: str | None = None  # why this writer may write no more (a lost conflict)
         self.message: str | None = None  # the next commit's message, when a caller names it
         self.pushed_bytes: int | None = None  # the size of the version's keys, as its push recorded it
+        #: A one-pass reader (a pull): raw chunks' rows are fetched as byte ranges, not whole chunks
+        #: kept in a cache (storage/fields/ranges.py); ``storage_options["trajstore_ranges"]``.
+        self.ranged_reads = False
+        #: A writer's buffer may describe each commit record (``{"episodes": n}``) for the
+        #: snapshot's metadata, so ``trajstore log`` reads no data (trajstore/buffers/trajectory.py).
+        self.describe: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self._last: tuple[int, dict[str, int]] | None = None  # (epoch, rows) of this writer's last commit
         self.session = (repo.readonly_session(**(version or {"branch": BRANCH})) if read_only
                         else repo.writable_session(BRANCH))
@@ -225,6 +251,7 @@ class IcechunkSession:
             raise ChecksumError(f"{self.url}: the commit record is not the one pushed with the checksums (the store "
                                 "was committed to after its push); pull a pushed version, or pass --no-verify")
         self.zstore.checksums = {**keys, HEAD_KEY: str(obj.get("head"))}
+        self.zstore.set_block_sums(obj.get("blocks"), obj.get("block_bytes"))
         total = obj.get("bytes")
         self.pushed_bytes = total if type(total) is int else None
 
@@ -252,7 +279,8 @@ class IcechunkSession:
         message = self.message or _default_message(head, rows, self._last)
         self.message = None
         meta = {"trajstore": {"generation": head.get("generation"), "epoch": head.get("epoch"), "rows": rows,
-                              "next_episode_id": (head.get("state") or {}).get("next_episode_id")}}
+                              "next_episode_id": (head.get("state") or {}).get("next_episode_id"),
+                              **(self.describe(head) if self.describe is not None else {})}}
         try:
             # A rebase is tried only where it is safe: the other commit changed none of the keys this
             # one changed (ConflictDetector); a change of the commit record always conflicts.
