@@ -181,18 +181,25 @@ def test_two_writer_processes_retry_a_lost_append_on_the_new_head(s3_options, tm
 
 def test_sigkill_at_random_instants_of_icechunk_commits(tmp_path, procs):
     """A child appends 3 rows and commits (one icechunk commit each) in a loop on a local
-    repository and is SIGKILLed after a random delay, 100 times; after each kill the branch opens
-    at a committed snapshot holding every acknowledged row (a sample of them verified deep), and
-    the next child writes on."""
+    repository and is SIGKILLed a random delay after its first commit, 100 times; after each kill
+    the branch opens at a committed snapshot holding every acknowledged row (a sample of them
+    verified deep), and the next child writes on."""
     url = f"icechunk://{tmp_path / 'repo'}"
     log = str(tmp_path / "log")
     rng = random.Random(33)
     acked = kills = 0
     for i in range(100):
         ready = str(tmp_path / f"ready{i}")
+        flushes = sum(tag == "F" for tag, _ in parse_log(log))
         p = W.start(IW.append_loop, url, None, log, ready, 3)
         procs.append(p)
         W.wait_for_file(ready, p)
+        # Once the child has committed (its open logs one F, each commit one more), the kill lands
+        # inside its loop of commits however loaded the machine is.
+        deadline = time.monotonic() + 60
+        while sum(tag == "F" for tag, _ in parse_log(log)) < flushes + 2:
+            assert p.is_alive() and time.monotonic() < deadline, (i, parse_log(log)[-3:])
+            time.sleep(0.002)
         time.sleep(rng.uniform(0.0, 0.06))
         W.kill(p)
         kills += 1

@@ -245,6 +245,7 @@ class IcechunkSession:
         except ValueError:
             obj, keys, ok = None, None, False
         if not ok or not isinstance(obj, dict) or not isinstance(keys, dict):
+            self._refuse_foreign()
             raise ChecksumError(f"{self.url}: this version holds no checksums (it was not made by `trajstore push`); "
                                 "pull a pushed version (`trajstore log` shows them), or pass --no-verify")
         if head is None or hashlib.sha256(head.to_bytes()).hexdigest() != obj.get("head"):
@@ -254,6 +255,20 @@ class IcechunkSession:
         self.zstore.set_block_sums(obj.get("blocks"), obj.get("block_bytes"))
         total = obj.get("bytes")
         self.pushed_bytes = total if type(total) is int else None
+
+    def _refuse_foreign(self) -> None:
+        """Raise NotATrajstoreError when the snapshot's root is another program's zarr data (a
+        version without checksums is first of all no trajstore store then)."""
+        from zarr.core.sync import sync
+
+        raw = sync(self.zstore.get("zarr.json", default_buffer_prototype()))
+        try:
+            obj = json.loads(raw.to_bytes()) if raw is not None and len(raw) <= 1 << 20 else None
+        except ValueError:
+            obj = None
+        attrs = obj.get("attributes") if isinstance(obj, dict) else None
+        if raw is not None and not (isinstance(attrs, dict) and "trajstore" in attrs):
+            raise NotATrajstoreError(f"{self.url}: not a trajstore store (zarr.json has no 'trajstore' attributes)")
 
     def check_usable(self) -> None:
         """Raise when this location may not write: read-only, or its writer lost a conflict."""

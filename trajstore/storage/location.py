@@ -550,14 +550,11 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
         loc.close()
         raise StoreNotFoundError(f"no store at {url!r}: the icechunk repository holds no zarr.json at its root")
     if read_only and (storage_options or {}).get("trajstore_checksums"):
-        from trajstore.storage.array_meta import read_root
-
         try:
-            read_root(loc)  # another program's repository: NotATrajstoreError, before "no checksums"
+            tx.require_checksums()  # every key read is checked against the checksums of its push
         except BaseException:
             loc.close()
             raise
-        tx.require_checksums()  # every key read is checked against the checksums of its push
     # A one-pass reader (pull) fetches rows of raw chunks as byte ranges (storage/fields/ranges.py).
     tx.ranged_reads = bool(read_only and (storage_options or {}).get("trajstore_ranges"))
     return loc

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.abc.store import RangeByteRequest
+from zarr.codecs import BytesCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
@@ -31,7 +32,7 @@ def raw_dtype(z: zarr.Array[Any]) -> np.dtype | None:
         codecs = z.metadata.codecs  # type: ignore[union-attr]  # zarr v2 metadata has none: below
     except AttributeError:
         return None
-    if len(codecs) != 1 or not isinstance(codecs[0], zarr.codecs.BytesCodec):
+    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
         return None
     dtype = np.dtype(z.dtype)
     endian = getattr(codecs[0].endian, "value", codecs[0].endian)  # None for one-byte dtypes
