@@ -74,3 +74,41 @@ def push_loop(local: str, remote: str, log: str, ready: str) -> None:
         buf.extend({"obs": np.zeros((40, 16), np.float32), "action": np.zeros((40, 4), np.float32)})
         buf.mark_episode_end()
         buf.close()
+
+
+def tagged(writer: int, block: int, size: int) -> np.ndarray:
+    """Block ``block`` of writer ``writer`` (``size`` rows): row ``i`` is ``[writer * 100000 + block
+    * size + i] * 4`` (exact in float32), so a store's rows say whose block they are and where."""
+    return rows(writer * 100_000 + block * size, writer * 100_000 + (block + 1) * size)
+
+
+def retry_appender(url: str, storage_options: Any, log: str, ready: str, go: str, writer: int, blocks: int,
+                   size: int) -> None:
+    """Open the ReplayBuffer at ``url``, append block 0 (:func:`tagged`), wait for the file ``go``,
+    then flush; then append and flush blocks 1 .. ``blocks - 1``.  A flush that loses a conflict
+    (``ConcurrentWriteError``) is retried as docs/versions.md says: reopen the store (on the new
+    head) and append the same block again.  Logs ``R <block>`` for each lost conflict and
+    ``F <block>`` once a block is acknowledged."""
+    from trajstore import ReplayBuffer
+    from trajstore.errors import ConcurrentWriteError
+
+    def reopen() -> Any:
+        return ReplayBuffer.load_from(url, storage_options=storage_options, commit_interval=3600)
+
+    buf = reopen()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    open(ready, "w").close()
+    deadline = time.monotonic() + _DEADLINE_S
+    for j in range(blocks):
+        while time.monotonic() < deadline:
+            buf.extend(tagged(writer, j, size))
+            while j == 0 and not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.002)  # (the parent lets the other writer commit first)
+            try:
+                buf.flush()
+                break
+            except ConcurrentWriteError:
+                os.write(fd, f"R {j}\n".encode())
+                buf = reopen()  # the loser is dropped unflushed: its exit hook would lose again
+        os.write(fd, f"F {j}\n".encode())
+    os._exit(0)

@@ -98,6 +98,38 @@ def test_tag_time_travel_log_and_diff(tmp_path):
         trajstore.tag(str(local), "v1")
 
 
+@pytest.mark.parametrize("capacity", [None, 100])
+def test_log_reads_episodes_from_commit_metadata(tmp_path, monkeypatch, capacity):
+    """A writer names each commit's episodes in its snapshot's metadata, so log opens no snapshot
+    (here: opening one fails the test); the counts equal what each snapshot's reader sees, also in
+    a ring that evicts episodes and with an episode spanning commits."""
+    import trajstore.maintenance.versions as V
+
+    url = f"icechunk://{tmp_path / 'repo'}"
+    kw = {} if capacity is None else {"step_data_capacity": capacity}
+    buf = _record(url, 1, steps=30, commit_interval=3600, **kw)
+    buf.flush()
+    for e in range(1, 6):
+        obs = np.full((20, 16), e, np.float32)
+        buf.extend({"obs": obs, "action": obs[:, :4]})
+        buf.flush()  # an episode in progress: it counts
+        buf.extend({"obs": obs[:10], "action": obs[:10, :4]})
+        buf.mark_episode_end()
+        buf.flush()
+    buf.close()
+    truth = {}
+    for snap in icechunk.Repository.open(icechunk.local_filesystem_storage(str(tmp_path / "repo"))).ancestry(
+            branch="main"):
+        if (snap.metadata or {}).get("trajstore"):
+            old = trajstore.load_from(url, version=snap.id)
+            truth[snap.id] = len(old.episodes()["episode_id"])
+            old.close()
+    monkeypatch.setattr(V, "_episodes_at", lambda *a: pytest.fail("log opened a snapshot"))
+    entries = log(url)
+    assert {e["snapshot"]: e["episodes"] for e in entries} == truth and len(truth) >= 11
+    assert entries[0]["episodes"] == (6 if capacity is None else 4)
+
+
 def test_push_is_incremental_and_pull_takes_a_verified_subset(tmp_path, s3_options):  # noqa: F811
     local = str(tmp_path / "local")
     remote = f"icechunk+s3://trajstore-test/versions-{uuid.uuid4().hex}"
@@ -130,21 +162,83 @@ def test_push_is_incremental_and_pull_takes_a_verified_subset(tmp_path, s3_optio
     assert best["episodes"] == 3 and best["of"] == 101  # 98, 99 and 100 of the latest version
 
 
+def test_pull_at_default_chunking_reads_its_episodes_rows_and_checks_each_block(tmp_path):
+    """A store at its default chunking (raw chunks of 2 MiB: 32,768 rows of obs): a pull of 10% of
+    its episodes fetches the runs of rows they hold as byte ranges, each 64 KiB block checked
+    against the push's block checksums, so it reads at most 15% of the version's bytes (a whole
+    chunk of each field was about 40% here).  A damaged block is refused when a pull reads it."""
+    local = str(tmp_path / "local")
+    remote = f"icechunk://{tmp_path / 'remote'}"
+    buf = TrajectoryReplayBuffer.create(STEP, episode_data_instance_space=EPISODE, cache_path=local)
+    _extend(buf, range(80), steps=1000)
+    buf.close()
+    push(local, remote, tag="v1")
+    out = tmp_path / "pulled"
+    got = pull(f"{remote}@v1", str(out), episodes=(0, 8))
+    assert got["verified"] and got["episodes"] == 8 and got["steps"] == 8000
+    assert got["bytes_read"] <= 0.15 * got["remote_bytes"], got
+    small = TrajectoryReplayBuffer.load_from(str(out), read_only=True)
+    np.testing.assert_array_equal(small[:]["step_data"]["obs"][:, 3],
+                                  (np.arange(8)[:, None] * 1000 + np.arange(1000)).ravel())
+    np.testing.assert_array_equal(small[:]["step_data"]["action"], -small[:]["step_data"]["obs"][:, :4])
+    small.close()
+    # Another program changes row 20,000 of obs's first chunk (1.25 MiB in: a block no pull of
+    # episodes 0..7 reads) and row 5: the first pull reads only intact blocks, the second is refused.
+    repo = icechunk.Repository.open(icechunk.local_filesystem_storage(str(tmp_path / "remote")))
+    for row in (20_000, 5):
+        session = repo.writable_session("main")
+        zarr.open_array(session.store, path="step_data/obs", mode="r+")[row] = -1.0
+        snap = session.commit(f"another program's change of row {row}")
+        dst = tmp_path / f"after-{row}"
+        if row == 20_000:
+            assert pull(remote, str(dst), version=snap, episodes=(0, 8), verify=True)["steps"] == 8000
+            with pytest.raises(ChecksumError, match=r"step_data/obs/c/0/0 bytes 1245184\.\.1310719 do not match"):
+                pull(remote, str(tmp_path / "all"), version=snap)
+            continue
+        with pytest.raises(ChecksumError, match=r"step_data/obs/c/0/0 bytes 0\.\.65535 do not match"):
+            pull(remote, str(dst), version=snap, episodes=(0, 8))
+        assert not dst.exists()
+
+
 def test_pull_bad_input_writes_nothing(tmp_path):
     local = str(tmp_path / "local")
     remote = f"icechunk://{tmp_path / 'remote'}"
     _record(local, 4).close()
     push(local, remote, tag="v1")
     dst = tmp_path / "dst"
-    with pytest.raises(VersionNotFoundError):
+
+    def nothing_written():
+        assert not dst.exists() and not [p for p in os.listdir(tmp_path) if "partial" in p or p.startswith(".")]
+
+    with pytest.raises(VersionNotFoundError, match="no version named 'nope'"):
         pull(f"{remote}@nope", str(dst))
+    nothing_written()
     with pytest.raises(UnknownFieldError, match="reward"):
         pull(remote, str(dst), fields=["obs", "reward"])
+    nothing_written()
     other = f"icechunk://{tmp_path / 'other'}"
     push(local, other)
     foreign_snapshot = snapshot_of(other)
     with pytest.raises(VersionNotFoundError, match="not a version of this dataset"):
         pull(remote, str(dst), version=foreign_snapshot)
+    nothing_written()
+    # A repository of another program's layout: pull, push, tag and log refuse it or skip its commits.
+    foreign_path = tmp_path / "foreign"
+    foreign = icechunk.Repository.create(icechunk.local_filesystem_storage(str(foreign_path)))
+    session = foreign.writable_session("main")
+    zarr.create_group(session.store, attributes={"made_by": "another program"}).create_array("x", shape=(4,), dtype="i4")
+    session.commit("another program's data")
+    before_files = os.listdir(foreign_path)
+    with pytest.raises(NotATrajstoreError, match="not a trajstore store"):
+        pull(f"icechunk://{foreign_path}", str(dst))
+    nothing_written()
+    with pytest.raises(NotATrajstoreError, match="not a trajstore store"):
+        push(local, f"icechunk://{foreign_path}")
+    with pytest.raises(NotATrajstoreError, match="not a trajstore store"):
+        trajstore.tag(f"icechunk://{foreign_path}", "mine")
+    assert [s.message for s in foreign.ancestry(branch="main")][0] == "another program's data"
+    assert not foreign.list_tags() and os.listdir(foreign_path) == before_files
+    assert log(f"icechunk://{foreign_path}") == []
     # A version written after its push holds no matching checksums; a damaged chunk fails its checksum.
     buf = TrajectoryReplayBuffer.load_from(remote)
     _extend(buf, [4])

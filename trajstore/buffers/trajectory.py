@@ -124,6 +124,10 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
                                      "(multiprocessing=False): each encodes the episodes it records")
             self._table.listeners.append(self._episode_ends)
         self._table.extend_listeners.append(self.episode_index.after_step_extend)
+        if store.writable and store.loc.transaction is not None:
+            # An icechunk writer names its episodes in each commit's metadata: `trajstore log`
+            # then reads no snapshot's data (storage/icechunk_location.py).
+            store.loc.transaction.describe = self._describe_commit
         if store.writable and (store.multiprocessing or (store.lock is not None and store.lock.previous_unclean)):
             # A crashed writer's episode may be half written and another process may write
             # concurrently: this handle starts a fresh id, so no id is ever shared or reused.
@@ -137,6 +141,16 @@ class TrajectoryReplayBuffer(RobotData, EpisodeWindows, EpisodeEditing, Trajecto
         a reader reads it at its first windowed sample."""
         st = self._store
         return st.saved_runs if st.writable else load_runs(st.loc, st.committed, self._table.capacity)
+
+    def _describe_commit(self, head: dict[str, Any]) -> dict[str, Any]:
+        """``{"episodes": n}`` for the commit record ``head`` being committed (episodes with steps
+        in its step table's rows), when the run index holds them at the record's epoch; else
+        nothing (`trajstore log` then counts them from the snapshot)."""
+        st = (head.get("tables") or {}).get(STEPS)
+        if head.get("pending") or not isinstance(st, dict):
+            return {}
+        n = self.run_index.episodes_between(int(st["start"]), int(st["end"]), int(head.get("epoch", 0)), 1 << 20)
+        return {} if n is None else {"episodes": n}
 
     def _after_last_commit(self) -> None:
         """Save the run index for the next readers (:mod:`trajstore.storage.runs_file`).

@@ -441,6 +441,25 @@ class RunIndex:
         self._starts[need] = self._NONE
         self._n = need
 
+    def episodes_between(self, lo: int, hi: int, epoch: int, most_scan: int) -> int | None:
+        """How many distinct ids the rows ``[lo, hi)`` (absolute, inside the table) hold, as of
+        commit epoch ``epoch``; None when that epoch is not the index's, or covering the rows
+        would read the ids of more than ``most_scan`` rows not yet scanned (a writer describing
+        its commit pays for the rows it appended, not for a scan of the whole table)."""
+        st = self.steps.state
+        if epoch != self.epoch() or hi < lo:
+            return None
+        kept = self._epoch == epoch and self._begin <= st.start <= self._end
+        if st.end - (self._end if kept else st.start) > most_scan:
+            return None
+        self._update()
+        if not (self._begin <= lo and hi <= self._end):
+            return None
+        starts = self._starts[: self._n]
+        first = max(int(np.searchsorted(starts, lo, side="right")) - 1, 0)
+        last = int(np.searchsorted(starts, hi, side="left"))
+        return int(len(np.unique(self._ids[first:last]))) if hi > lo else 0
+
     def one_run(self, lo: np.ndarray, span: int) -> np.ndarray:
         """Whether absolute rows ``lo[b] .. lo[b] + span`` (inside the table) share one id, (B,) bool."""
         self._update()

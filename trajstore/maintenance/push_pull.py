@@ -38,6 +38,7 @@ from trajstore.spaces.leaves import leaves
 from trajstore.spaces.values import ValuePlan
 from trajstore.storage.array_meta import read_root
 from trajstore.storage.head import write_head
+from trajstore.storage.icechunk_store import CHECK_BLOCK_BYTES, block_digests
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
 from trajstore.storage.location import Location, resolve_location
 
@@ -120,17 +121,23 @@ def push(local: PathLike, remote: str, *, tag: str | None = None, force: bool = 
         repo = repository(remote, remote_options)  if _exists(remote, remote_options) else None
         if tag is not None and repo is not None and tag in repo.list_tags():
             raise StoreExistsError(f"{remote}: tag {tag!r} exists already; tags never move: choose another name")
+        if repo is not None and not force:  # checked on a reader: a refused push writes nothing (no lock file)
+            seen = resolve_location(remote, read_only=True, storage_options=remote_options, must_exist=False)
+            try:
+                _check_same_dataset(src, seen, remote)
+            finally:
+                seen.close()
         target = resolve_location(remote, read_only=False, storage_options=remote_options, must_exist=False)
         if target.transaction is None:
             raise BadOptionError(f"{remote}: push needs an icechunk location (icechunk://PATH or "
                                  "icechunk+s3://BUCKET/PREFIX)")
         if not force:
-            _check_same_dataset(src, target, remote)
+            _check_same_dataset(src, target, remote)  # (again on the writer's snapshot: a push may have landed since)
         out = _upload(src, target, progress)
         head = src.committed.copy()
         data = head.to_json()
         sums = {"format": 1, "algorithm": "sha256", "head": hashlib.sha256(data).hexdigest(), "keys": out.pop("sums"),
-                "bytes": out["bytes"]}
+                "bytes": out["bytes"], "block_bytes": CHECK_BLOCK_BYTES, "blocks": out.pop("blocks")}
         target.put(CHECKSUMS_KEY, json.dumps(sums, separators=(",", ":")).encode())
         target.transaction.message = message or f"push from {src.loc.url}"
         write_head(target, head)  # the icechunk commit: keys, checksums and record at once
@@ -158,6 +165,7 @@ def _upload(src: Store, target: Location, progress: bool | None) -> dict[str, An
     known = _remote_checksums(target)
     keys = src.data_keys()
     sums: dict[str, str] = {}
+    blocks: dict[str, list[Any]] = {}  # keys of more than one block: their blocks' digests (partial reads)
     uploaded = uploaded_bytes = total = 0
     bar = progress_bar(len(keys), f"push to {target.url}", progress)
     try:
@@ -166,6 +174,8 @@ def _upload(src: Store, target: Location, progress: bool | None) -> dict[str, An
             if data is None:
                 continue
             sums[key] = digest = hashlib.sha256(data).hexdigest()
+            if len(data) > CHECK_BLOCK_BYTES:
+                blocks[key] = [len(data), block_digests(data)]
             total += len(data)
             if known.get(key) != digest:
                 target.put(key, data)
@@ -179,7 +189,7 @@ def _upload(src: Store, target: Location, progress: bool | None) -> dict[str, An
     for key in gone:
         target.delete(key)
     return {"keys": len(sums), "bytes": total, "uploaded": uploaded, "uploaded_bytes": uploaded_bytes,
-            "unchanged": len(sums) - uploaded, "deleted": len(gone), "sums": sums}
+            "unchanged": len(sums) - uploaded, "deleted": len(gone), "sums": sums, "blocks": blocks}
 
 
 def _sub_space(space: gymnasium.Space[Any], fields: Sequence[str]) -> gymnasium.Space[Any]:
@@ -273,7 +283,8 @@ def pull(remote: str, local: PathLike, *, version: Any = None, episodes: tuple[i
     version = version if version is not None else at
     out_path = local_path(local, "pull: local")
     check_free(out_path, overwrite)
-    opts = {**(storage_options or {}), "trajstore_checksums": verify}
+    # (ranges: each row is read once, so a run of rows of a raw chunk is fetched alone, not the chunk)
+    opts = {**(storage_options or {}), "trajstore_checksums": verify, "trajstore_ranges": True}
     if version is not None:
         opts = version_options(version, opts)
     src = load_version(base, None, storage_options=opts)

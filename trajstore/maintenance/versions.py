@@ -121,16 +121,30 @@ def load_version(path: PathLike, version: Any = None, *, storage_options: dict[s
                              "TrajectoryReplayBuffer stores")
 
 
-def _episodes_at(url: str, snap: str, storage_options: dict[str, Any] | None) -> int | None:
-    buf = load_version(url, snap, storage_options=storage_options)
+def _kind_at(url: str, snap: str, storage_options: dict[str, Any] | None) -> Any:
+    """The kind of store (its root attributes') in snapshot ``snap``."""
+    store = Store.open(url, None, read_only=True, multiprocessing=False,
+                       storage_options=version_options(snap, storage_options), options={})
     try:
-        return len(buf.episodes()["episode_id"]) if isinstance(buf, TrajectoryReplayBuffer) else None
+        return store.attrs.get("kind")
+    finally:
+        store.close()
+
+
+def _episodes_at(url: str, snap: str, storage_options: dict[str, Any] | None) -> int:
+    """Episodes with steps in snapshot ``snap`` of a trajectory store, counted from its data (a
+    commit whose metadata does not name them: written by an older trajstore, an edit)."""
+    buf = TrajectoryReplayBuffer.load_from(url, read_only=True, storage_options=version_options(snap, storage_options))
+    try:
+        return len(buf.episodes()["episode_id"])
     finally:
         buf.close()
 
 
 def log(path: PathLike, *, limit: int | None = None, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The commits of the store at ``path``, newest first.
+    """The commits of the store at ``path``, newest first; read from each snapshot's commit
+    metadata (rows and, as the writer counted them, episodes), so no snapshot is opened except
+    to count the episodes of a commit whose metadata does not (an edit, an older trajstore's).
 
     Returns
     -------
@@ -145,14 +159,27 @@ def log(path: PathLike, *, limit: int | None = None, storage_options: dict[str, 
     for name in sorted(repo.list_tags()):
         tags.setdefault(str(repo.lookup_tag(name)), []).append(name)
     out: list[dict[str, Any]] = []
+    kinds: list[Any] = []
     for snap in repo.ancestry(branch=BRANCH):
         meta = (snap.metadata or {}).get("trajstore")
         if not isinstance(meta, dict):
             continue  # the repository's own first commit, or another program's
         rows = meta.get("rows") or {}
+        episodes = meta.get("episodes")
+        if type(episodes) is int:
+            kinds[:] = ["TrajectoryReplayBuffer"]  # (only a trajectory store's writer counts episodes)
+        else:
+            if not kinds:  # (a store's kind is the same in every version: read once)
+                kinds.append(_kind_at(url, snap.id, storage_options))
+            if kinds[0] != "TrajectoryReplayBuffer":
+                episodes = None
+            elif int(rows.get("step_data", 0)) == 0:
+                episodes = 0  # (the create commit: before the buffer could count)
+            else:
+                episodes = _episodes_at(url, snap.id, storage_options)
         out.append({"snapshot": snap.id, "time": snap.written_at, "message": snap.message,
                     "rows": int(rows.get("step_data", sum(int(v) for v in rows.values()))),
-                    "episodes": _episodes_at(url, snap.id, storage_options), "tags": tags.get(snap.id, [])})
+                    "episodes": episodes, "tags": tags.get(snap.id, [])})
         if limit is not None and len(out) >= limit:
             break
     return out
@@ -170,28 +197,34 @@ def _fields_at(url: str, snap: str, storage_options: dict[str, Any] | None) -> d
 
 
 def _episode_digests(buf: TrajectoryReplayBuffer) -> dict[int, str]:
-    """A content digest of every episode's steps and episode data, one episode at a time."""
+    """A content digest of every episode's steps (each leaf's rows in row order) and episode data,
+    read a bounded block of rows at a time (not an episode at a time)."""
+    from trajstore.buffers.episode_edit import TABLE_COLUMNS, episode_columns
+    from trajstore.maintenance.staged import step_blocks
+
+    steps: dict[int, list[Any]] = {}  # episode id -> [rows, one hash per step leaf]
+    for arrays, eids in step_blocks(buf, None):
+        cut = np.flatnonzero(eids[1:] != eids[:-1]) + 1
+        for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(eids)].tolist()):
+            got = steps.setdefault(int(eids[a]), [0] + [hashlib.sha256() for _ in arrays])
+            got[0] += b - a
+            for h, arr in zip(got[1:], arrays):
+                h.update(np.ascontiguousarray(arr[a:b]).data)
+    cols = episode_columns(buf)
+    names = [n for n in cols if n not in TABLE_COLUMNS]
+    at = {int(e): i for i, e in enumerate(cols["episode_id"].tolist())}
     out: dict[int, str] = {}
-    for eid in buf.episodes()["episode_id"].tolist():
-        h = hashlib.sha256()
-        ep = buf.get_episode(int(eid))
-        for part in (ep["step_data"], ep["episode_data"]):
-            for leaf in _leaves_of(part):
-                arr = np.ascontiguousarray(leaf)
-                h.update(f"{arr.dtype.str}{arr.shape}".encode())
-                h.update(arr.tobytes())
-        out[int(eid)] = h.hexdigest()
+    for eid, (n, *hashes) in steps.items():
+        h = hashlib.sha256(f"{n}".encode())
+        for lf, part in zip(buf.layout.step_plan.leaves, hashes):
+            h.update(f"{np.dtype(lf.dtype).str}{tuple(lf.shape)}".encode() + part.digest())
+        i = at.get(eid)
+        if i is not None and cols["has_data"][i]:
+            for name in names:
+                value = np.ascontiguousarray(cols[name][i])
+                h.update(f"{name}{value.dtype.str}{value.shape}".encode() + value.tobytes())
+        out[eid] = h.hexdigest()
     return out
-
-
-def _leaves_of(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return [x for k in value for x in _leaves_of(value[k])]
-    if isinstance(value, tuple):
-        return [x for v in value for x in _leaves_of(v)]
-    return [value]
 
 
 def _chunks_changed(repo: Any, a: str, b: str) -> int | None:

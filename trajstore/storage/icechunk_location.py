@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 from zarr.core.buffer import default_buffer_prototype
 
@@ -45,7 +45,7 @@ from trajstore.storage.icechunk_store import FILES_GROUP, SessionStore
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
 
 __all__ = ["IcechunkSession", "SessionStore", "is_icechunk_url", "open_repository", "resolve_version",
-           "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
+           "branch_history", "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
 
 #: The branch trajstore writes and reads by default.
 BRANCH = "main"
@@ -153,13 +153,33 @@ def resolve_version(repo: Any, url: str, version: Any) -> dict[str, Any]:
     if version in repo.list_branches():
         return {"branch": version}
     if _SNAPSHOT_ID.match(version):
-        if any(s.id == version for s in repo.ancestry(branch=BRANCH)):
+        if version in branch_history(repo):
             return {"snapshot_id": version}
         raise VersionNotFoundError(f"{url}: snapshot {version} is not a version of this dataset (not in the history "
                                    "of its branch); `trajstore log` lists its snapshots")
     tags = sorted(repo.list_tags())
     raise VersionNotFoundError(f"{url}: no version named {version!r}; its tags are {tags or 'none'} "
                                "(a snapshot id or a datetime also names a version)")
+
+
+#: The snapshot ids of each branch tip's history, newest tips last (a snapshot's parents never
+#: change, so the history of a tip is cached for good; a few tips are kept).
+_HISTORIES: dict[str, frozenset[str]] = {}
+_HISTORIES_KEPT = 8
+
+
+def branch_history(repo: Any, branch: str = BRANCH) -> frozenset[str]:
+    """The ids of every snapshot in the history of ``branch`` (its tip included): one walk of the
+    ancestry per tip, cached, so resolving many snapshot ids (``trajstore log``, ``diff``) reads
+    each snapshot once rather than once per id."""
+    tip = str(repo.lookup_branch(branch))
+    got = _HISTORIES.get(tip)
+    if got is None:
+        got = frozenset(s.id for s in repo.ancestry(snapshot_id=tip))
+        _HISTORIES[tip] = got
+        while len(_HISTORIES) > _HISTORIES_KEPT:
+            del _HISTORIES[next(iter(_HISTORIES))]
+    return got
 
 
 class IcechunkSession:
@@ -185,6 +205,12 @@ class IcechunkSession:
         self.broken: str | None = None  # why this writer may write no more (a lost conflict)
         self.message: str | None = None  # the next commit's message, when a caller names it
         self.pushed_bytes: int | None = None  # the size of the version's keys, as its push recorded it
+        #: A one-pass reader (a pull): raw chunks' rows are fetched as byte ranges, not whole chunks
+        #: kept in a cache (storage/fields/ranges.py); ``storage_options["trajstore_ranges"]``.
+        self.ranged_reads = False
+        #: A writer's buffer may describe each commit record (``{"episodes": n}``) for the
+        #: snapshot's metadata, so ``trajstore log`` reads no data (trajstore/buffers/trajectory.py).
+        self.describe: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self._last: tuple[int, dict[str, int]] | None = None  # (epoch, rows) of this writer's last commit
         self.session = (repo.readonly_session(**(version or {"branch": BRANCH})) if read_only
                         else repo.writable_session(BRANCH))
@@ -219,14 +245,30 @@ class IcechunkSession:
         except ValueError:
             obj, keys, ok = None, None, False
         if not ok or not isinstance(obj, dict) or not isinstance(keys, dict):
+            self._refuse_foreign()
             raise ChecksumError(f"{self.url}: this version holds no checksums (it was not made by `trajstore push`); "
                                 "pull a pushed version (`trajstore log` shows them), or pass --no-verify")
         if head is None or hashlib.sha256(head.to_bytes()).hexdigest() != obj.get("head"):
             raise ChecksumError(f"{self.url}: the commit record is not the one pushed with the checksums (the store "
                                 "was committed to after its push); pull a pushed version, or pass --no-verify")
         self.zstore.checksums = {**keys, HEAD_KEY: str(obj.get("head"))}
+        self.zstore.set_block_sums(obj.get("blocks"), obj.get("block_bytes"))
         total = obj.get("bytes")
         self.pushed_bytes = total if type(total) is int else None
+
+    def _refuse_foreign(self) -> None:
+        """Raise NotATrajstoreError when the snapshot's root is another program's zarr data (a
+        version without checksums is first of all no trajstore store then)."""
+        from zarr.core.sync import sync
+
+        raw = sync(self.zstore.get("zarr.json", default_buffer_prototype()))
+        try:
+            obj = json.loads(raw.to_bytes()) if raw is not None and len(raw) <= 1 << 20 else None
+        except ValueError:
+            obj = None
+        attrs = obj.get("attributes") if isinstance(obj, dict) else None
+        if raw is not None and not (isinstance(attrs, dict) and "trajstore" in attrs):
+            raise NotATrajstoreError(f"{self.url}: not a trajstore store (zarr.json has no 'trajstore' attributes)")
 
     def check_usable(self) -> None:
         """Raise when this location may not write: read-only, or its writer lost a conflict."""
@@ -252,7 +294,8 @@ class IcechunkSession:
         message = self.message or _default_message(head, rows, self._last)
         self.message = None
         meta = {"trajstore": {"generation": head.get("generation"), "epoch": head.get("epoch"), "rows": rows,
-                              "next_episode_id": (head.get("state") or {}).get("next_episode_id")}}
+                              "next_episode_id": (head.get("state") or {}).get("next_episode_id"),
+                              **(self.describe(head) if self.describe is not None else {})}}
         try:
             # A rebase is tried only where it is safe: the other commit changed none of the keys this
             # one changed (ConflictDetector); a change of the commit record always conflicts.

@@ -21,11 +21,23 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from trajstore.errors import ChecksumError, DamagedStoreError
 from trajstore.storage.keys import CHECKSUMS_KEY
 
-__all__ = ["SessionStore", "FILES_GROUP", "file_node"]
+__all__ = ["SessionStore", "FILES_GROUP", "file_node", "CHECK_BLOCK_BYTES", "block_digests"]
 
 #: The zarr group under which trajstore's non-zarr files live inside a repository.
 FILES_GROUP = "trajstore_files"
 _ZARR_JSON = "zarr.json"
+#: A push also records the SHA-256 of every block of this many bytes of each key longer than one,
+#: so a read of part of a key (rows of a raw chunk) is checked by fetching only the blocks it
+#: touches, not the whole key: at most one block more than asked at each end.
+CHECK_BLOCK_BYTES = 64 << 10
+_HEX = 64  # characters of one SHA-256 hex digest
+
+
+def block_digests(data: bytes, block: int = CHECK_BLOCK_BYTES) -> str:
+    """The SHA-256 hex digests of ``data``'s blocks of ``block`` bytes (the last may be shorter),
+    concatenated: ``64 * ceil(len(data) / block)`` characters."""
+    view = memoryview(data)
+    return "".join(hashlib.sha256(view[i:i + block]).hexdigest() for i in range(0, len(data), block))
 
 
 def file_node(key: str) -> str:
@@ -102,6 +114,22 @@ def _cut(data: bytes, r: ByteRequest) -> bytes:
     raise TypeError(f"unknown byte request {r!r}")
 
 
+def _bounds(r: ByteRequest, size: int) -> tuple[int, int]:
+    """``[start, end)`` of a zarr byte request on ``size`` bytes, clipped to them."""
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if isinstance(r, RangeByteRequest):
+        lo, hi = r.start, r.end
+    elif isinstance(r, OffsetByteRequest):
+        lo, hi = r.offset, size
+    elif isinstance(r, SuffixByteRequest):
+        lo, hi = size - r.suffix, size
+    else:
+        raise TypeError(f"unknown byte request {r!r}")
+    lo = min(max(lo, 0), size)
+    return lo, min(max(hi, lo), size)
+
+
 def _at_least(value: Buffer, rows: int) -> Buffer:
     """Array metadata ``value`` with ``shape[0]`` raised to ``rows`` (unchanged if it holds more)."""
     try:
@@ -128,6 +156,10 @@ class SessionStore(Store):
         self.extents: dict[str, int] = {}
         #: ``{key: sha256 hex}`` every full read of a key is checked against (``None``: no checks).
         self.checksums: dict[str, str] | None = None
+        #: ``{key: (size, block digests)}`` (:func:`block_digests`) a read of part of a key is
+        #: checked against, a block at a time; a key without them is fetched whole and checked.
+        self.block_sums: dict[str, tuple[int, str]] = {}
+        self.block_bytes = CHECK_BLOCK_BYTES
         #: Requests and bytes this store fetched from the repository (trajstore's reads).
         self.requests = 0
         self.bytes_read = 0
@@ -160,6 +192,8 @@ class SessionStore(Store):
         """The bytes of ``key`` (a file of trajstore's from its array), counted, and checked against
         the push's checksums when :attr:`checksums` is set; ``None`` when absent."""
         if self.checksums is not None and byte_range is not None:
+            if key in self.block_sums:
+                return await self._get_blocks(key, prototype, byte_range)
             whole = await self.get(key, prototype)  # checked whole, then cut
             return None if whole is None else prototype.buffer.from_bytes(_cut(whole.to_bytes(), byte_range))
         out = await self._get(key, prototype, byte_range)
@@ -169,6 +203,20 @@ class SessionStore(Store):
             if self.checksums is not None:
                 self._check(key, out.to_bytes())
         return out
+
+    def set_block_sums(self, blocks: Any, block_bytes: Any) -> None:
+        """Take a push's per-block digests (``{key: [size, digests]}``, blocks of ``block_bytes``);
+        malformed entries are left out (those keys are then fetched whole and checked whole)."""
+        self.block_sums = {}
+        if type(block_bytes) is not int or block_bytes <= 0 or not isinstance(blocks, dict):
+            return
+        self.block_bytes = block_bytes
+        for key, entry in blocks.items():
+            if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and isinstance(entry[1], str)):
+                continue
+            size, digests = entry
+            if size >= 0 and len(digests) == _HEX * -(-size // block_bytes) and isinstance(key, str):
+                self.block_sums[key] = (size, digests)
 
     def _check(self, key: str, data: bytes) -> None:
         """Raise ChecksumError unless ``data`` is what the push recorded for ``key``."""
@@ -181,6 +229,32 @@ class SessionStore(Store):
             raise ChecksumError(f"{self._owner.url}: {key} does not match the checksum recorded at push (expected "
                                 f"sha256 {want or 'none: the key was not pushed'}, read {got} of {len(data)} bytes); "
                                 "the version was changed or damaged after its push")
+
+    async def _get_blocks(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest) -> Buffer | None:
+        """Part of ``key``: the blocks holding it fetched (one ranged request), each checked
+        against its digest (:attr:`block_sums`), then cut; ``None`` when absent."""
+        from zarr.abc.store import RangeByteRequest
+
+        size, digests = self.block_sums[key]
+        lo, hi = _bounds(byte_range, size)
+        if hi <= lo:
+            return prototype.buffer.from_bytes(b"")
+        b = self.block_bytes
+        first, last = lo // b, -(-hi // b)
+        a, z = first * b, min(last * b, size)
+        out = await self._get(key, prototype, RangeByteRequest(a, z))
+        if out is None:
+            return None
+        self.requests += 1
+        self.bytes_read += len(out)
+        data = out.to_bytes()
+        for i in range(first, last):
+            part = data[i * b - a:(i + 1) * b - a]
+            if hashlib.sha256(part).hexdigest() != digests[i * _HEX:(i + 1) * _HEX]:
+                raise ChecksumError(f"{self._owner.url}: {key} bytes {i * b}..{i * b + len(part) - 1} do not match the "
+                                    f"checksum recorded at push (read {len(part)} bytes of {size}); the version was "
+                                    "changed or damaged after its push")
+        return prototype.buffer.from_bytes(data[lo - a:hi - a])
 
     async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
         if _is_zarr_key(key):

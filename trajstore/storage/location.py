@@ -431,7 +431,7 @@ def fsync_dir(path: Path) -> None:
 #: storage_options keys that trajstore reads itself (ChunkCache, the version of an icechunk location);
 #: never passed on to fsspec.
 TRAJSTORE_OPTION_KEYS = ("trajstore_chunk_cache", "trajstore_chunk_cache_bytes", "trajstore_version",
-                         "trajstore_checksums")
+                         "trajstore_checksums", "trajstore_ranges")
 
 
 def fsspec_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -516,7 +516,9 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
     """A :class:`Location` inside an icechunk repository (storage/icechunk_location.py): a writer on
     its branch, a reader on one snapshot (``storage_options["trajstore_version"]``: a tag, a
     snapshot id or a datetime; default the branch's latest).  ``storage_options["trajstore_checksums"]``
-    (readers): every key read must match the checksums recorded when the version was pushed.
+    (readers): every key read must match the checksums recorded when the version was pushed;
+    ``storage_options["trajstore_ranges"]`` (readers reading once, as a pull does): rows of raw
+    chunks are fetched as byte ranges instead of whole chunks.
 
     Raises
     ------
@@ -548,7 +550,13 @@ def _icechunk_location(url: str, *, read_only: bool, storage_options: dict[str, 
         loc.close()
         raise StoreNotFoundError(f"no store at {url!r}: the icechunk repository holds no zarr.json at its root")
     if read_only and (storage_options or {}).get("trajstore_checksums"):
-        tx.require_checksums()  # every key read is checked against the checksums of its push
+        try:
+            tx.require_checksums()  # every key read is checked against the checksums of its push
+        except BaseException:
+            loc.close()
+            raise
+    # A one-pass reader (pull) fetches rows of raw chunks as byte ranges (storage/fields/ranges.py).
+    tx.ranged_reads = bool(read_only and (storage_options or {}).get("trajstore_ranges"))
     return loc
 
 

@@ -33,6 +33,7 @@ from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._blosc import check_frame as _check_frame
 from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
 from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
+from trajstore.storage.fields.ranges import dense_runs, get_ranges, raw_dtype
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,
     FieldSpec,
@@ -112,6 +113,11 @@ class ChunkedField:
         self._frame_bytes = 0
         self._rb = spec.row_bytes
         self._partial = self._row_reads_possible()
+        # A one-pass reader of raw chunks in an icechunk repository (a pull: the location's
+        # ``ranged_reads``) fetches runs of rows as byte ranges (storage/fields/ranges.py), so a
+        # pull of some episodes transfers about their bytes only; others cache whole chunks.
+        ranged = not writable and getattr(loc.transaction, "ranged_reads", False) and loc.chunk_cache is None
+        self._raw = raw_dtype(zarray) if ranged and spec.layout != "foreign" else None
         self.stats = {"gets": 0, "in_flight_max": 0}  # encoded chunk fetches (non-local stores)
         # Physical row runs the commit record counts, as the table last named them (a ring: at most
         # two runs; ensure_mapped): a chunk of them that is missing is damage, not fill values.
@@ -285,6 +291,8 @@ class ChunkedField:
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
         ks = phys // self.C
+        if self._raw is not None:
+            return self._gather_ranges(phys, ks)
         if not self._partial or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
             # A field that fits the decoded cache is served from whole cached chunks.
             return self._gather_whole(phys, ks)
@@ -334,6 +342,33 @@ class ChunkedField:
                                         "not decode (blosc_getitem failed)")
         if len(rows) < len(phys):
             sel = np.flatnonzero(~by_row)
+            out[sel] = self._gather_whole(phys[sel], ks[sel])
+        return out
+
+    def _gather_ranges(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """Rows ``phys`` (chunks ``ks``) of raw chunks: each dense run of rows of a chunk not held
+        decoded fetched alone as one byte range; the other rows through whole decoded chunks."""
+        assert self._raw is not None
+        runs = [r for r in dense_runs(phys, ks) if r[0] not in self._cache and r[0] not in self._override]
+        if not runs:
+            return self._gather_whole(phys, ks)
+        rb, C = self._rb, self.C
+        keys = [chunk_key(self.spec.array_path, k, self._ndim) for k, _, _, _ in runs]
+        got = get_ranges(self.loc, [(key, (lo - k * C) * rb, (hi - k * C) * rb)
+                                    for key, (k, lo, hi, _) in zip(keys, runs)], self.stats)
+        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        rest = np.ones(len(phys), bool)
+        for key, (k, lo, hi, pos), data in zip(keys, runs, got):
+            if data is None:
+                continue  # read whole below: a missing chunk of committed rows is damage, else fill values
+            if len(data) != (hi - lo) * rb:
+                raise DamagedStoreError(f"{self.loc.url}/{key}: rows {lo}..{hi - 1} (physical) are {(hi - lo) * rb} "
+                                        f"bytes; the chunk returned {len(data)} of them (a short chunk)")
+            block = np.frombuffer(data, self._raw).reshape(hi - lo, *self.spec.row_shape)
+            out[pos] = block[phys[pos] - lo]
+            rest[pos] = False
+        if rest.any():
+            sel = np.flatnonzero(rest)
             out[sel] = self._gather_whole(phys[sel], ks[sel])
         return out
 
