@@ -59,6 +59,7 @@ def _data(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     obs = rng.standard_normal((n, 17)).astype(np.float32)
     obs[:, 0] = np.arange(n)  # the row's number: a stale or misplaced row shows
+    obs[: n // 4, 1:] = np.round(obs[: n // 4, 1:], 1)  # compressible rows: c-blosc stores the others as they are
     return {"obs": obs, "rew": rng.standard_normal(n).astype(np.float32),
             "done": (rng.random(n) < 0.1).astype(np.uint8), "act": rng.integers(-9, 9, (n, 3))}
 
@@ -129,8 +130,24 @@ def test_layout_round_trip_and_plain_zarr(tmp_path, decoded):
         np.testing.assert_array_equal(s["obs"], data["obs"][s["obs"][:, 0].astype(np.int64)])
         f = _field(rb, "obs")
         assert f._small_blocks and f._frames.frames
+        known = f._frames._known.nonzero()[0]
+        assert not f._frames._stored[known].any()  # decoded from compressed blocks
         f.drop_cache()
         assert not f._frames.frames and f._frames.held_bytes == 0
+
+
+def test_incompressible_rows_are_copied(tmp_path, decoded):
+    """c-blosc stores a chunk it cannot compress as is (flag "memcpyed"): rows are copied from it."""
+    bits = np.random.default_rng(3).integers(0, 1 << 32, (3000, 17), dtype=np.uint32).view(np.float32)
+    with ReplayBuffer.create(Box(-np.inf, np.inf, (17,), np.float32), cache_path=str(tmp_path / "s"),
+                             compressor="lz4", chunk_rows=512) as rb:
+        rb.extend(bits)
+    assert _header(tmp_path / "s/step_data/c/2/0")[2] & 0x02
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as rb:
+        idx = np.random.default_rng(4).integers(0, 3000, 700)
+        np.testing.assert_array_equal(rb[idx].view(np.uint32), bits[idx].view(np.uint32))
+        f = rb._table.fields[0]
+        assert f._frames._stored[:5].all() and f._frames._known[:5].all()  # (chunk 5: zero padding compresses)
 
 
 def test_previous_layout_reads_and_stays(tmp_path, decoded, monkeypatch):

@@ -23,6 +23,7 @@ field and the row.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,6 +47,7 @@ SMALL_BLOCK_BYTES = 4 << 10
 #: c-blosc splits blocks of lz4/blosclz with a typesize of at most this (then enlarges them).
 _MAX_SPLITS = 16
 _MAX_TYPESIZE = 255
+_HEADER, _MEMCPYED = 16, 0x02
 
 #: ``read(chunks) -> [(uint8 array or None, owner of its memory)]``: the encoded chunk files.
 Reader = Callable[[list[int]], list[tuple[np.ndarray | None, object]]]
@@ -155,12 +157,13 @@ class FrameCache:
         self._known = np.zeros(0, bool)  # chunk -> in ``frames``
         self._addr = np.zeros(0, np.int64)  # chunk -> frame address (0: none, read the chunk whole)
         self._ts = np.zeros(0, np.int64)  # chunk -> typesize
+        self._stored = np.zeros(0, bool)  # chunk -> its frame holds the rows as they are (blosc "memcpyed")
         self._owner = np.empty(0, object)  # chunk -> the Frame (a batch's references keep it alive)
 
     # -- the frame table -------------------------------------------------------------------
     def _grow(self, top: int) -> None:
         n = max(top, 2 * len(self._known), 64)
-        for name, fill in (("_known", False), ("_addr", 0), ("_ts", 0), ("_owner", None)):
+        for name, fill in (("_known", False), ("_addr", 0), ("_ts", 0), ("_stored", False), ("_owner", None)):
             old = getattr(self, name)
             new = np.full(n, fill, dtype=old.dtype)
             new[: len(old)] = old
@@ -177,13 +180,16 @@ class FrameCache:
             self._grow(k + 1)
         self._known[k], self._owner[k] = True, frame
         self._addr[k], self._ts[k] = (0, 0) if frame is None else (frame.addr, frame.typesize)
+        # c-blosc stores a chunk it cannot compress as is, after the header (check_frame made sure
+        # the file holds it all): its rows are copied, not decoded (no walk of the block table)
+        self._stored[k] = frame is not None and bool(frame.buf[2] & _MEMCPYED)
 
     def _drop(self, k: int) -> Frame | None:
         if k not in self.frames:
             return None
         frame = self.frames.pop(k)
         self.held_bytes -= self._cost(frame)
-        self._known[k], self._addr[k], self._ts[k], self._owner[k] = False, 0, 0, None
+        self._known[k], self._addr[k], self._ts[k], self._stored[k], self._owner[k] = False, 0, 0, False, None
         return frame
 
     def forget(self, ks: list[int] | None = None) -> None:
@@ -191,7 +197,7 @@ class FrameCache:
         if ks is None:
             self.frames.clear()
             self.held_bytes = 0
-            self._known[:], self._addr[:], self._ts[:], self._owner[:] = False, 0, 0, None
+            self._known[:], self._addr[:], self._ts[:], self._stored[:], self._owner[:] = False, 0, 0, False, None
             return
         for k in ks:
             self._drop(k)
@@ -277,6 +283,16 @@ class FrameCache:
             whole = (np.arange(len(phys)) if which is None else which)[~ok]
         else:
             whole = np.zeros(0, np.int64)
+        if len(idx):
+            stored = self._stored[kk]
+            if stored.any():
+                sel = np.flatnonzero(stored)
+                src = addr[sel] + _HEADER + (phys[idx[sel]] - kk[sel] * self.C) * self.rb
+                for _ in map(ctypes.memmove, (out.ctypes.data + idx[sel] * self.rb).tolist(), src.tolist(),
+                             [self.rb] * len(sel)):
+                    pass
+                sel = np.flatnonzero(~stored)
+                idx, kk, addr, ts = idx[sel], kk[sel], addr[sel], ts[sel]
         if len(idx):
             self._decode(out, phys[idx], kk, addr, ts, idx)
         del keep

@@ -16,12 +16,14 @@ from zarr.core.array import AsyncArray
 
 from trajstore.errors import BadOptionError
 from trajstore.storage.fields import _syscalls
+from trajstore.storage.fields._rowblocks import small_blocks as _small_blocks
 from trajstore.storage.fields._rowblocks import small_rows_codec, unsplit_typesize
 from trajstore.storage.location import Location
 
 __all__ = [
     "CACHE_BYTES",
     "COMPRESSED_CHUNK_BYTES",
+    "SMALL_ROWS_CHUNK_BYTES",
     "PWRITE_BYTES",
     "RAW_CHUNK_BYTES",
     "RAW_CHUNK_MAX_BYTES",
@@ -55,6 +57,9 @@ RAW_CHUNK_MIN_ROWS = 256
 RAW_CHUNK_MAX_BYTES = 16 << 20
 #: Compressed chunks are decoded whole on a random read, so they are kept smaller.
 COMPRESSED_CHUNK_BYTES = 1 << 20
+#: ... and lz4 fields of small rows (new stores) 256 KiB: a random row's ``blosc_getitem`` walks the
+#: chunk's table of 2 KiB blocks (512 of them in 1 MiB: 8,600 instructions of its 14,000).
+SMALL_ROWS_CHUNK_BYTES = 256 << 10
 #: Writes of at least this many bytes use pwrite instead of stores into the mapping.
 PWRITE_BYTES = 64 << 10
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
@@ -258,11 +263,16 @@ def make_field_spec(
             rows = min(rows, capacity)
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "image", image)
     if compressor is not None and compressor != "none":
-        rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
+        target = COMPRESSED_CHUNK_BYTES
+        if isinstance(compressor, str):
+            codec = row_block_codec(compressor, np.dtype(dtype), row_bytes)
+            if compressor == "lz4" and row_bytes < ROW_BLOCK_MIN_BYTES and _small_blocks(codec):
+                # blosc_getitem walks the whole block table for every row: fewer blocks per chunk
+                target = SMALL_ROWS_CHUNK_BYTES
+            compressor = codec or compressor
+        rows = chunk_rows or 1 << max(int(math.log2(max(target // row_bytes, 1))), 0)
         if capacity is not None:
             rows = min(rows, capacity)
-        if isinstance(compressor, str):
-            compressor = row_block_codec(compressor, np.dtype(dtype), row_bytes) or compressor
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
     align = raw_row_align(row_bytes)
     rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, min(RAW_CHUNK_MIN_ROWS, RAW_CHUNK_MAX_BYTES // row_bytes), 1)
