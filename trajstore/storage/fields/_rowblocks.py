@@ -23,7 +23,6 @@ field and the row.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -127,6 +126,21 @@ def small_blocks(codec: object) -> bool:
     return not split
 
 
+class _Memory:
+    """Read-only bytes ``lo .. hi`` of this process's memory, for :func:`numpy.asarray`."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.__array_interface__ = {"data": (lo, True), "shape": (hi - lo,), "typestr": "|u1", "version": 3}
+
+
+def _span(lo: int, hi: int) -> np.ndarray:
+    """The addresses ``lo .. hi`` as a read-only uint8 array, to gather a batch's rows from frames
+    mapped anywhere between them in one fancy index (one numpy call, not one copy per row).  Only
+    the bytes indexed are read: the caller indexes rows inside frames it holds (checked: a stored
+    frame holds all its rows) and never the gaps between mappings."""
+    return np.asarray(_Memory(lo, hi))
+
+
 class FrameCache:
     """The checked blosc frames of one field's chunks, bounded, with each frame's address and
     ``typesize`` also in numpy tables indexed by chunk (a batch looks its rows up at once).
@@ -218,8 +232,8 @@ class FrameCache:
 
     def get(self, ks: list[int], keep: bool = True) -> dict[int, Frame | None]:
         """The frames of chunks ``ks`` (read now for those not held; kept unless not ``keep``);
-        None for a chunk read whole instead.  A frame dropped to respect the bounds stays in the
-        returned dict (the caller's reference keeps its memory)."""
+        None for a chunk read whole instead.  The oldest other frames are dropped past the bounds
+        (a batch that needs more frames than they allow holds them until it is done)."""
         out: dict[int, Frame | None] = {}
         missing = []
         for k in ks:
@@ -235,9 +249,12 @@ class FrameCache:
             out[k] = frame
             if keep:
                 self._put(k, frame)
-        while self.frames and (len(self.frames) > self.max_frames or self.held_bytes > self.max_bytes):
-            k = next(iter(self.frames))
-            out.setdefault(k, self._drop(k))
+        if len(self.frames) > self.max_frames or self.held_bytes > self.max_bytes:
+            # the oldest first, never a frame this call asked for (a batch's rows keep their frames)
+            for k in [k for k in self.frames if k not in out]:
+                if len(self.frames) <= self.max_frames and self.held_bytes <= self.max_bytes:
+                    break
+                self._drop(k)
         return out
 
     # -- rows ------------------------------------------------------------------------------
@@ -288,9 +305,9 @@ class FrameCache:
             if stored.any():
                 sel = np.flatnonzero(stored)
                 src = addr[sel] + _HEADER + (phys[idx[sel]] - kk[sel] * self.C) * self.rb
-                for _ in map(ctypes.memmove, (out.ctypes.data + idx[sel] * self.rb).tolist(), src.tolist(),
-                             [self.rb] * len(sel)):
-                    pass
+                flat = out.reshape(len(out), -1).view(np.uint8)
+                flat[idx[sel]] = _span(int(src.min()), int(src.max()) + self.rb)[
+                    (src - src.min())[:, None] + np.arange(self.rb)]
                 sel = np.flatnonzero(~stored)
                 idx, kk, addr, ts = idx[sel], kk[sel], addr[sel], ts[sel]
         if len(idx):
