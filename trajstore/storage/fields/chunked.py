@@ -75,11 +75,12 @@ def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T
     return out, missing
 
 
-def map_file(loc: Location, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
+def map_file(loc: Location, key: str, nbytes: int, populate: bool = False) -> tuple[np.ndarray | None, object]:
     """The file ``key`` of local store ``loc`` memory-mapped read-only, as a uint8 array, and the
     map that owns it; ``(None, None)`` when it is missing, empty, or larger than about ``nbytes``
     (left to the caller's whole-chunk path or its damage report).  Files are replaced by rename,
-    never truncated, so the map stays valid; it shows the old bytes until mapped again."""
+    never truncated, so the map stays valid; it shows the old bytes until mapped again.  With
+    ``populate`` (Linux) its page tables are filled at once, not a fault per 64 KiB later."""
     try:
         fd = loc.open_inside(key, os.O_RDONLY)
     except FileNotFoundError:
@@ -88,7 +89,10 @@ def map_file(loc: Location, key: str, nbytes: int) -> tuple[np.ndarray | None, o
         size = os.fstat(fd).st_size
         if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
             return None, None
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
+        if populate and hasattr(mmap, "MAP_POPULATE"):  # (Linux)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        else:
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
     finally:
         os.close(fd)
     return np.frombuffer(mm, np.uint8), mm
@@ -377,8 +381,10 @@ class ChunkedField:
         return [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
 
     def _map(self, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
-        """The chunk file ``key`` memory-mapped read-only (:func:`map_file`)."""
-        return map_file(self.loc, key, nbytes)
+        """The chunk file ``key`` memory-mapped read-only (:func:`map_file`); small-block frames
+        with their page tables filled (random rows touch every page of them: a 1e7-row (17,)
+        float32 field faulted 64 KiB at a time took 1.85x the time per batch of a 1e6-row one)."""
+        return map_file(self.loc, key, nbytes, populate=self._small_blocks)
 
     def _forget_frames(self, ks: list[int] | None = None) -> None:
         self._frames.forget(ks)
