@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import zarr
@@ -109,7 +110,7 @@ def small_rows_codec(level: int, dtype: np.dtype, row_bytes: int) -> zarr.codecs
     if tile <= 2 * SMALL_ROWS_LZ4_BLOCK_BYTES:
         unit = tile
     block = max(1, -(-SMALL_ROWS_LZ4_BLOCK_BYTES // unit)) * unit
-    shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
+    shuffle: Literal["shuffle", "noshuffle"] = "shuffle" if dtype.itemsize > 1 else "noshuffle"
     return zarr.codecs.BloscCodec(cname="lz4", clevel=level, shuffle=shuffle, typesize=ts, blocksize=block)
 
 
