@@ -150,6 +150,21 @@ def test_incompressible_rows_are_copied(tmp_path, decoded):
         assert f._frames._stored[:5].all() and f._frames._known[:5].all()  # (chunk 5: zero padding compresses)
 
 
+def test_wide_float_rows_get_one_unsplit_block_per_row(tmp_path, decoded, monkeypatch):
+    """(1024,) float32 rows (4 KiB): typesize 128, a block per row (typesize 4 was 64 KiB blocks)."""
+    monkeypatch.setattr(chunked, "ROW_READS_ABOVE_BYTES", 0)
+    x = np.round(np.random.default_rng(6).standard_normal((300, 1024)), 2).astype(np.float32)
+    with ReplayBuffer.create(Box(-np.inf, np.inf, (1024,), np.float32), cache_path=str(tmp_path / "s"),
+                             compressor="lz4", chunk_rows=64) as rb:
+        rb.extend(x)
+    _v, _vlz, flags, ts, _nb, bs, _cb = _header(tmp_path / "s/step_data/c/1/0")
+    assert (ts, bs) == (128, 4096) and flags & 0x10
+    with ReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as rb:
+        idx = np.random.default_rng(7).integers(0, 300, 12)  # (a few per chunk: row reads)
+        np.testing.assert_array_equal(rb[idx], x[idx])
+    assert decoded["rows"] > 0
+
+
 def test_previous_layout_reads_and_stays(tmp_path, decoded, monkeypatch):
     """A store of the previous layout (typesize 4, asked 16 KiB: 64 KiB blocks) reads row by row,
     and a writer that reopens it keeps writing that layout: the new default is for new stores."""
