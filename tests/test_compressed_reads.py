@@ -29,7 +29,7 @@ import test_crash as _crash
 import test_hostile as _hostile
 
 from trajstore import ReplayBuffer
-from trajstore.storage.fields import chunked
+from trajstore.storage.fields import _rowblocks, chunked
 from trajstore.storage.fields import spec as fieldspec
 from trajstore.storage.fields.chunked import ChunkedField
 from trajstore.errors import DamagedStoreError
@@ -45,13 +45,13 @@ def row_reads(monkeypatch):
     monkeypatch.setattr(chunked, "ROW_READS_ABOVE_BYTES", 0)
     monkeypatch.setattr(fieldspec, "ROW_BLOCK_MIN_BYTES", 1024)
     calls = {"rows": 0}
-    orig = chunked._decode_jobs
+    orig = _rowblocks.FrameCache._decode
 
-    def counting(src, *rest):
-        calls["rows"] += len(src)
-        return orig(src, *rest)
+    def counting(self, out, rows, *rest):
+        calls["rows"] += len(rows)
+        return orig(self, out, rows, *rest)
 
-    monkeypatch.setattr(chunked, "_decode_jobs", counting)
+    monkeypatch.setattr(_rowblocks.FrameCache, "_decode", counting)
     return calls
 
 
@@ -107,9 +107,9 @@ def test_row_block_layout_reads_like_zarr(tmp_path, row_reads, compressor):
         rows = s["img"][:, 0, 0, 0].astype(np.int64)
         assert set(rows.tolist()) <= set(range(251))
         f = _img_field(rb)
-        assert f._frames and f._partial
+        assert f._frames.frames and f._partial
         f.drop_cache()
-        assert not f._frames and f._frame_bytes == 0
+        assert not f._frames.frames and f._frames.held_bytes == 0
 
 
 def test_existing_layouts_still_read(tmp_path, row_reads):
@@ -133,8 +133,11 @@ def test_policy():
     assert c.blocksize == rb and c.typesize == 32 and c.shuffle.value == "noshuffle"
     c = fieldspec.row_block_codec("zstd", np.dtype(np.float32), 64 * 64 * 4)
     assert c.typesize == 4 and c.shuffle.value == "shuffle"
-    small = fieldspec.row_block_codec("lz4", np.dtype(np.float32), 17 * 4)  # small rows: 16 KiB blocks
+    small = fieldspec.row_block_codec("zstd", np.dtype(np.float32), 17 * 4)  # small rows: 16 KiB blocks
     assert small.blocksize == fieldspec.SMALL_ROWS_BLOCK_BYTES and small.typesize == 4
+    c = fieldspec.row_block_codec("lz4", np.dtype(np.float32), 64 * 64 * 4)  # lz4: unsplit, a block per row
+    assert c.typesize == 128 and c.blocksize == 64 * 64 * 4 and c.shuffle.value == "shuffle"
+    # (lz4 small rows: test_lz4_vectors.test_small_rows_policy)
     assert fieldspec.row_block_codec("lz4", np.dtype(np.uint8), 4099) is None  # prime: no typesize fits
     spec = fieldspec.make_field_spec("a", (84, 84, 4), np.uint8, capacity=None, compressor="lz4", chunk_rows=None)
     assert spec.compressor.blocksize == 84 * 84 * 4 and spec.chunk_rows * 84 * 84 * 4 <= fieldspec.COMPRESSED_CHUNK_BYTES
@@ -317,5 +320,7 @@ def test_bench_compressed_quick(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["sample256"]["ratio"] > 0 and res["scan"]["old_rows_per_s"] > 0
+    assert [v["rows"] for v in res["vectors"]["sizes"]] == [2000, 20000]
+    assert all(v["systems"]["lz4"]["calls"] > 0 and v["ratio_cold"] > 0 for v in res["vectors"]["sizes"])
     if "remote" in res:
         assert res["remote"]["after"]["gets_per_batch"] > 0

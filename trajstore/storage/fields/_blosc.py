@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["GETITEM", "Frame", "check_frame", "decode_jobs"]
+__all__ = ["GETITEM", "Frame", "check_frame"]
 
 
 def _load_getitem() -> Callable[[int, int, int, int], int] | None:  # pragma: no cover - depends on the numcodecs build
@@ -33,17 +33,6 @@ def _load_getitem() -> Callable[[int, int, int, int], int] | None:  # pragma: no
 GETITEM = _load_getitem()
 _HEADER = struct.Struct("<BBBBiii")
 _MEMCPYED = 0x02
-
-
-def decode_jobs(src: list[int], start: list[int], nitems: list[int], dest: list[int], nbytes: int) -> int | None:
-    """``blosc_getitem(src[i], start[i], nitems[i], dest[i])`` for every i, each expected to give
-    ``nbytes``; the first i that fails, or None.  (Splitting a batch between two threads measured
-    no gain: the time is lz4's, about 5 us per 12 KiB row.)"""
-    getitem = GETITEM
-    for i, (s, st, n, d) in enumerate(zip(src, start, nitems, dest)):
-        if getitem(s, st, n, d) != nbytes:  # type: ignore[misc]
-            return i
-    return None
 
 
 class Frame:

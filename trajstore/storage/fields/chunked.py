@@ -7,15 +7,18 @@ whenever another process may have changed them.
 Random rows of blosc-compressed chunks are not decoded a chunk at a time: a blosc frame is a
 header, a table of block offsets and independently compressed blocks (a shard with its index in
 front; :func:`trajstore.storage.fields.spec.row_block_codec` makes one block per row), so a row is read by
-decoding only the blocks that hold it (``blosc_getitem``).  The encoded chunk is memory-mapped
-(local folders) or fetched, all chunks of a batch concurrently (other stores), and its header and
-offset table are checked before c-blosc sees them: a hostile frame raises DamagedStoreError.
+decoding only the blocks that hold it (``blosc_getitem``; small rows: blocks of about 2 KiB,
+:mod:`trajstore.storage.fields._rowblocks`, which also keeps the frames and runs a batch's
+decodes).  The encoded chunk is memory-mapped (local folders) or fetched, all chunks of a batch
+concurrently (other stores), and its header and offset table are checked before c-blosc sees
+them: a hostile frame raises DamagedStoreError.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import mmap
 import os
 from collections import OrderedDict, deque
@@ -30,8 +33,8 @@ from trajstore.errors import DamagedStoreError, TrajstoreError
 from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.storage.fields._blosc import GETITEM as _GETITEM
 from trajstore.storage.fields._blosc import Frame as _Frame
-from trajstore.storage.fields._blosc import check_frame as _check_frame
-from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
+from trajstore.storage.fields._rowblocks import FrameCache as _FrameCache
+from trajstore.storage.fields._rowblocks import small_blocks as _small_blocks
 from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
 from trajstore.storage.fields.ranges import dense_runs, get_ranges, raw_dtype
 from trajstore.storage.fields.spec import (
@@ -49,6 +52,9 @@ WHOLE_CHUNK_SHARE = 0.25
 #: Fields of at most this many allocated bytes read random rows from whole decoded chunks (they fit
 #: the decoded cache, whose hits beat decoding a block per row); bigger ones decode rows alone.
 ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
+#: ... unless their blocks are small (trajstore.storage.fields._rowblocks.small_blocks: lz4 vector rows
+#: of new stores): a block decode then costs about what a cached chunk's row does, at every size.
+SMALL_BLOCK_ROW_READS_ABOVE_BYTES = 8 << 20
 #: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
 MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
@@ -70,11 +76,12 @@ def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T
     return out, missing
 
 
-def map_file(loc: Location, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
+def map_file(loc: Location, key: str, nbytes: int, populate: bool = False) -> tuple[np.ndarray | None, object]:
     """The file ``key`` of local store ``loc`` memory-mapped read-only, as a uint8 array, and the
     map that owns it; ``(None, None)`` when it is missing, empty, or larger than about ``nbytes``
     (left to the caller's whole-chunk path or its damage report).  Files are replaced by rename,
-    never truncated, so the map stays valid; it shows the old bytes until mapped again."""
+    never truncated, so the map stays valid; it shows the old bytes until mapped again.  With
+    ``populate`` (Linux) its page tables are filled at once, not a fault per 64 KiB later."""
     try:
         fd = loc.open_inside(key, os.O_RDONLY)
     except FileNotFoundError:
@@ -83,7 +90,10 @@ def map_file(loc: Location, key: str, nbytes: int) -> tuple[np.ndarray | None, o
         size = os.fstat(fd).st_size
         if size < 16 or size > nbytes + (nbytes >> 4) + 4096:
             return None, None
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
+        if populate and hasattr(mmap, "MAP_POPULATE"):  # (Linux)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        else:
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # access=, not prot=: portable to Windows
     finally:
         os.close(fd)
     return np.frombuffer(mm, np.uint8), mm
@@ -109,15 +119,17 @@ class ChunkedField:
         self._dirty: set[int] = set()
         self._written: set[str] = set()  # keys written since the last fsync (local stores)
         self._override: dict[int, str] = {}  # chunk -> staging prefix it is read from (pending rewrite)
-        self._frames: OrderedDict[int, _Frame | None] = OrderedDict()  # chunk -> encoded frame (None: decode whole)
-        self._frame_bytes = 0
         self._rb = spec.row_bytes
+        # chunk -> encoded frame (None: decode whole); mapped (local) or fetched, bounded
+        self._frames = _FrameCache(f"{loc.url}: {spec.array_path}", self.C, self._rb, self._read_frames,
+                                   not loc.is_local, MAX_ENCODED, ENCODED_BYTES)
         self._partial = self._row_reads_possible()
         # A one-pass reader of raw chunks in an icechunk repository (a pull: the location's
         # ``ranged_reads``) fetches runs of rows as byte ranges (storage/fields/ranges.py), so a
         # pull of some episodes transfers about their bytes only; others cache whole chunks.
         ranged = not writable and getattr(loc.transaction, "ranged_reads", False) and loc.chunk_cache is None
         self._raw = raw_dtype(zarray) if ranged and spec.layout != "foreign" else None
+        self._small_blocks = self._partial and _small_blocks(self.z.metadata.codecs[1])  # type: ignore[union-attr]
         self.stats = {"gets": 0, "in_flight_max": 0}  # encoded chunk fetches (non-local stores)
         # Physical row runs the commit record counts, as the table last named them (a ring: at most
         # two runs; ensure_mapped): a chunk of them that is missing is damage, not fill values.
@@ -232,7 +244,8 @@ class ChunkedField:
         except (TrajstoreError, FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
             raise
         except Exception as e:
-            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk(s) {ks[:8]} do not decode "
+            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk(s) {ks[:8]} (rows {ks[0] * self.C}.."
+                                    f"{(ks[0] + 1) * self.C - 1}, physical, of the first) do not decode "
                                     f"({type(e).__name__}: {e})") from None
 
     def _read_staged(self, k: int) -> np.ndarray | None:
@@ -285,64 +298,29 @@ class ChunkedField:
                 self._cache[k] = self._empty_chunk() if take == self.C else self._fetch([k])[k]
             self._cache[k][off : off + take] = data[pos : pos + take]
             self._dirty.add(k)
-            if k in self._frames:
-                self._forget_frames([k])
+            self._forget_frames([k])
             pos += take
 
     def gather(self, phys: np.ndarray) -> np.ndarray:
         ks = phys // self.C
         if self._raw is not None:
             return self._gather_ranges(phys, ks)
-        if not self._partial or self.allocated * self._rb <= ROW_READS_ABOVE_BYTES:
+        limit = min(ROW_READS_ABOVE_BYTES, SMALL_BLOCK_ROW_READS_ABOVE_BYTES) if self._small_blocks else ROW_READS_ABOVE_BYTES
+        if not self._partial or self.allocated * self._rb <= limit:
             # A field that fits the decoded cache is served from whole cached chunks.
             return self._gather_whole(phys, ks)
-        most = max(1, int(self.C * WHOLE_CHUNK_SHARE))
-        if len(phys) <= most:
-            uniq = list(dict.fromkeys(ks.tolist()))  # no chunk can want more than ``most`` rows
-        else:
-            u, counts = np.unique(ks, return_counts=True)
-            uniq = [k for k, c in zip(u.tolist(), counts.tolist()) if c <= most]
         # Rows of chunks held decoded (dirty, staged or cached) come from there; so do chunks a
-        # batch wants many rows of (a scan decodes whole chunks, as before).
-        rowwise = [k for k in uniq if k not in self._cache and k not in self._override]
-        if not rowwise:
+        # batch wants many rows of (a scan decodes whole chunks, as before).  The others are
+        # decoded from their frames, a block per row (trajstore.storage.fields._rowblocks).
+        rowwise = self._rowwise(ks)
+        if rowwise is not None and not len(rowwise):
             return self._gather_whole(phys, ks)
-        frames = self._get_frames(rowwise)
         out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
-        rb, C = self._rb, self.C
-        if len(phys) <= 8:  # a few rows (a dataset's single item): no numpy bookkeeping
-            base, whole = out.ctypes.data, []
-            for i, r in enumerate(phys.tolist()):
-                k = r // C
-                f = frames.get(k)
-                if f is None:
-                    whole.append(i)
-                elif _GETITEM(f.addr, (r - k * C) * rb // f.typesize, rb // f.typesize, base + i * rb) != rb:  # type: ignore[misc]
-                    raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} does not decode "
-                                            "(blosc_getitem failed)")
-            if whole:
-                sel = np.asarray(whole)
-                out[sel] = self._gather_whole(phys[sel], ks[sel])
-            return out
-        # Vectorised job list: for each row, its frame's address and typesize (0: read whole).
-        fk = np.fromiter(frames.keys(), np.int64, len(frames))
-        order = np.argsort(fk)
-        fk = fk[order]
-        addr = np.fromiter((0 if f is None else f.addr for f in frames.values()), np.int64, len(frames))[order]
-        tsz = np.fromiter((1 if f is None else f.typesize for f in frames.values()), np.int64, len(frames))[order]
-        pos = np.minimum(np.searchsorted(fk, ks), len(fk) - 1)
-        by_row = (fk[pos] == ks) & (addr[pos] != 0)
-        rows = np.flatnonzero(by_row)
-        if len(rows):
-            p, t = pos[rows], tsz[pos[rows]]
-            bad = _decode_jobs(addr[p].tolist(), ((phys[rows] - ks[rows] * C) * rb // t).tolist(), (rb // t).tolist(),
-                               (out.ctypes.data + rows * rb).tolist(), rb)
-            if bad is not None:
-                raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {int(ks[rows[bad]])} does "
-                                        "not decode (blosc_getitem failed)")
-        if len(rows) < len(phys):
-            sel = np.flatnonzero(~by_row)
-            out[sel] = self._gather_whole(phys[sel], ks[sel])
+        whole = self._frames.decode_into(out, phys, ks, rowwise)
+        if rowwise is not None:
+            whole = np.union1d(whole, np.setdiff1d(np.arange(len(phys)), rowwise, assume_unique=True))
+        if len(whole):
+            out[whole] = self._gather_whole(phys[whole], ks[whole])
         return out
 
     def _gather_ranges(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -372,6 +350,22 @@ class ChunkedField:
             out[sel] = self._gather_whole(phys[sel], ks[sel])
         return out
 
+    def _rowwise(self, ks: np.ndarray) -> np.ndarray | None:
+        """Positions of the rows of chunks ``ks`` to decode from frames (None: all of them): not
+        those of chunks held decoded or staged, nor of chunks the batch wants more than
+        WHOLE_CHUNK_SHARE of."""
+        most = max(1, int(self.C * WHOLE_CHUNK_SHARE))
+        held = [*self._cache, *self._override]
+        if len(ks) <= most and not held:
+            return None
+        keep = np.ones(len(ks), bool)
+        if held:
+            keep &= ~np.isin(ks, np.fromiter(held, np.int64, len(held)))
+        if len(ks) > most:
+            _u, inv, counts = np.unique(ks, return_inverse=True, return_counts=True)
+            keep &= counts[inv] <= most
+        return np.flatnonzero(keep)
+
     def _gather_whole(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Rows ``phys`` (chunks ``ks``) through whole decoded chunks."""
         uniq = sorted(set(ks.tolist()))  # (a first np.unique in a process imports numpy.ma: 40-60 ms)
@@ -389,39 +383,28 @@ class ChunkedField:
     def _decode_rows(self, frame: _Frame, k: int, off: int, n: int, dest: int) -> None:
         """Decode rows ``off .. off+n`` of chunk ``k`` from ``frame`` into the address ``dest``."""
         rb, ts = self._rb, frame.typesize
-        got = _GETITEM(frame.addr, off * rb // ts, n * rb // ts, dest)  # type: ignore[misc]
-        if got != n * rb:
-            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} does not decode "
-                                    f"(blosc_getitem returned {got})")
+        lo, hi = off * rb, (off + n) * rb
+        if lo % ts == 0 and hi % ts == 0:
+            got, want = _GETITEM(frame.addr, lo // ts, (hi - lo) // ts, dest), hi - lo  # type: ignore[misc]
+        else:  # items of several small rows (typesize = row bytes x 2^n): decode whole items, copy the rows
+            i0, i1 = lo // ts, -(-hi // ts)
+            tmp = np.empty((i1 - i0) * ts, np.uint8)
+            got, want = _GETITEM(frame.addr, i0, i1 - i0, tmp.ctypes.data), len(tmp)  # type: ignore[misc]
+            if got == want:
+                ctypes.memmove(dest, tmp.ctypes.data + lo - i0 * ts, hi - lo)
+        if got != want:
+            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: rows {k * self.C + off}..{k * self.C + off + n - 1} "
+                                    f"(physical; chunk {k}) do not decode (blosc_getitem returned {got}); run `trajstore verify`")
 
     def _get_frames(self, ks: list[int], keep: bool = True) -> dict[int, _Frame | None]:
         """The encoded frames of chunks ``ks`` (cached unless not ``keep``; fetched concurrently from
         a remote store); None for a chunk that is read whole instead (missing file, not a blosc 1
         frame)."""
-        out, missing = cached_split(self._frames, ks)
-        if not missing:
-            return out
-        nbytes = self.C * self.spec.row_bytes
-        got = self._read_encoded([chunk_key(self.spec.array_path, k, self._ndim) for k in missing], nbytes)
-        for k, (buf, owner) in zip(missing, got):
-            frame = None
-            if buf is not None:
-                try:
-                    ts = _check_frame(buf, nbytes)
-                except ValueError as e:
-                    raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk {k} is not a valid "
-                                            f"blosc frame ({e})") from None
-                if ts is not None and self._rb % ts == 0:
-                    frame = _Frame(buf, ts, owner)
-            out[k] = frame
-            if keep:
-                self._frames[k] = frame
-                self._frame_bytes += self._frame_cost(frame)
-        while self._frames and (len(self._frames) > MAX_ENCODED or self._frame_bytes > ENCODED_BYTES):
-            k, f = self._frames.popitem(last=False)
-            self._frame_bytes -= self._frame_cost(f)
-            out.setdefault(k, f)  # still used by this batch (the reference keeps it alive)
-        return out
+        return self._frames.get(ks, keep)
+
+    def _read_frames(self, ks: list[int]) -> list[tuple[np.ndarray | None, object]]:
+        """The encoded files of chunks ``ks`` (:meth:`_read_encoded`)."""
+        return self._read_encoded([chunk_key(self.spec.array_path, k, self._ndim) for k in ks], self.C * self._rb)
 
     def _read_encoded(self, keys: list[str], nbytes: int) -> list[tuple[np.ndarray | None, object]]:
         """Chunk files ``keys`` (of at most about ``nbytes``) as uint8 arrays and the object that
@@ -432,18 +415,14 @@ class ChunkedField:
         blobs = self.loc.get_many(keys, limit=nbytes + (nbytes >> 4) + 4096, stats=self.stats)
         return [(None if b is None else np.frombuffer(b, np.uint8), b) for b in blobs]
 
-    def _frame_cost(self, frame: _Frame | None) -> int:
-        """Bytes of RAM a cached frame holds: a fetched one its size; a memory-mapped one (local
-        stores) none beyond the page cache, so local frames are bounded by MAX_ENCODED maps alone."""
-        return 0 if frame is None or self.loc.is_local else len(frame.buf)
-
     def _map(self, key: str, nbytes: int) -> tuple[np.ndarray | None, object]:
-        """The chunk file ``key`` memory-mapped read-only (:func:`map_file`)."""
-        return map_file(self.loc, key, nbytes)
+        """The chunk file ``key`` memory-mapped read-only (:func:`map_file`); small-block frames
+        with their page tables filled (random rows touch every page of them: a 1e7-row (17,)
+        float32 field faulted 64 KiB at a time took 1.85x the time per batch of a 1e6-row one)."""
+        return map_file(self.loc, key, nbytes, populate=self._small_blocks)
 
     def _forget_frames(self, ks: list[int] | None = None) -> None:
-        for k in (list(self._frames) if ks is None else ks):
-            self._frame_bytes -= self._frame_cost(self._frames.pop(k, None))
+        self._frames.forget(ks)
 
     def gather_windows(self, phys: np.ndarray, length: int) -> np.ndarray:
         return gather_windows_by_rows(self, phys, length)

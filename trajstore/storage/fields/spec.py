@@ -16,11 +16,14 @@ from zarr.core.array import AsyncArray
 
 from trajstore.errors import BadOptionError
 from trajstore.storage.fields import _syscalls
+from trajstore.storage.fields._rowblocks import small_blocks as _small_blocks
+from trajstore.storage.fields._rowblocks import small_rows_codec, unsplit_typesize
 from trajstore.storage.location import Location
 
 __all__ = [
     "CACHE_BYTES",
     "COMPRESSED_CHUNK_BYTES",
+    "SMALL_ROWS_CHUNK_BYTES",
     "PWRITE_BYTES",
     "RAW_CHUNK_BYTES",
     "RAW_CHUNK_MAX_BYTES",
@@ -54,6 +57,11 @@ RAW_CHUNK_MIN_ROWS = 256
 RAW_CHUNK_MAX_BYTES = 16 << 20
 #: Compressed chunks are decoded whole on a random read, so they are kept smaller.
 COMPRESSED_CHUNK_BYTES = 1 << 20
+#: ... and lz4 fields of small rows (new stores) at most 512 KiB (rows a power of two: 4,096 rows,
+#: 278 KB of (17,) float32): a random row's ``blosc_getitem`` walks the chunk's table of 2 KiB blocks
+#: (512 of them in 1 MiB: 8,600 instructions of its 14,000), and a 10-million-row field is 2,442
+#: chunks, whose frames all stay mapped (chunked.MAX_ENCODED).
+SMALL_ROWS_CHUNK_BYTES = 512 << 10
 #: Writes of at least this many bytes use pwrite instead of stores into the mapping.
 PWRITE_BYTES = 64 << 10
 #: Decoded chunks a ChunkedField keeps in RAM (clean ones; dirty ones are never dropped).
@@ -99,7 +107,8 @@ def parse_compressor(compressor: Any, dtype: np.dtype) -> tuple[Any, str]:
 ROW_BLOCK_MIN_BYTES = 4 << 10
 #: ... and at most this many (a larger row is a chunk of its own anyway).
 ROW_BLOCK_MAX_BYTES = 1 << 20
-#: Blosc block size of compressed fields with rows under ROW_BLOCK_MIN_BYTES (a random row decodes one block).
+#: Blosc block size of zstd fields with rows under ROW_BLOCK_MIN_BYTES (a random row decodes one block);
+#: lz4 ones: trajstore.storage.fields._rowblocks.SMALL_ROWS_LZ4_BLOCK_BYTES.
 SMALL_ROWS_BLOCK_BYTES = 16 << 10
 
 
@@ -116,17 +125,23 @@ def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
     c-blosc splits lz4 blocks by byte position when ``typesize <= 16`` and then enforces 64 KiB
     blocks, so one-byte dtypes are declared with a ``typesize`` in 17..255 that divides the row
     (``noshuffle``: a byte shuffle of uint8 data is a no-op, compression is unchanged).  Wider
-    dtypes keep their byte shuffle (it matters for their ratio); zstd honours their block size,
-    lz4 keeps 64 KiB blocks.
+    dtypes keep their byte shuffle (it matters for their ratio); zstd honours their block size;
+    lz4 ones are declared with a ``typesize`` above 16 that is a multiple of the item size
+    (:func:`~trajstore.storage.fields._rowblocks.unsplit_typesize`; stores created before issue 35
+    kept the item size, and 64 KiB blocks).
     """
     if compressor not in ("lz4", "zstd") or row_bytes > ROW_BLOCK_MAX_BYTES:
         return None
     blosc: dict[Any, tuple[Literal["lz4", "zstd"], int]] = {"lz4": ("lz4", 5), "zstd": ("zstd", 3)}
     cname, level = blosc[compressor]
     if row_bytes < ROW_BLOCK_MIN_BYTES:
-        # Small rows share blocks of SMALL_ROWS_BLOCK_BYTES: c-blosc's own choice for lz4 is 64-256
-        # KiB, decoded whole for every random row (1e6-row (17,) float32 store: sample(256) 28 ->
-        # 5.8 ms, same bytes on disk; scans faster too).
+        # lz4: a typesize above 16, so that c-blosc keeps small blocks (it enlarges the blocks of
+        # lz4 with a typesize up to 16 to 64 KiB or more, decoded whole for every random row):
+        # trajstore.storage.fields._rowblocks.small_rows_codec.
+        small = small_rows_codec(level, dtype, row_bytes) if cname == "lz4" else None
+        if small is not None:
+            return small
+        # zstd (never split: it keeps this block size) and lz4 rows without such a typesize.
         return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
                                       blocksize=SMALL_ROWS_BLOCK_BYTES)
     if dtype.itemsize == 1:
@@ -134,7 +149,10 @@ def row_block_codec(compressor: str, dtype: np.dtype, row_bytes: int) -> Any:
         if ts is None:
             return None
         return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="noshuffle", typesize=ts, blocksize=row_bytes)
-    return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=dtype.itemsize,
+    # lz4: a typesize above 16 (a multiple of the item size: the shuffle still groups bytes of the
+    # same significance), so that the block is the row and not 64 KiB (issue 35).
+    ts = unsplit_typesize(dtype.itemsize, row_bytes) if cname == "lz4" else None
+    return zarr.codecs.BloscCodec(cname=cname, clevel=level, shuffle="shuffle", typesize=ts or dtype.itemsize,
                                   blocksize=row_bytes)
 
 
@@ -247,11 +265,16 @@ def make_field_spec(
             rows = min(rows, capacity)
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "image", image)
     if compressor is not None and compressor != "none":
-        rows = chunk_rows or 1 << max(int(math.log2(max(COMPRESSED_CHUNK_BYTES // row_bytes, 1))), 0)
+        target = COMPRESSED_CHUNK_BYTES
+        if isinstance(compressor, str):
+            codec = row_block_codec(compressor, np.dtype(dtype), row_bytes)
+            if compressor == "lz4" and row_bytes < ROW_BLOCK_MIN_BYTES and _small_blocks(codec):
+                # blosc_getitem walks the whole block table for every row: fewer blocks per chunk
+                target = SMALL_ROWS_CHUNK_BYTES
+            compressor = codec or compressor
+        rows = chunk_rows or 1 << max(int(math.log2(max(target // row_bytes, 1))), 0)
         if capacity is not None:
             rows = min(rows, capacity)
-        if isinstance(compressor, str):
-            compressor = row_block_codec(compressor, np.dtype(dtype), row_bytes) or compressor
         return FieldSpec(array_path, row_shape, dtype, max(rows, 1), "compressed", compressor)
     align = raw_row_align(row_bytes)
     rows = chunk_rows or max(RAW_CHUNK_BYTES // row_bytes, min(RAW_CHUNK_MIN_ROWS, RAW_CHUNK_MAX_BYTES // row_bytes), 1)
