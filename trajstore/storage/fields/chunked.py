@@ -33,6 +33,7 @@ from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._blosc import check_frame as _check_frame
 from trajstore.storage.fields._blosc import decode_jobs as _decode_jobs
 from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
+from trajstore.storage.fields.out import new_rows, temporary_rows
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,
     FieldSpec,
@@ -300,7 +301,7 @@ class ChunkedField:
         if not rowwise:
             return self._gather_whole(phys, ks)
         frames = self._get_frames(rowwise)
-        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
         rb, C = self._rb, self.C
         if len(phys) <= 8:  # a few rows (a dataset's single item): no numpy bookkeeping
             base, whole = out.ctypes.data, []
@@ -314,7 +315,8 @@ class ChunkedField:
                                             "(blosc_getitem failed)")
             if whole:
                 sel = np.asarray(whole)
-                out[sel] = self._gather_whole(phys[sel], ks[sel])
+                with temporary_rows():  # a temporary: not in the caller's memory
+                    out[sel] = self._gather_whole(phys[sel], ks[sel])
             return out
         # Vectorised job list: for each row, its frame's address and typesize (0: read whole).
         fk = np.fromiter(frames.keys(), np.int64, len(frames))
@@ -334,14 +336,15 @@ class ChunkedField:
                                         "not decode (blosc_getitem failed)")
         if len(rows) < len(phys):
             sel = np.flatnonzero(~by_row)
-            out[sel] = self._gather_whole(phys[sel], ks[sel])
+            with temporary_rows():  # a temporary: not in the caller's memory
+                out[sel] = self._gather_whole(phys[sel], ks[sel])
         return out
 
     def _gather_whole(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Rows ``phys`` (chunks ``ks``) through whole decoded chunks."""
         uniq = sorted(set(ks.tolist()))  # (a first np.unique in a process imports numpy.ma: 40-60 ms)
         chunks = self._chunks(uniq)
-        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
         if len(uniq) == 1:
             out[:] = chunks[uniq[0]][phys - uniq[0] * self.C]
             return out
