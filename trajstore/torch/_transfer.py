@@ -15,6 +15,11 @@ plus a small description of the fields:
   holds many batches) gets a fresh torch shared-memory tensor instead.
 
 Either way the main process rebuilds the same nesting of tensors as views into that buffer.
+
+A dataset's batches (:func:`pack_read`) are not even copied into their segment: from a dataset's
+second batch on (the first one tells its size) the worker takes a segment before reading, and the
+fields decode or gather the batch's rows straight into it (``trajstore.storage.fields.out``); only
+what was made elsewhere (episode ids, masks, normalized values) is copied in after them.
 """
 
 from __future__ import annotations
@@ -287,7 +292,9 @@ _hints: dict[Any, int] = {}
 def _placed(tree: Any, leaves: list[np.ndarray], arena: _Arena) -> tuple[list[bool], int]:
     """Lay the leaves of ``tree`` out in ``arena``'s segment: those the fields allocated there keep
     their place, the others go after them.  Returns which leaves must be copied and the bytes used."""
-    copy, taken, end = [], [], arena.used
+    copy: list[bool] = []
+    taken: list[tuple[int, int]] = []  # regions of the segment leaves keep in place
+    end = arena.used
     for leaf, a in zip(_iter_leaves(tree), leaves):
         off = arena.offset_of(a)
         if off is not None and all(off + a.nbytes <= lo or hi <= off for lo, hi in taken):
