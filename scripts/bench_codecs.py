@@ -371,8 +371,10 @@ def main(argv: list[str] | None = None) -> str:
     if loader_rows:
         lines += ["", f"DataLoader over the 480x640 JPEG store (`TransitionDataset`, batches of {a.loader_batch}, "
                   f"{loader_batches} batches after the first, fork; medians over {runs} run(s), each in a fresh "
-                  "interpreter). With the default decode threads a process with 0 workers already decodes on "
-                  "every core; with 1 decode thread per process the workers are what adds cores:", "",
+                  "interpreter). Default decode threads: a process with 0 workers decodes on every core, each "
+                  "of n workers on max(1, cores // n) (`trajstore.images.share_decode_threads`); the target "
+                  "(>= 1.5x) is against the default 0-worker row, what a user gets. With 1 decode thread per "
+                  "process (`set_decode_threads(1)`) the workers are what adds cores:", "",
                   "| decode threads per process | workers | first batch samples/s | samples/s after it | vs 0 workers |",
                   "|---|---|---|---|---|"]
         for r in loader_rows:

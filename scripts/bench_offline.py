@@ -1,7 +1,7 @@
 """Offline-dataset benchmark: DataLoader throughput (samples/s) of trajstore.torch datasets, random
 batches of 256 transitions and of 256 x 32-step sequences, with 0, 2 and 4 worker processes, on a
 local store, against a numpy in-RAM gather of the same batches; workers against no workers for raw
-vector rows, raw image rows and lz4 / zstd image rows (cold: from a fresh DataLoader, worker start-up
+vector rows, raw image rows and lz4 / zstd / JPEG image rows (cold: from a fresh DataLoader, worker start-up
 included; steady: blocks of consecutive batches after that), and the cost of moving one batch
 through the worker queue; and S3 requests per batch against a moto server on 127.0.0.1 (needs
 moto[server] and s3fs; skipped without them).
@@ -91,14 +91,15 @@ def build_images(path: str, rows: int, **kwargs) -> None:
             rb.extend({"obs": obs, "action": rng.integers(0, 18, n), "reward": rng.standard_normal(n, dtype=np.float32)})
 
 
-def workers_rates(ds, workers: int, cold: int, blocks: int, block: int, plain: bool = False) -> tuple[float, float]:
+def workers_rates(ds, workers: int, cold: int, blocks: int, block: int, plain: bool = False,
+                  batch: int = B) -> tuple[float, float]:
     """(cold, steady) samples/s of a fresh DataLoader: cold over its first ``cold`` batches, start-up
     of the workers included; steady the median over ``blocks`` blocks of ``block`` consecutive batches."""
     n = cold + blocks * block
     if plain:  # the documented plain usage: default collate, shuffled epoch
-        loader = DataLoader(ds, batch_size=B, shuffle=True, num_workers=workers, drop_last=True)
+        loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
     else:
-        loader = DataLoader(ds, batch_sampler=RandomBatchSampler(ds, B, num_batches=n, seed=workers),
+        loader = DataLoader(ds, batch_sampler=RandomBatchSampler(ds, batch, num_batches=n, seed=workers),
                             num_workers=workers, collate_fn=collate_batch)
     t0 = time.perf_counter()
     it = iter(loader)
@@ -107,8 +108,8 @@ def workers_rates(ds, workers: int, cold: int, blocks: int, block: int, plain: b
         next(it)
         stamps.append(time.perf_counter())
     del it
-    steady = [block * B / (stamps[cold + (k + 1) * block - 1] - stamps[cold + k * block - 1]) for k in range(blocks)]
-    return cold * B / (stamps[cold - 1] - t0), float(np.median(steady))
+    steady = [block * batch / (stamps[cold + (k + 1) * block - 1] - stamps[cold + k * block - 1]) for k in range(blocks)]
+    return cold * batch / (stamps[cold - 1] - t0), float(np.median(steady))
 
 
 class _OneBatch(torch.utils.data.Dataset):
@@ -125,30 +126,45 @@ class _OneBatch(torch.utils.data.Dataset):
         return SampleBatch(data, len(idx))
 
 
+IMG_B = 64  # frames per batch in the workers table (vector rows: B)
+
+
 def workers_table(d: str, data: dict[str, np.ndarray], quick: bool) -> str:
     vec = os.path.join(d, "vectors")
     build(vec, data)
     img_rows = 2_000 if quick else 12_000  # 12k frames: 340 MB, more than the 256 MB decoded-chunk cache
-    raw, lz4, zstd = (os.path.join(d, f"images_{c}") for c in ("raw", "lz4", "zstd"))
-    build_images(raw, img_rows)
-    build_images(lz4, img_rows, compressor="lz4")
-    build_images(zstd, img_rows, compressor="zstd")
+    codecs = {"raw": None, "lz4": "lz4", "zstd": "zstd", "jpeg": {"obs": "jpeg:90"}}
+    stores = {c: os.path.join(d, f"images_{c}") for c in codecs}
+    for c, comp in codecs.items():
+        build_images(stores[c], img_rows, **({} if comp is None else {"compressor": comp}))
     cold, blocks, block = (5, 3, 10) if quick else (20, 7, 30)
-    head = (f"| rows | loader | workers | cold samples/s (first {cold} batches, start-up included) "
+    runs = 1 if quick else 3
+    head = (f"| rows | batch | loader | workers | cold samples/s (first {cold} batches, start-up included) "
             f"| steady samples/s (median of {blocks} blocks of {block}) | steady vs 0 workers |")
-    lines = [head, "|---|---|---|---|---|---|"]
-    configs = [("raw (17,)+(6,)+() f32", vec, FIELDS, False), ("raw (17,)+(6,)+() f32", vec, FIELDS, True),
-               ("raw (84,84,4) u8", raw, None, False), ("lz4 (84,84,4) u8", lz4, None, False),
-               ("zstd (84,84,4) u8", zstd, None, False)]
-    for name, path, fields, plain in configs:
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    sampler = "`RandomBatchSampler` + `collate_batch`"
+    configs = [("raw (17,)+(6,)+() f32", vec, FIELDS, False, B), ("raw (17,)+(6,)+() f32", vec, FIELDS, True, B),
+               ("raw (84,84,4) u8", stores["raw"], None, False, IMG_B),
+               ("lz4 (84,84,4) u8", stores["lz4"], None, False, IMG_B),
+               ("zstd (84,84,4) u8", stores["zstd"], None, False, IMG_B),
+               ("jpeg:90 per frame (84,84,4) u8", stores["jpeg"], None, False, IMG_B)]
+    load0 = os.getloadavg()[0]
+    for name, path, fields, plain, batch in configs:
         ds = TransitionDataset(path, fields)
-        base = None
+        got: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+        for _ in range(runs):  # 0 and 2 workers in turn: both see the same load
+            for workers in (0, 2):
+                got[workers].append(workers_rates(ds, workers, cold, blocks, block, plain, batch))
+        base = float(np.median([st for _, st in got[0]]))
         for workers in (0, 2):
-            c, st = workers_rates(ds, workers, cold, blocks, block, plain)
-            base = base or st
-            how = "`batch_size=256, shuffle=True` (default collate)" if plain else "`RandomBatchSampler` + `collate_batch`"
-            lines.append(f"| {name} | {how} | {workers} | {c:,.0f} | {st:,.0f} | {st / base:.2f}x |")
+            c, st = (float(np.median([r[k] for r in got[workers]])) for k in (0, 1))
+            how = f"`batch_size={batch}, shuffle=True` (default collate)" if plain else sampler
+            lines.append(f"| {name} | {batch} | {how} | {workers} | {c:,.0f} | {st:,.0f} | {st / base:.2f}x |")
         ds.close()
+    lines += ["", f"Medians over {runs} run(s) per row (0 and 2 workers in turn); load average "
+              f"{load0:.1f} before the first row, {os.getloadavg()[0]:.1f} after the last (2 cores shared "
+              "with other jobs: ratios are indicative). Default decode threads: 0 workers decode frames on every "
+              "CPU, each of n workers on max(1, CPUs // n) (trajstore.images.share_decode_threads)."]
     # The floor: a batch prepared in advance, only moved from a worker to the loop.
     floor = ["", "| batch of 256 | ms per batch, 0 workers (copy only) | ms per batch, 2 workers (moved through the queue) |",
              "|---|---|---|"]
@@ -329,7 +345,8 @@ def main(argv: list[str] | None = None) -> str:
             "`collate_fn=collate_batch`, fork workers, each row a fresh DataLoader: cold = its first batches, "
             "worker start-up included, steady = blocks of consecutive batches after those. numpy baseline: the same "
             "gather from arrays in RAM in one process. Workers: local stores of "
-            f"{rows:,} vector rows and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames, raw, lz4 and zstd; "
+            f"{rows:,} vector rows (batches of {B}) and {2_000 if args.quick else 12_000:,} (84,84,4) uint8 frames "
+            f"(batches of {IMG_B}), raw, lz4, zstd and JPEG per frame (`compressor={{\"obs\": \"jpeg:90\"}}`); "
             "the last table times a prepared batch that is only moved from a worker to the loop (the floor of any "
             "worker loader). S3: a cold batch (chunk cache dropped) read in-process through s3fs "
             "(`max_concurrency=1`) from a moto server on 127.0.0.1 (lz4 chunks of 1,024 rows). S3 DataLoader: the "

@@ -15,12 +15,13 @@ what a plain zarr-python reader needs to open an image field::
   PyAV (the ``video`` extra): RGB ``(H, W, 3)``, grey ``(H, W)`` / ``(H, W, 1)`` and stacks of grey planes
   ``(84, 84, 4)`` / ``(4, 84, 84)`` (coded as one grey picture); docs/format.md "Video fields".
 - :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames
-  (image frames and video GOPs).
+  (image frames and video GOPs); :func:`share_decode_threads`: a process's share of the CPUs by
+  default (what each DataLoader worker of ``trajstore.torch`` sets: ``max(1, cpus // num_workers)``).
 """
 
-from trajstore.storage.fields.image import decode_threads, set_decode_threads
+from trajstore.storage.fields.image import decode_threads, set_decode_threads, share_decode_threads
 from trajstore.storage.fields.image_codecs import CODEC_NAME, FORMATS, ImageCodec
 from trajstore.storage.fields.video_codec import VIDEO_CODECS, VideoCodec
 
 __all__ = ["CODEC_NAME", "FORMATS", "VIDEO_CODECS", "ImageCodec", "VideoCodec", "decode_threads",
-           "set_decode_threads"]
+           "set_decode_threads", "share_decode_threads"]

@@ -15,6 +15,11 @@ plus a small description of the fields:
   holds many batches) gets a fresh torch shared-memory tensor instead.
 
 Either way the main process rebuilds the same nesting of tensors as views into that buffer.
+
+A dataset's batches (:func:`pack_read`) are not even copied into their segment: from a dataset's
+second batch on (the first one tells its size) the worker takes a segment before reading, and the
+fields decode or gather the batch's rows straight into it (``trajstore.storage.fields.out``); only
+what was made elsewhere (episode ids, masks, normalized values) is copied in after them.
 """
 
 from __future__ import annotations
@@ -22,14 +27,17 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.reduction import DupFd
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["PIPE_MAX_BYTES", "WorkerBatch", "in_worker", "pack"]
+from trajstore.storage.fields.image import share_decode_threads
+from trajstore.storage.fields.out import rows_into
+
+__all__ = ["PIPE_MAX_BYTES", "WorkerBatch", "in_worker", "pack", "pack_read"]
 
 PIPE_MAX_BYTES = 1 << 16  # smaller batches cross in the pipe, larger ones in shared memory
 POOL_SEGMENTS = 8  # shared-memory segments per worker process, at most ...
@@ -38,9 +46,21 @@ _ALIGN = 64
 _HEADER = 64  # segment header: byte 0 = in use (set by the worker, cleared by the main process), byte 1 = mapped
 
 
+_shared_in = 0  # the worker process whose decode threads were set to its share
+
+
 def in_worker() -> bool:
-    """True in a DataLoader worker process."""
-    return torch.utils.data.get_worker_info() is not None
+    """True in a DataLoader worker process.  The first call in a worker gives it its share of the
+    CPUs for decoding frames (:func:`trajstore.images.share_decode_threads` with ``num_workers``):
+    ``num_workers`` processes each decoding on every CPU would oversubscribe them."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return False
+    global _shared_in
+    if _shared_in != os.getpid():
+        _shared_in = os.getpid()
+        share_decode_threads(max(1, int(info.num_workers)))
+    return True
 
 
 class _Leaf:
@@ -214,13 +234,99 @@ class WorkerBatch(dict):
         return (_unpack, (self._payload, self._tree))
 
 
-def pack(arrays: Mapping[str, Any]) -> WorkerBatch:
-    """One :class:`WorkerBatch` holding (copies of) the numpy arrays of ``arrays`` (nested dicts / tuples)."""
+class _Arena:
+    """A segment of the worker's pool that the fields decode a batch straight into (an allocator
+    for :func:`trajstore.storage.fields.out.rows_into`): arrays are carved from it one after the
+    other; one that does not fit is left to ``np.empty`` (and copied by :func:`pack`)."""
+
+    def __init__(self, seg: _Segment) -> None:
+        self.seg, self.used = seg, 0
+        self.wanted = 0  # bytes every allocation asked for (what the next batch's segment should hold)
+        self.base = np.frombuffer(seg.map, np.uint8, count=seg.size, offset=_HEADER)
+        self.addr = self.base.ctypes.data
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        step = -(-nbytes // _ALIGN) * _ALIGN
+        self.wanted += step
+        if self.used + step > self.seg.size:
+            return None
+        a = self.base[self.used: self.used + nbytes].view(dtype).reshape(shape)
+        self.used += step
+        return a
+
+    def offset_of(self, a: np.ndarray) -> int | None:
+        """Where ``a`` lies in the segment when it is a whole C-contiguous region of it, else None."""
+        if not a.flags.c_contiguous or a.base is None:
+            return None
+        off = a.ctypes.data - self.addr
+        return off if 0 <= off and off + a.nbytes <= self.used else None
+
+
+def pack_read(read: Callable[[], Mapping[str, Any]], key: Any) -> WorkerBatch:
+    """:func:`pack` of ``read()``, the arrays it reads allocated in the shared-memory segment the
+    batch will cross in (no copy) when the previous batch of ``key`` (a dataset's id) crossed in one."""
+    want = _hints.get(key, 0)
+    seg = _worker_pool().acquire(want) if want > PIPE_MAX_BYTES else None
+    if seg is None:
+        batch = pack(read())
+        _hints[key] = batch._nbytes
+        return batch
+    arena = _Arena(seg)
+    done: WorkerBatch | None = None
+    try:
+        with rows_into(arena):
+            arrays = read()
+        done = pack(arrays, arena)
+    finally:
+        if done is None or done._segment is not seg:
+            seg.map[0] = 0  # not the batch's segment after all (or the read raised): free again
+    _hints[key] = max(done._nbytes, arena.wanted)
+    return done
+
+
+# Worker process: bytes the previous batch of each dataset (by id) needed.
+_hints: dict[Any, int] = {}
+
+
+def _placed(tree: Any, leaves: list[np.ndarray], arena: _Arena) -> tuple[list[bool], int]:
+    """Lay the leaves of ``tree`` out in ``arena``'s segment: those the fields allocated there keep
+    their place, the others go after them.  Returns which leaves must be copied and the bytes used."""
+    copy: list[bool] = []
+    taken: list[tuple[int, int]] = []  # regions of the segment leaves keep in place
+    end = arena.used
+    for leaf, a in zip(_iter_leaves(tree), leaves):
+        off = arena.offset_of(a)
+        if off is not None and all(off + a.nbytes <= lo or hi <= off for lo, hi in taken):
+            leaf.offset, leaf.end = off, off + a.nbytes
+            taken.append((off, off + a.nbytes))
+            copy.append(False)
+        else:
+            leaf.offset, leaf.end = end, end + a.nbytes
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+            copy.append(True)
+    return copy, max([end, *(hi for _, hi in taken)])
+
+
+def pack(arrays: Mapping[str, Any], arena: _Arena | None = None) -> WorkerBatch:
+    """One :class:`WorkerBatch` holding (copies of) the numpy arrays of ``arrays`` (nested dicts /
+    tuples); with ``arena``, arrays already in its segment stay where they are (not copied)."""
     leaves: list[np.ndarray] = []
     pos = [0]
     tree = _layout(arrays, leaves, pos)
     total = pos[0]
-    seg = _worker_pool().acquire(total) if total > PIPE_MAX_BYTES else None
+    copy = [True] * len(leaves)
+    seg = None
+    if arena is not None:
+        copy, used = _placed(tree, leaves, arena)
+        if used <= arena.seg.size:
+            seg, total = arena.seg, used
+        else:  # the batch outgrew the segment: laid out anew in another
+            arena.wanted = max(arena.wanted, used)
+            copy, pos = [True] * len(leaves), [0]
+            tree = _layout(arrays, [], pos)
+    if seg is None and total > PIPE_MAX_BYTES:
+        seg = _worker_pool().acquire(total)
     payload: Any = None
     if seg is not None:
         how = "pool"
@@ -233,8 +339,9 @@ def pack(arrays: Mapping[str, Any]) -> WorkerBatch:
         how = "pipe"
         payload = bytearray(total)
         buf = np.frombuffer(payload, np.uint8)
-    for leaf, a in zip(_iter_leaves(tree), leaves):
-        buf[leaf.offset: leaf.end].view(a.dtype).reshape(a.shape)[...] = a
+    for leaf, a, c in zip(_iter_leaves(tree), leaves, copy):
+        if c:
+            buf[leaf.offset: leaf.end].view(a.dtype).reshape(a.shape)[...] = a
     out = WorkerBatch(_views(buf, tree))
     out._payload, out._nbytes, out._tree, out._how, out._segment = payload, total, tree, how, seg
     return out

@@ -26,8 +26,9 @@ from trajstore.errors import BadArgumentError, BadOptionError, IndexOutOfRangeEr
 from trajstore.sampling import field_windows as _fw
 from trajstore.sampling.sequences import PADS, pad_sources, window_rows
 from trajstore.sampling.source import read_consistent
+from trajstore.storage.fields.out import returned_rows
 from trajstore.torch._source import FieldSelection, ShardedSource, make_source
-from trajstore.torch._transfer import in_worker, pack
+from trajstore.torch._transfer import in_worker, pack_read
 from trajstore.torch.normalize import Normalizer
 
 __all__ = ["BaseDataset", "SampleBatch", "SequenceDataset", "TransitionDataset", "collate_batch"]
@@ -155,11 +156,13 @@ class BaseDataset(Dataset):
         In a DataLoader worker with ``output="torch"`` every array of the batch is laid out in one
         buffer, so the batch crosses to the main process as one object (see ``_transfer``)."""
         idx = self._indices(indices)
-        if self.output == "torch" and in_worker():
-            return SampleBatch(pack(self._normed(self._read(idx, self._numpy))), len(idx))
+        if in_worker() and self.output == "torch":
+            # The step rows decode straight into the shared memory the batch crosses in.
+            return SampleBatch(pack_read(lambda: self._normed(self._read(idx, self._numpy)), id(self)), len(idx))
         return SampleBatch(self.read_batch(idx), len(idx))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        in_worker()  # (in a worker: its share of the decode threads)
         return _take(self.read_batch(self._indices([i])), 0)
 
     def close(self) -> None:
@@ -210,8 +213,10 @@ class TransitionDataset(BaseDataset):
         if idx.size and idx.max() >= rows.count:
             raise IndexOutOfRangeError(f"row {int(idx.max())} is no longer in the store ({rows.count} rows)")
         s, e = self._sel.step_leaves, self._sel.episode_leaves
-        arrays = rows.read_rows(idx, s + e) if s or e else []
-        batch = self._sel.assemble(arrays[: len(s)], arrays[len(s):], out)
+        with returned_rows():  # (in a worker: into the batch's shared memory, see _transfer.pack_read)
+            steps = rows.read_rows(idx, s) if s else []
+        eps = rows.read_rows(idx, e) if e else []
+        batch = self._sel.assemble(steps, eps, out)
         if self.episode_ids:
             batch["episode_id"] = out(rows.step_ids(idx))
         return batch
@@ -392,7 +397,9 @@ class SequenceDataset(BaseDataset):
         B, T = frames.shape
         steps = []
         if self._sel.step_leaves:
-            for a in rows.read_rows(src.ravel(), self._sel.step_leaves):
+            with returned_rows():  # (in a worker: into the batch's shared memory, see _transfer.pack_read)
+                got = rows.read_rows(src.ravel(), self._sel.step_leaves)
+            for a in got:
                 a = a.reshape(B, T, *a.shape[1:])
                 if self.pad == "zero":
                     a[~valid] = 0

@@ -29,6 +29,7 @@ import numpy as np
 
 from trajstore.errors import ClosedError
 from trajstore.storage.fields import _syscalls
+from trajstore.storage.fields.out import allocating, new_rows
 
 
 def _named(name: str | Callable[[], str]) -> str:
@@ -119,7 +120,12 @@ class VirtualArray:
     def take(self, phys: np.ndarray) -> np.ndarray:
         """Copies of rows ``phys`` (B,) int64: (B, *row_shape)."""
         if self.array is not None:
-            return self.array[phys]
+            if not allocating() or not len(phys) or phys.min() < 0 or phys.max() >= len(self.array):
+                return self.array[phys]  # (out-of-range rows raise IndexError here)
+            # Into the memory rows_into provides; the rows are in range, so "clip" never clips (and,
+            # unlike "raise", does not gather into a temporary first).
+            out = new_rows((len(phys), *self.row_shape), self.dtype)
+            return np.take(self.array, phys, axis=0, out=out, mode="clip")
         k, r = np.divmod(phys, self.chunk_rows)
         return self.chunks[k, r]
 

@@ -36,6 +36,7 @@ from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._rowblocks import FrameCache as _FrameCache
 from trajstore.storage.fields._rowblocks import small_blocks as _small_blocks
 from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
+from trajstore.storage.fields.out import new_rows, temporary_rows
 from trajstore.storage.fields.ranges import dense_runs, get_ranges, raw_dtype
 from trajstore.storage.fields.spec import (
     CACHE_BYTES,
@@ -315,12 +316,13 @@ class ChunkedField:
         rowwise = self._rowwise(ks)
         if rowwise is not None and not len(rowwise):
             return self._gather_whole(phys, ks)
-        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
         whole = self._frames.decode_into(out, phys, ks, rowwise)
         if rowwise is not None:
             whole = np.union1d(whole, np.setdiff1d(np.arange(len(phys)), rowwise, assume_unique=True))
         if len(whole):
-            out[whole] = self._gather_whole(phys[whole], ks[whole])
+            with temporary_rows():  # a temporary: not in the caller's memory
+                out[whole] = self._gather_whole(phys[whole], ks[whole])
         return out
 
     def _gather_ranges(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -370,7 +372,7 @@ class ChunkedField:
         """Rows ``phys`` (chunks ``ks``) through whole decoded chunks."""
         uniq = sorted(set(ks.tolist()))  # (a first np.unique in a process imports numpy.ma: 40-60 ms)
         chunks = self._chunks(uniq)
-        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
         if len(uniq) == 1:
             out[:] = chunks[uniq[0]][phys - uniq[0] * self.C]
             return out

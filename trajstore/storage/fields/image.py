@@ -31,10 +31,11 @@ from trajstore.storage.confined import full_disk
 from trajstore.storage.fields.base import edit_chunk
 from trajstore.storage.fields.chunked import ENCODED_BYTES, MAX_ENCODED, ChunkedField, cached_split
 from trajstore.storage.fields.image_codecs import image_codec_of
+from trajstore.storage.fields.out import new_rows, temporary_rows
 from trajstore.storage.fields.spec import FieldSpec, chunk_key
 from trajstore.storage.location import Location
 
-__all__ = ["ImageField", "decode_threads", "parallel", "set_decode_threads"]
+__all__ = ["ImageField", "decode_threads", "parallel", "set_decode_threads", "share_decode_threads"]
 
 T = TypeVar("T")
 _MISSING = np.uint64(2**64 - 1)
@@ -46,21 +47,40 @@ _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _threads: int | None = None  # set_decode_threads; None: the default
+_share: tuple[int, int] | None = None  # share_decode_threads: (pid, processes sharing the CPUs)
+
+
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def decode_threads() -> int:
     """Threads that decode (and encode) image frames: what :func:`set_decode_threads` set, else the
     environment variable ``TRAJSTORE_DECODE_THREADS``, else the CPUs this process may run on
-    (``os.sched_getaffinity``)."""
+    (``os.sched_getaffinity``), divided among the processes that share them when
+    :func:`share_decode_threads` said so (a DataLoader worker: ``max(1, cpus // num_workers)``)."""
     if _threads is not None:
         return _threads
     env = os.environ.get("TRAJSTORE_DECODE_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return min(int(env), 256)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return max(1, os.cpu_count() or 1)
+    share = _share[1] if _share is not None and _share[0] == os.getpid() else 1
+    return max(1, _cpus() // share)
+
+
+def share_decode_threads(processes: int) -> None:
+    """Make this process's default decode threads its share of the CPUs: ``max(1, cpus //
+    processes)`` (what a DataLoader worker calls with ``num_workers``: the workers together then
+    decode on about one thread per CPU instead of each on every CPU).  Only the default changes:
+    :func:`set_decode_threads` and ``TRAJSTORE_DECODE_THREADS`` still win; a process forked from
+    this one starts from the full default again."""
+    global _share
+    if type(processes) is not int or processes < 1:
+        raise BadOptionError(f"processes must be an int >= 1; got {processes!r}")
+    _share = (os.getpid(), processes)
 
 
 def set_decode_threads(n: int | None) -> None:
@@ -238,13 +258,14 @@ class ImageField(ChunkedField):
         phys = np.asarray(phys, dtype=np.int64)
         ks = phys // self.C
         held = set(self._cache) | set(self._override)
-        out = np.empty((len(phys), *self.spec.row_shape), dtype=self.spec.dtype)
+        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
         rest = np.arange(len(phys))
         if held:
             # Rows of chunks held decoded (the writer's, or staged by a rewrite) come from there.
             inside = np.isin(ks, np.fromiter(held, np.int64, len(held)))
             if inside.any():
-                out[inside] = self._gather_whole(phys[inside], ks[inside])
+                with temporary_rows():  # a temporary: not in the caller's memory
+                    out[inside] = self._gather_whole(phys[inside], ks[inside])
                 rest = np.flatnonzero(~inside)
         if len(rest):
             shards = self._get_shards(list(dict.fromkeys(ks[rest].tolist())))
