@@ -38,6 +38,7 @@ class BufferRows:
     def __init__(self, buf: StoredBuffer) -> None:
         self.buffer = buf
         self.store = buf.store  # (a buffer keeps its store: read once, not per sample)
+        self._pin = buf.pinned()  # the buffer's one reusable pin
         self.table = buf.rows_table
         self.name = buf.cache_path or "in-memory buffer"
         self.last_read: Head | None = None
@@ -79,7 +80,7 @@ class BufferRows:
         self.buffer.sync_reads()
 
     def pinned(self) -> contextlib.AbstractContextManager[None]:
-        return self.buffer.pinned()
+        return self._pin
 
     def refresh(self) -> bool:
         return self.store.refresh()
