@@ -6,12 +6,11 @@ while a writer fills a ring, and pickling as a small handle.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -145,11 +144,6 @@ class StoredBuffer(BatchBase):
         """The store's table whose rows are the buffer's rows (a trajectory buffer: its step data)."""
         return self._table
 
-    def sync_reads(self) -> None:
-        """Make reads current: staged appends handed to the tables, the latest commit adopted by a
-        reader (see :meth:`_sync`)."""
-        self._sync()
-
     @property
     def default_rng(self) -> np.random.Generator:
         """The generator draws use when given no ``rng`` (this handle's own)."""
@@ -160,22 +154,20 @@ class StoredBuffer(BatchBase):
         """Whether :meth:`close` released the store (reads and writes then raise ClosedError)."""
         return self._closed
 
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
+    def pinned(self) -> "_Pin":
         """Reads inside keep the commit record they started on (a consistent read must see one
         record throughout); re-entrant, so a read inside a read stays pinned."""
-        outer, self._pinned = self._pinned, True
-        try:
-            yield
-        finally:
-            self._pinned = outer
+        pin = self.__dict__.get("_pin")
+        if pin is None:
+            pin = self._pin = _Pin(self)
+        return pin
 
     # -- state ---------------------------------------------------------------------------------
     def _drain(self) -> None:
         for st in self._stagers:
             st.drain()
 
-    _pinned = False  # True while a consistent read runs: it must see one commit record throughout
+    _pinned = 0  # > 0 while a consistent read runs (nested: one per level): it must see one commit record throughout
 
     def _sync(self) -> None:
         """Before reading: a writer hands staged appends to its tables; readers (and
@@ -187,6 +179,10 @@ class StoredBuffer(BatchBase):
                 st.drain()
         if (not self._store.writable or self._store.multiprocessing) and not self._pinned:
             self._store.refresh()
+
+    #: Make reads current: staged appends handed to the tables, the latest commit adopted by a
+    #: reader (:meth:`_sync` itself: one call less on every sample).
+    sync_reads = _sync
 
     def __len__(self) -> int:
         self._sync()
@@ -464,6 +460,22 @@ class StoredBuffer(BatchBase):
         if self.check_bounds:  # a policy of the handle: the copy in another process keeps it
             kwargs["check_bounds"] = True
         return (_reopen, (type(self), self.cache_path, kwargs))
+
+
+class _Pin:
+    """:meth:`StoredBuffer.pinned`: one per buffer, entered once per consistent read (a
+    generator-based context manager cost more than the rest of a small read's bookkeeping)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: StoredBuffer) -> None:
+        self.buffer = buffer
+
+    def __enter__(self) -> None:
+        self.buffer._pinned += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.buffer._pinned -= 1
 
 
 def _reopen(cls: Any, path: str, kwargs: dict[str, Any]) -> StoredBuffer:

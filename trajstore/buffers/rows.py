@@ -37,6 +37,8 @@ class BufferRows:
 
     def __init__(self, buf: StoredBuffer) -> None:
         self.buffer = buf
+        self.store = buf.store  # (a buffer keeps its store: read once, not per sample)
+        self._pin = buf.pinned()  # the buffer's one reusable pin
         self.table = buf.rows_table
         self.name = buf.cache_path or "in-memory buffer"
         self.last_read: Head | None = None
@@ -55,16 +57,16 @@ class BufferRows:
 
     @property
     def live(self) -> bool:
-        store = self.buffer.store
+        store = self.store
         return not store.writable or store.multiprocessing
 
     @property
     def record(self) -> Head:
-        return self.buffer.store.committed
+        return self.store.committed
 
     @property
     def committed(self) -> tuple[int, int]:
-        st = self.buffer.store.committed.tables[self.table.name]
+        st = self.store.committed.tables[self.table.name]
         return st.start, st.end
 
     @property
@@ -78,13 +80,13 @@ class BufferRows:
         self.buffer.sync_reads()
 
     def pinned(self) -> contextlib.AbstractContextManager[None]:
-        return self.buffer.pinned()
+        return self._pin
 
     def refresh(self) -> bool:
-        return self.buffer.store.refresh()
+        return self.store.refresh()
 
     def rows_intact(self, before: Head) -> bool:
-        return self.buffer.store.rows_intact(before)
+        return self.store.rows_intact(before)
 
     def absolute_rows(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(rows, dtype=np.int64) + self.start

@@ -246,7 +246,14 @@ class Table:
     def gather(self, logical: np.ndarray, which: Sequence[int]) -> list[np.ndarray]:
         """Copies of logical rows ``logical`` (B,) of the fields ``which``."""
         self.prepare_reads()
-        phys = self.physical(logical)
+        st, cap = self.state, self.capacity
+        if cap is not None and st.start % cap + st.end - st.start > cap:
+            phys = (logical + st.start) % cap  # the rows wrap past the ring's last slot
+        else:
+            # No wrap (an unbounded table, or a ring whose rows lie in order from slot start % cap):
+            # a shift, without the modulo; none at all from slot 0 (fields never change ``phys``).
+            off = st.start if cap is None else st.start % cap
+            phys = logical + off if off else logical
         return [self.fields[j].gather(phys) for j in which]
 
     def gather_windows(self, first: np.ndarray, length: int, which: Sequence[int]) -> list[np.ndarray]:

@@ -290,12 +290,34 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
     anchors = draw(size)
     if not src.live:
         return read(anchors)
+    # The first attempt, inline: most reads see no commit meanwhile, and then cost one pinned read
+    # and one check (the retry machinery below is built only when a commit came).  Absolute rows
+    # are taken under the pinned record, as every attempt takes them.
+    before = src.record
+    with src.pinned():
+        absolute = src.absolute_rows(anchors)
+        earliest = src.absolute_rows(np.maximum(anchors - reach_back, 0)) if reach_back > 0 else None
+        got = read(anchors)
+    if not src.refresh() or src.rows_intact(before):
+        src.last_read = before
+        return got
+    return _sample_again(src, draw, read, size, put, reach_back, (before, absolute, earliest, got))
+
+
+def _sample_again(src: RowSource, draw: Callable[[int], np.ndarray], read: Callable[[np.ndarray], _T], size: int,
+                  put: Callable[[_T, np.ndarray, _T], None] | None, reach_back: int,
+                  first: tuple[Head, np.ndarray, np.ndarray | None, _T]) -> _T:
+    """The retry loop of :func:`sample_consistent` after its first attempt (``first``: the record
+    it started under, the absolute rows of its anchors and of their earliest rows, what it read)
+    found that a commit came while it read."""
+    before, absolute, earliest, got = first
     # anchors: the sample's logical rows (those of positions not yet read intact: of the current
     # record); todo: positions the next attempt reads; absolute: their absolute rows as of that
     # read; earliest: those of the earliest rows read for them (reach_back); out: the sample with
-    # every position read intact so far (with put); got: the last read.
-    st: dict[str, Any] = {"anchors": anchors.copy(), "todo": np.arange(size), "absolute": None,
-                          "earliest": None, "out": None, "got": None}
+    # every position read intact so far (with put); got: the last read.  (The first attempt read
+    # every position; mend sets every anchor from its absolute row before any is read again.)
+    st: dict[str, Any] = {"anchors": np.zeros(size, np.int64), "todo": np.arange(size), "absolute": absolute,
+                          "earliest": earliest, "out": None, "got": got}
 
     def attempt() -> _T:
         rows = st["anchors"][st["todo"]]
@@ -339,7 +361,11 @@ def sample_consistent(src: RowSource, draw: Callable[[int], np.ndarray], read: C
             st["todo"] = todo[stale | again]
         return False
 
-    got = _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS, "the writer evicts rows faster than this reader can sample them")
+    if mend(before):  # the rows the first attempt read are intact
+        src.last_read = before
+        return got
+    got = _until_intact(src, attempt, mend, SAMPLE_ATTEMPTS - 1,
+                        "the writer evicts rows faster than this reader can sample them")
     if st["out"] is None:
         return got
     assert put is not None  # out is kept only with put

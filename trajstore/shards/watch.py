@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from trajstore.storage.mounts import fs_type, mounts
+
 __all__ = ["LOCAL_FS", "SWEEP_INTERVAL_S", "WATCH_MIN_SHARDS", "CommitChecks", "ShardWatch"]
 
 #: Filesystem types whose every change goes through the local kernel (inotify sees them all).
@@ -65,29 +67,6 @@ def _inotify() -> Any:
     return _libc
 
 
-def _mounts() -> list[tuple[str, str]]:
-    """``(mount point, filesystem type)`` of this process's mounts, longest mount point first."""
-    out = []
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                parts, rparts = left.split(), right.split()
-                if len(parts) >= 5 and rparts:
-                    out.append((parts[4].replace("\\040", " "), rparts[0]))
-    except OSError:
-        return []
-    return sorted(out, key=lambda m: len(m[0]), reverse=True)
-
-
-def _fs_type(path: str, mounts: list[tuple[str, str]]) -> str | None:
-    real = os.path.realpath(path)
-    for point, fs in mounts:
-        if real == point or real.startswith(point.rstrip("/") + "/"):
-            return fs
-    return None
-
-
 class ShardWatch:
     """One inotify instance over the folders of the shards' commit records.
 
@@ -126,8 +105,8 @@ class ShardWatch:
         if not self.usable:
             return False
         if self._mounts is None:
-            self._mounts = _mounts()
-        if _fs_type(folder, self._mounts) not in LOCAL_FS:
+            self._mounts = mounts()
+        if fs_type(folder, self._mounts) not in LOCAL_FS:
             return False
         wd = _libc.inotify_add_watch(self._fd, os.fsencode(folder), _MASK)
         if wd < 0:  # ENOSPC (max_user_watches), ENOENT, EACCES: check this shard by stat

@@ -23,6 +23,7 @@ import copy
 import errno
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ from trajstore.storage.keys import (
     PREV_KEY,
 )
 from trajstore.storage.location import Location
+from trajstore.storage.mounts import fs_type, mounts
 from trajstore.storage.schema import check_int, load_json
 
 __all__ = ["HEAD_KEY", "PREV_KEY", "LOCK_KEY", "MPLOCK_KEY", "FORMAT_VERSION", "TableState", "Head", "read_head",
@@ -273,13 +275,24 @@ def read_prev(loc: Location) -> tuple[Head | None, str | None]:
 
 
 class HeadWatch:
-    """Tells, for the cost of one ``stat``, whether the local commit record was replaced since
-    this process last read or wrote it.
+    """Tells, for the cost of one ``stat`` (or ``fstat``), whether the local commit record was
+    replaced since this process last read or wrote it.
 
     A record is replaced by rename, so each one is a new file.  The watch keeps the file it
     last saw open: while it is open, its inode number cannot go to a later file, so comparing
     inode numbers is exact.  (Modification time and size are not: two commits within one clock
     tick, the second reusing the first one's freed inode, can leave all three equal.)
+
+    Once the record has *settled* (its last status change, ctime, is :data:`SETTLED_NS` old) on a
+    filesystem of :data:`FSTAT_FS`, the watch asks the file it holds open instead of the path:
+    ``fstat`` of it, without a path lookup.  A rename onto the record drops the replaced file's
+    link count inside the rename call (a removal too), and any change of its link count sets its
+    ctime to the present, which a settled ctime cannot equal even on a filesystem of 2 s
+    timestamps; so an unchanged (link count, ctime) pair proves the file is still the record.  A
+    young record (rewrites may follow within one timestamp tick) and other filesystems (overlay,
+    whose files in a lower layer keep their own link count when renamed over; network and FUSE
+    mounts, whose attributes may be cached) are asked by ``stat`` of the path, as is any
+    settled record whose pair changed.
 
     Windows cannot rename onto a file another process holds open, so there the watch keeps no
     file open and compares (file id, modification time, size) instead: NTFS file ids are not
@@ -290,18 +303,39 @@ class HeadWatch:
         self.loc = loc
         self._fd = -1
         self._ino: int | None = None  # None: nothing watched yet, so the record counts as changed
+        # (link count, ctime) of the watched file once it settled: fstat answers while they hold.
+        self._settled: tuple[int, int] | None = None
+        self._fstat_fs: bool | None = None  # whether the record's filesystem is in FSTAT_FS (looked up once)
         # Called with every record read, before it is returned (the store's schema checks).
         self.check: Callable[[Head], None] | None = None
 
     def changed(self) -> bool:
         """Whether the record may differ from the one last read or written (always True for
         stores without a local head file)."""
+        if self._settled is not None:
+            st = os.fstat(self._fd)
+            if (st.st_nlink, st.st_ctime_ns) == self._settled:
+                return False
+            self._settled = None  # replaced, linked, or its mode or owner changed: ask the path
         if self.loc.head_path is None or self._ino is None:
             return True
         try:
-            return _identity(os.stat(self.loc.head_path)) != self._ino
+            st = os.stat(self.loc.head_path)
         except FileNotFoundError:
             return True
+        if _identity(st) != self._ino:
+            return True
+        # ``st`` is the watched file itself (same inode, held open).
+        if self._fd >= 0 and self._fstat_fs is not False and st.st_ctime_ns <= _now_ns() - SETTLED_NS \
+                and self._on_fstat_fs():
+            self._settled = (st.st_nlink, st.st_ctime_ns)
+        return False
+
+    def _on_fstat_fs(self) -> bool:
+        if self._fstat_fs is None:
+            assert self.loc.head_path is not None  # (a watched file is a local record)
+            self._fstat_fs = fs_type(os.path.dirname(self.loc.head_path), mounts()) in FSTAT_FS
+        return self._fstat_fs
 
     def read(self) -> Head:
         """Read the record and watch the file it came from (read through the same descriptor,
@@ -348,6 +382,7 @@ class HeadWatch:
 
     def close(self) -> None:
         """Close the watched file; until the next read or write the record counts as changed."""
+        self._settled = None
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self._ino = -1, None
@@ -361,6 +396,19 @@ class HeadWatch:
 
 # Windows refuses to rename onto an open file (HeadWatch's docstring).
 _KEEP_WATCHED_OPEN = os.name != "nt"
+
+#: Age of its ctime (ns) from which a watched record is asked by ``fstat`` (:class:`HeadWatch`):
+#: above the coarsest timestamps a filesystem of :data:`FSTAT_FS` keeps (ext2/3: 1 s).
+SETTLED_NS = 3_000_000_000
+#: Filesystems on which a file renamed over, or removed, shows a lower link count to ``fstat``
+#: of a descriptor held open (local, changed only through this kernel; not overlay: see
+#: :class:`HeadWatch`).
+FSTAT_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs"})
+
+
+def _now_ns() -> int:
+    """The wall clock that file timestamps are taken from (a seam for the tests)."""
+    return time.time_ns()
 
 
 def _identity(st: os.stat_result) -> Any:

@@ -116,18 +116,32 @@ class VirtualArray:
             self.array = self.chunks.reshape((self.n_chunks * chunk_rows, *self.row_shape))
         # Every byte of the range, for the window pre-touch in :meth:`windows`.
         self._bytes: np.ndarray = np.ndarray((self.nbytes,), np.uint8, buffer=buf)
+        # For :meth:`take` where chunks are apart: every row as one opaque element, at every
+        # ``itemsize`` step of the range (elements overlap; row ``r`` of chunk ``k`` is element
+        # ``(k * stride + r * row_bytes) / itemsize``).  A gather copies one element per row, half
+        # the work of numpy's row-by-row gather of ``chunks[k, r]``.
+        self._unit = self.dtype.itemsize
+        self._row_units = self.row_bytes // self._unit
+        self._gap_units = (self.stride - self.chunk_bytes) // self._unit  # after each chunk (a whole number of pages)
+        self._rows_at: np.ndarray = np.ndarray(((self.nbytes - self.row_bytes) // self._unit + 1,),
+                                               np.dtype((np.void, self.row_bytes)), buffer=buf, strides=(self._unit,))
 
     def take(self, phys: np.ndarray) -> np.ndarray:
         """Copies of rows ``phys`` (B,) int64: (B, *row_shape)."""
+        if phys.dtype != np.int64:
+            phys = phys.astype(np.int64)  # (units below overflow 32 bits)
         if self.array is not None:
-            if not allocating() or not len(phys) or phys.min() < 0 or phys.max() >= len(self.array):
-                return self.array[phys]  # (out-of-range rows raise IndexError here)
-            # Into the memory rows_into provides; the rows are in range, so "clip" never clips (and,
-            # unlike "raise", does not gather into a temporary first).
-            out = new_rows((len(phys), *self.row_shape), self.dtype)
-            return np.take(self.array, phys, axis=0, out=out, mode="clip")
-        k, r = np.divmod(phys, self.chunk_rows)
-        return self.chunks[k, r]
+            if allocating() and len(phys) and phys.min() >= 0 and phys.max() < len(self.array):
+                # Into the memory rows_into provides; the rows are in range, so "clip" never clips
+                # (and, unlike "raise", does not gather into a temporary first).
+                out = new_rows((len(phys), *self.row_shape), self.dtype)
+                return np.take(self.array, phys, axis=0, out=out, mode="clip")
+            return self.array.take(phys, axis=0)  # (a contiguous take: a third of array[phys]'s work; out-of-range rows raise IndexError)
+        # One opaque element per row (see __init__): about 60% of ``chunks[k, r]``'s instructions
+        # for 256 (17,) float32 rows, index arithmetic included (np.divmod alone cost a quarter).
+        at = phys * self._row_units
+        at += phys // self.chunk_rows * self._gap_units
+        return self._rows_at[at].view(self.dtype).reshape(len(phys), *self.row_shape)
 
     def rows(self, lo: int, hi: int, copy: bool = True) -> np.ndarray:
         """A copy of rows ``[lo, hi)``; ``copy=False``: a read-only view where they lie in one
@@ -334,7 +348,7 @@ class VirtualArray:
         if self.base:
             _syscalls.libc.munmap(self._reserved_at, self._reserved)
             self.base = 0
-            self.array = self.chunks = self._bytes = None  # type: ignore[assignment]
+            self.array = self.chunks = self._bytes = self._rows_at = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
         if _collecting[0] and self.base:
