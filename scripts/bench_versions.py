@@ -25,16 +25,23 @@ responses moto served during the pull (icechunk's own snapshot and manifest read
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdoc import section  # noqa: E402
 
 STEP = gym.spaces.Dict({"obs": gym.spaces.Box(-np.inf, np.inf, (17,), np.float32),
                         "action": gym.spaces.Box(-1, 1, (6,), np.float32),
@@ -254,7 +261,11 @@ def _log_and_diff(work: str, commits: int) -> None:
           f"{time.perf_counter() - t:.2f} s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Run the parts asked for and return the docs/benchmarks.md section (each printed figure, one
+    bullet each, as scripts/bench_all.py collects it)."""
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--quick", action="store_true", help="20,000 rows")
@@ -263,28 +274,43 @@ def main() -> None:
                    help="rows per chunk of every step field (default: about 2 MiB per raw chunk of each field)")
     p.add_argument("--commits", type=int, default=200, help="commits of the repository log/diff are timed on")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: pull,batches,log")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = 20_000 if args.quick else args.rows
+    commits = 20 if args.quick else args.commits
     skip = set(filter(None, args.skip.split(",")))
 
+    printed = io.StringIO()
     server, opts = _moto()
     work = tempfile.mkdtemp(prefix="bench_versions_")
     try:
-        local = os.path.join(work, "local")
-        remote = f"icechunk+s3://bench/{uuid.uuid4().hex}"
-        if not {"pull", "batches"} <= skip:
-            _record(local, rows, args.chunk_rows)
-            _pushes(local, remote, opts)
-        if "pull" not in skip:
-            _pulls(work, remote, opts, rows // EPISODE_STEPS)
-        if "batches" not in skip:
-            _random_batches(work, local, remote, opts, args.batches)
-        if "log" not in skip:
-            _log_and_diff(work, args.commits)
+        with contextlib.redirect_stdout(printed):
+            local = os.path.join(work, "local")
+            remote = f"icechunk+s3://bench/{uuid.uuid4().hex}"
+            if not {"pull", "batches"} <= skip:
+                _record(local, rows, args.chunk_rows)
+                _pushes(local, remote, opts)
+            if "pull" not in skip:
+                _pulls(work, remote, opts, rows // EPISODE_STEPS)
+            if "batches" not in skip:
+                _random_batches(work, local, remote, opts, args.batches)
+            if "log" not in skip:
+                _log_and_diff(work, commits)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         server.stop()
+    chunks = f"chunks of {args.chunk_rows:,} rows" if args.chunk_rows else "default chunking (about 2 MiB per raw chunk)"
+    body = (f"A trajectory store of {rows:,} steps (obs (17,) f32, action (6,) f32, reward f32; episodes of "
+            f"{EPISODE_STEPS:,} steps, {chunks}) pushed to an icechunk repository on a moto S3 server on 127.0.0.1, "
+            "pulled in part (10% of the episodes; target: at most 15% of the version's bytes), read at random "
+            "straight from the repository next to the same store on today's fsspec path (each batch with cold "
+            f"chunk caches), and a local repository of {commits} commits for `trajstore log` / `diff`. "
+            "Each line below is one measurement as the script printed it.\n\n"
+            + "\n".join(f"- {line}" for line in printed.getvalue().splitlines() if line.strip()))
+    return section("Versions on icechunk (scripts/bench_versions.py)", "bench_versions.py", argv,
+                   runs=f"one run per figure; random batches: mean of {args.batches} cold batches; sample(256): "
+                        "mean of 200 calls after one.",
+                   body=body, quick=args.quick, started=started, packages=("icechunk", "moto"))
 
 
 if __name__ == "__main__":
-    main()
+    print(main())
