@@ -46,7 +46,8 @@ def test_every_section_is_written_in_order_and_the_file_replaced_whole(tmp_path:
     got = BA.split(text)
     assert got.pop("peers") == f"## New peers\n\nCommand: `x`; args --png {tmp_path / 'bench_peers.png'}"
     # a full run passes the full arguments (none); the plot lands beside the file
-    assert got == {n: f"## New {n}\n\nCommand: `x`; args" for n in names if n != "peers"}
+    assert got == {n: f"## New {n}\n\nCommand: `x`; args {' '.join(BA.BY_NAME[n].full)}".rstrip()
+                   for n in names if n != "peers"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.md", "s"]  # no temp file left beside it
 
 
