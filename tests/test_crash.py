@@ -254,6 +254,26 @@ def test_read_only_open_with_pending_rewrite(tmp_path, procs, compressor, rename
     assert not os.path.exists(staging) or not any(os.scandir(staging)), os.listdir(staging)
 
 
+def test_open_reader_adopts_pending_rewrite_past_its_reservation(tmp_path, procs):
+    """A reader opened on a small store, then the writer grows the table and is killed while
+    moving the staged chunks of a rewrite into place: the reader's next read maps staged chunks
+    past the range it reserved at open (it grows first; CI once saw an IndexError here)."""
+    store = str(tmp_path / "store")
+    with ReplayBuffer.create(W.SPACE, cache_path=store, chunk_rows=64) as rb:
+        rb.extend(W.encode_kv(np.arange(100), 0))
+    with ReplayBuffer.load_from(store, read_only=True) as ro:
+        assert len(ro) == 100
+        with ReplayBuffer.load_from(store) as rb:
+            rb.extend(W.encode_kv(np.arange(100, 5000), 0))
+        p = W.start(W.rewrite_and_die, store, 5, 0)
+        procs.append(p)
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL, f"fault injection did not fire (exit code {p.exitcode})"
+        assert W.read_head(store).get("pending"), "expected a commit record with pending staged chunks"
+        key, ver = _read_kv(ro, "reader opened before the table grew")
+        assert np.array_equal(key, np.arange(5000)) and (ver == 5).all()
+
+
 # ----------------------------------------------------------------------------------------
 # orphans (docs/design.md 3.4, 3.6)
 # ----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ committed steps survive and its shard reopens as a writer.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import signal
@@ -107,6 +108,10 @@ def test_actors_write_while_a_learner_trains(tmp_path, cluster):
         ds = open_sharded(root, backend="torch")
         torch.manual_seed(0)
         model = _Dynamics()
+        # The loss a trained model is judged against: the untrained one's on the same batch (a
+        # loss taken after round one can already be at the noise floor: the number of steps taken
+        # while the actors collect depends on the machine's speed).
+        untrained = copy.deepcopy(model)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         rng = np.random.default_rng(0)
         seen, steps, fixed = set(), 0, None
@@ -129,14 +134,14 @@ def test_actors_write_while_a_learner_trains(tmp_path, cluster):
             if fixed is None:
                 fixed = ds.sample(512, rng=rng)
                 with torch.no_grad():
-                    first_loss = float(model.loss(fixed))
+                    first_loss = float(untrained.loss(fixed))
         for _ in range(100):  # a few more steps on the whole dataset
             loss = model.loss(ds.sample(64, rng=rng))
             opt.zero_grad()
             loss.backward()
             opt.step()
         with torch.no_grad():
-            assert float(model.loss(fixed)) < first_loss
+            assert float(model.loss(fixed)) < first_loss / 10
         final = ray.get([a.close.remote() for a in actors])
         assert [f["rows"] for f in final] == [600, 600]
         ds.refresh()

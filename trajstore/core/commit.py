@@ -269,6 +269,9 @@ class StoreCommits:
         if not pending:
             return
         check_pending(pending, self.schema, {n: t.state.allocated for n, t in self.tables.items()}, str(self.loc.url))
+        for t in self.tables.values():
+            # A rewrite that grew the table stages chunks past this reader's reservation.
+            t.match_allocation()
         by_path = self._fields_by_path()
         for path, ks in pending["chunks"].items():
             by_path[path].remap(ks, pending["prefix"] if staged else "")

@@ -110,7 +110,7 @@ class Table:
         if cap is None:
             if st.end + n > st.allocated:
                 self._grow(st.end + n)
-            self._match_allocation()
+            self.match_allocation()
             self._write_block(arrays, n)
         else:
             eager = n >= 2 * cap
@@ -215,8 +215,9 @@ class Table:
         self.store.metadata_changed()
         self.state.allocated = new  # only once readers' metadata says so (else grown again next time)
 
-    def _match_allocation(self) -> None:
-        """Grow this process's view of the arrays after another process grew the table."""
+    def match_allocation(self) -> None:
+        """Grow this process's view of the arrays after another process grew the table (before
+        chunks a commit record names are mapped: they may lie past the old reservation)."""
         for f in self.fields:
             if f.allocated < self.state.allocated:
                 f.grow(self.state.allocated)
@@ -228,7 +229,7 @@ class Table:
         key = (st.start, st.end, st.allocated)
         if self._mapped_upto == key:
             return
-        self._match_allocation()
+        self.match_allocation()
         for f in self.fields:
             for phys_lo, _off, m in contiguous_runs(st.start, st.end, self.capacity):
                 f.ensure_mapped(phys_lo, phys_lo + m, create=False)
