@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -27,7 +29,24 @@ def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
     return np.stack([frame_of(ep, t, size) for t in range(n)])
 
 
-def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = True) -> None:
+def _encode(path: str, episodes: Callable[[], Iterable[Iterable[np.ndarray]]], fps: int, codec: str,
+            force_key: bool = True) -> None:
+    """Encode the frames of ``episodes()`` (an iterable per episode) into one MP4 at ``path``.
+
+    One retry from scratch: CI once saw libsvtav1's packet refused by the MP4 muxer (EINVAL) in a
+    1,000-episode file that 60 runs here encoded cleanly; the packets around the refusal are
+    printed so a second sighting says which timestamps were wrong.
+    """
+    import av
+
+    try:
+        _encode_once(path, episodes(), fps, codec, force_key)
+    except av.error.FFmpegError as e:
+        print(f"lerobot_fixture: encoding {path} failed ({e}); encoding it again", file=sys.stderr)
+        _encode_once(path, episodes(), fps, codec, force_key)
+
+
+def _encode_once(path: str, episodes: Iterable[Iterable[np.ndarray]], fps: int, codec: str, force_key: bool) -> None:
     import av
 
     os.environ.setdefault("SVT_LOG", "1")
@@ -37,7 +56,7 @@ def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = Tr
     s.options = {"g": "2", "crf": "30" if codec == "av1" else "18", "preset": "12" if codec == "av1" else "veryfast"}
     if codec == "h264":
         s.codec_context.max_b_frames = 0
-    pts = 0
+    pts, seen = 0, []
     for fr in episodes:
         it = iter(fr)
         f0 = next(it)
@@ -51,10 +70,20 @@ def _encode(path: str, episodes: Any, fps: int, codec: str, force_key: bool = Tr
                 vf.pict_type = av.video.frame.PictureType.I
             pts += 1
             for p in s.encode(vf):
-                c.mux(p)
+                _mux(c, p, seen)
     for p in s.encode(None):
-        c.mux(p)
+        _mux(c, p, seen)
     c.close()
+
+
+def _mux(c: Any, p: Any, seen: list[tuple[Any, Any]]) -> None:
+    seen.append((p.pts, p.dts))
+    try:
+        c.mux(p)
+    except Exception:
+        print(f"lerobot_fixture: packet {len(seen) - 1} refused; (pts, dts) of the last ones: {seen[-4:]}",
+              file=sys.stderr)
+        raise
 
 
 def _features(cams: list[str], size: tuple[int, int] = (H, W), dims: tuple[int, int] = (3, 2),
@@ -140,7 +169,7 @@ def write_v3(root: str, lengths: list[int], cams: tuple[str, ...] = ("observatio
                        os.path.join(root, f"data/chunk-000/file-{k:03d}.parquet"))
         for cam in cams:
             _encode(os.path.join(root, f"videos/{cam}/chunk-000/file-{k:03d}.mp4"),
-                    ((frame_of(e, t, size) for t in range(lengths[e])) for e in eps), fps, codec, force_key)
+                    lambda eps=eps: ((frame_of(e, t, size) for t in range(lengths[e])) for e in eps), fps, codec, force_key)
     ep: dict[str, Any] = {"episode_index": list(range(len(lengths))),
                           "tasks": [[TASKS[e % 2]] for e in range(len(lengths))], "length": lengths,
                           "data/chunk_index": [0] * len(lengths), "data/file_index": file_of.tolist(),
@@ -179,7 +208,7 @@ def write_v21(root: str, lengths: list[int], cam: str = "observation.images.top"
             os.makedirs(os.path.join(root, "data/chunk-000"), exist_ok=True)
             os.makedirs(os.path.join(root, f"videos/chunk-000/{cam}"), exist_ok=True)
             pq.write_table(_data_table([n], start, e, fps=fps), os.path.join(root, f"data/chunk-000/episode_{e:06d}.parquet"))
-            _encode(os.path.join(root, f"videos/chunk-000/{cam}/episode_{e:06d}.mp4"), [frames_of(e, n)], fps, "av1")
+            _encode(os.path.join(root, f"videos/chunk-000/{cam}/episode_{e:06d}.mp4"), lambda e=e, n=n: [frames_of(e, n)], fps, "av1")
             start += n
     return root
 
