@@ -43,6 +43,7 @@ from trajstore.errors import (
 )
 from trajstore.storage.icechunk_store import FILES_GROUP, SessionStore
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
+from trajstore.storage.loop_exit import guard_zarr_loop
 
 __all__ = ["IcechunkSession", "SessionStore", "is_icechunk_url", "open_repository", "resolve_version",
            "branch_history", "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
@@ -214,6 +215,7 @@ class IcechunkSession:
         self._last: tuple[int, dict[str, int]] | None = None  # (epoch, rows) of this writer's last commit
         self.session = (repo.readonly_session(**(version or {"branch": BRANCH})) if read_only
                         else repo.writable_session(BRANCH))
+        guard_zarr_loop()  # icechunk's tokio threads complete futures on zarr's loop (storage/loop_exit.py)
         self.url = url
         self.zstore = SessionStore(self, read_only)
         # (a file object: a location dropped without close, e.g. by a failed open, is unlocked when collected)
