@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
+from trajstore.storage.fields.video import segment_frame, write_segment
+from trajstore.storage.spans import FileSpan, PutData
 
 __all__ = ["episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
            "av_module"]
@@ -223,6 +225,21 @@ class Mp4Index:
             return "its codec is not AV1 or H.264, or its packets are not in display order"
         return "" if hi > lo and self.keys[lo] else "the episode does not start on a keyframe"
 
+    def _checked(self, t0: float, t1: float, fps: float, length: int) -> tuple[int, int]:
+        """Packets ``[lo, hi)`` of the ``length`` frames in ``[t0, t1)``, once they can be kept."""
+        lo, hi = self.range(t0, t1, fps)
+        if hi - lo != length:
+            raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
+                                   f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
+        why = self.adoptable(lo, hi)
+        if why:
+            raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
+                                   "import the dataset (import_lerobot re-encodes such episodes)")
+        a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
+        if b - a > MAX_SEGMENT_BYTES or int(self.size[lo:hi].sum()) > MAX_SEGMENT_BYTES:
+            raise ForeignFileError(f"{self.where}: an episode of {b - a} bytes of packets; more than trajstore reads")
+        return lo, hi
+
     def episode(self, t0: float, t1: float, fps: float, length: int) -> tuple[list[bytes], list[bool]]:
         """The packets (display order, Annex B for H.264) and keyframe flags of the ``length``
         frames in ``[t0, t1)``, read at their offsets.
@@ -233,17 +250,8 @@ class Mp4Index:
             Another frame count, or packets that cannot be kept as they are (:meth:`adoptable`),
             naming the file.
         """
-        lo, hi = self.range(t0, t1, fps)
-        if hi - lo != length:
-            raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
-                                   f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
-        why = self.adoptable(lo, hi)
-        if why:
-            raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
-                                   "import the dataset (import_lerobot re-encodes such episodes)")
+        lo, hi = self._checked(t0, t1, fps, length)
         a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
-        if b - a > MAX_SEGMENT_BYTES:
-            raise ForeignFileError(f"{self.where}: an episode of {b - a} bytes of packets; more than trajstore reads")
         blob = self._read(a, b - a)
         if len(blob) != b - a:
             raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
@@ -255,6 +263,27 @@ class Mp4Index:
             packets.append(data)
             keys.append(bool(k))
         return packets, keys
+
+    def segment(self, t0: float, t1: float, fps: float, length: int) -> PutData:
+        """The trajstore segment (:func:`~trajstore.storage.fields.video.write_segment`) of the
+        ``length`` frames in ``[t0, t1)``.  Where the packets are AV1 lying one after another in a
+        local file (LeRobot's MP4s: one track, samples in order), the pieces ``[head,
+        FileSpan(file, offset, bytes), frame table]``: the packets are copied file to file when the
+        segment is written (:mod:`~trajstore.storage.spans`; this index's file must still be open
+        then), never held here.  Otherwise the segment's bytes, assembled from :meth:`episode`.
+        Raises as :meth:`episode`."""
+        lo, hi = self._checked(t0, t1, fps, length)
+        pos, size = self.pos[lo:hi], self.size[lo:hi]
+        if self.codec != "av1" or (pos[1:] != pos[:-1] + size[:-1]).any():
+            return write_segment(*self.episode(t0, t1, fps, length))
+        head, tail = segment_frame(size, self.keys[lo:hi])
+        a, n = int(pos[0]), int(size.sum())
+        if isinstance(self.fileobj, io.FileIO):
+            return [head, FileSpan(self.fileobj, a, n, self.where), tail]
+        blob = self._read(a, n)
+        if len(blob) != n:
+            raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
+        return head + blob + tail
 
     def close(self) -> None:
         """Close the file."""
