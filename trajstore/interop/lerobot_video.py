@@ -26,6 +26,7 @@ naming the file.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import threading
 from fractions import Fraction
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
+from trajstore.interop.mp4_table import SampleTable, plain_table
 from trajstore.storage.fields.video import segment_frame, write_segment
 from trajstore.storage.spans import FileSpan, PutData
 
@@ -290,9 +292,40 @@ class Mp4Index:
         self.fileobj.close()
 
 
+def _agrees(table: SampleTable | None, first: Any, s: Any, tb: Fraction) -> bool:
+    """``table`` (read from the ``moov`` box) is what the demuxer gives: its time base, its frame
+    count and its first packet (time, position, size, keyframe)."""
+    if table is None or first is None or first.pos is None or len(table.pos) > MAX_EPISODE_PACKETS * 64:
+        return False
+    return (tb == Fraction(1, table.timescale) and int(s.frames or 0) == len(table.pos)
+            and (int(first.pts), int(first.pos), int(first.size), bool(first.is_keyframe))
+            == (int(table.pts[0]), int(table.pos[0]), int(table.size[0]), bool(table.keys[0])))
+
+
+def _demux(packets: Any, where: str) -> tuple[np.ndarray, ...]:
+    """``(pts, pos, size, keys)`` of every non-empty packet of the demuxer's ``packets``."""
+    times: list[int] = []
+    pos: list[int] = []
+    size: list[int] = []
+    keys: list[bool] = []
+    for p in packets:
+        if p.size == 0 or p.pts is None:
+            continue
+        if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
+            raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
+        times.append(p.pts)
+        pos.append(int(p.pos))
+        size.append(int(p.size))
+        keys.append(bool(p.is_keyframe))
+    return (np.asarray(times, np.int64), np.asarray(pos, np.int64), np.asarray(size, np.int64),
+            np.asarray(keys, bool))
+
+
 def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None) -> Mp4Index:
-    """The :class:`Mp4Index` of the MP4 ``fileobj`` (demuxed once, nothing decoded; the index
-    keeps ``fileobj`` open and closes it).
+    """The :class:`Mp4Index` of the MP4 ``fileobj`` (nothing decoded; the index keeps ``fileobj``
+    open and closes it).  Where the file's sample table is plain (:func:`~.mp4_table.plain_table`:
+    LeRobot's and FFmpeg's MP4s) and agrees with the demuxer's first packet and frame count, the
+    index is that table (the ``moov`` box read, not the packets); otherwise the file is demuxed.
 
     Raises
     ------
@@ -301,11 +334,12 @@ def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None
         with no position (naming the file).
     """
     av = av_module(where)
+    table = plain_table(fileobj)
+    try:
+        fileobj.seek(0)
+    except Exception as e:  # noqa: BLE001  # the file is input
+        raise ForeignFileError(f"{where}: not a readable MP4 ({type(e).__name__}: {e})") from None
     c, s = _open_container(av, fileobj, where)
-    times: list[int] = []
-    pos: list[int] = []
-    size: list[int] = []
-    keys: list[bool] = []
     try:
         cc = s.codec_context
         if shape is not None and (int(cc.height), int(cc.width)) != tuple(shape):
@@ -314,23 +348,20 @@ def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None
         codec = ADOPTABLE.get(cc.name)
         headers = _avcc_headers(cc.extradata, where) if codec == "h264" else b""
         tb = Fraction(s.time_base)
-        for p in c.demux(s):
-            if p.size == 0 or p.pts is None:
-                continue
-            if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
-                raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
-            times.append(p.pts)
-            pos.append(int(p.pos))
-            size.append(int(p.size))
-            keys.append(bool(p.is_keyframe))
+        packets = c.demux(s)
+        first = next((p for p in packets if p.size and p.pts is not None), None)
+        if _agrees(table, first, s, tb):
+            assert table is not None
+            pts, pos, size, keys = table.pts, table.pos, table.size, table.keys
+        else:
+            pts, pos, size, keys = _demux(itertools.chain([first] if first is not None else [], packets), where)
     except ForeignFileError:
         raise
     except Exception as e:  # noqa: BLE001  # the file is input
         raise ForeignFileError(f"{where}: the MP4 does not demux ({type(e).__name__}: {e})") from None
     finally:
         c.close()
-    t = np.asarray(times, np.int64) * float(tb)  # one product, not a Fraction per packet
+    t = pts * float(tb)  # one product, not a Fraction per packet
     if len(t) > 1 and not (np.diff(t) > 0).all():
         codec = None  # B-frames: demux order is not display order
-    return Mp4Index(where, fileobj, t, np.asarray(pos, np.int64), np.asarray(size, np.int64), np.asarray(keys, bool), codec,
-                    headers)
+    return Mp4Index(where, fileobj, t, pos, size, keys, codec, headers)
