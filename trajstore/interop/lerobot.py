@@ -42,8 +42,8 @@ from trajstore.maintenance.staged import StagedFolders, local_path, verify_writt
 from trajstore.storage.fields.video import VideoField
 from trajstore.storage.fields.video_codec import VideoCodec
 from trajstore.storage.publish import destination_full
-from trajstore.storage.spans import FileSpan, PutData
 from trajstore.storage.robot_files import RobotInfo
+from trajstore.storage.spans import FileSpan, PutData
 
 __all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups"]
 

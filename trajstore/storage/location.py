@@ -31,7 +31,6 @@ from trajstore.errors import (
 )
 from trajstore.storage._replace import replace_file
 from trajstore.storage.chunk_cache import ChunkCache
-from trajstore.storage.spans import PutData, join_pieces, write_pieces
 from trajstore.storage.confined import (
     OPEN_FLAGS,
     ConfinedLocalStore,
@@ -42,6 +41,7 @@ from trajstore.storage.confined import (
     not_a_folder,
     read_limit,
 )
+from trajstore.storage.spans import PutData, join_pieces, write_pieces
 
 __all__ = ["Location", "resolve_location", "fsspec_options", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
