@@ -9,10 +9,14 @@ LeRobot's ``episode_index``; the store declares LeRobot's ``fps`` and holds its 
 (docs/robot.md).  ``frame_index`` and ``index`` are the step's position and are not stored.
 
 Cameras stay video: each episode's packets are taken from the MP4 shard as they are
-(:func:`~.lerobot_video.episode_packets`) and stored as the episode's video segment
+(:meth:`~.lerobot_video.Mp4Index.segment`: where they are comes from the MP4's sample table,
+:mod:`.mp4_table`) and stored as the episode's video segment
 (:meth:`~trajstore.storage.fields.video.VideoField.adopt`), without decoding or encoding, when the
 codec is AV1 or H.264 and the episode starts on a keyframe; any other episode is decoded and
-encoded again (counted in the result's ``transcoded``).  ``video="png"`` (or any other
+encoded again (counted in the result's ``transcoded``).  AV1 packets are copied file to file when
+the segment is written (:mod:`trajstore.storage.spans`), so each MP4 stays open until the commit
+after its last episode.  The store is verified before it is renamed into place as ``trajstore
+verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video.check_video`).  ``video="png"`` (or any other
 ``compressor`` value) stores decoded frames with that codec instead.
 """
 

@@ -5,9 +5,12 @@ file per episode); an episode is the frames whose presentation time lies in ``[f
 to_timestamp)`` of its file.  LeRobot encodes each episode on its own and concatenates the
 files without re-encoding, so every episode starts on a keyframe.
 
-:func:`index_packets` demuxes an MP4 once (PyAV, no decoding) into an :class:`Mp4Index` of its
-packets (time, file offset, size, keyframe); :meth:`Mp4Index.episode` gives one episode's packets,
-read at their offsets, as a trajstore video segment holds them
+:func:`index_packets` indexes an MP4 once into an :class:`Mp4Index` of its packets (time, file
+offset, size, keyframe): from its ``moov`` sample table where that is plain (:mod:`.mp4_table`;
+the packets are not read), else by demuxing it (PyAV, no decoding); :meth:`Mp4Index.episode`
+gives one episode's packets, read at their offsets, and :meth:`Mp4Index.segment` the episode's
+segment (AV1 in a local file: pieces whose packets are copied file to file), as a trajstore video
+segment holds them
 (:func:`~trajstore.storage.fields.video.write_segment`: one packet per frame in display order,
 each keyframe carrying its stream headers):
 
@@ -118,7 +121,7 @@ def episode_frames(fileobj: Any, where: str, t0: float, t1: float, fps: float, l
     Raises
     ------
     ForeignFileError
-        As :func:`episode_packets`, or frames that do not decode.
+        As :meth:`Mp4Index.episode`, or frames that do not decode.
     """
     av = av_module(where)
     c, s = _open_container(av, fileobj, where)

@@ -82,7 +82,7 @@ def _one(boxes: dict[str, list[tuple[int, int]]], kind: str) -> tuple[int, int]:
 
 
 def _moov(fileobj: Any, file_size: int) -> bytes:
-    """The top-level ``moov`` box's bytes (header headers only are read on the way)."""
+    """The top-level ``moov`` box's bytes (only the box headers before it are read on the way)."""
     off = 0
     while off + 8 <= file_size:
         n, kind = struct.unpack(">I4s", _read(fileobj, off, 8))
