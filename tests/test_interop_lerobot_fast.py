@@ -165,3 +165,21 @@ def test_verify_without_deep_still_finds_damaged_segments(tmp_path: Path, damage
         seg.symlink_to(tmp_path / "outside")
     rep = verify_store(tmp_path / "s")
     assert not rep.ok and f"step_data/{CAM}/video/6" in str(rep)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a second filesystem (tmpfs at /dev/shm)")
+def test_a_span_from_another_filesystem_is_copied_through_memory(tmp_path: Path) -> None:
+    """``copy_file_range`` refuses a copy across filesystems (EXDEV): the span is read and written
+    in blocks instead, with the same bytes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        src = Path(shm) / "src"
+        src.write_bytes(os.urandom(100_000))
+        with open(src, "rb", buffering=0) as f:
+            fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                write_pieces(fd, [b"h", FileSpan(f, 10, 99_990, "src"), b"t"])
+            finally:
+                os.close(fd)
+        assert (tmp_path / "out").read_bytes() == b"h" + src.read_bytes()[10:] + b"t"
