@@ -241,7 +241,9 @@ g 2, as LeRobot encodes) and 14-dim state and action, imported with the cameras'
 (adopted per camera: {out['adopted']}; transcoded: {out['transcoded']}), against reading every file
 of the dataset once and copying the folder (the files were just written: they are in the page
 cache). Bytes are allocated blocks on disk. Video ratio: the store's video segments' bytes over the
-MP4s' bytes. The import commits per batch of episodes and verifies the store before renaming it.
+MP4s' bytes. The import reads each MP4's packet index from its `moov` sample table, copies each
+episode's packets file to file into its segment (`copy_file_range`), commits per batch of episodes and
+verifies the store (segments' frame tables, not their packets) before renaming it.
 
 | what | time | read files once | copy files once | bytes before | bytes after | video after / before |
 |---|---|---|---|---|---|---|

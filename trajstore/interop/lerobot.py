@@ -9,10 +9,14 @@ LeRobot's ``episode_index``; the store declares LeRobot's ``fps`` and holds its 
 (docs/robot.md).  ``frame_index`` and ``index`` are the step's position and are not stored.
 
 Cameras stay video: each episode's packets are taken from the MP4 shard as they are
-(:func:`~.lerobot_video.episode_packets`) and stored as the episode's video segment
+(:meth:`~.lerobot_video.Mp4Index.segment`: where they are comes from the MP4's sample table,
+:mod:`.mp4_table`) and stored as the episode's video segment
 (:meth:`~trajstore.storage.fields.video.VideoField.adopt`), without decoding or encoding, when the
 codec is AV1 or H.264 and the episode starts on a keyframe; any other episode is decoded and
-encoded again (counted in the result's ``transcoded``).  ``video="png"`` (or any other
+encoded again (counted in the result's ``transcoded``).  AV1 packets are copied file to file when
+the segment is written (:mod:`trajstore.storage.spans`), so each MP4 stays open until the commit
+after its last episode.  The store is verified before it is renamed into place as ``trajstore
+verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video.check_video`).  ``video="png"`` (or any other
 ``compressor`` value) stores decoded frames with that codec instead.
 """
 
@@ -39,10 +43,11 @@ from trajstore.interop.lerobot_layout import (
 )
 from trajstore.interop.lerobot_video import ADOPTABLE, Mp4Index, av_module, episode_frames, index_packets
 from trajstore.maintenance.staged import StagedFolders, local_path, verify_written
-from trajstore.storage.fields.video import VideoField, write_segment
+from trajstore.storage.fields.video import VideoField
 from trajstore.storage.fields.video_codec import VideoCodec
 from trajstore.storage.publish import destination_full
 from trajstore.storage.robot_files import RobotInfo
+from trajstore.storage.spans import FileSpan, PutData
 
 __all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups"]
 
@@ -50,6 +55,8 @@ _WHAT = "import_lerobot"
 #: The import commits once this many bytes of segments or raw frames are held, or episodes appended.
 FLUSH_BYTES = 64 << 20
 FLUSH_EPISODES = 256
+#: MP4s read to their end are kept open (their packets are copied at the next commit) up to this many.
+MAX_RETIRED = 64
 
 
 def lerobot_space(lay: LeRobotLayout) -> Dict:
@@ -96,6 +103,11 @@ def _compressors(lay: LeRobotLayout, video: Any) -> tuple[dict[str, Any], dict[s
     return comp, adopt
 
 
+def _same(blob: PutData) -> PutData:
+    """``blob`` itself (an adopted segment's bytes or pieces, held until the flush writes them)."""
+    return blob
+
+
 class _Importer:
     """The store being written and the per-episode steps (one instance per import)."""
 
@@ -104,6 +116,7 @@ class _Importer:
         self.fields = {f.spec.array_path: f for f in buf.rows_table.fields if f.spec.layout == "video"}
         self.transcoded = {k: 0 for k in lay.videos}
         self.mp4: dict[str, tuple[str, Mp4Index]] = {}
+        self.retired: list[Mp4Index] = []  # MP4s done with, open until the next flush copies their packets
         self.held, self.pending = 0, 0  # bytes held for the next flush (segments, raw frames), episodes
         self.adopted = {k: 0 for k in lay.videos}
 
@@ -120,8 +133,10 @@ class _Importer:
         if held is not None and held[0] == path:
             return held[1]
         if held is not None:
-            held[1].close()
+            self.retired.append(held[1])  # adopted segments name spans of it: closed once flushed
             del self.mp4[key]
+            if len(self.retired) >= MAX_RETIRED:
+                self.flush()
         f = self.lay.open(path)
         try:
             idx = index_packets(f, self.lay.where(path), shape)
@@ -131,11 +146,22 @@ class _Importer:
         self.mp4[key] = (path, idx)
         return idx
 
+    def flush(self) -> None:
+        """Commit what was appended (the adopted segments' packets copied from their MP4s), then
+        close the MP4s no longer read."""
+        self.buf.flush()  # one commit per batch: a commit (and the segment index) per episode costs more
+        self.held, self.pending = 0, 0
+        for idx in self.retired:
+            idx.close()
+        self.retired.clear()
+
     def close(self) -> None:
-        """Close the MP4s held open."""
-        for _path, idx in self.mp4.values():
+        """Close the MP4s held open (after :meth:`flush`: a segment not yet written that names a
+        span of a closed MP4 fails to write, ValueError, instead of reading another file)."""
+        for idx in self.retired + [idx for _path, idx in self.mp4.values()]:
             idx.close()
         self.mp4.clear()
+        self.retired.clear()
 
     def _camera(self, key: str, ep: Episode, start: int) -> np.ndarray:
         """Frames of camera ``key`` for ``ep``: placeholders when its packets are adopted as the
@@ -150,9 +176,10 @@ class _Importer:
             idx = self._index(key, path, (h, w))
             lo, hi = idx.range(t0, t1, lay.fps)
             if idx.codec == want and hi - lo == ep.length and not idx.adoptable(lo, hi):
-                blob = write_segment(*idx.episode(t0, t1, lay.fps, ep.length))
-                field.adopt(start, ep.length, functools.partial(bytes, blob))
-                self.held += len(blob)
+                blob = idx.segment(t0, t1, lay.fps, ep.length)
+                field.adopt(start, ep.length, functools.partial(_same, blob))
+                self.held += len(blob) if isinstance(blob, (bytes, bytearray)) else sum(
+                    len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
                 return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
@@ -192,8 +219,7 @@ class _Importer:
         self.buf.mark_episode_end()
         self.pending += 1
         if self.held >= FLUSH_BYTES or self.pending >= FLUSH_EPISODES:
-            self.buf.flush()  # one commit per batch: a commit (and the segment index) per episode costs more
-            self.held, self.pending = 0, 0
+            self.flush()
 
 
 def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
@@ -285,6 +311,7 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         bar = progress_bar(len(lay.episodes), f"{_WHAT} into {os.path.basename(out_path)}", tqdm, unit="episode")
         try:
             steps = _episodes(lay, imp, bar)
+            imp.flush()  # while the MP4s whose packets the last segments copy are open
         finally:
             imp.close()
         first = {ep.index: lay.tasks.index(ep.tasks[0]) for ep in lay.episodes if ep.tasks}

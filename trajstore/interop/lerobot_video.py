@@ -5,9 +5,12 @@ file per episode); an episode is the frames whose presentation time lies in ``[f
 to_timestamp)`` of its file.  LeRobot encodes each episode on its own and concatenates the
 files without re-encoding, so every episode starts on a keyframe.
 
-:func:`index_packets` demuxes an MP4 once (PyAV, no decoding) into an :class:`Mp4Index` of its
-packets (time, file offset, size, keyframe); :meth:`Mp4Index.episode` gives one episode's packets,
-read at their offsets, as a trajstore video segment holds them
+:func:`index_packets` indexes an MP4 once into an :class:`Mp4Index` of its packets (time, file
+offset, size, keyframe): from its ``moov`` sample table where that is plain (:mod:`.mp4_table`;
+the packets are not read), else by demuxing it (PyAV, no decoding); :meth:`Mp4Index.episode`
+gives one episode's packets, read at their offsets, and :meth:`Mp4Index.segment` the episode's
+segment (AV1 in a local file: pieces whose packets are copied file to file), as a trajstore video
+segment holds them
 (:func:`~trajstore.storage.fields.video.write_segment`: one packet per frame in display order,
 each keyframe carrying its stream headers):
 
@@ -26,6 +29,7 @@ naming the file.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import threading
 from fractions import Fraction
@@ -34,6 +38,9 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
+from trajstore.interop.mp4_table import SampleTable, plain_table
+from trajstore.storage.fields.video import segment_frame, write_segment
+from trajstore.storage.spans import FileSpan, PutData
 
 __all__ = ["episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
            "av_module"]
@@ -114,7 +121,7 @@ def episode_frames(fileobj: Any, where: str, t0: float, t1: float, fps: float, l
     Raises
     ------
     ForeignFileError
-        As :func:`episode_packets`, or frames that do not decode.
+        As :meth:`Mp4Index.episode`, or frames that do not decode.
     """
     av = av_module(where)
     c, s = _open_container(av, fileobj, where)
@@ -223,6 +230,21 @@ class Mp4Index:
             return "its codec is not AV1 or H.264, or its packets are not in display order"
         return "" if hi > lo and self.keys[lo] else "the episode does not start on a keyframe"
 
+    def _checked(self, t0: float, t1: float, fps: float, length: int) -> tuple[int, int]:
+        """Packets ``[lo, hi)`` of the ``length`` frames in ``[t0, t1)``, once they can be kept."""
+        lo, hi = self.range(t0, t1, fps)
+        if hi - lo != length:
+            raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
+                                   f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
+        why = self.adoptable(lo, hi)
+        if why:
+            raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
+                                   "import the dataset (import_lerobot re-encodes such episodes)")
+        a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
+        if b - a > MAX_SEGMENT_BYTES or int(self.size[lo:hi].sum()) > MAX_SEGMENT_BYTES:
+            raise ForeignFileError(f"{self.where}: an episode of {b - a} bytes of packets; more than trajstore reads")
+        return lo, hi
+
     def episode(self, t0: float, t1: float, fps: float, length: int) -> tuple[list[bytes], list[bool]]:
         """The packets (display order, Annex B for H.264) and keyframe flags of the ``length``
         frames in ``[t0, t1)``, read at their offsets.
@@ -233,17 +255,8 @@ class Mp4Index:
             Another frame count, or packets that cannot be kept as they are (:meth:`adoptable`),
             naming the file.
         """
-        lo, hi = self.range(t0, t1, fps)
-        if hi - lo != length:
-            raise ForeignFileError(f"{self.where}: {hi - lo} frames in [{t0:.4f}, {t1:.4f}) s; its episode declares "
-                                   f"{length} (the MP4 is shorter than its episodes claim, or the timestamps are off)")
-        why = self.adoptable(lo, hi)
-        if why:
-            raise ForeignFileError(f"{self.where}: frames [{t0:.4f}, {t1:.4f}) s cannot be read in place ({why}); "
-                                   "import the dataset (import_lerobot re-encodes such episodes)")
+        lo, hi = self._checked(t0, t1, fps, length)
         a, b = int(self.pos[lo]), int(self.pos[hi - 1] + self.size[hi - 1])
-        if b - a > MAX_SEGMENT_BYTES:
-            raise ForeignFileError(f"{self.where}: an episode of {b - a} bytes of packets; more than trajstore reads")
         blob = self._read(a, b - a)
         if len(blob) != b - a:
             raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
@@ -256,14 +269,66 @@ class Mp4Index:
             keys.append(bool(k))
         return packets, keys
 
+    def segment(self, t0: float, t1: float, fps: float, length: int) -> PutData:
+        """The trajstore segment (:func:`~trajstore.storage.fields.video.write_segment`) of the
+        ``length`` frames in ``[t0, t1)``.  Where the packets are AV1 lying one after another in a
+        local file (LeRobot's MP4s: one track, samples in order), the pieces ``[head,
+        FileSpan(file, offset, bytes), frame table]``: the packets are copied file to file when the
+        segment is written (:mod:`~trajstore.storage.spans`; this index's file must still be open
+        then), never held here.  Otherwise the segment's bytes, assembled from :meth:`episode`.
+        Raises as :meth:`episode`."""
+        lo, hi = self._checked(t0, t1, fps, length)
+        pos, size = self.pos[lo:hi], self.size[lo:hi]
+        if self.codec != "av1" or (pos[1:] != pos[:-1] + size[:-1]).any():
+            return write_segment(*self.episode(t0, t1, fps, length))
+        head, tail = segment_frame(size, self.keys[lo:hi])
+        a, n = int(pos[0]), int(size.sum())
+        if isinstance(self.fileobj, io.FileIO):
+            return [head, FileSpan(self.fileobj, a, n, self.where), tail]
+        blob = self._read(a, n)
+        if len(blob) != n:
+            raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
+        return head + blob + tail
+
     def close(self) -> None:
         """Close the file."""
         self.fileobj.close()
 
 
+def _agrees(table: SampleTable | None, first: Any, s: Any, tb: Fraction) -> bool:
+    """``table`` (read from the ``moov`` box) is what the demuxer gives: its time base, its frame
+    count and its first packet (time, position, size, keyframe)."""
+    if table is None or first is None or first.pos is None or len(table.pos) > MAX_EPISODE_PACKETS * 64:
+        return False
+    return (tb == Fraction(1, table.timescale) and int(s.frames or 0) == len(table.pos)
+            and (int(first.pts), int(first.pos), int(first.size), bool(first.is_keyframe))
+            == (int(table.pts[0]), int(table.pos[0]), int(table.size[0]), bool(table.keys[0])))
+
+
+def _demux(packets: Any, where: str) -> tuple[np.ndarray, ...]:
+    """``(pts, pos, size, keys)`` of every non-empty packet of the demuxer's ``packets``."""
+    times: list[int] = []
+    pos: list[int] = []
+    size: list[int] = []
+    keys: list[bool] = []
+    for p in packets:
+        if p.size == 0 or p.pts is None:
+            continue
+        if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
+            raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
+        times.append(p.pts)
+        pos.append(int(p.pos))
+        size.append(int(p.size))
+        keys.append(bool(p.is_keyframe))
+    return (np.asarray(times, np.int64), np.asarray(pos, np.int64), np.asarray(size, np.int64),
+            np.asarray(keys, bool))
+
+
 def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None) -> Mp4Index:
-    """The :class:`Mp4Index` of the MP4 ``fileobj`` (demuxed once, nothing decoded; the index
-    keeps ``fileobj`` open and closes it).
+    """The :class:`Mp4Index` of the MP4 ``fileobj`` (nothing decoded; the index keeps ``fileobj``
+    open and closes it).  Where the file's sample table is plain (:func:`~.mp4_table.plain_table`:
+    LeRobot's and FFmpeg's MP4s) and agrees with the demuxer's first packet and frame count, the
+    index is that table (the ``moov`` box read, not the packets); otherwise the file is demuxed.
 
     Raises
     ------
@@ -272,11 +337,12 @@ def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None
         with no position (naming the file).
     """
     av = av_module(where)
+    table = plain_table(fileobj)
+    try:
+        fileobj.seek(0)
+    except Exception as e:  # noqa: BLE001  # the file is input
+        raise ForeignFileError(f"{where}: not a readable MP4 ({type(e).__name__}: {e})") from None
     c, s = _open_container(av, fileobj, where)
-    times: list[int] = []
-    pos: list[int] = []
-    size: list[int] = []
-    keys: list[bool] = []
     try:
         cc = s.codec_context
         if shape is not None and (int(cc.height), int(cc.width)) != tuple(shape):
@@ -285,23 +351,20 @@ def index_packets(fileobj: Any, where: str, shape: tuple[int, int] | None = None
         codec = ADOPTABLE.get(cc.name)
         headers = _avcc_headers(cc.extradata, where) if codec == "h264" else b""
         tb = Fraction(s.time_base)
-        for p in c.demux(s):
-            if p.size == 0 or p.pts is None:
-                continue
-            if p.pos is None or p.pos < 0 or len(times) >= MAX_EPISODE_PACKETS * 64:
-                raise ForeignFileError(f"{where}: a packet without a file position, or too many packets")
-            times.append(p.pts)
-            pos.append(int(p.pos))
-            size.append(int(p.size))
-            keys.append(bool(p.is_keyframe))
+        packets = c.demux(s)
+        first = next((p for p in packets if p.size and p.pts is not None), None)
+        if _agrees(table, first, s, tb):
+            assert table is not None
+            pts, pos, size, keys = table.pts, table.pos, table.size, table.keys
+        else:
+            pts, pos, size, keys = _demux(itertools.chain([first] if first is not None else [], packets), where)
     except ForeignFileError:
         raise
     except Exception as e:  # noqa: BLE001  # the file is input
         raise ForeignFileError(f"{where}: the MP4 does not demux ({type(e).__name__}: {e})") from None
     finally:
         c.close()
-    t = np.asarray(times, np.int64) * float(tb)  # one product, not a Fraction per packet
+    t = pts * float(tb)  # one product, not a Fraction per packet
     if len(t) > 1 and not (np.diff(t) > 0).all():
         codec = None  # B-frames: demux order is not display order
-    return Mp4Index(where, fileobj, t, np.asarray(pos, np.int64), np.asarray(size, np.int64), np.asarray(keys, bool), codec,
-                    headers)
+    return Mp4Index(where, fileobj, t, pos, size, keys, codec, headers)

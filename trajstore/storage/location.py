@@ -41,6 +41,7 @@ from trajstore.storage.confined import (
     not_a_folder,
     read_limit,
 )
+from trajstore.storage.spans import PutData, join_pieces, write_pieces
 
 __all__ = ["Location", "resolve_location", "fsspec_options", "open_zarr_group", "fsync_dir", "TMP_DIR", "STAGING_DIR"]
 
@@ -231,8 +232,9 @@ class Location:
             return self._conf.is_file(key)
         return bool(sync(self.zstore.exists(key)))
 
-    def put(self, key: str, data: bytes, *, fsync: bool = False) -> None:
+    def put(self, key: str, data: PutData, *, fsync: bool = False) -> None:
         """Write ``data`` under ``key`` atomically: readers see the old or the new bytes, never a mix.
+        ``data``: bytes, or pieces of bytes and spans of open files (:mod:`.spans`).
 
         Locally: write a temp file, optionally ``fsync`` it, move it onto the key
         (:func:`trajstore.storage._replace.replace_file`: a link there is replaced, never written
@@ -242,7 +244,8 @@ class Location:
         self._check_writable()
         if self._conf is None:
             check_key(key, self.url)
-            sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+            whole = data if isinstance(data, (bytes, bytearray)) else join_pieces(data)
+            sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(whole)))
             return
         if self._put_beneath(key, data, fsync):
             return
@@ -251,7 +254,7 @@ class Location:
         if fsync:
             fsync_dir(dest.parent)
 
-    def _put_beneath(self, key: str, data: bytes, fsync: bool) -> bool:
+    def _put_beneath(self, key: str, data: PutData, fsync: bool) -> bool:
         """:meth:`put` through open fds of the key's folder and of the temp folder (each opened by
         openat2, which refuses links and leaving the store in one call), the temp file written and
         moved by name relative to them: no folder path is checked or walked again, and no
@@ -283,7 +286,7 @@ class Location:
                 if fd is not None:
                     os.close(fd)
 
-    def _write_and_move(self, key: str, data: bytes, fsync: bool, tmp: str | Path, dest: str | Path,
+    def _write_and_move(self, key: str, data: PutData, fsync: bool, tmp: str | Path, dest: str | Path,
                         tmp_dir_fd: int | None = None, dest_dir_fd: int | None = None) -> None:
         """Create the temp file ``tmp`` (never an existing name), write ``data`` (and ``fsync`` it),
         then move it onto ``dest`` (:func:`~trajstore.storage._replace.replace_file`); the names are
@@ -301,18 +304,18 @@ class Location:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o666, dir_fd=tmp_dir_fd)
             try:
-                view, done = memoryview(data), 0
-                while done < len(view):  # (a regular file writes short only when the disk fills)
-                    done += os.write(fd, view[done:])
+                write_pieces(fd, [data] if isinstance(data, (bytes, bytearray)) else data)
                 if fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             replace_file(tmp, dest, src_dir_fd=tmp_dir_fd, dst_dir_fd=dest_dir_fd)
-        except OSError as e:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=tmp_dir_fd)
-            raise full_disk(e, self._conf.root / key, f"write {key}") from e
+            if isinstance(e, OSError):
+                raise full_disk(e, self._conf.root / key, f"write {key}") from e
+            raise  # (a span's file that ends early: ForeignFileError naming it)
 
     def new_tmp_path(self) -> Path:
         """A fresh temp file path inside the store (local stores only; create it with ``"xb"`` or

@@ -42,9 +42,10 @@ from trajstore.storage.fields.image import parallel
 from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.fields.video_codec import VIDEO_ATTR, VideoCodec, codec_from_attrs
 from trajstore.storage.location import Location
+from trajstore.storage.spans import PutData
 
-__all__ = ["MAX_RUN_ROWS", "Segment", "VideoField", "index_key", "read_index", "read_segment", "segment_key",
-           "write_index", "write_segment"]
+__all__ = ["MAX_RUN_ROWS", "Segment", "VideoField", "index_key", "read_index", "read_segment", "segment_frame",
+           "segment_key", "write_index", "write_segment"]
 
 SEG_MAGIC, IDX_MAGIC = b"TSVSEG01", b"TSVIDX01"
 #: A run (episode) longer than this many frames is cut into segments of this many: the writer
@@ -68,15 +69,24 @@ def _crc(b: bytes) -> bytes:
     return int(google_crc32c.value(b)).to_bytes(4, "little")
 
 
-def write_segment(packets: Sequence[bytes], keyframes: Sequence[bool]) -> bytes:
-    """One segment's bytes: magic, packets, their ``(offset, size, keyframe)`` table, count, crc32c."""
-    sizes = np.fromiter(map(len, packets), np.uint64, len(packets))
-    table = np.zeros((len(packets), 3), "<u8")
+def segment_frame(sizes: np.ndarray, keyframes: Sequence[bool] | np.ndarray) -> tuple[bytes, bytes]:
+    """``(head, tail)`` of the segment of packets of ``sizes`` (n,) bytes each, laid one after
+    another between them: the magic, and the ``(offset, size, keyframe)`` table, count and crc32c.
+    ``head + b"".join(packets) + tail`` is :func:`write_segment`'s result; a caller holding the
+    packets contiguous (an MP4's samples) reads them straight into place instead."""
+    sizes = np.asarray(sizes, np.uint64)
+    table = np.zeros((len(sizes), 3), "<u8")
     table[:, 0] = len(SEG_MAGIC) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
     table[:, 1] = sizes
     table[:, 2] = np.asarray(keyframes, bool)
-    tail = table.tobytes() + struct.pack("<Q", len(packets))
-    return SEG_MAGIC + b"".join(packets) + tail + _crc(tail)
+    tail = table.tobytes() + struct.pack("<Q", len(sizes))
+    return SEG_MAGIC, tail + _crc(tail)
+
+
+def write_segment(packets: Sequence[bytes], keyframes: Sequence[bool]) -> bytes:
+    """One segment's bytes: magic, packets, their ``(offset, size, keyframe)`` table, count, crc32c."""
+    head, tail = segment_frame(np.fromiter(map(len, packets), np.uint64, len(packets)), keyframes)
+    return head + b"".join(packets) + tail
 
 
 class Segment:
@@ -167,7 +177,7 @@ class VideoField:
         self._cuts: set[int] = set()
         self._started = False
         # Rows lo -> (n, fetch): a copy's pass-through of an encoded segment (:meth:`adopt`).
-        self._adopted: dict[int, tuple[int, Callable[[], bytes]]] = {}
+        self._adopted: dict[int, tuple[int, Callable[[], PutData]]] = {}
 
     @property
     def open_from(self) -> int | None:
@@ -401,10 +411,11 @@ class VideoField:
             raise DamagedStoreError(self._where(f"rows {lo}..{hi - 1} are no longer one video segment"))
         return self._segment(i).buf.tobytes()
 
-    def adopt(self, lo: int, n: int, fetch: Callable[[], bytes]) -> None:
+    def adopt(self, lo: int, n: int, fetch: Callable[[], PutData]) -> None:
         """Rows ``[lo, lo + n)``, about to be written with the frames a segment of another field with
-        the same settings decodes to, are stored as that segment's bytes (``fetch()``), not encoded
-        again: a copy that keeps episodes whole loses nothing more."""
+        the same settings decodes to, are stored as that segment's bytes (``fetch()``: bytes, or
+        pieces of them (:mod:`~trajstore.storage.spans`) read when the segment is written), not
+        encoded again: a copy that keeps episodes whole loses nothing more."""
         self._adopted[lo] = (n, fetch)
 
     # -- the rest of the Field protocol ----------------------------------------------------------
@@ -443,6 +454,25 @@ class VideoField:
         self._blocks, self._held = [], 0
 
 
+def _segment_buffer(loc: Location, key: str, limit: int) -> tuple[np.ndarray | None, object]:
+    """Segment ``key``'s bytes (uint8) and their owner, ``(None, None)`` when it is missing; a
+    file larger than ``limit`` raises DamagedStoreError.  A local file is mapped, not read: what
+    :func:`read_segment` checks (the magic, the frame table at the end, the file's size) touches
+    its first and last pages only, so checking a store costs its frame tables, not its video bytes
+    (the packets themselves are checked by decoding them: ``deep``)."""
+    if not loc.is_local:
+        data = loc.get(key, limit=limit)
+        return (None, None) if data is None else (np.frombuffer(data, np.uint8), data)
+    buf, owner = map_file(loc, key, limit)
+    if buf is None:
+        if loc.exists(key):
+            raise DamagedStoreError(f"{key}: the segment file is empty or larger than the {limit} bytes its rows allow")
+        return None, None
+    if len(buf) > limit:
+        raise DamagedStoreError(f"{key}: {len(buf)} bytes; its rows allow at most {limit}")
+    return buf, owner
+
+
 def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], settings: Any, end: int,
                 deep: bool) -> tuple[list[tuple[str, str, str, int, int]], int, list[str]]:
     """Verify a video field's committed rows ``[0, end)``: the index covers them, every segment of
@@ -477,12 +507,12 @@ def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], sett
             break
         key = segment_key(array_path, lo)
         try:
-            blob = loc.get(key, limit=(hi - lo) * (2 * row_bytes + 88) + 4096)
-            if blob is None:
+            buf, owner = _segment_buffer(loc, key, (hi - lo) * (2 * row_bytes + 88) + 4096)
+            if buf is None:
                 faults.append(("missing-chunk", key, f"{key}: video segment missing; rows [{lo}, {hi}) are lost",
                                lo, hi))
                 continue
-            seg = read_segment(np.frombuffer(blob, np.uint8), hi - lo, blob)
+            seg = read_segment(buf, hi - lo, owner)
         except (ValueError, DamagedStoreError) as e:
             faults.append(("bad-chunk", key, f"{key}: damaged video segment ({e}); rows [{lo}, {hi}) are unreadable",
                            lo, hi))
