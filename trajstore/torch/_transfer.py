@@ -7,12 +7,21 @@ small fields cost more to move than to read.  A worker batch (:class:`WorkerBatc
 all of its arrays out in one flat buffer, written once by the worker, and pickles as that buffer
 plus a small description of the fields:
 
-- below :data:`PIPE_MAX_BYTES` the buffer travels inside the pickle through the worker's pipe;
-- larger batches are written into a segment of the worker's pool of shared-memory files
-  (``memfd``), which are reused: the main process maps each segment once (the only descriptor
-  handshake, per segment, not per batch) and marks a segment free again in its header when the
-  last tensor viewing that batch is freed; a batch that finds no free segment (the training loop
-  holds many batches) gets a fresh torch shared-memory tensor instead.
+- a batch is written into a segment of the worker's pool of shared-memory files (``memfd``),
+  which are reused: the main process maps each segment once (the only descriptor handshake, per
+  segment, not per batch), so only a description of the batch (segment, offsets, dtypes, shapes)
+  crosses the pipe;
+- the main process copies a batch of at most :data:`COPY_OUT_BYTES` out of its segment when it
+  unpickles it and marks the segment free again in its header at once (a copy of 24 KiB costs a few
+  microseconds; moving the same bytes through the pipe cost more, see docs/offline.md); a larger
+  batch is viewed in place and its segment marked free when the last tensor viewing it is freed;
+- a batch that finds no free segment (a prefetch deeper than the pool, or a training loop that holds
+  many large batches) crosses inside the pickle through the pipe up to :data:`PIPE_MAX_BYTES`, in a
+  fresh torch shared-memory tensor above.  Whatever the prefetch, a segment is only reused once the
+  main process has marked it free.
+
+Segments are anonymous files: nothing is ever left in ``/dev/shm``; a worker's segments go with the
+worker, and the main process unmaps those of exited (or killed) workers when it maps the next segment.
 
 Either way the main process rebuilds the same nesting of tensors as views into that buffer.
 
@@ -107,7 +116,7 @@ class _Segment:
 
     def __init__(self, seg_id: int, size: int) -> None:
         self.id, self.size = seg_id, size
-        self.fd = os.memfd_create(f"trajstore-batch-{seg_id}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"trajstore-batch-{os.getpid()}-{seg_id}", os.MFD_CLOEXEC)  # (named for /proc/*/maps)
         os.ftruncate(self.fd, _HEADER + size)
         self.map = mmap.mmap(self.fd, _HEADER + size)
 
