@@ -172,15 +172,23 @@ def test_new_rows_uses_the_offered_memory_only_for_returned_rows():
 
 
 def _children() -> set[int]:
-    """The live child processes of this process (DataLoader workers)."""
-    me, found = os.getpid(), set()
+    """The live forked child processes of this process (DataLoader workers: the same command line;
+    not multiprocessing's resource tracker, which is a child started anew)."""
+    me = os.getpid()
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read()
+    found = set()
     for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
         try:
             with open(f"/proc/{name}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                same = f.read() == cmdline
         except (OSError, IndexError):
             continue
-        if name.isdigit() and int(fields[1]) == me and fields[0] != "Z":
+        if int(fields[1]) == me and fields[0] != "Z" and same:
             found.add(int(name))
     return found
 
@@ -219,8 +227,9 @@ def test_small_batches_cross_in_segments_with_any_prefetch(tmp_path):
                           collate_fn=collate_batch, multiprocessing_context="fork", **kw)
 
     deep = loader(prefetch_factor=3 * _transfer.POOL_SEGMENTS)
+    before = _children()
     it = iter(deep)
-    kept, workers = [next(it)], _children()
+    kept, workers = [next(it)], _children() - before
     kept += list(it)  # every batch held, not cloned
     _same(zero, kept)
     assert _segments_of(workers) > 0  # (mapped once each, then reused)
@@ -245,16 +254,19 @@ def test_no_segments_left_behind(tmp_path):
 
     earlier: set[int] = set()
     for _ in range(3):
+        before = _children()
         it = iter(loader())
         next(it)
-        workers = _children()
+        workers = _children() - before
         assert len(list(it)) == 29 and _segments_of(workers) > 0
         assert _segments_of(earlier) == 0  # the previous loader's, unmapped
         del it
         earlier |= workers
+    before = _children()
     it = iter(loader())
     next(it)
-    victims = _children()
+    victims = _children() - before
+    assert len(victims) == 2
     # (torch's SIGCHLD handler would raise RuntimeError in this thread at any point once a worker
     # is dead, even inside the iterator's __del__: the default action, while the workers die and go)
     handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
