@@ -165,11 +165,13 @@ def workers_table(d: str, data: dict[str, np.ndarray], quick: bool) -> str:
               f"{load0:.1f} before the first row, {os.getloadavg()[0]:.1f} after the last (2 cores shared "
               "with other jobs: ratios are indicative). Default decode threads: 0 workers decode frames on every "
               "CPU, each of n workers on max(1, CPUs // n) (trajstore.images.share_decode_threads)."]
-    # The floor: a batch prepared in advance, only moved from a worker to the loop.
+    # The floor: a batch prepared in advance, only moved from a worker to the loop (a 4-byte batch:
+    # what the DataLoader's own round trip of a batch costs, whatever the batch holds).
     floor = ["", "| batch of 256 | ms per batch, 0 workers (copy only) | ms per batch, 2 workers (moved through the queue) |",
              "|---|---|---|"]
     rng = np.random.default_rng(0)
-    for name, batch in (("(17,)+(6,)+() f32 (24 KiB, pipe)", {k: v[:B].copy() for k, v in data.items()}),
+    for name, batch in (("() f32, one value (4 bytes: the DataLoader's round trip alone)", {"reward": np.zeros(1, np.float32)}),
+                        ("(17,)+(6,)+() f32 (24 KiB, shared memory copied out)", {k: v[:B].copy() for k, v in data.items()}),
                         ("(84,84,4) u8 (7 MiB, shared memory)",
                          {"obs": rng.integers(0, 255, (B, *IMG), dtype=np.uint8), "reward": np.zeros(B, np.float32)})):
             ms = [1e3 * B / workers_rates(_OneBatch(batch), w, cold, blocks, block)[1] for w in (0, 2)]

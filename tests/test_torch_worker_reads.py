@@ -4,13 +4,18 @@ their share of the CPUs (issue 35 point 4): real DataLoader worker processes (fo
 - the batches of a seed are the same with 0 and 2 workers (vector rows, lz4 frames read by whole
   chunks and row by row, per-frame codec frames, sequences of frames);
 - a worker's image batch is decoded in place in its shared-memory segment (not copied there);
-- a worker decodes on ``max(1, cpus // num_workers)`` threads unless the user set a number.
+- a worker decodes on ``max(1, cpus // num_workers)`` threads unless the user set a number;
+- small batches cross in the workers' segments too, copied out by the main process: exact with any
+  prefetch depth and with persistent workers, and no segment stays mapped once its worker is gone
+  (killed included).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import gymnasium as gym
@@ -93,12 +98,16 @@ def test_batches_of_a_seed_are_the_same_with_and_without_workers(tmp_path, monke
         assert not b["obs"].numpy()[~valid].any()  # zero padding written into the shared batch
 
 
-def test_vector_batches_are_the_same_with_and_without_workers(tmp_path):
+def _vectors(path: str) -> str:
     space = gym.spaces.Dict({"obs": gym.spaces.Box(-np.inf, np.inf, (5,), np.float32), "action": gym.spaces.Discrete(4)})
-    with ReplayBuffer.create(space, cache_path=str(tmp_path / "v")) as rb:
+    with ReplayBuffer.create(space, cache_path=path) as rb:
         r = np.arange(3000)
         rb.extend({"obs": np.stack([r * 1.5 + k for k in range(5)], 1).astype(np.float32), "action": r % 4})
-    ds = TransitionDataset(str(tmp_path / "v"))
+    return path
+
+
+def test_vector_batches_are_the_same_with_and_without_workers(tmp_path):
+    ds = TransitionDataset(_vectors(str(tmp_path / "v")))
     zero, two = _batches(ds, 0, batch=256), _batches(ds, 2, batch=256)
     _same(zero, two)
     _same(_batches(ds, 0, plain=True, batch=256), _batches(ds, 2, plain=True, batch=256))
@@ -160,6 +169,117 @@ def test_new_rows_uses_the_offered_memory_only_for_returned_rows():
             assert np.shares_memory(new_rows((1,), np.uint8), pool)
     with returned_rows():
         assert new_rows((3,), np.uint8).base is None  # marked, but nothing offered
+
+
+def _children() -> set[int]:
+    """The live forked child processes of this process (DataLoader workers: the same command line;
+    not multiprocessing's resource tracker, which is a child started anew)."""
+    me = os.getpid()
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read()
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                same = f.read() == cmdline
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and same:
+            found.add(int(name))
+    return found
+
+
+def _shm_files() -> set[str]:
+    """Files of torch's or trajstore's shared memory in /dev/shm (others come and go: the machine's)."""
+    return {n for n in os.listdir("/dev/shm") if "torch" in n or "trajstore" in n}
+
+
+def _state(pid: int) -> str:
+    """The state letter of process ``pid`` ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _segments_of(pids: set[int]) -> int:
+    """This process's mappings of the shared-memory segments of the worker processes ``pids``."""
+    with open("/proc/self/maps") as f:
+        return sum(any(f"trajstore-batch-{pid}-" in line for pid in pids) for line in f)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="segments are memfd files (Linux)")
+def test_small_batches_cross_in_segments_with_any_prefetch(tmp_path):
+    """Batches of 3.5 KiB cross in the workers' segments, copied out by the main process (so the
+    batches the loop keeps stay intact while the segments are reused): with a prefetch deeper than a
+    worker's pool (the batches that find no free segment take the pipe) and with persistent workers
+    over two epochs, the batches are exactly those of 0 workers."""
+    ds = TransitionDataset(_vectors(str(tmp_path / "v")))
+    zero = _batches(ds, 0, n=40, batch=128)
+
+    def loader(**kw) -> DataLoader:
+        return DataLoader(ds, batch_sampler=RandomBatchSampler(ds, 128, num_batches=40, seed=7), num_workers=2,
+                          collate_fn=collate_batch, multiprocessing_context="fork", **kw)
+
+    deep = loader(prefetch_factor=3 * _transfer.POOL_SEGMENTS)
+    before = _children()
+    it = iter(deep)
+    kept, workers = [next(it)], _children() - before
+    kept += list(it)  # every batch held, not cloned
+    _same(zero, kept)
+    assert _segments_of(workers) > 0  # (mapped once each, then reused)
+    del it
+    persistent = loader(persistent_workers=True)
+    for _epoch in range(2):
+        _same(zero, list(persistent))
+    del persistent
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="segments are memfd files (Linux)")
+def test_no_segments_left_behind(tmp_path):
+    """The main process unmaps the segments of exited workers (when the next loader maps its own),
+    a killed worker's included, so loaders one after the other never pile up shared memory; and
+    nothing is ever left in /dev/shm."""
+    ds = TransitionDataset(_vectors(str(tmp_path / "v")))
+    shm = _shm_files()
+
+    def loader() -> DataLoader:
+        return DataLoader(ds, batch_sampler=RandomBatchSampler(ds, 128, num_batches=30, seed=1), num_workers=2,
+                          collate_fn=collate_batch, multiprocessing_context="fork")
+
+    earlier: set[int] = set()
+    for _ in range(3):
+        before = _children()
+        it = iter(loader())
+        next(it)
+        workers = _children() - before
+        assert len(list(it)) == 29 and _segments_of(workers) > 0
+        assert _segments_of(earlier) == 0  # the previous loader's, unmapped
+        del it
+        earlier |= workers
+    before = _children()
+    it = iter(loader())
+    next(it)
+    victims = _children() - before
+    assert len(victims) == 2
+    # (torch's SIGCHLD handler would raise RuntimeError in this thread at any point once a worker
+    # is dead, even inside the iterator's __del__: the default action, while the workers die and go)
+    handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        os.kill(min(victims), signal.SIGKILL)  # while its batches are in flight
+        while _state(min(victims)) not in ("Z", "X", ""):
+            time.sleep(0.01)
+        del it
+    finally:
+        signal.signal(signal.SIGCHLD, handler)
+    assert len(list(loader())) == 30
+    assert _segments_of(earlier | victims) == 0
+    assert _shm_files() <= shm
 
 
 def _threads_collate(batch):

@@ -136,7 +136,7 @@ def test_image_batches_cross_in_shared_memory(images, ctx):
     assert [len(b["row"]) for b in epoch] == [300, 300, 100]
     np.testing.assert_array_equal(torch.cat([b["row"] for b in epoch]).numpy(), np.arange(700))
     np.testing.assert_array_equal(torch.cat([b["obs"] for b in epoch]).numpy(), _image(np.arange(700)))
-    small = next(iter(DataLoader(ds, batch_size=8, num_workers=1)))  # 32 KiB: through the pipe
+    small = next(iter(DataLoader(ds, batch_size=8, num_workers=1)))  # 32 KiB: copied out of its segment
     np.testing.assert_array_equal(small["obs"].numpy(), _image(np.arange(8)))
 
 
@@ -166,8 +166,9 @@ def test_pack_round_trip_and_default_collate(traj):
         if big:
             value["img"] = np.ones((256, *IMG), np.uint8)
         packed = pack(value)
-        assert packed._how == ("pool" if big else "pipe")
+        assert packed._how == "pool"  # small batches too, copied out of their segment when unpickled
         back = pickle.loads(ForkingPickler.dumps(packed))
+        assert packed._segment.free == (not big)  # a small batch's segment is free again at once
         assert type(back) is dict and isinstance(back["t"], tuple)
         for got, want in ((back["a"], value["a"]), (back["b"]["c"], value["b"]["c"]), (back["t"][0], value["t"][0]),
                           (back["t"][1], value["t"][1]), (back["s"], value["s"])):

@@ -7,12 +7,21 @@ small fields cost more to move than to read.  A worker batch (:class:`WorkerBatc
 all of its arrays out in one flat buffer, written once by the worker, and pickles as that buffer
 plus a small description of the fields:
 
-- below :data:`PIPE_MAX_BYTES` the buffer travels inside the pickle through the worker's pipe;
-- larger batches are written into a segment of the worker's pool of shared-memory files
-  (``memfd``), which are reused: the main process maps each segment once (the only descriptor
-  handshake, per segment, not per batch) and marks a segment free again in its header when the
-  last tensor viewing that batch is freed; a batch that finds no free segment (the training loop
-  holds many batches) gets a fresh torch shared-memory tensor instead.
+- a batch is written into a segment of the worker's pool of shared-memory files (``memfd``),
+  which are reused: the main process maps each segment once (the only descriptor handshake, per
+  segment, not per batch), so only a description of the batch (segment, offsets, dtypes, shapes)
+  crosses the pipe;
+- the main process copies a batch of at most :data:`COPY_OUT_BYTES` out of its segment when it
+  unpickles it and marks the segment free again in its header at once (a copy of 24 KiB costs a few
+  microseconds; moving the same bytes through the pipe cost more, see docs/offline.md); a larger
+  batch is viewed in place and its segment marked free when the last tensor viewing it is freed;
+- a batch that finds no free segment (a prefetch deeper than the pool, or a training loop that holds
+  many large batches) crosses inside the pickle through the pipe up to :data:`PIPE_MAX_BYTES`, in a
+  fresh torch shared-memory tensor above.  Whatever the prefetch, a segment is only reused once the
+  main process has marked it free.
+
+Segments are anonymous files: nothing is ever left in ``/dev/shm``; a worker's segments go with the
+worker, and the main process unmaps those of exited (or killed) workers when it maps the next segment.
 
 Either way the main process rebuilds the same nesting of tensors as views into that buffer.
 
@@ -24,6 +33,7 @@ what was made elsewhere (episode ids, masks, normalized values) is copied in aft
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import weakref
@@ -39,7 +49,9 @@ from trajstore.storage.fields.out import rows_into
 
 __all__ = ["PIPE_MAX_BYTES", "WorkerBatch", "in_worker", "pack", "pack_read"]
 
-PIPE_MAX_BYTES = 1 << 16  # smaller batches cross in the pipe, larger ones in shared memory
+PIPE_MAX_BYTES = 1 << 16  # smaller batches cross in the pipe when no segment is free, larger ones in shared memory
+COPY_OUT_BYTES = 1 << 16  # the main process copies batches up to this size out of their segment
+POOL_MIN_BYTES = 1  # batches of at least this size are written into a segment of the worker's pool
 POOL_SEGMENTS = 8  # shared-memory segments per worker process, at most ...
 POOL_BYTES = 512 << 20  # ... and at most this many bytes of them (but always room for 2 segments)
 _ALIGN = 64
@@ -63,36 +75,40 @@ def in_worker() -> bool:
     return True
 
 
-class _Leaf:
-    __slots__ = ("dtype", "end", "offset", "shape")
-
-    def __init__(self, offset: int, end: int, dtype: str, shape: tuple[int, ...]) -> None:
-        self.offset, self.end, self.dtype, self.shape = offset, end, dtype, shape
-
-    def __reduce__(self) -> Any:
-        return (_Leaf, (self.offset, self.end, self.dtype, self.shape))
+# A leaf of a batch's layout: [offset, end, dtype string, shape] (a list: the layout's trees only
+# hold dicts and tuples otherwise, and a list of builtins pickles without any Python-level reduce).
+_Leaf = list[Any]
 
 
-def _layout(value: Any, leaves: list[np.ndarray], pos: list[int]) -> Any:
-    """The tree of ``value`` with each array replaced by its :class:`_Leaf` (appended to ``leaves``)."""
+def _layout(value: Any, leaves: list[tuple[_Leaf, np.ndarray]], pos: list[int]) -> Any:
+    """The tree of ``value`` with each array replaced by its leaf (appended to ``leaves`` with the array)."""
     if isinstance(value, Mapping):
         return {k: _layout(v, leaves, pos) for k, v in value.items()}
     if isinstance(value, tuple):
         return tuple(_layout(v, leaves, pos) for v in value)
     a = np.asarray(value)
-    leaf = _Leaf(pos[0], pos[0] + a.nbytes, a.dtype.str, a.shape)  # a dtype string pickles much faster
-    leaves.append(a)
+    leaf = [pos[0], pos[0] + a.nbytes, a.dtype.str, a.shape]  # a dtype string pickles much faster
+    leaves.append((leaf, a))
     pos[0] += -(-a.nbytes // _ALIGN) * _ALIGN
     return leaf
 
 
 def _views(base: np.ndarray, tree: Any) -> Any:
     """Tensors viewing the uint8 array ``base`` (numpy views: each keeps ``base`` alive)."""
-    if isinstance(tree, _Leaf):
-        return torch.from_numpy(base[tree.offset: tree.end].view(tree.dtype).reshape(tree.shape))
+    if isinstance(tree, list):
+        return torch.from_numpy(base[tree[0]: tree[1]].view(tree[2]).reshape(tree[3]))
     if isinstance(tree, dict):
         return {k: _views(base, v) for k, v in tree.items()}
     return tuple(_views(base, v) for v in tree)
+
+
+def _filled(tree: Any, tensors: Any) -> Any:
+    """``tree`` with its leaves replaced, in order, by the items of the iterator ``tensors``."""
+    if isinstance(tree, list):
+        return next(tensors)
+    if isinstance(tree, dict):
+        return {k: _filled(v, tensors) for k, v in tree.items()}
+    return tuple(_filled(v, tensors) for v in tree)
 
 
 class _Segment:
@@ -100,7 +116,7 @@ class _Segment:
 
     def __init__(self, seg_id: int, size: int) -> None:
         self.id, self.size = seg_id, size
-        self.fd = os.memfd_create(f"trajstore-batch-{seg_id}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"trajstore-batch-{os.getpid()}-{seg_id}", os.MFD_CLOEXEC)  # (named for /proc/*/maps)
         os.ftruncate(self.fd, _HEADER + size)
         self.map = mmap.mmap(self.fd, _HEADER + size)
 
@@ -200,6 +216,10 @@ def _release(mm: mmap.mmap) -> None:
 
 def _unpack_segment(pid: int, token: str, seg_id: int, size: int, nbytes: int, fd: Any, tree: Any) -> dict[str, Any]:
     mm = _segment_map(pid, token, seg_id, size, fd)
+    if nbytes <= COPY_OUT_BYTES:  # copied out: the segment is free again at once
+        base = np.frombuffer(mm, np.uint8, count=nbytes, offset=_HEADER).copy()
+        mm[0] = 0
+        return _views(base, tree)
     base = np.frombuffer(mm, np.uint8, count=nbytes, offset=_HEADER)
     weakref.finalize(base, _release, mm).atexit = False  # alive while any tensor views the batch
     return _views(base, tree)
@@ -246,7 +266,7 @@ class _Arena:
         self.addr = self.base.ctypes.data
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         step = -(-nbytes // _ALIGN) * _ALIGN
         self.wanted += step
         if self.used + step > self.seg.size:
@@ -267,7 +287,9 @@ def pack_read(read: Callable[[], Mapping[str, Any]], key: Any) -> WorkerBatch:
     """:func:`pack` of ``read()``, the arrays it reads allocated in the shared-memory segment the
     batch will cross in (no copy) when the previous batch of ``key`` (a dataset's id) crossed in one."""
     want = _hints.get(key, 0)
-    seg = _worker_pool().acquire(want) if want > PIPE_MAX_BYTES else None
+    # Small batches (copied out by the main process) are read as usual and copied in: for 256 vector
+    # rows that cost the worker about 20 us less than gathering them into the segment.
+    seg = _worker_pool().acquire(want) if want > COPY_OUT_BYTES else None
     if seg is None:
         batch = pack(read())
         _hints[key] = batch._nbytes
@@ -289,43 +311,51 @@ def pack_read(read: Callable[[], Mapping[str, Any]], key: Any) -> WorkerBatch:
 _hints: dict[Any, int] = {}
 
 
-def _placed(tree: Any, leaves: list[np.ndarray], arena: _Arena) -> tuple[list[bool], int]:
-    """Lay the leaves of ``tree`` out in ``arena``'s segment: those the fields allocated there keep
-    their place, the others go after them.  Returns which leaves must be copied and the bytes used."""
+def _placed(leaves: list[tuple[_Leaf, np.ndarray]], arena: _Arena) -> tuple[list[bool], int]:
+    """Lay ``leaves`` out in ``arena``'s segment: those the fields allocated there keep their place,
+    the others go after them.  Returns which leaves must be copied and the bytes used."""
     copy: list[bool] = []
     taken: list[tuple[int, int]] = []  # regions of the segment leaves keep in place
     end = arena.used
-    for leaf, a in zip(_iter_leaves(tree), leaves):
+    for leaf, a in leaves:
         off = arena.offset_of(a)
         if off is not None and all(off + a.nbytes <= lo or hi <= off for lo, hi in taken):
-            leaf.offset, leaf.end = off, off + a.nbytes
+            leaf[0], leaf[1] = off, off + a.nbytes
             taken.append((off, off + a.nbytes))
             copy.append(False)
         else:
-            leaf.offset, leaf.end = end, end + a.nbytes
+            leaf[0], leaf[1] = end, end + a.nbytes
             end += -(-a.nbytes // _ALIGN) * _ALIGN
             copy.append(True)
     return copy, max([end, *(hi for _, hi in taken)])
 
 
+def _relaid(leaves: list[tuple[_Leaf, np.ndarray]]) -> int:
+    """Lay ``leaves`` out anew one after the other from offset 0; returns the bytes used."""
+    end = 0
+    for leaf, a in leaves:
+        leaf[0], leaf[1] = end, end + a.nbytes
+        end += -(-a.nbytes // _ALIGN) * _ALIGN
+    return end
+
+
 def pack(arrays: Mapping[str, Any], arena: _Arena | None = None) -> WorkerBatch:
     """One :class:`WorkerBatch` holding (copies of) the numpy arrays of ``arrays`` (nested dicts /
     tuples); with ``arena``, arrays already in its segment stay where they are (not copied)."""
-    leaves: list[np.ndarray] = []
+    leaves: list[tuple[_Leaf, np.ndarray]] = []
     pos = [0]
     tree = _layout(arrays, leaves, pos)
     total = pos[0]
     copy = [True] * len(leaves)
     seg = None
     if arena is not None:
-        copy, used = _placed(tree, leaves, arena)
+        copy, used = _placed(leaves, arena)
         if used <= arena.seg.size:
             seg, total = arena.seg, used
         else:  # the batch outgrew the segment: laid out anew in another
             arena.wanted = max(arena.wanted, used)
-            copy, pos = [True] * len(leaves), [0]
-            tree = _layout(arrays, [], pos)
-    if seg is None and total > PIPE_MAX_BYTES:
+            copy, total = [True] * len(leaves), _relaid(leaves)
+    if seg is None and total >= POOL_MIN_BYTES:
         seg = _worker_pool().acquire(total)
     payload: Any = None
     if seg is not None:
@@ -339,17 +369,13 @@ def pack(arrays: Mapping[str, Any], arena: _Arena | None = None) -> WorkerBatch:
         how = "pipe"
         payload = bytearray(total)
         buf = np.frombuffer(payload, np.uint8)
-    for leaf, a, c in zip(_iter_leaves(tree), leaves, copy):
-        if c:
-            buf[leaf.offset: leaf.end].view(a.dtype).reshape(a.shape)[...] = a
-    out = WorkerBatch(_views(buf, tree))
+    tensors = []
+    for (leaf, a), c in zip(leaves, copy):
+        if c:  # (an array the fields allocated in the segment is already its own view of it)
+            dst = buf[leaf[0]: leaf[1]].view(a.dtype).reshape(a.shape)
+            dst[...] = a
+            a = dst
+        tensors.append(torch.from_numpy(a))
+    out = WorkerBatch(_filled(tree, iter(tensors)))
     out._payload, out._nbytes, out._tree, out._how, out._segment = payload, total, tree, how, seg
     return out
-
-
-def _iter_leaves(tree: Any) -> Any:
-    if isinstance(tree, _Leaf):
-        yield tree
-    else:
-        for v in (tree.values() if isinstance(tree, dict) else tree):
-            yield from _iter_leaves(v)

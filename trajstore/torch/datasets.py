@@ -128,9 +128,12 @@ class BaseDataset(Dataset):
     def _indices(self, indices: Any) -> np.ndarray:
         idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
         n = len(self)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
+        if not idx.size:
+            return idx
+        lo = idx.min()
+        if lo < -n or idx.max() >= n:
             raise IndexOutOfRangeError(f"index out of range for a dataset of {n} items")
-        return np.where(idx < 0, idx + n, idx)
+        return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
 
     def read_batch(self, indices: Any) -> dict[str, Any]:
         """Items ``indices`` (non-negative) as one stacked batch ``{field: (B, ...)}``."""
