@@ -212,6 +212,32 @@ def test_copy_merges_into_one_verified_store(dataset, capsys, tmp_path: Path) ->
         assert len(rb) == 40 and rb[25]["obs"].tolist() == [1.0, 1.0]
 
 
+def test_copy_after_a_copy_killed_at_its_publish(tmp_path: Path, procs: list) -> None:
+    """A sharded copy SIGKILLed after its journal, before its rename (the merged store verified and
+    waiting): the next ``copy --overwrite`` first completes that publish, then replaces it (CI once
+    saw it refuse instead: the destination had "appeared while the new store was written", because
+    the completion came after the existence check)."""
+    import _publish_workers as P
+    import _workers as W
+
+    root = str(tmp_path / "shards")
+    for name in ("a", "b"):
+        with create_shard(root, STEP, shard=name, kind="replay") as w:
+            w.extend({"obs": np.ones((50, 3), np.float32), "reward": np.arange(50, dtype=np.float32)})
+    dst, ready = tmp_path / "merged", str(tmp_path / "ready")
+    p = W.start(P.run, "cli-copy", [root, str(dst)], "journal", ready)
+    procs.append(p)
+    W.wait_for_file(ready, p)
+    W.kill(p)
+    procs.remove(p)
+    assert not dst.exists() and any(".trajstore-publish-" in n for n in os.listdir(tmp_path))
+    out = run_cli("copy", root, str(dst), "--overwrite", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "completed the publish" in out.stderr and json.loads(out.stdout)["rows"] == 100
+    assert run_cli("verify", str(dst)).returncode == 0
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".merged.")] == []
+
+
 def test_copy_sigkilled_midway_leaves_no_partial_store(tmp_path: Path) -> None:
     """A ``trajstore copy`` of a sharded dataset SIGKILLed mid-way: the destination is absent or a
     whole verified store (never a partial one), the dataset is intact, and a new copy succeeds and

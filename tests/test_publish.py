@@ -210,6 +210,8 @@ def test_random_kills_of_overwriting_commands(sources: Path, tmp_path: Path, pro
         p.join(20)
         assert p.exitcode in (0, -signal.SIGKILL), f"{op} exited {p.exitcode}"
         killed += p.exitcode == -signal.SIGKILL
+        if p.exitcode == 0:  # it ran faster than its first run (a load that eased): aim earlier next time
+            took[op] *= 0.7
         procs.remove(p)
         for d, n in zip(dsts, new):
             seen[_state(d, n)] += 1

@@ -42,6 +42,7 @@ from trajstore.shards.layout import (
 )
 from trajstore.shards.rows import EPISODE_STRIDE
 from trajstore.spaces import space_from_json
+from trajstore.storage.publish import recover
 
 __all__ = ["is_sharded_root", "sharded_info", "sharded_episodes", "sharded_stats", "verify_sharded", "merge_copy",
            "verify_copy"]
@@ -306,6 +307,10 @@ def merge_copy(src: str, dst: str, *, src_options: Options, dst_options: Options
     temporary folder first, then copied there by ``copy_store``."""
     from trajstore.shards import merge_shards
 
+    if "://" not in dst:
+        # A copy killed between its journal and its rename left dst half published: completed
+        # now, so the checks below see it (not later, by the build's partial_path, as a surprise).
+        recover(os.path.abspath(dst))
     if exists(dst, dst_options) and not overwrite:
         raise CLIError(f"{dst}: something already exists there; pass --overwrite to replace it")
     direct = not (dst.endswith(".zip") or compressor not in ("auto", "keep") or chunk_rows is not None

@@ -17,7 +17,7 @@ from trajstore.buffers.trajectory import TrajectoryReplayBuffer
 from trajstore.errors import StoreExistsError
 from trajstore.maintenance.staged import partial_path
 from trajstore.shards.dataset import open_sharded
-from trajstore.storage.publish import destination_full, publish, remove_entry
+from trajstore.storage.publish import destination_full, publish, recover, remove_entry
 
 __all__ = ["merge_shards"]
 
@@ -51,6 +51,8 @@ def merge_shards(path: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """
     d = os.fspath(dst)
     local = "://" not in d
+    if local:
+        recover(os.path.abspath(d))  # a publish a killed process left half done counts as there
     if (local and os.path.exists(d)) or (not local and _remote_exists(d, dst_storage_options)):
         raise StoreExistsError(f"{d}: exists; merge_shards writes a new store")
     ds = open_sharded(path, storage_options=storage_options)
