@@ -137,7 +137,8 @@ def parallel(fn: Callable[[Iterable[T]], None], items: Sequence[T]) -> None:
             deque(shared, maxlen=0)  # the other threads stop at their next item
             raise
 
-    futures = [_get_pool(n - 1).submit(each, i) for i in range(1, n)]
+    pool = _get_pool(n - 1)
+    futures = [pool.submit(each, i) for i in range(1, n)]
     error: BaseException | None = None
     try:
         each(0)
