@@ -22,6 +22,7 @@ the 480x640 JPEG store with 0 and 2 workers (fork), ``--loader-batch`` frames pe
 
     python scripts/bench_codecs.py                  # 20,000 frames per store (raw 480x640: 18 GB of disk)
     python scripts/bench_codecs.py --quick          # 128 frames, 1 run, small blocks (a smoke test, seconds)
+    python scripts/bench_codecs.py --sizes 84       # the 84x84 rows only (no 480x640 stores)
 """
 
 from __future__ import annotations
@@ -314,6 +315,8 @@ def main(argv: list[str] | None = None) -> str:
                     "encode at 0.1-0.2 s a frame there)")
     ap.add_argument("--loader-batch", type=int, default=32, help="DataLoader batch size (480x640 frames)")
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default a temp folder)")
+    ap.add_argument("--sizes", default="84,480", help="frame sizes to run: 84 (84x84x3) and/or 480 (480x640x3; "
+                    "its raw store takes 0.92 MB a frame of disk)")
     a = ap.parse_args(argv)
     n = a.frames or (128 if a.quick else 20_000)
     runs = a.runs or (1 if a.quick else 5)
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> str:
         tmp = Path(d)
         for label, _, make in sources:
             for shape, codecs in (((84, 84, 3), a.codecs), ((480, 640, 3), a.big_codecs)):
+                if str(shape[0]) not in a.sizes.split(","):
+                    continue
                 frames = make(shape)
                 assert frames is not None
                 raw = tmp / f"{label}_{shape[0]}_raw"

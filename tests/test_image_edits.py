@@ -142,7 +142,10 @@ def test_sigkill_during_set_at_of_a_lossy_field(tmp_path):
 def test_sequences_and_torch_datasets_decode_on_the_pool_into_one_batch(tmp_path, monkeypatch):
     """get_sequences, sample_sequences and trajstore.torch's datasets decode a batch's frames on the
     decode threads (the calling thread and the pool's), into one array of the whole batch.  The
-    codec is the real one; a wrapper records which thread ran each decode."""
+    codec is the real one; a wrapper of its per-frame decoder records which thread ran each decode.
+    The threads take frames one at a time from a shared iterator, so a pool thread that wakes late
+    could find none left: the calling thread's first frame of each read waits (at most 10 s) until a
+    pool thread has taken one."""
     import threading
 
     from trajstore.images import ImageCodec, set_decode_threads
@@ -155,13 +158,23 @@ def test_sequences_and_torch_datasets_decode_on_the_pool_into_one_batch(tmp_path
             tb.extend(imgs[ep * 32 : ep * 32 + 32])
             tb.mark_episode_end()
     seen: list[str] = []
-    real = ImageCodec.decode_into
+    pool_took = threading.Event()
+    real = ImageCodec.frame_decoder
 
-    def recording(self, data, out):
-        seen.append(threading.current_thread().name)
-        return real(self, data, out)
+    def recording(self, row_shape):
+        dec = real(self, row_shape)
 
-    monkeypatch.setattr(ImageCodec, "decode_into", recording)
+        def record(data, out):
+            name = threading.current_thread().name
+            if name.startswith("trajstore-decode"):
+                pool_took.set()
+            elif not any(s.startswith("trajstore-decode") for s in seen) and name not in seen:
+                pool_took.wait(10)
+            seen.append(name)
+            dec(data, out)
+        return record
+
+    monkeypatch.setattr(ImageCodec, "frame_decoder", recording)
     set_decode_threads(2)
     try:
         with TrajectoryReplayBuffer.load_from(str(tmp_path / "t"), read_only=True) as ro:
@@ -175,6 +188,7 @@ def test_sequences_and_torch_datasets_decode_on_the_pool_into_one_batch(tmp_path
             }
             for name, read in reads.items():
                 seen.clear()
+                pool_took.clear()
                 got = read()
                 assert got.flags.c_contiguous or (got.base is not None and got.base.flags.c_contiguous), name
                 assert len(seen) >= 32, name

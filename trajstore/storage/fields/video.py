@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import google_crc32c
@@ -277,7 +277,7 @@ class VideoField:
         from its keyframe to its last frame asked for, on the decode threads."""
         codec = self.codec
 
-        def run(part: Sequence[tuple[tuple[int, int], list[tuple[int, int]]]]) -> None:
+        def run(part: Iterable[tuple[tuple[int, int], list[tuple[int, int]]]]) -> None:
             for (i, k), want in part:
                 last = max(f for f, _ in want)
                 dest: dict[int, list[int]] = {}
