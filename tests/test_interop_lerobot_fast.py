@@ -85,6 +85,27 @@ def test_b_frames_are_not_plain_and_are_demuxed(tmp_path: Path) -> None:
             idx.close()
 
 
+def test_a_uniform_size_table_claiming_billions_of_samples_allocates_nothing_for_them(tmp_path: Path) -> None:
+    """stsz with one size for all samples states the count in 4 bytes: 2**32 - 1 samples would size
+    34 GB of arrays; the table is not plain (bounded by MAX_SAMPLES) and nothing large is allocated."""
+    import tracemalloc
+
+    d = Path(write_v3(str(tmp_path / "d"), [5, 4], (CAM,)))
+    mp4 = d / MP4
+    data = bytearray(mp4.read_bytes())
+    at = data.index(b"stsz", data.rindex(b"moov") - 4) + 4  # payload: version+flags, size, count
+    data[at + 4 : at + 8] = (1).to_bytes(4, "big")
+    data[at + 8 : at + 12] = (2**32 - 1).to_bytes(4, "big")
+    mp4.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        assert _table_of(mp4) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
 @pytest.mark.parametrize("damage", ["truncated", "stsz-count", "moov-size"])
 def test_a_damaged_table_is_left_to_the_demuxer(tmp_path: Path, damage: str) -> None:
     d = Path(write_v3(str(tmp_path / "d"), [5, 4], (CAM,)))

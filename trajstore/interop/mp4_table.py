@@ -25,10 +25,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["MAX_MOOV_BYTES", "SampleTable", "plain_table"]
+__all__ = ["MAX_MOOV_BYTES", "MAX_SAMPLES", "SampleTable", "plain_table"]
 
 #: The largest ``moov`` box read (about 4 million samples); a larger one is demuxed instead.
 MAX_MOOV_BYTES = 64 << 20
+#: The most samples read from a table (what :data:`MAX_MOOV_BYTES` of sample sizes hold): a table
+#: of one uniform size states its count in 4 bytes, so the count alone must not size the arrays.
+MAX_SAMPLES = MAX_MOOV_BYTES // 4
 _CONTAINERS = {"moov", "trak", "mdia", "minf", "stbl", "edts"}
 
 
@@ -151,6 +154,8 @@ def _samples(moov: bytes, stbl: dict[str, list[tuple[int, int]]], file_size: int
     if z_hi - z_lo < 12:
         raise _NotPlain("a short stsz")
     uniform, n = struct.unpack_from(">II", moov, z_lo + 4)
+    if not n or n > MAX_SAMPLES:  # a count from the file: bounded before any array is sized by it
+        raise _NotPlain(f"{n} samples")
     size = np.full(n, uniform, np.int64) if uniform else _table(moov, z_lo, z_hi, 12, 1, ">u4", 8)[:, 0]
     if len(size) != n or not n or (size <= 0).any():
         raise _NotPlain("empty samples")
