@@ -143,13 +143,8 @@ def _edit_is_whole(moov: bytes, trak: dict[str, list[tuple[int, int]]], movie_sc
         raise _NotPlain("an edit list that shifts, cuts or scales the media")
 
 
-def _samples(moov: bytes, stbl: dict[str, list[tuple[int, int]]], file_size: int) -> tuple[np.ndarray, ...]:
-    """``(pts, pos, size, keys)`` from the sample table boxes."""
-    if "ctts" in stbl or ("co64" in stbl and "stco" in stbl):
-        raise _NotPlain("composition offsets, or two chunk offset tables")
-    d_lo, d_hi = _one(stbl, "stsd")
-    if d_hi - d_lo < 8 or struct.unpack_from(">I", moov, d_lo + 4)[0] != 1:
-        raise _NotPlain("other than one sample description")
+def _sizes(moov: bytes, stbl: dict[str, list[tuple[int, int]]]) -> np.ndarray:
+    """Every sample's size from ``stsz`` (int64, all > 0)."""
     z_lo, z_hi = _one(stbl, "stsz")
     if z_hi - z_lo < 12:
         raise _NotPlain("a short stsz")
@@ -157,8 +152,20 @@ def _samples(moov: bytes, stbl: dict[str, list[tuple[int, int]]], file_size: int
     if not n or n > MAX_SAMPLES:  # a count from the file: bounded before any array is sized by it
         raise _NotPlain(f"{n} samples")
     size = np.full(n, uniform, np.int64) if uniform else _table(moov, z_lo, z_hi, 12, 1, ">u4", 8)[:, 0]
-    if len(size) != n or not n or (size <= 0).any():
+    if len(size) != n or (size <= 0).any():
         raise _NotPlain("empty samples")
+    return size.astype(np.int64, copy=False)
+
+
+def _samples(moov: bytes, stbl: dict[str, list[tuple[int, int]]], file_size: int) -> tuple[np.ndarray, ...]:
+    """``(pts, pos, size, keys)`` from the sample table boxes."""
+    if "ctts" in stbl or ("co64" in stbl and "stco" in stbl):
+        raise _NotPlain("composition offsets, or two chunk offset tables")
+    d_lo, d_hi = _one(stbl, "stsd")
+    if d_hi - d_lo < 8 or struct.unpack_from(">I", moov, d_lo + 4)[0] != 1:
+        raise _NotPlain("other than one sample description")
+    size = _sizes(moov, stbl)
+    n = len(size)
     stts = _table(moov, *_one(stbl, "stts"), 8, 2, ">u4")
     if int(stts[:, 0].sum()) != n:
         raise _NotPlain("stts counts another number of samples")
