@@ -119,6 +119,7 @@ class _Importer:
         self.retired: list[Mp4Index] = []  # MP4s done with, open until the next flush copies their packets
         self.held, self.pending = 0, 0  # bytes held for the next flush (segments, raw frames), episodes
         self.adopted = {k: 0 for k in lay.videos}
+        self.blank: dict[tuple[int, int], np.ndarray] = {}  # one black (H, W, 3) frame per camera size
 
     def _video_field(self, key: str) -> VideoField | None:
         for path, f in self.fields.items():
@@ -182,7 +183,10 @@ class _Importer:
                     len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
-                return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
+                blank = self.blank.get((h, w))
+                if blank is None:
+                    blank = self.blank[(h, w)] = np.zeros((h, w, 3), np.uint8)
+                return np.broadcast_to(blank, (ep.length, h, w, 3))
             if hi - lo == ep.length:
                 self.transcoded[key] += 1
         self.held += ep.length * h * w * 3  # held raw until the writer encodes them at the next flush
