@@ -133,7 +133,7 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
         return obj.astype(dt), inf
 
     def box_of(o: Mapping[str, Any], dt: np.dtype, shape: tuple[int, ...], path: LeafPath) -> Box:
-        if dt.kind in "iuf" and math.prod(shape) and not isinstance(o["low"], list) and not isinstance(o["high"], list):
+        if dt.kind in "iuf" and all(shape) and not isinstance(o["low"], list) and not isinstance(o["high"], list):
             # One bound each (an image's 0..255): gymnasium checks two scalars, not every element
             # (a 480x640x3 Box built from full arrays took ~20 ms, from scalars ~0.5 ms); same Box.
             (low, low_inf), (high, high_inf) = array([o["low"]], dt, (1,), path), array([o["high"]], dt, (1,), path)
