@@ -67,6 +67,64 @@ def copy_once(src: Path, dst: Path) -> float:
     return time.perf_counter() - t
 
 
+def read_checksummed(path: Path) -> float:
+    """Seconds to read every MP4 under ``path`` once and crc32c its bytes (what an import that
+    links the MP4s instead of copying them would do to checksum them; 1 MiB preads)."""
+    import google_crc32c
+
+    t = time.perf_counter()
+    for p in sorted(path.rglob("*.mp4")):
+        fd, off, crc = os.open(p, os.O_RDONLY), 0, 0
+        try:
+            while data := os.pread(fd, 1 << 20, off):
+                crc = google_crc32c.extend(crc, data)
+                off += len(data)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
+def import_rounds(src: Path, tmp: Path, rounds: int) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """``rounds`` rounds of: read the files once, read the MP4s with a crc32c, copy the folder,
+    import it (each round in that order, so a loaded machine's drift falls on all alike).  Returns
+    the seconds per measurement and the last import's result with ``bytes_before``,
+    ``bytes_after``, ``video_ratio`` added."""
+    times: dict[str, list[float]] = {"import": [], "read": [], "read+crc32c": [], "copy": []}
+    out: dict[str, object] = {}
+    for _ in range(rounds):
+        times["read"].append(read_once(src))
+        times["read+crc32c"].append(read_checksummed(src / "videos"))
+        times["copy"].append(copy_once(src, tmp / "copy"))
+        shutil.rmtree(tmp / "copy")
+        t = time.perf_counter()
+        out = import_lerobot(src, tmp / "store")
+        times["import"].append(time.perf_counter() - t)
+        out["bytes_before"], out["bytes_after"] = folder_bytes(src), folder_bytes(tmp / "store")
+        out["video_ratio"] = folder_bytes(tmp / "store", "/video/") / max(folder_bytes(src, "videos"), 1)
+        shutil.rmtree(tmp / "store")
+    return times, out
+
+
+def import_only(args: argparse.Namespace) -> str:
+    """``--import-only``: the import part alone, ``--rounds`` rounds (medians), on ``--source`` or a
+    dataset written here; plain text (not a docs/benchmarks.md section)."""
+    eps, n, size = (6, 60, (96, 128)) if args.quick else (args.episodes, 300, (480, 640))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(args.source) if args.source else Path(tmp) / "lerobot"
+        if not args.source:
+            write_v3(str(src), [n] * eps, CAMS, fps=30, size=size, dims=(14, 14))
+        times, out = import_rounds(src, Path(tmp), args.rounds)
+    lines = [f"{src}: {out['episodes']} episodes, {out['steps']} steps; adopted {out['adopted']}, "
+             f"transcoded {out['transcoded']}",
+             f"bytes before {out['bytes_before']}, after {out['bytes_after']}, video after / before "
+             f"{out['video_ratio']:.4f}"]
+    for k, v in times.items():
+        lines.append(f"{k:12s} median {float(np.median(v)):.3f} s  (min {min(v):.3f}, max {max(v):.3f}, "
+                     f"{len(v)} rounds)")
+    lines.append(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return "\n".join(lines)
+
+
 def _deltas(fps: int) -> dict[str, list[float]]:
     """Diffusion Policy's defaults: 2 frames of both cameras and the state, 16 actions."""
     return {cam: [-1 / fps, 0.0] for cam in CAMS} | {"observation.state": [-1 / fps, 0.0],
@@ -200,7 +258,14 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--lerobot-python", default=os.environ.get("LEROBOT_PYTHON", sys.executable),
                     help="the Python whose LeRobot reads the same windows (default: $LEROBOT_PYTHON, else this one)")
     ap.add_argument("--lerobot-backend", default=None, help="LeRobot's video_backend (default: LeRobot's default)")
+    ap.add_argument("--import-only", action="store_true", help="time the import part alone (read once, "
+                    "read with a crc32c, copy, import; --rounds rounds, medians) and print plain text")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --import-only (default 5)")
+    ap.add_argument("--source", default=None, help="--import-only: an existing LeRobot v3 folder to import "
+                    "(default: write the --episodes dataset in a temporary folder)")
     args = ap.parse_args(argv)
+    if args.import_only:
+        return import_only(args)
     started = time.perf_counter()
     eps, n, size = (6, 60, (96, 128)) if args.quick else (args.episodes, 300, (480, 640))
     flat = (100, 1000) if args.quick else (100, 10000)

@@ -58,6 +58,9 @@ ZOO = {
 }
 JSON_ONLY = {
     "box_u64": Box(0, 2**64 - 1, (2,), np.uint64),
+    # one bound per side (decoded from scalars): an int Box unbounded below only, a -0.0 bound
+    "box_i64_low_inf": Box(-INF, 5, (3,), np.int64),
+    "box_f32_neg_zero": Box(-0.0, 1.0, (2,), np.float32),
     "box_empty": Box(0.0, 1.0, (0, 3), np.float32),
     "multibinary_tuple1": MultiBinary((5,)),
     "box_bigendian": Box(-1.0, 1.0, (2,), np.dtype(">f4")),

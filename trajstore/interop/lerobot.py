@@ -49,7 +49,7 @@ from trajstore.storage.publish import destination_full
 from trajstore.storage.robot_files import RobotInfo
 from trajstore.storage.spans import FileSpan, PutData
 
-__all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups"]
+__all__ = ["import_lerobot", "lerobot_space", "probe_codec", "data_groups", "file_columns"]
 
 _WHAT = "import_lerobot"
 #: The import commits once this many bytes of segments or raw frames are held, or episodes appended.
@@ -119,6 +119,7 @@ class _Importer:
         self.retired: list[Mp4Index] = []  # MP4s done with, open until the next flush copies their packets
         self.held, self.pending = 0, 0  # bytes held for the next flush (segments, raw frames), episodes
         self.adopted = {k: 0 for k in lay.videos}
+        self.blank: dict[tuple[int, int], np.ndarray] = {}  # one black (H, W, 3) frame per camera size
 
     def _video_field(self, key: str) -> VideoField | None:
         for path, f in self.fields.items():
@@ -182,26 +183,29 @@ class _Importer:
                     len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
-                return np.broadcast_to(np.zeros((h, w, 3), np.uint8), (ep.length, h, w, 3))
+                blank = self.blank.get((h, w))
+                if blank is None:
+                    blank = self.blank[(h, w)] = np.zeros((h, w, 3), np.uint8)
+                return np.broadcast_to(blank, (ep.length, h, w, 3))
             if hi - lo == ep.length:
                 self.transcoded[key] += 1
         self.held += ep.length * h * w * 3  # held raw until the writer encodes them at the next flush
         with lay.open(path) as f:  # also raises, naming the file, when the MP4 lacks the episode's frames
             return episode_frames(f, lay.where(path), t0, t1, lay.fps, ep.length, (h, w))
 
-    def episode(self, table: Any, key: str, ep: Episode, lo: int) -> None:
-        """Append episode ``ep`` from the data file ``key`` (read as ``table``; its rows from ``lo``)."""
+    def episode(self, cols: dict[str, np.ndarray], key: str, ep: Episode, lo: int) -> None:
+        """Append episode ``ep`` from the data file ``key``, whose columns are ``cols``
+        (:func:`file_columns`; the episode's rows from ``lo``)."""
         lay, where = self.lay, self.lay.where(key)
-        part = table.slice(lo, ep.length)
-        ts = column_array(part, "timestamp", np.dtype(np.float64), (), where)
+        ts = cols["timestamp"][lo : lo + ep.length]
         bad = np.flatnonzero(~(np.diff(ts) >= 0))
         if bad.size or not np.isfinite(ts).all():
             i = int(bad[0]) + 1 if bad.size else 0
             raise TimeOrderError(f"{where}: episode {ep.index}: timestamp of row {lo + i} ({ts[i]!r}) goes back in "
                                  "time or is not finite; timestamps must not decrease within an episode")
         step: dict[str, Any] = {"timestamp": ts}
-        if "task_index" in part.column_names:
-            step["task_index"] = column_array(part, "task_index", np.dtype(np.int64), (), where)
+        if "task_index" in cols:
+            step["task_index"] = cols["task_index"][lo : lo + ep.length]
         else:
             first = lay.tasks.index(ep.tasks[0]) if ep.tasks else 0
             step["task_index"] = np.full(ep.length, first, np.int64)
@@ -209,8 +213,7 @@ class _Importer:
                                             max(len(lay.tasks), 1)):
             raise ForeignFileError(f"{where}: episode {ep.index}: task_index outside meta/tasks' 0..{len(lay.tasks) - 1}")
         for k in lay.tabular:
-            f = lay.features[k]
-            step[k] = column_array(part, k, f.dtype, f.shape, where)
+            step[k] = cols[k][lo : lo + ep.length]
         self.buf.sync_reads()
         start = self.buf.rows_table.state.end
         for k in lay.videos:
@@ -230,15 +233,39 @@ def data_groups(lay: LeRobotLayout) -> list[tuple[str, list[Episode]]]:
     return list(groups.items())
 
 
+def file_columns(lay: LeRobotLayout, key: str) -> dict[str, np.ndarray]:
+    """The columns of data file ``key`` an import stores, each converted once for the whole file
+    (a slice per episode costs more): ``episode_index``, ``timestamp`` (float64) and
+    ``task_index`` (int64, when the file has one), (rows,) each, and each tabular feature as (rows,
+    *shape) of its declared dtype.
+
+    Raises
+    ------
+    ForeignFileError
+        As :func:`~.lerobot_layout.column_array` (naming the file and column).
+    """
+    where = lay.where(key)
+    names = ["episode_index", "timestamp", *lay.tabular]
+    has_task = "task_index" in lay.info["features"]
+    table = read_parquet(lay.source, key, names + (["task_index"] if has_task else []))
+    i8, f8 = np.dtype(np.int64), np.dtype(np.float64)
+    cols = {"episode_index": column_array(table, "episode_index", i8, (), where),
+            "timestamp": column_array(table, "timestamp", f8, (), where)}
+    if "task_index" in table.column_names:
+        cols["task_index"] = column_array(table, "task_index", i8, (), where)
+    for k in lay.tabular:
+        f = lay.features[k]
+        cols[k] = column_array(table, k, f.dtype, f.shape, where)
+    return cols
+
+
 def _episodes(lay: LeRobotLayout, imp: _Importer, bar: Any) -> int:
     """Append every episode, data file by data file; returns the steps written."""
     steps = 0
     for key, eps in data_groups(lay):
-        cols = ["episode_index", "timestamp", *lay.tabular]
-        table = read_parquet(lay.source, key, cols + (["task_index"] if "task_index" in lay.info["features"] else []))
-        ids = column_array(table, "episode_index", np.dtype(np.int64), (), lay.where(key))
-        for ep, lo in zip(eps, episode_starts(ids, eps, lay.where(key))):
-            imp.episode(table, key, ep, lo)
+        cols = file_columns(lay, key)
+        for ep, lo in zip(eps, episode_starts(cols.pop("episode_index"), eps, lay.where(key))):
+            imp.episode(cols, key, ep, lo)
             steps += ep.length
             bar.update(1)
     return steps
