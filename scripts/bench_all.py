@@ -1,6 +1,6 @@
 """Regenerate every table of docs/benchmarks.md from today's code.
 
-    python scripts/bench_all.py                      # every section (about 32 minutes on 2 quiet cores)
+    python scripts/bench_all.py                      # every section (about 41 minutes on 2 quiet cores)
     python scripts/bench_all.py --only core,sb3      # these sections; the others are kept as they are
     python scripts/bench_all.py --quick --out /tmp/b.md   # tiny sizes, a smoke run of every section
     python scripts/bench_all.py --list               # the sections, their scripts and estimated times
@@ -49,35 +49,36 @@ class Section:
 
 
 SECTIONS = (
-    # estimates: the seconds each section took in the full run of 2026-12-06 (2 quiet cores),
-    # rounded up; versions: its script's own runs (its first full run came after)
-    Section("core", "bench_core.py", "Core store (scripts/bench_core.py)", (), ("--quick",), 40),
+    # estimates: the seconds each section took in its last full run (2026-12-06, 2 cores), rounded
+    # up; versions: its script's own runs (its first full run came after)
+    Section("core", "bench_core.py", "Core store (scripts/bench_core.py)", (), ("--quick",), 45),
     Section("sequences", "bench_trajectory.py", "Sequence sampling (scripts/bench_trajectory.py)",
-            (), ("--quick", "--rounds", "1"), 30),
+            (), ("--quick", "--rounds", "1"), 40),
     Section("prioritized", "bench_prioritized.py", "Prioritized replay (scripts/bench_prioritized.py)",
             (), ("--quick",), 5),
     Section("images", "bench_images.py",
             "Image rows: every read path against the memmap limit (scripts/bench_images.py)",
             (), ("--quick", "--rows", "1000", "--sb3-sizes", "300", "--calls", "210"), 70),
-    Section("sb3", "bench_sb3.py", "stable-baselines3 training (scripts/bench_sb3.py)", (), ("--quick",), 65),
-    Section("offline", "bench_offline.py", "Offline datasets (scripts/bench_offline.py)", (), ("--quick",), 100),
+    Section("sb3", "bench_sb3.py", "stable-baselines3 training (scripts/bench_sb3.py)", (), ("--quick",), 85),
+    Section("offline", "bench_offline.py", "Offline datasets (scripts/bench_offline.py)", (), ("--quick",), 185),
     Section("shards", "bench_shards.py", "Sharded datasets (scripts/bench_shards.py)",
-            (), ("--quick", "--rounds", "1"), 15),
+            (), ("--quick", "--rounds", "1"), 20),
+    Section("ray", "bench_ray.py", "Ray actors (scripts/bench_ray.py)", (), ("--quick",), 120),
     Section("open_dp", "bench_open_dp.py", "Diffusion Policy stores in place (scripts/bench_open_dp.py)",
-            (), ("--quick",), 25),
+            (), ("--quick",), 30),
     Section("compressed", "bench_compressed.py",
             "Compressed image rows and remote batches (scripts/bench_compressed.py)",
-            (), ("--quick",), 60),
+            (), ("--quick",), 70),
     Section("codecs", "bench_codecs.py", "Image codecs: size and random reads (bench_codecs.py)",
-            (), ("--quick",), 900),
+            (), ("--quick",), 950),
     Section("video", "bench_video.py", "Video (scripts/bench_video.py)", (), ("--quick",), 100),
     Section("import", "bench_import.py", "Import time (scripts/bench_import.py)", (), ("--runs", "1"), 10),
     Section("lerobot", "bench_lerobot.py", "LeRobot datasets (scripts/bench_lerobot.py)", ("--episodes", "50"),
-            ("--quick",), 240),
+            ("--quick",), 520),
     Section("versions", "bench_versions.py", "Versions on icechunk (scripts/bench_versions.py)",
-            (), ("--quick", "--batches", "2"), 180),
+            (), ("--quick", "--batches", "2"), 25),
     Section("peers", "bench_peers.py", "Peer suite (scripts/bench_peers.py)",
-            (), ("--quick", "--calls", "40", "--budget", "0.25"), 175),
+            (), ("--quick", "--calls", "40", "--budget", "0.25"), 160),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -1,18 +1,13 @@
 """Ray actors recording CartPole into shards of one dataset while a learner samples it (issue 17).
 
     python scripts/ray_actors.py --actors 2 --steps 2000 DIR        # actors write DIR, this process samples it
-    python scripts/ray_actors.py --bench 1,2,4 --steps 4000 DIR     # throughput with 1, 2 and 4 actors
     python scripts/ray_actors.py --quick DIR                        # small (the docs tests run this)
 
 A local Ray cluster (127.0.0.1, ``--cpus`` CPUs, no dashboard, no usage report) is started unless
 ``--address`` names a running one (``auto``: the cluster ``ray start`` made on this machine).
 
-``--bench``: per actor count, the actors' committed steps per second (from their ``collect`` calls
-starting to the last one's final commit; actor start-up excluded) and the same as a ratio to one
-recorder in this process (no Ray) recording the same steps first.  Per-step times: cold is the mean
-of the first 200 steps after a shard is created, steady of the rest.  The in-process line also
-compares a recorded step with a bare env step (``bench_core.run_blocks``: blocks of consecutive
-steps, order rotated).  Timings vary with what else runs on the machine: run it twice.
+Throughput with 1, 2 and 4 actors against one recorder in this process: scripts/bench_ray.py
+(it uses :func:`measure` and :func:`table` below).
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -117,20 +113,18 @@ def _in_process(root: str, steps: int, flush_every: int) -> dict[str, Any]:
     return {"steps_per_s": steps / res["seconds"], "cold_steady": _cold_steady([res]), "blocks": times}
 
 
-def bench(root: str, counts: list[int], steps: int, flush_every: int) -> None:
-    """The throughput table (markdown) for each actor count."""
+def measure(root: str, counts: list[int], steps: int, flush_every: int) -> dict[str, Any]:
+    """One run: the in-process recorder, then ``counts`` actors each (Ray must be initialised).
+
+    Returns ``{"base": {"steps_per_s", "cold", "steady", "recorded_us", "bare_us"}, "actors": {n:
+    {"steps_per_s", "cold", "steady"}}}``: committed steps per second, µs per step cold and steady,
+    and (in-process) a recorded step against a bare env step, steady µs."""
     base = _in_process(os.path.join(root, "in-process"), steps, flush_every)
     b = base["blocks"]
-    print(f"in this process, no Ray: {base['steps_per_s']:,.0f} steps/s; a recorded step costs "
-          f"{b['recorded step'][:COLD].mean() / b['bare env step'][:COLD].mean():.1f}x a bare env step cold, "
-          f"{b['recorded step'][COLD:].mean() / b['bare env step'][COLD:].mean():.1f}x steady "
-          f"({b['recorded step'][COLD:].mean() * 1e6:.0f} against {b['bare env step'][COLD:].mean() * 1e6:.0f} µs)\n")
-    print("| actors | committed steps/s (all actors) | per actor | ratio to 1 recorder in-process | "
-          "µs/step cold | µs/step steady |")
-    print("|---|---|---|---|---|---|")
     cold, steady = base["cold_steady"]
-    print(f"| in-process, no Ray | {base['steps_per_s']:,.0f} | {base['steps_per_s']:,.0f} | 1.00 | {cold:,.0f} | "
-          f"{steady:,.0f} |")
+    out: dict[str, Any] = {"base": {"steps_per_s": base["steps_per_s"], "cold": cold, "steady": steady,
+                                    "recorded_us": b["recorded step"][COLD:].mean() * 1e6,
+                                    "bare_us": b["bare env step"][COLD:].mean() * 1e6}, "actors": {}}
     for n in counts:
         handles = tray.start_actors(os.path.join(root, f"actors-{n}"), ENV, n, flush_every=flush_every)
         try:
@@ -142,40 +136,58 @@ def bench(root: str, counts: list[int], steps: int, flush_every: int) -> None:
         finally:
             for a in handles:
                 ray.kill(a)
-        rate = sum(s["rows"] for s in stats) / wall
         cold, steady = _cold_steady(stats)
-        print(f"| {n} | {rate:,.0f} | {rate / n:,.0f} | {rate / base['steps_per_s']:.2f} | {cold:,.0f} | {steady:,.0f} |")
+        out["actors"][n] = {"steps_per_s": sum(s["rows"] for s in stats) / wall, "cold": cold, "steady": steady}
+    return out
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """The throughput table (markdown) of :func:`measure` runs: medians over the runs, each
+    actor count's ratio taken against its own run's in-process rate before the median."""
+    med = statistics.median
+    base = [r["base"] for r in runs]
+    rate0 = med(b["steps_per_s"] for b in base)
+    lines = ["| actors | committed steps/s (all actors) | per actor | ratio to 1 recorder in-process | "
+             "µs/step cold | µs/step steady |", "|---|---|---|---|---|---|",
+             f"| in-process, no Ray | {rate0:,.0f} | {rate0:,.0f} | 1.00 | {med(b['cold'] for b in base):,.0f} | "
+             f"{med(b['steady'] for b in base):,.0f} |"]
+    for n in runs[0]["actors"]:
+        got = [r["actors"][n] for r in runs]
+        rate = med(g["steps_per_s"] for g in got)
+        ratio = med(r["actors"][n]["steps_per_s"] / r["base"]["steps_per_s"] for r in runs)
+        lines.append(f"| {n} | {rate:,.0f} | {rate / n:,.0f} | {ratio:.2f} | {med(g['cold'] for g in got):,.0f} | "
+                     f"{med(g['steady'] for g in got):,.0f} |")
+    rec, bare = med(b["recorded_us"] for b in base), med(b["bare_us"] for b in base)
+    lines += ["", f"A recorded step (steady, in-process): {rec:.0f} µs against {bare:.0f} µs for a bare CartPole "
+              f"step ({rec / bare:.1f}x)."]
+    return "\n".join(lines)
+
+
+def start_local_ray(cpus: int, address: str = "local") -> None:
+    """``ray.init`` of a local cluster on 127.0.0.1 (``cpus`` CPUs, no dashboard, quiet), or of
+    the running cluster at ``address``."""
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             **({"num_cpus": cpus, "_node_ip_address": "127.0.0.1"} if address == "local" else {}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", help="dataset root (created; an existing one gets new shards); --bench: a folder for its datasets")
+    p.add_argument("dir", help="dataset root (created; an existing one gets new shards)")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--steps", type=int, default=2000, help="env steps per actor")
     p.add_argument("--flush-every", type=int, default=500, help="steps between an actor's commits")
-    p.add_argument("--bench", help="actor counts to measure, e.g. 1,2,4 (DIR gets one dataset per count)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     p.add_argument("--address", default="local", help="'local' (start one) or a running cluster's address ('auto')")
     p.add_argument("--storage-options", type=json.loads, default=None,
                    help="fsspec settings for a URL root, JSON, no secrets (e.g. '{\"profile\": \"actors\"}')")
-    p.add_argument("--quick", action="store_true",
-                   help="small: 300 steps per actor, flush every 100; --bench measures its first actor count only")
+    p.add_argument("--quick", action="store_true", help="small: 300 steps per actor, flush every 100")
     args = p.parse_args()
     if args.quick:
         args.steps, args.flush_every = min(args.steps, 300), min(args.flush_every, 100)
-    ray.init(address=args.address, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             **({"num_cpus": args.cpus, "_node_ip_address": "127.0.0.1"} if args.address == "local" else {}))
+    start_local_ray(args.cpus, args.address)
     try:
-        if args.bench:
-            print(f"{args.steps:,} CartPole-v1 steps per actor, a commit every {args.flush_every}; Ray {ray.__version__}, "
-                  f"{args.cpus} CPUs, {os.cpu_count()} cores\n")
-            counts = [int(n) for n in args.bench.split(",")]
-            # A smoke run (the docs tests) starts one actor count: every other count is the same code
-            # path, and each actor is a Ray worker process that imports the package afresh.
-            bench(os.path.abspath(args.dir), counts[:1] if args.quick else counts, args.steps, args.flush_every)
-        else:
-            root = args.dir if "://" in args.dir else os.path.abspath(args.dir)  # actors run in other folders
-            learn(root, args.actors, args.steps, args.flush_every, args.storage_options)
+        root = args.dir if "://" in args.dir else os.path.abspath(args.dir)  # actors run in other folders
+        learn(root, args.actors, args.steps, args.flush_every, args.storage_options)
     finally:
         ray.shutdown()
 

@@ -79,9 +79,10 @@ def test_a_section_never_generated_says_how_to_generate_it() -> None:
     text = BA.compose({})
     assert "Not generated yet: `python scripts/bench_all.py --only core`." in text
     assert BA.split(text)["core"].startswith("## Core store (scripts/bench_core.py)\n")
-    # about 32 minutes on 2 cores in all (each estimate from a recorded run; the codecs section's
-    # two 20,000-frame 480x640 raw stores, which issue 31 asks for, are half of it)
-    assert sum(s.estimate_s for s in BA.SECTIONS) <= 35 * 60
+    # about 41 minutes on 2 cores in all (each estimate from a recorded run; the codecs section's
+    # two 20,000-frame 480x640 raw stores, which issue 31 asks for, and the LeRobot section's runs
+    # of LeRobot's own loader are two thirds of it)
+    assert sum(s.estimate_s for s in BA.SECTIONS) <= 45 * 60
 
 
 def test_the_docs_file_is_the_runners_composition() -> None:

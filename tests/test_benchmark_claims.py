@@ -40,13 +40,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("docs/reliability.md", "1 ms"): "the foreign-file walk's cost, measured by tests/test_interop_d4rl.py's counts",
     ("docs/reliability.md", "1-10 ms"): "ext4 journal faults, why imports write by pwrite",
     ("docs/reliability.md", "5-6 ms"): "per-key import cost, held constant by test_import_cost_per_info_key_is_constant",
-    ("docs/scale.md", "11,700 steps/s"): "Ray actors (scripts/ray_actors.py --bench needs a Ray cluster: no bench_all section)",
-    ("docs/scale.md", "0.69-1.31x"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
-    ("docs/scale.md", "0.85-1.13x"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
-    ("docs/scale.md", "5,200-8,900 steps/s"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
-    ("docs/scale.md", "34-52 µs"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
-    ("docs/scale.md", "124-134 µs"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
-    ("docs/scale.md", "2.6-3.7x"): "Ray actors (scripts/ray_actors.py --bench, no bench_all section)",
 }
 
 
