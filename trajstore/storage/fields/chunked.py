@@ -56,7 +56,10 @@ ROW_READS_ABOVE_BYTES = CACHE_BYTES // 2
 #: ... unless their blocks are small (trajstore.storage.fields._rowblocks.small_blocks: lz4 vector rows
 #: of new stores): a block decode then costs about what a cached chunk's row does, at every size.
 SMALL_BLOCK_ROW_READS_ABOVE_BYTES = 8 << 20
-#: Encoded chunks kept mapped (local) or in RAM (other stores), at most this many / bytes.
+#: Encoded chunks kept in RAM (other stores), at most this many / bytes per field.  Local fields
+#: keep theirs memory-mapped within the process-wide bound on mapped frames
+#: (trajstore.storage.fields._rowblocks.MAPS: a quarter of vm.max_map_count, at most 16 GiB of
+#: address space): a mapping costs a map and address space, not RAM.
 MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
 
@@ -121,7 +124,8 @@ class ChunkedField:
         self._written: set[str] = set()  # keys written since the last fsync (local stores)
         self._override: dict[int, str] = {}  # chunk -> staging prefix it is read from (pending rewrite)
         self._rb = spec.row_bytes
-        # chunk -> encoded frame (None: decode whole); mapped (local) or fetched, bounded
+        # chunk -> encoded frame (None: decode whole); mapped (local: the process-wide MAPS bound)
+        # or fetched (MAX_ENCODED / ENCODED_BYTES)
         self._frames = _FrameCache(f"{loc.url}: {spec.array_path}", self.C, self._rb, self._read_frames,
                                    not loc.is_local, MAX_ENCODED, ENCODED_BYTES)
         self._partial = self._row_reads_possible()

@@ -60,7 +60,7 @@ COMPRESSED_CHUNK_BYTES = 1 << 20
 #: ... and lz4 fields of small rows (new stores) at most 512 KiB (rows a power of two: 4,096 rows,
 #: 278 KB of (17,) float32): a random row's ``blosc_getitem`` walks the chunk's table of 2 KiB blocks
 #: (512 of them in 1 MiB: 8,600 instructions of its 14,000), and a 10-million-row field is 2,442
-#: chunks, whose frames all stay mapped (chunked.MAX_ENCODED).
+#: chunks, whose frames all stay mapped (up to 16,382 frames a process: _rowblocks.MAPS).
 SMALL_ROWS_CHUNK_BYTES = 512 << 10
 #: Writes of at least this many bytes use pwrite instead of stores into the mapping.
 PWRITE_BYTES = 64 << 10
