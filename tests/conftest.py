@@ -7,7 +7,7 @@ Every buffer a test opens goes through the ``buffers`` fixture, which closes it 
 (also when the test fails), so no writer is left for the garbage collector at exit.
 
 Parallel runs (pytest-xdist).  The README's test command is ``python -m pytest -q -n auto
---dist loadfile`` (.ci/run runs exactly that): one worker process per CPU, each test file sent
+--dist loadfile`` (.ci/run runs exactly that): worker processes (see "Workers" below), each test file sent
 whole to whichever worker is free and run there in file order.  ``python -m pytest -p no:xdist`` (or without ``-n``) runs the same
 tests serially and must pass as well.  Every test must therefore hold when any other test runs at
 the same time in another process, in any order:
