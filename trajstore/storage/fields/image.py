@@ -153,13 +153,15 @@ def parallel(fn: Callable[[Iterable[T]], None], items: Sequence[T]) -> None:
 # -- shards -------------------------------------------------------------------------------------
 class _Shard:
     """One shard file's bytes and its checked index: ``offsets``/``sizes`` (C,) int64, -1 where
-    the row was never written."""
+    the row was never written (``offs``/``lens``: the same as memoryviews, whose items the decode
+    threads read per frame for less than ``ndarray.item`` costs)."""
 
-    __slots__ = ("buf", "offsets", "owner", "sizes", "view")
+    __slots__ = ("buf", "lens", "offs", "offsets", "owner", "sizes", "view")
 
     def __init__(self, buf: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, owner: object):
         self.buf, self.offsets, self.sizes, self.owner = buf, offsets, sizes, owner
         self.view = memoryview(buf.data)  # (sliced per frame: cheaper than an array slice)
+        self.offs, self.lens = memoryview(offsets), memoryview(sizes)
 
     def frame(self, i: int) -> np.ndarray | None:
         o = int(self.offsets[i])
@@ -260,24 +262,26 @@ class ImageField(ChunkedField):
         for k in (list(self._shards) if ks is None else ks):
             self._shard_bytes -= self._shard_cost(self._shards.pop(k, None))
 
-    def _decode_into(self, out: np.ndarray, jobs: list[tuple[int, int, int]], shards: dict[int, _Shard | None]) -> None:
-        """Decode ``jobs`` ``(i, k, r)`` (row ``r`` of chunk ``k`` into ``out[i]``; ``i`` in any
-        order, repeated rows allowed) on the decode threads, each frame straight into ``out``."""
+    def _decode_into(self, out: np.ndarray, at: list[int], ks: list[int], js: list[int],
+                     shards: dict[int, _Shard | None]) -> None:
+        """Decode frame ``js[n]`` of chunk ``ks[n]`` into ``out[at[n]]`` for each ``n`` (in any
+        order, repeated frames allowed) on the decode threads, each frame straight into ``out``."""
         dec, C = self.codec.frame_decoder(tuple(out.shape[1:])), self.C
+        # Each job with its shard looked up here (C loops: map, zip), so that a thread's GIL-held
+        # steps per frame are two memoryview items, a slice, a row view and the codec's call.
+        jobs = list(zip(at, map(shards.__getitem__, ks), js, ks))
 
-        def run(todo: Iterable[tuple[int, int, int]]) -> None:
-            # Per frame, under the GIL: the lookup, the slice, the call (the codec releases it).
-            for i, k, r in todo:
-                s, j = shards[k], r - k * C
-                if s is None or (o := s.offsets.item(j)) < 0:
+        def run(todo: Iterable[tuple[int, _Shard | None, int, int]]) -> None:
+            for i, s, j, k in todo:
+                if s is None or (o := s.offs[j]) < 0:
                     out[i] = 0  # a row never written reads as the fill value, as zarr gives it
                     continue
                 try:
-                    dec(s.view[o : o + s.sizes.item(j)], out[i])
+                    dec(s.view[o : o + s.lens[j]], out[i])
                 except TrajstoreError:
                     raise
                 except Exception as e:  # a frame is input: whatever garbage makes a codec raise
-                    raise self._damaged(k, r, e) from None
+                    raise self._damaged(k, k * C + j, e) from None
 
         parallel(run, jobs)
 
@@ -296,7 +300,8 @@ class ImageField(ChunkedField):
                 rest = np.flatnonzero(~inside)
         if len(rest):
             shards = self._get_shards(list(dict.fromkeys(ks[rest].tolist())))
-            self._decode_into(out, list(zip(rest.tolist(), ks[rest].tolist(), phys[rest].tolist())), shards)
+            kr = ks[rest]
+            self._decode_into(out, rest.tolist(), kr.tolist(), (phys[rest] - kr * self.C).tolist(), shards)
         return out
 
     def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
@@ -304,7 +309,7 @@ class ImageField(ChunkedField):
         out: dict[int, np.ndarray] = {}
         for k in plain:
             chunk = out[k] = self._empty_chunk()
-            self._decode_into(chunk, [(i, k, k * self.C + i) for i in range(self.C)], shards)
+            self._decode_into(chunk, list(range(self.C)), [k] * self.C, list(range(self.C)), shards)
             if self.writable:  # keep the encoded frames: a flush encodes only rows written since
                 s = shards[k]
                 self._blobs[k] = [b""] * self.C if s is None else [
