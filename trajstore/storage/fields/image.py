@@ -161,7 +161,7 @@ class _Shard:
     def __init__(self, buf: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, owner: object):
         self.buf, self.offsets, self.sizes, self.owner = buf, offsets, sizes, owner
         self.view = memoryview(buf.data)  # (sliced per frame: cheaper than an array slice)
-        self.offs, self.lens = memoryview(offsets), memoryview(sizes)
+        self.offs, self.lens = offsets.data, sizes.data
 
     def frame(self, i: int) -> np.ndarray | None:
         o = int(self.offsets[i])
