@@ -157,11 +157,12 @@ def jpeg_decoder(library: str | None = None) -> Callable[[Any, np.ndarray], None
     (uint8, C-contiguous, ``(H, W)`` grey or ``(H, W, 3)`` RGB) with ``library`` (None: what
     :func:`set_jpeg_decoder` set, else the first installed of :data:`JPEG_DECODERS`).
 
-    Both refuse (ValueError or imagecodecs' error) an image of another size than ``out``, before
-    decoding it.  Where they differ, on bytes trajstore never writes: imagecodecs refuses an image
-    with another number of components than ``out`` holds, simplejpeg converts it (a grey JPEG into
-    three equal channels, a colour one into its luma).  Corrupt data that libjpeg-turbo only warns
-    about (a truncated scan) decodes in both, as libjpeg-turbo fills it.
+    Both raise (ValueError or imagecodecs' error) for an image of another size than ``out`` (a
+    larger one before decoding it).  Where they differ, on bytes trajstore never writes:
+    imagecodecs refuses an image with another number of components than ``out`` holds, simplejpeg
+    converts it (a grey JPEG into three equal channels, a colour one into its luma); and of damaged
+    frames each refuses a few that the other decodes as libjpeg-turbo fills them (warnings pass in
+    both: a truncated scan decodes).
 
     Raises MissingDependencyError where imagecodecs, or the library asked for, is not installed."""
     ic = _imagecodecs()
@@ -352,9 +353,8 @@ class ImageCodec(ArrayBytesCodec):
         ``out`` (``row_shape``, C-contiguous), as :meth:`decode_into` does, with the fewest Python
         steps: where a frame is one image the format decodes as it is (``planes`` None, not ``(H, W,
         1)``), the library's call and a check of what it returned (:func:`jpeg_decoder` for JPEG),
-        else :meth:`decode_into`.  What the
-        decode threads call per frame: each step here holds the GIL that the other threads wait for
-        between their frames (an 84x84 frame decodes in 25-40 us).
+        else :meth:`decode_into`.  What the decode threads call per frame: each step here holds the
+        GIL that the other threads wait for between their frames (an 84x84 frame decodes in 25-40 us).
 
         Raises MissingDependencyError without imagecodecs."""
         if self.planes is not None or (len(row_shape) == 3 and row_shape[2] == 1):
