@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,6 +46,13 @@ T = TypeVar("T")
 _MISSING = np.uint64(2**64 - 1)
 #: Items per thread below which fewer threads run (a pool hand-off costs ~20-50 us).
 _MIN_PER_THREAD = 2
+#: ``sys.setswitchinterval`` while threads decode (None: leave it).  A thread that finds the GIL
+#: taken sleeps until it is handed over, and CPython hands it over by force only after the switch
+#: interval (5 ms): a codec takes the GIL back between its steps, so a thread whose wake-up came
+#: late could wait through many frames of the other's (84x84 JPEG renders, 2 threads against 1:
+#: 1.50-1.60x at 5 ms, 1.70-1.78x at 0.2 ms; docs/performance-notes.md).  Process-wide while any
+#: batch decodes on more than one thread, then the previous value again.
+DECODE_SWITCH_INTERVAL: float | None = 2e-4
 
 # -- the decode pool ----------------------------------------------------------------------------
 _lock = threading.Lock()
@@ -52,6 +60,8 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _threads: int | None = None  # set_decode_threads; None: the default
 _share: tuple[int, int] | None = None  # share_decode_threads: (pid, processes sharing the CPUs)
+_switch: list[float] = []  # the interval before the first batch now decoding set ours, while any runs
+_switch_users = 0
 
 
 def _cpus() -> int:
@@ -108,8 +118,11 @@ def _get_pool(n: int) -> ThreadPoolExecutor:
 
 def _forget_pool() -> None:
     """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
-    global _pool, _pool_size, _lock
+    global _pool, _pool_size, _lock, _switch_users
     _pool, _pool_size, _lock = None, 0, threading.Lock()
+    if _switch_users:  # forked while a batch decoded: that batch does not go on here
+        _switch_users = 0
+        sys.setswitchinterval(_switch.pop())
 
 
 if hasattr(os, "register_at_fork"):  # no fork on Windows
@@ -138,16 +151,41 @@ def parallel(fn: Callable[[Iterable[T]], None], items: Sequence[T]) -> None:
             raise
 
     pool = _get_pool(n - 1)
-    futures = [pool.submit(each, i) for i in range(1, n)]
-    error: BaseException | None = None
-    try:
-        each(0)
-    except BaseException as e:
-        error = e
-    for f in futures:
-        error = error or f.exception()
+    with _short_switch_interval():
+        futures = [pool.submit(each, i) for i in range(1, n)]
+        error: BaseException | None = None
+        try:
+            each(0)
+        except BaseException as e:
+            error = e
+        for f in futures:
+            error = error or f.exception()
     if error is not None:
         raise error
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Iterator[None]:
+    """:data:`DECODE_SWITCH_INTERVAL` while the block runs; the interval found before the first of
+    the blocks running at once is set again when the last of them ends (unless someone else changed
+    it meanwhile)."""
+    global _switch_users
+    want = DECODE_SWITCH_INTERVAL
+    if want is None:
+        yield
+        return
+    with _lock:
+        if _switch_users == 0:
+            _switch[:] = [sys.getswitchinterval()]
+            sys.setswitchinterval(want)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _switch_users -= 1
+            if _switch_users == 0 and _switch and abs(sys.getswitchinterval() - want) < 1e-6:
+                sys.setswitchinterval(_switch.pop())
 
 
 # -- shards -------------------------------------------------------------------------------------
