@@ -49,9 +49,9 @@ _MIN_PER_THREAD = 2
 #: ``sys.setswitchinterval`` while threads decode (None: leave it).  A thread that finds the GIL
 #: taken sleeps until it is handed over, and CPython hands it over by force only after the switch
 #: interval (5 ms): a codec takes the GIL back between its steps, so a thread whose wake-up came
-#: late could wait through many frames of the other's (84x84 JPEG renders, 2 threads against 1:
-#: 1.50-1.60x at 5 ms, 1.70-1.78x at 0.2 ms; docs/performance-notes.md).  Process-wide while any
-#: batch decodes on more than one thread, then the previous value again.
+#: late could wait through many frames of the other's (84x84 JPEG renders on idle cores, 2 threads
+#: against 1, medians of runs: 1.68-1.77x at 5 ms, 1.71-1.83x at 0.2 ms; docs/performance-notes.md).
+#: Process-wide while any batch decodes on more than one thread, then the previous value again.
 DECODE_SWITCH_INTERVAL: float | None = 2e-4
 
 # -- the decode pool ----------------------------------------------------------------------------
