@@ -13,9 +13,9 @@ Frames (each store holds ``--frames`` of them, default 20,000):
 Each store is a ``ReplayBuffer`` of one Box field, written by ``extend`` of 500 frames.  Reads are
 ``sample(256)`` (uniform random rows) in blocks of consecutive calls, one system at a time (as a
 training loop calls; no warm-up batches): the store with 1 decode thread, then with 2
-(``trajstore.images.set_decode_threads``), then the codec's own loop (imagecodecs, one thread,
-decoding the same 256 frames (the same seeded draws) from the same shard files into a preallocated
-array), then raw rows (a raw store of the same frames).  Each is opened fresh per run: "cold" is
+(``trajstore.images.set_decode_threads``), then the codec's own loop (the library the store decodes
+with, one thread, decoding the same 256 frames (the same seeded draws) from the same shard files
+into a preallocated array), then raw rows (a raw store of the same frames).  Each is opened fresh per run: "cold" is
 the first block after opening (page cache warm), "steady" the median of the blocks after it; each
 number is the median over ``--runs`` runs.  The DataLoader rows read a ``TransitionDataset`` of
 the 480x640 JPEG store with 0 and 2 workers (fork), ``--loader-batch`` frames per batch.
@@ -171,9 +171,25 @@ def _blocks(fn: Callable[[], Any], blocks: int, per_block: int) -> tuple[list[fl
     return fps, cores
 
 
+def own_decoder(fmt: str) -> Callable[[Any, np.ndarray], Any]:
+    """The bare library call that the store decodes ``fmt`` with: simplejpeg for JPEG where it is
+    installed (``trajstore.images.set_jpeg_decoder``'s default), else imagecodecs."""
+    if fmt == "jpeg":
+        try:
+            import simplejpeg
+        except ImportError:
+            pass
+        else:
+            sj = simplejpeg.decode_jpeg
+            return lambda b, out: sj(b, "rgb", False, False, 0, 0, 1.0, out, False)
+    f = _DECODERS[fmt]
+    return lambda b, out: f(b, out=out)
+
+
 class OwnLoop:
     """The codec's own decode loop over a store's frames: each row's bytes located once in the
-    memory-mapped shard files (untimed), then imagecodecs decoding them into one array."""
+    memory-mapped shard files (untimed), then the library (:func:`own_decoder`) decoding them
+    into one array."""
 
     def __init__(self, path: Path, codec: str) -> None:
         meta = json.loads((path / "step_data" / "zarr.json").read_text())
@@ -187,7 +203,7 @@ class OwnLoop:
             self.maps.append(memoryview(m))
             self.offsets.append(o)
             self.sizes.append(s)
-        self.dec = _DECODERS[codec.split(":")[0].split("-")[0]]
+        self.dec = own_decoder(codec.split(":")[0].split("-")[0])
         self.out = np.empty((BATCH, *self.shape), np.uint8)
 
     def call(self, rows: np.ndarray) -> np.ndarray:
@@ -195,7 +211,7 @@ class OwnLoop:
         for i, r in enumerate(rows.tolist()):
             k, j = divmod(r, C)
             o = int(self.offsets[k][j])
-            dec(self.maps[k][o : o + int(self.sizes[k][j])], out=out[i])
+            dec(self.maps[k][o : o + int(self.sizes[k][j])], out[i])
         return out
 
     def close(self) -> None:
@@ -377,7 +393,8 @@ def main(argv: list[str] | None = None) -> str:
                   f"(target <= 1/10: {'ok' if big['raw_bytes'] / big['du'] >= 10 else 'MISSED'}).", ""]
     lines += ["Frames/s of `sample(256)`; \"per core\": the 2-thread frames/s over 2 cores; \"cores used\": the "
               "process's CPU time over the wall time of those blocks (under 2, other jobs had the rest of the "
-              "machine, and \"2 vs 1\" cannot reach 2); \"codec's own loop\": imagecodecs decoding the same frames "
+              "machine, and \"2 vs 1\" cannot reach 2); \"codec's own loop\": the library the store decodes with "
+              "(simplejpeg for JPEG where installed, else imagecodecs) decoding the same frames "
               "(same draws) from the same shard files, one thread.", "",
               read_table(reads_rows)]
     if loader_rows:
@@ -396,7 +413,7 @@ def main(argv: list[str] | None = None) -> str:
                          f"{r['steady']:,.0f} | {vs} |")
     return section(HEADING[3:], "bench_codecs.py", sys.argv[1:] if argv is None else argv,
                    runs=f"medians over {runs} run(s) of {blocks} blocks per system.", body="\n".join(lines),
-                   quick=a.quick, started=t0, packages=("imagecodecs",))
+                   quick=a.quick, started=t0, packages=("imagecodecs", "simplejpeg"))
 
 
 def _drop(path: Path) -> None:

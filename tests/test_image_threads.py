@@ -85,3 +85,50 @@ def test_a_damaged_frame_raises_on_threads_and_the_pool_reads_on(tmp_path):
             assert np.array_equal(np.asarray(ro[fine]), imgs[fine])
     finally:
         ti.set_decode_threads(None)
+
+
+def test_the_switch_interval_is_short_while_threads_decode_and_restored_after(tmp_path):
+    """parallel() shortens sys.setswitchinterval while its threads run (a thread waiting for the
+    GIL gets it within DECODE_SWITCH_INTERVAL, not 5 ms) and sets the previous value again after,
+    also when a frame raises, and when several batches decode at once from different threads."""
+    import sys
+    import threading
+
+    from trajstore.storage.fields import image as image_module
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    def look(items):
+        for _ in items:
+            seen.append(sys.getswitchinterval())
+
+    ti.set_decode_threads(2)
+    try:
+        image_module.parallel(look, list(range(8)))
+        assert seen and all(abs(v - image_module.DECODE_SWITCH_INTERVAL) < 1e-6 for v in seen)
+        assert sys.getswitchinterval() == before
+
+        def boom(items):
+            for _ in items:
+                raise ValueError("a frame that does not decode")
+
+        with pytest.raises(ValueError, match="does not decode"):
+            image_module.parallel(boom, list(range(8)))
+        assert sys.getswitchinterval() == before
+
+        def drain(items):
+            for _ in items:
+                sum(range(2000))  # holds the GIL: the batches overlap
+
+        readers = [threading.Thread(target=image_module.parallel, args=(drain, list(range(200)))) for _ in range(3)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout=30)
+        assert sys.getswitchinterval() == before
+    finally:
+        ti.set_decode_threads(None)
+    imgs = _store(tmp_path / "s", (24, 24, 3), "jpeg:90", 40)
+    assert _decoded(tmp_path / "s", np.arange(40), 2).shape == imgs.shape
+    assert sys.getswitchinterval() == before

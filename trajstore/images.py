@@ -14,14 +14,16 @@ what a plain zarr-python reader needs to open an image field::
   crf=23, gop=10)``; strings ``"h264:crf=23:g=10"``, ``"av1"``, ``"lerobot"`` name the same), through
   PyAV (the ``video`` extra): RGB ``(H, W, 3)``, grey ``(H, W)`` / ``(H, W, 1)`` and stacks of grey planes
   ``(84, 84, 4)`` / ``(4, 84, 84)`` (coded as one grey picture); docs/format.md "Video fields".
+- :func:`set_jpeg_decoder`: the library that decodes JPEG frames (simplejpeg where installed, else
+  imagecodecs; both libjpeg-turbo, the same pixels; ``JPEG_DECODERS``).
 - :func:`set_decode_threads` / :func:`decode_threads`: the bounded pool that decodes a batch's frames
   (image frames and video GOPs); :func:`share_decode_threads`: a process's share of the CPUs by
   default (what each DataLoader worker of ``trajstore.torch`` sets: ``max(1, cpus // num_workers)``).
 """
 
 from trajstore.storage.fields.image import decode_threads, set_decode_threads, share_decode_threads
-from trajstore.storage.fields.image_codecs import CODEC_NAME, FORMATS, ImageCodec
+from trajstore.storage.fields.image_codecs import CODEC_NAME, FORMATS, JPEG_DECODERS, ImageCodec, set_jpeg_decoder
 from trajstore.storage.fields.video_codec import VIDEO_CODECS, VideoCodec
 
-__all__ = ["CODEC_NAME", "FORMATS", "VIDEO_CODECS", "ImageCodec", "VideoCodec", "decode_threads",
-           "set_decode_threads", "share_decode_threads"]
+__all__ = ["CODEC_NAME", "FORMATS", "JPEG_DECODERS", "VIDEO_CODECS", "ImageCodec", "VideoCodec", "decode_threads",
+           "set_decode_threads", "set_jpeg_decoder", "share_decode_threads"]

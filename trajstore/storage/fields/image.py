@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,6 +46,13 @@ T = TypeVar("T")
 _MISSING = np.uint64(2**64 - 1)
 #: Items per thread below which fewer threads run (a pool hand-off costs ~20-50 us).
 _MIN_PER_THREAD = 2
+#: ``sys.setswitchinterval`` while threads decode (None: leave it).  A thread that finds the GIL
+#: taken sleeps until it is handed over, and CPython hands it over by force only after the switch
+#: interval (5 ms): a codec takes the GIL back between its steps, so a thread whose wake-up came
+#: late could wait through many frames of the other's (84x84 JPEG renders on idle cores, 2 threads
+#: against 1, medians of runs: 1.68-1.77x at 5 ms, 1.71-1.83x at 0.2 ms; docs/performance-notes.md).
+#: Process-wide while any batch decodes on more than one thread, then the previous value again.
+DECODE_SWITCH_INTERVAL: float | None = 2e-4
 
 # -- the decode pool ----------------------------------------------------------------------------
 _lock = threading.Lock()
@@ -52,6 +60,8 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _threads: int | None = None  # set_decode_threads; None: the default
 _share: tuple[int, int] | None = None  # share_decode_threads: (pid, processes sharing the CPUs)
+_switch: list[float] = []  # the interval before the first batch now decoding set ours, while any runs
+_switch_users = 0
 
 
 def _cpus() -> int:
@@ -108,8 +118,11 @@ def _get_pool(n: int) -> ThreadPoolExecutor:
 
 def _forget_pool() -> None:
     """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
-    global _pool, _pool_size, _lock
+    global _pool, _pool_size, _lock, _switch_users
     _pool, _pool_size, _lock = None, 0, threading.Lock()
+    if _switch_users:  # forked while a batch decoded: that batch does not go on here
+        _switch_users = 0
+        sys.setswitchinterval(_switch.pop())
 
 
 if hasattr(os, "register_at_fork"):  # no fork on Windows
@@ -138,28 +151,55 @@ def parallel(fn: Callable[[Iterable[T]], None], items: Sequence[T]) -> None:
             raise
 
     pool = _get_pool(n - 1)
-    futures = [pool.submit(each, i) for i in range(1, n)]
-    error: BaseException | None = None
-    try:
-        each(0)
-    except BaseException as e:
-        error = e
-    for f in futures:
-        error = error or f.exception()
+    with _short_switch_interval():
+        futures = [pool.submit(each, i) for i in range(1, n)]
+        error: BaseException | None = None
+        try:
+            each(0)
+        except BaseException as e:
+            error = e
+        for f in futures:
+            error = error or f.exception()
     if error is not None:
         raise error
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Iterator[None]:
+    """:data:`DECODE_SWITCH_INTERVAL` while the block runs; the interval found before the first of
+    the blocks running at once is set again when the last of them ends (unless someone else changed
+    it meanwhile)."""
+    global _switch_users
+    want = DECODE_SWITCH_INTERVAL
+    if want is None:
+        yield
+        return
+    with _lock:
+        if _switch_users == 0:
+            _switch[:] = [sys.getswitchinterval()]
+            sys.setswitchinterval(want)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _switch_users -= 1
+            if _switch_users == 0 and _switch and abs(sys.getswitchinterval() - want) < 1e-6:
+                sys.setswitchinterval(_switch.pop())
 
 
 # -- shards -------------------------------------------------------------------------------------
 class _Shard:
     """One shard file's bytes and its checked index: ``offsets``/``sizes`` (C,) int64, -1 where
-    the row was never written."""
+    the row was never written (``offs``/``lens``: the same as memoryviews, whose items the decode
+    threads read per frame for less than ``ndarray.item`` costs)."""
 
-    __slots__ = ("buf", "offsets", "owner", "sizes", "view")
+    __slots__ = ("buf", "lens", "offs", "offsets", "owner", "sizes", "view")
 
     def __init__(self, buf: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, owner: object):
         self.buf, self.offsets, self.sizes, self.owner = buf, offsets, sizes, owner
         self.view = memoryview(buf.data)  # (sliced per frame: cheaper than an array slice)
+        self.offs, self.lens = offsets.data, sizes.data
 
     def frame(self, i: int) -> np.ndarray | None:
         o = int(self.offsets[i])
@@ -260,24 +300,26 @@ class ImageField(ChunkedField):
         for k in (list(self._shards) if ks is None else ks):
             self._shard_bytes -= self._shard_cost(self._shards.pop(k, None))
 
-    def _decode_into(self, out: np.ndarray, jobs: list[tuple[int, int, int]], shards: dict[int, _Shard | None]) -> None:
-        """Decode ``jobs`` ``(i, k, r)`` (row ``r`` of chunk ``k`` into ``out[i]``; ``i`` in any
-        order, repeated rows allowed) on the decode threads, each frame straight into ``out``."""
+    def _decode_into(self, out: np.ndarray, at: list[int], ks: list[int], js: list[int],
+                     shards: dict[int, _Shard | None]) -> None:
+        """Decode frame ``js[n]`` of chunk ``ks[n]`` into ``out[at[n]]`` for each ``n`` (in any
+        order, repeated frames allowed) on the decode threads, each frame straight into ``out``."""
         dec, C = self.codec.frame_decoder(tuple(out.shape[1:])), self.C
+        # Each job with its shard looked up here (C loops: map, zip), so that a thread's GIL-held
+        # steps per frame are two memoryview items, a slice, a row view and the codec's call.
+        jobs = list(zip(at, map(shards.__getitem__, ks), js, ks))
 
-        def run(todo: Iterable[tuple[int, int, int]]) -> None:
-            # Per frame, under the GIL: the lookup, the slice, the call (the codec releases it).
-            for i, k, r in todo:
-                s, j = shards[k], r - k * C
-                if s is None or (o := s.offsets.item(j)) < 0:
+        def run(todo: Iterable[tuple[int, _Shard | None, int, int]]) -> None:
+            for i, s, j, k in todo:
+                if s is None or (o := s.offs[j]) < 0:
                     out[i] = 0  # a row never written reads as the fill value, as zarr gives it
                     continue
                 try:
-                    dec(s.view[o : o + s.sizes.item(j)], out[i])
+                    dec(s.view[o : o + s.lens[j]], out[i])
                 except TrajstoreError:
                     raise
                 except Exception as e:  # a frame is input: whatever garbage makes a codec raise
-                    raise self._damaged(k, r, e) from None
+                    raise self._damaged(k, k * C + j, e) from None
 
         parallel(run, jobs)
 
@@ -296,7 +338,8 @@ class ImageField(ChunkedField):
                 rest = np.flatnonzero(~inside)
         if len(rest):
             shards = self._get_shards(list(dict.fromkeys(ks[rest].tolist())))
-            self._decode_into(out, list(zip(rest.tolist(), ks[rest].tolist(), phys[rest].tolist())), shards)
+            kr = ks[rest]
+            self._decode_into(out, rest.tolist(), kr.tolist(), (phys[rest] - kr * self.C).tolist(), shards)
         return out
 
     def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
@@ -304,7 +347,7 @@ class ImageField(ChunkedField):
         out: dict[int, np.ndarray] = {}
         for k in plain:
             chunk = out[k] = self._empty_chunk()
-            self._decode_into(chunk, [(i, k, k * self.C + i) for i in range(self.C)], shards)
+            self._decode_into(chunk, list(range(self.C)), [k] * self.C, list(range(self.C)), shards)
             if self.writable:  # keep the encoded frames: a flush encodes only rows written since
                 s = shards[k]
                 self._blobs[k] = [b""] * self.C if s is None else [

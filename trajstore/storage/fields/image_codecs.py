@@ -9,7 +9,8 @@ entry point of the installed package does the same without an import).
 The codec's settings (``format``, ``level``, ``lossless``, ``planes``) are the array's metadata.
 The formats and the functions they call are a fixed table here: nothing a store names is ever
 imported.  imagecodecs (``pip install 'trajstore[images]'``) is imported on the first encode or
-decode, so a store with image fields opens and checks without it.
+decode, so a store with image fields opens and checks without it; JPEG frames decode with
+simplejpeg where it is installed (the same extra; :func:`jpeg_decoder`), else with imagecodecs.
 
 Frames: ``(H, W)`` grey, ``(H, W, C)`` with ``C`` in 1 or 3 as pixels; ``(H, W, 4)`` (frame stacks,
 or RGBA) and channel-first ``(C, H, W)`` stacks (``C <= 16``) as ``C`` grey planes, each encoded
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 
     from zarr.core.array_spec import ArraySpec
 
-__all__ = ["CODEC_NAME", "FORMATS", "ImageCodec", "codec_from_config", "image_codec_of", "parse_image_compressor",
-           "register_numcodecs_jpeg2k", "unreadable_codec"]
+__all__ = ["CODEC_NAME", "FORMATS", "JPEG_DECODERS", "ImageCodec", "codec_from_config", "image_codec_of",
+           "jpeg_decoder", "parse_image_compressor", "register_numcodecs_jpeg2k", "set_jpeg_decoder", "unreadable_codec"]
 
 #: The zarr v3 codec name of :class:`ImageCodec`.
 CODEC_NAME = "trajstore.image"
@@ -125,9 +126,87 @@ def _encoder(fmt: str, level: int | None, lossless: bool) -> Callable[[np.ndarra
     raise BadOptionError(f"image format {fmt!r} is not one of {sorted(FORMATS)}")
 
 
+#: The libraries that decode JPEG frames, the first installed one by default: simplejpeg (the
+#: images extra's; libjpeg-turbo's TurboJPEG API, the GIL released around the header and the
+#: decode) and imagecodecs (which encodes every JPEG frame).  Both run libjpeg-turbo with the same
+#: settings (accurate integer IDCT, fancy upsampling): the same bytes decode to the same pixels.
+JPEG_DECODERS = ("simplejpeg", "imagecodecs")
+_jpeg_library: str | None = None  # set_jpeg_decoder; None: the first installed
+
+
+def set_jpeg_decoder(library: str | None) -> None:
+    """Decode JPEG frames with ``library`` (one of :data:`JPEG_DECODERS`; None: the first of them
+    that is installed).  A process-wide setting, read as each batch starts decoding.
+
+    Raises
+    ------
+    BadOptionError
+        ``library`` names no JPEG decoder.
+    MissingDependencyError
+        ``library`` (or imagecodecs, which every image field needs) is not installed.
+    """
+    global _jpeg_library
+    if library is not None and library not in JPEG_DECODERS:
+        raise BadOptionError(f"JPEG decoder {library!r} is not one of {list(JPEG_DECODERS)} or None")
+    jpeg_decoder(library)  # refuse a library that is not installed now, not at the next read
+    _jpeg_library = library
+
+
+def jpeg_decoder(library: str | None = None) -> Callable[[Any, np.ndarray], None]:
+    """The function ``(data, out)`` decoding one JPEG image ``data`` (bytes-like) into ``out``
+    (uint8, C-contiguous, ``(H, W)`` grey or ``(H, W, 3)`` RGB) with ``library`` (None: what
+    :func:`set_jpeg_decoder` set, else the first installed of :data:`JPEG_DECODERS`).
+
+    Both raise (ValueError or imagecodecs' error) for an image of another size than ``out`` (a
+    larger one before decoding it).  Where they differ, on bytes trajstore never writes:
+    imagecodecs refuses an image with another number of components than ``out`` holds, simplejpeg
+    converts it (a grey JPEG into three equal channels, a colour one into its luma); and of damaged
+    frames each refuses a few that the other decodes as libjpeg-turbo fills them (warnings pass in
+    both: a truncated scan decodes).
+
+    Raises MissingDependencyError where imagecodecs, or the library asked for, is not installed."""
+    ic = _imagecodecs()
+    library = library or _jpeg_library
+    sj = None if library == "imagecodecs" else _simplejpeg()
+    if sj is None:
+        if library == "simplejpeg":
+            raise MissingDependencyError(f"the JPEG decoder simplejpeg is not installed: {_EXTRA}")
+        return _returned_out(ic.jpeg8_decode)
+    decode = sj.decode_jpeg
+
+    def dec(b: Any, out: np.ndarray) -> None:
+        # Positional (the fastest call): colorspace, fastdct, fastupsample, min_height, min_width,
+        # min_factor, buffer, strict (False: warnings pass, as imagecodecs lets them).  The buffer
+        # must hold the image (else ValueError, before decoding); a smaller image is refused here.
+        got = decode(b, "gray" if out.ndim == 2 else "rgb", False, False, 0, 0, 1.0, out, False)
+        if got.shape[:2] != out.shape[:2]:
+            raise ValueError(f"decoded shape {got.shape[:2]}; expected {out.shape[:2]}")
+    return dec
+
+
+def _simplejpeg() -> Any:
+    """The simplejpeg module, or None where it is not installed."""
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg
+
+
+def _returned_out(fn: Callable[..., np.ndarray]) -> Callable[[Any, np.ndarray], None]:
+    """``fn(data, out=out)`` (an imagecodecs decoder) with its result checked against ``out``."""
+    def dec(b: Any, out: np.ndarray) -> None:
+        got = fn(b, out=out)
+        if got is not out:  # (imagecodecs returns ``out`` itself; else a view of it, or a fresh array)
+            _settle(got, out)
+    return dec
+
+
 def _decoder(fmt: str) -> Callable[[Any, np.ndarray], None]:
     """A function decoding one encoded image into ``out`` (2-D grey or (H, W, C))."""
     ic = _imagecodecs()
+    if fmt == "jpeg":
+        return jpeg_decoder()
     if fmt == "webp":
         def webp(b: Any, out: np.ndarray) -> None:
             if out.ndim == 2:  # (into a buffer of the frame's size: a header never sizes an allocation)
@@ -137,14 +216,8 @@ def _decoder(fmt: str) -> Callable[[Any, np.ndarray], None]:
             else:
                 ic.webp_decode(b, out=out)
         return webp
-    fn = {"jpeg": ic.jpeg8_decode, "avif": ic.avif_decode, "jpegxl": ic.jpegxl_decode, "png": ic.png_decode,
-          "jpeg2k": ic.jpeg2k_decode}[fmt]
-
-    def dec(b: Any, out: np.ndarray) -> None:
-        got = fn(b, out=out)
-        if got is not out:  # (imagecodecs returns ``out`` itself; else a view of it, or a fresh array)
-            _settle(got, out)
-    return dec
+    return _returned_out({"avif": ic.avif_decode, "jpegxl": ic.jpegxl_decode, "png": ic.png_decode,
+                          "jpeg2k": ic.jpeg2k_decode}[fmt])
 
 
 def _settle(got: np.ndarray, out: np.ndarray) -> None:
@@ -188,6 +261,7 @@ class ImageCodec(ArrayBytesCodec):
         self.format, self.level, self.lossless, self.planes = format, level, lossless, planes
         self._enc: Callable[[np.ndarray], bytes] | None = None
         self._dec: Callable[[Any, np.ndarray], None] | None = None
+        self._dec_for: str | None = None  # the set_jpeg_decoder setting _dec was made under
 
     def __repr__(self) -> str:
         return f"ImageCodec({self.format!r}, level={self.level}, lossless={self.lossless}, planes={self.planes})"
@@ -278,24 +352,28 @@ class ImageCodec(ArrayBytesCodec):
         """The function ``(data, out)`` that decodes one encoded frame ``data`` (bytes-like) into
         ``out`` (``row_shape``, C-contiguous), as :meth:`decode_into` does, with the fewest Python
         steps: where a frame is one image the format decodes as it is (``planes`` None, not ``(H, W,
-        1)``), imagecodecs' call and a check of what it returned, else :meth:`decode_into`.  What the
-        decode threads call per frame: each step here holds the GIL that the other threads wait for
-        between their frames (an 84x84 frame decodes in 25-40 us).
+        1)``), the library's call and a check of what it returned (:func:`jpeg_decoder` for JPEG),
+        else :meth:`decode_into`.  What the decode threads call per frame: each step here holds the
+        GIL that the other threads wait for between their frames (an 84x84 frame decodes in 25-40 us).
 
         Raises MissingDependencyError without imagecodecs."""
         if self.planes is not None or (len(row_shape) == 3 and row_shape[2] == 1):
             return self.decode_into
-        if self._dec is None:
-            self._dec = _decoder(self.format)
+        return self._decoder()
+
+    def _decoder(self) -> Callable[[Any, np.ndarray], None]:
+        """The format's decoder, made again where :func:`set_jpeg_decoder` changed since."""
+        if self._dec is None or self._dec_for != _jpeg_library:
+            self._dec, self._dec_for = _decoder(self.format), _jpeg_library
         return self._dec
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
         """Decode one encoded frame ``data`` (bytes-like) into ``out`` (``row_shape``, C-contiguous).
 
         Raises whatever the codec raises on garbage (callers turn it into DamagedStoreError)."""
-        if self._dec is None:
-            self._dec = _decoder(self.format)
         dec = self._dec
+        if dec is None or self._dec_for != _jpeg_library:
+            dec = self._decoder()
         if self.planes is None:
             dec(data, out[..., 0] if out.ndim == 3 and out.shape[2] == 1 else out)
             return
