@@ -24,7 +24,6 @@ field and the row.
 from __future__ import annotations
 
 import math
-import resource
 import threading
 import weakref
 from collections import OrderedDict
@@ -68,6 +67,10 @@ def _max_map_count() -> int:
 
 def _address_space() -> int:
     """The process's address-space limit (``RLIMIT_AS``) in bytes; ``2**62`` when it has none."""
+    try:
+        import resource  # (POSIX only: elsewhere no address-space limit is read)
+    except ImportError:  # pragma: no cover - Windows
+        return 1 << 62
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return 1 << 62 if soft in (resource.RLIM_INFINITY, -1) else int(soft)
 
