@@ -123,6 +123,30 @@ def test_json_bad_input(obj: object, match: str) -> None:
         space_from_json(obj)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("leaves, peak_mib", [
+    ([{"type": "Box", "dtype": "uint8", "shape": [10**12], "low": 0, "high": 255}], 1),  # one bound, broadcast
+    ([{"type": "Box", "dtype": "int64", "shape": [100_000, 100_000, 3], "low": 0, "high": 1}], 1),
+    ([{"type": "MultiDiscrete", "dtype": "int64", "shape": [2**40], "nvec": 2, "start": 0}], 1),
+    # each leaf under the bound, together past it: the first is built (its bounds, flags and
+    # gymnasium's copies of them: a few bytes per element), the second refused
+    ([{"type": "Box", "dtype": "uint8", "shape": [2**26 + 1], "low": 0, "high": 1}] * 2, 8 * 2**26 >> 20),
+])
+def test_json_space_past_the_element_bound_is_refused_before_allocating(leaves: list, peak_mib: int) -> None:
+    """A stored space is input: a shape it claims never sizes an allocation past
+    MAX_SPACE_ELEMENTS (gymnasium would hold full bound arrays: 931 GiB for the first case)."""
+    import tracemalloc
+
+    obj = {"type": "Tuple", "spaces": leaves}
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsupportedSpaceError, match="elements in all"):
+            space_from_json(obj)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < peak_mib << 20, peak
+
+
 @pytest.mark.parametrize("space, match", [
     (Text(5), r"^space is Text; trajstore stores Box"),
     (Dict(obs=Tuple((Discrete(2), Box(0, 1), Dict(text=Text(3))))), r"space at 'obs/2/text' is Text"),

@@ -88,6 +88,13 @@ def space_to_json(space: gymnasium.Space[Any]) -> dict[str, Any]:
     return enc(space, ())
 
 
+#: Elements of all the shaped leaves (Box, MultiDiscrete) of one decoded space, at most: gymnasium
+#: holds full bound arrays per leaf, so a stored space that claims more (a Box of 10**12 elements
+#: with one bound) would allocate without bound; refused before anything is allocated.  2**27 is
+#: about 5 RGB frames of 4K per row.
+MAX_SPACE_ELEMENTS = 1 << 27
+
+
 def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
     """Decode :func:`space_to_json` output; bounds, nvec, start, n and dtype come back bit-exact.
 
@@ -107,9 +114,14 @@ def space_from_json(obj: Mapping[str, Any]) -> gymnasium.Space[Any]:
             raise bad(path, f"dtype {dt} is not allowed here")
         return dt
 
+    elements = [0]  # of the leaves decoded so far (MAX_SPACE_ELEMENTS)
+
     def shape_of(o: Mapping[str, Any], path: LeafPath) -> tuple[int, ...]:
         if not all(type(d) is int and d >= 0 for d in o["shape"]):
             raise bad(path, f"bad shape {o['shape']!r}")
+        elements[0] += math.prod(o["shape"])
+        if elements[0] > MAX_SPACE_ELEMENTS:
+            raise bad(path, f"shape {o['shape']!r} takes the space past {MAX_SPACE_ELEMENTS:,} elements in all")
         return tuple(o["shape"])
 
     def array(x: Any, dt: np.dtype, shape: tuple[int, ...], path: LeafPath) -> tuple[np.ndarray, np.ndarray]:
