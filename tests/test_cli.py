@@ -240,13 +240,14 @@ def test_stats_match_numpy_on_local_and_memory_stores(tmp_path: Path, capsys) ->
 
 def test_stats_read_in_bounded_blocks(tmp_path: Path, capsys, monkeypatch) -> None:
     import trajstore.maintenance.summary as summary
+    from trajstore.maintenance.moments import field_stats
 
     make_rb(tmp_path / "r")
     monkeypatch.setattr(summary, "BLOCK_BYTES", 4096)  # force many blocks
     seen: list[int] = []
     store = summary.open_store(tmp_path / "r")
     try:
-        stats = summary.field_stats(store, "obs", progress=seen.append)
+        stats = field_stats(store, "obs", progress=seen.append)
     finally:
         store.close()
     assert len(seen) > 10 and max(seen) <= 4096 // 68 + 1 and sum(seen) == 3000

@@ -9,7 +9,6 @@ episode ``e`` of the ``k``-th shard is ``k * 2**40 + e``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import tempfile
@@ -19,12 +18,12 @@ import numpy as np
 
 from trajstore.cli._common import CLIError, fmt_bytes, print_spaces, print_table
 from trajstore.errors import DamagedStoreError, FormatVersionError
+from trajstore.maintenance.moments import field_stats, merge_stats
 from trajstore.maintenance.staged import partial_path, verify_written
 from trajstore.maintenance.summary import (
     STEP_IDS,
     STEPS,
     episode_table,
-    field_stats,
     iter_blocks,
     open_store,
     store_info,
@@ -145,22 +144,6 @@ def sharded_episodes(path: str, storage_options: Options, reward_field: str | No
 
 
 # -- stats ------------------------------------------------------------------------------------------
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two ``field_stats`` entries of one array over disjoint rows, as one (Chan et al.'s merge of
-    count/mean/M2; min/max/NaN/inf combined)."""
-    out = dict(a, rows=a["rows"] + b["rows"], nan=a["nan"] + b["nan"], inf=a["inf"] + b["inf"])
-    na, nb = a["count"], b["count"]
-    if not nb:
-        return out
-    if not na:
-        return dict(out, count=nb, min=b["min"], max=b["max"], mean=b["mean"], std=b["std"])
-    n = na + nb
-    d = b["mean"] - a["mean"]
-    m2 = a["std"] ** 2 * na + b["std"] ** 2 * nb + d * d * na * nb / n
-    return dict(out, count=n, min=min(a["min"], b["min"]), max=max(a["max"], b["max"]),
-                mean=a["mean"] + d * nb / n, std=math.sqrt(m2 / n))
-
-
 def sharded_stats(path: str, storage_options: Options, field: str | None,
                   progress: Callable[[int, str], Any]) -> list[dict[str, Any]]:
     """``field_stats`` of every shard, one shard open at a time (memory bounded by a block of rows),
@@ -178,7 +161,7 @@ def sharded_stats(path: str, storage_options: Options, field: str | None,
         finally:
             store.close()
         for s in stats:
-            merged[s["path"]] = _merge(merged[s["path"]], s) if s["path"] in merged else s
+            merged[s["path"]] = merge_stats(merged[s["path"]], s) if s["path"] in merged else s
     return list(merged.values())
 
 

@@ -28,9 +28,9 @@ from trajstore.cli.shards import (
     sharded_info,
     sharded_stats,
 )
+from trajstore.maintenance.moments import field_stats
 from trajstore.maintenance.summary import (
     episode_table,
-    field_stats,
     head_rows,
     open_store,
     store_info,

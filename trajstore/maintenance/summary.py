@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import gymnasium
 import numpy as np
@@ -26,7 +26,7 @@ from trajstore.storage.schema import load_json
 
 __all__ = [
     "store_info", "space_tree", "open_store", "array_list", "select_fields", "episode_table", "head_rows",
-    "field_stats", "summarize_value", "episode_counts",
+    "summarize_value", "episode_counts",
 ]
 
 #: Rows a block read may hold (bytes), so stats/episodes stay in bounded memory.
@@ -427,75 +427,6 @@ def head_rows(store: Store, n: int = 5, field: str | None = None, episode: int |
     names = [t.fields[j].spec.array_path for j in which]
     values = [{name: summarize_value(a[i]) for name, a in zip(names, arrays)} for i in range(len(rows))]
     return {"table": t.name, "rows": rows.tolist(), "fields": names, "values": values}
-
-
-# -- stats ------------------------------------------------------------------------------------------
-class _Moments:
-    """Streaming count/mean/M2 (Chan et al.) plus min/max and NaN/inf counts of finite values."""
-
-    def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, 0.0, 0.0
-        self.min: float | None = None
-        self.max: float | None = None
-        self.nan = self.inf = 0
-
-    def add(self, a: np.ndarray) -> None:
-        x = a.reshape(-1)
-        if x.dtype.kind == "f":
-            nan = np.isnan(x)
-            inf = np.isinf(x)
-            self.nan += int(nan.sum())
-            self.inf += int(inf.sum())
-            if self.nan or self.inf:
-                x = x[~(nan | inf)]
-        if x.size == 0:
-            return
-        x64 = x.astype(np.float64)
-        mn, mx = x.min().item(), x.max().item()
-        self.min = mn if self.min is None else min(self.min, mn)
-        self.max = mx if self.max is None else max(self.max, mx)
-        nb, mb = x64.size, float(x64.mean())
-        m2b = float(((x64 - mb) ** 2).sum())
-        n = self.n + nb
-        d = mb - self.mean
-        self.mean += d * nb / n
-        self.m2 += m2b + d * d * self.n * nb / n
-        self.n = n
-
-    def result(self) -> dict[str, Any]:
-        return {"count": self.n, "min": self.min, "max": self.max,
-                "mean": self.mean if self.n else None, "std": math.sqrt(self.m2 / self.n) if self.n else None,
-                "nan": self.nan, "inf": self.inf}
-
-
-def field_stats(store: Store, field: str | None = None, *, progress: Callable[[int], None] | None = None,
-                all_tables: bool = True) -> list[dict[str, Any]]:
-    """Per array: ``path, table, rows, dtype, count`` (finite values), ``min, max, mean, std`` of
-    the finite values and ``nan``/``inf`` counts over every committed row, read a bounded block of
-    rows at a time.  ``progress(rows)`` is called after each block."""
-    if field is None and all_tables:
-        sel = [(t, j) for t in store.tables.values() for j in range(len(t.fields))]
-    else:
-        sel = select_fields(store, field)
-    by_table: dict[str, list[int]] = {}
-    tables: dict[str, Table] = {}
-    for t, j in sel:
-        by_table.setdefault(t.name, []).append(j)
-        tables[t.name] = t
-    out = []
-    for name, which in by_table.items():
-        t = tables[name]
-        acc = {j: _Moments() for j in which}
-        for _lo, arrays in iter_blocks(t, which):
-            for j, a in zip(which, arrays):
-                acc[j].add(a)
-            if progress is not None:
-                progress(len(arrays[0]))
-        for j in which:
-            f = t.fields[j]
-            out.append({"path": f.spec.array_path, "table": name, "rows": t.count, "shape": list(f.spec.row_shape),
-                        "dtype": str(f.spec.dtype), **acc[j].result()})
-    return out
 
 
 def _dataset_info(store: Store) -> dict[str, Any] | None:
