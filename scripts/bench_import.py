@@ -16,8 +16,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

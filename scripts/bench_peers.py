@@ -49,9 +49,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 import gymnasium as gym
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import section  # noqa: E402

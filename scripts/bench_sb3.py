@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import section  # noqa: E402
-
 import torch as th  # noqa: E402
+from benchdoc import section  # noqa: E402
 from stable_baselines3 import PPO, SAC  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 

@@ -24,10 +24,10 @@ import os
 import time
 from typing import Any
 
+import _workers as W
 import numpy as np
 from gymnasium.spaces import Box, Dict
 
-import _workers as W
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 EPISODE_SPACE = Dict({"ret": Box(-np.inf, np.inf, (), np.float64)})

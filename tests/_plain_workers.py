@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import time
 
+import _workers as W
 import numpy as np
 
-import _workers as W
 from trajstore import ReplayBuffer
 
 _DEADLINE_S = 30.0  # a child the parent forgot is gone after this

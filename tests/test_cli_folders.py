@@ -17,13 +17,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from test_cli import cli, cli_json  # the CLI run in this process, its output captured
 
 from trajstore import TrajectoryReplayBuffer
 from trajstore.demo import record_demo
 from trajstore.errors import NotATrajstoreError
 from trajstore.sb3 import DummyVecRolloutBuffer, ZarrReplayBuffer, ZarrRolloutBuffer
 from trajstore.shards import create_shard
-from test_cli import cli, cli_json  # the CLI run in this process, its output captured
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Box(-1, 1, (2,), np.float32)

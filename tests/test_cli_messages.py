@@ -22,12 +22,12 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+from test_cli import cli  # the CLI run in this process, its output captured
 
 import trajstore
 from trajstore import TrajectoryReplayBuffer
 from trajstore.errors import BadArgumentError, BadOptionError, SpaceMismatchError
 from trajstore.maintenance.where import compile_where
-from test_cli import cli  # the CLI run in this process, its output captured
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,10 +29,10 @@ import test_crash as _crash
 import test_hostile as _hostile
 
 from trajstore import ReplayBuffer
+from trajstore.errors import DamagedStoreError
 from trajstore.storage.fields import _rowblocks, chunked
 from trajstore.storage.fields import spec as fieldspec
 from trajstore.storage.fields.chunked import ChunkedField
-from trajstore.errors import DamagedStoreError
 
 ROOT = Path(__file__).resolve().parent.parent
 IMG = (32, 32, 3)  # 3072 bytes: above ROW_BLOCK_MIN_BYTES once the tests lower it

@@ -13,8 +13,8 @@ import pytest
 from gymnasium.spaces import Box
 
 from trajstore import ReplayBuffer
-from trajstore.storage import confined
 from trajstore.errors import DamagedStoreError
+from trajstore.storage import confined
 
 SPACE = Box(0, 255, (64, 64), np.uint8)  # 4 KiB rows: 512 rows per 2 MiB chunk
 CHUNK = "step_data/c/0/0/0"

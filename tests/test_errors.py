@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import SPACES, assert_same, box_space, changed, random_rows, ring_model, snapshot, stack
 from gymnasium.spaces import Box, Dict, Discrete, Graph, Sequence, Text, Tuple
 
-from conftest import SPACES, assert_same, box_space, changed, random_rows, ring_model, snapshot, stack
 from trajstore import ReplayBuffer
-from trajstore.storage.keys import FORMAT_VERSION
 from trajstore.errors import (
     BadValueError,
     DamagedStoreError,
@@ -29,6 +28,7 @@ from trajstore.errors import (
     TrajstoreError,
     UnsupportedSpaceError,
 )
+from trajstore.storage.keys import FORMAT_VERSION
 
 HEAD = "trajstore.head.json"
 

@@ -332,8 +332,9 @@ def test_kill_repair(tmp_path, procs, request):
 # ----------------------------------------------------------------------------------------
 def test_kill_sb3_add(tmp_path, procs, request):
     pytest.importorskip("stable_baselines3")
-    from trajstore.sb3 import ZarrReplayBuffer
     import gymnasium as gym
+
+    from trajstore.sb3 import ZarrReplayBuffer
 
     kills = 60
     store, log = str(tmp_path / "sb3"), str(tmp_path / "log")

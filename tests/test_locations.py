@@ -12,8 +12,6 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from gymnasium.spaces import Box
-
 from conftest import (
     SPACES,
     assert_same,
@@ -26,6 +24,8 @@ from conftest import (
     snapshot,
     stack,
 )
+from gymnasium.spaces import Box
+
 from trajstore import ReplayBuffer
 from trajstore.errors import BadValueError, ReadOnlyError
 

@@ -11,8 +11,8 @@ import pytest
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.cli.maintain import copy_store
 from trajstore.errors import ReadOnlyError
-from trajstore.metadata import DATASET_KEY, env_description, get_dataset_info, library_versions, set_dataset_info
 from trajstore.maintenance.verify import verify_store
+from trajstore.metadata import DATASET_KEY, env_description, get_dataset_info, library_versions, set_dataset_info
 
 SPACE = gym.spaces.Dict({"obs": gym.spaces.Box(-1, 1, (3,), np.float32)})
 

@@ -45,8 +45,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
 from test_trajectory_sequences import reference  # noqa: E402 (tests/ is on sys.path under pytest)
+
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 from trajstore.errors import EmptyBufferError
 

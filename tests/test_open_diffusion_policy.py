@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-
 from test_interop_diffusion_policy import pusht_like, write_dp
+
 from trajstore import TrajectoryReplayBuffer
 from trajstore.errors import (
     BadOptionError,

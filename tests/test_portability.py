@@ -34,12 +34,12 @@ from gymnasium.spaces import Box, Dict, Discrete
 
 import trajstore
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
+from trajstore.errors import LockedError
 from trajstore.storage.fields import _syscalls
 from trajstore.storage.fields import layout as fields
 from trajstore.storage.fields.chunked import ChunkedField
-from trajstore.errors import LockedError
-from trajstore.storage.locks import FilelockBackend, WriterLock
 from trajstore.storage.fields.mapped import MappedField
+from trajstore.storage.locks import FilelockBackend, WriterLock
 
 ROOT = Path(__file__).resolve().parent.parent
 SPACE = Dict({"obs": Box(-np.inf, np.inf, (5,), np.float32), "img": Box(0, 255, (8, 8, 3), np.uint8),

@@ -18,8 +18,6 @@ import gymnasium
 import numpy as np
 import pytest
 import torch
-from gymnasium.spaces import Box, Dict, Discrete
-
 from conftest import (
     LAYOUTS,
     SPACES,
@@ -33,6 +31,8 @@ from conftest import (
     take,
     to_torch,
 )
+from gymnasium.spaces import Box, Dict, Discrete
+
 from trajstore import ReplayBuffer
 from trajstore.errors import BadValueError, ReadOnlyError, SpaceMismatchError
 

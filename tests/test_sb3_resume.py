@@ -24,8 +24,13 @@ from gymnasium import spaces  # noqa: E402
 from stable_baselines3 import SAC  # noqa: E402
 
 from trajstore.errors import StoreExistsError  # noqa: E402
-from trajstore.sb3 import (DummyVecRolloutBuffer, ResumedBufferWarning, ZarrDictReplayBuffer,  # noqa: E402
-                           ZarrReplayBuffer, ZarrRolloutBuffer)
+from trajstore.sb3 import (  # noqa: E402
+    DummyVecRolloutBuffer,
+    ResumedBufferWarning,
+    ZarrDictReplayBuffer,
+    ZarrReplayBuffer,
+    ZarrRolloutBuffer,
+)
 
 OBS = spaces.Box(-1, 1, (3,), np.float32)
 ACT = spaces.Box(-1, 1, (2,), np.float32)

@@ -30,10 +30,10 @@ import pytest
 
 pytest.importorskip("stable_baselines3")
 
+import _workers as W  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
-import _workers as W  # noqa: E402
 import trajstore.storage.location  # noqa: E402
 from trajstore import ReplayBuffer as StoreBuffer  # noqa: E402
 from trajstore.errors import ClosedError, ConcurrentWriteError, LockedError, StoreFullError  # noqa: E402

@@ -27,6 +27,7 @@ from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 
 from trajstore.sb3 import DummyVecRolloutBuffer, ZarrReplayBuffer, ZarrRolloutBuffer  # noqa: E402
 
+
 def small_net() -> dict[str, Any]:
     """Fresh policy_kwargs for every model (SB3 adds keys to the dict it is given)."""
     return dict(net_arch=[16, 16])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import gymnasium
 import numpy as np
 import pytest
+from conftest import SPACES, as_numpy, assert_same, empty_batch, random_rows, ring_model, stack, take
 from gymnasium.spaces import Box, Dict, Discrete
 
-from conftest import SPACES, as_numpy, assert_same, empty_batch, random_rows, ring_model, stack, take
 from trajstore import ColumnView, SliceView
 from trajstore.errors import ReadOnlyError, SpaceMismatchError
 
