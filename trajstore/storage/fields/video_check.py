@@ -12,7 +12,7 @@ from trajstore.errors import DamagedStoreError, TrajstoreError
 from trajstore.storage.fields.chunked import map_file
 from trajstore.storage.fields.video import AnySegment, index_key, load_segment, read_index, segment_key
 from trajstore.storage.fields.video_codec import VideoCodec, codec_from_attrs
-from trajstore.storage.fields.video_pack import LinkedSegment
+from trajstore.storage.fields.video_pack import is_pack_key
 from trajstore.storage.location import Location
 
 __all__ = ["check_video"]
@@ -98,8 +98,6 @@ def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], sett
         seg = _one(loc, array_path, lo, hi, (hi - lo) * (2 * row_bytes + 88) + 4096, packs, faults)
         if seg is None:
             continue
-        if isinstance(seg, LinkedSegment):
-            named.add(seg.pack_key)
         if not deep:
             continue
         try:
@@ -111,8 +109,9 @@ def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], sett
             key = segment_key(array_path, lo)
             faults.append(("undecodable-chunk", key, f"{key}: video segment does not decode ({type(e).__name__}: "
                            f"{e}); rows [{lo}, {hi}) are damaged", lo, hi))
-    try:  # segments of rows no record counts (a writer killed before its record, cleared rows), packs none names
-        extra = [k for k in loc.list_prefix(f"{array_path}/video") if k not in named]
+    try:  # segments of rows no record counts (a writer killed before its record, cleared rows); packs are
+        # never removable: only an import makes them, and a damaged linked segment keeps naming its pack
+        extra = [k for k in loc.list_prefix(f"{array_path}/video") if k not in named and not is_pack_key(k)]
     except DamagedStoreError:
         extra = []
     return faults, decoded, extra

@@ -21,6 +21,7 @@ one GOP at a time (:meth:`LinkedSegment.packets`).  Copies write a linked segmen
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -244,6 +245,8 @@ def link_pack(loc: Location, key: str, fileobj: Any, path: str | None = None) ->
     os.makedirs(dest.parent, exist_ok=True)
     why = _link(fd, path, dest)
     if why:
+        with contextlib.suppress(OSError):  # no empty folder left (a later pack may still be linked there)
+            os.rmdir(dest.parent)
         return why
     src = os.fstat(fd)
     try:
