@@ -231,7 +231,8 @@ def _rewrite(store: Path, lo: int, **change: int) -> None:
     (store / TOP / str(lo)).write_bytes(blob)
 
 
-@pytest.mark.parametrize("case", ["pack-symlink", "past-the-end", "pack-out-of-range", "pack-missing"])
+@pytest.mark.parametrize("case", ["pack-symlink", "past-the-end", "range-too-large", "pack-out-of-range",
+                                  "pack-missing"])
 def test_hostile_packs_and_linked_segments(v3: Path, tmp_path: Path, case: str) -> None:
     src = _source(v3, tmp_path)
     s = tmp_path / "s"
@@ -244,6 +245,9 @@ def test_hostile_packs_and_linked_segments(v3: Path, tmp_path: Path, case: str) 
     elif case == "past-the-end":
         _rewrite(s, 6, b=os.path.getsize(pack) + 100)
         rows, match = (6, 14), r"holds \d+ bytes; the segment needs"
+    elif case == "range-too-large":  # more bytes than the rows' frames may take: refused before any read
+        _rewrite(s, 6, b=1 << 40)
+        rows, match = (6, 14), "out of range"
     elif case == "pack-out-of-range":
         _rewrite(s, 6, pack=MAX_PACKS)
         rows, match = (6, 14), "out of range"

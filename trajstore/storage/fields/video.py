@@ -39,7 +39,7 @@ import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, ForeignFileError, TrajstoreError
-from trajstore.storage.confined import full_disk, pread
+from trajstore.storage.confined import MAX_FILE_BYTES, full_disk, pread
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.chunked import map_file
 from trajstore.storage.fields.image import parallel
@@ -140,11 +140,11 @@ AnySegment = Union[Segment, LinkedSegment]
 
 
 def load_segment(loc: Location, array_path: str, buf: np.ndarray, rows: int, owner: object, where: str,
-                 check_bytes: bool = True) -> AnySegment:
+                 check_bytes: bool = True, limit: int = MAX_FILE_BYTES) -> AnySegment:
     """The segment whose file holds ``buf`` (uint8), plain (:func:`read_segment`) or linked
-    (:func:`~.video_pack.open_linked`, ``check_bytes`` as there); raises as they do."""
+    (:func:`~.video_pack.open_linked`, ``check_bytes`` and ``limit`` as there); raises as they do."""
     if buf[: len(LINK_MAGIC)].tobytes() == LINK_MAGIC:
-        return open_linked(loc, array_path, buf, rows, where, check_bytes)
+        return open_linked(loc, array_path, buf, rows, where, check_bytes, limit)
     return read_segment(buf, rows, owner)
 
 
@@ -287,7 +287,7 @@ class VideoField:
                 buf, owner = (None, None) if data is None else (np.frombuffer(data, np.uint8), data)
             if buf is None:
                 raise DamagedStoreError(f"{where} are committed, but the segment file is missing; run `trajstore verify`")
-            seg = load_segment(self.loc, self.spec.array_path, buf, hi - lo, owner, where)
+            seg = load_segment(self.loc, self.spec.array_path, buf, hi - lo, owner, where, limit=limit)
         except ForeignFileError:
             raise  # a foreign file served as a segment (open_lerobot's MP4s): its message names it
         except (ValueError, DamagedStoreError) as e:

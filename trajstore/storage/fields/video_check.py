@@ -58,7 +58,7 @@ def _one(loc: Location, array_path: str, lo: int, hi: int, limit: int, packs: bo
         if buf is None:
             faults.append(("missing-chunk", key, f"{key}: video segment missing; rows [{lo}, {hi}) are lost", lo, hi))
             return None
-        return load_segment(loc, array_path, buf, hi - lo, owner, key, check_bytes=packs)
+        return load_segment(loc, array_path, buf, hi - lo, owner, key, check_bytes=packs, limit=limit)
     except (ValueError, DamagedStoreError) as e:
         faults.append(("bad-chunk", key, f"{key}: damaged video segment ({e}); rows [{lo}, {hi}) are unreadable",
                        lo, hi))

@@ -32,7 +32,7 @@ import google_crc32c
 import numpy as np
 
 from trajstore.errors import DamagedStoreError, ForeignFileError
-from trajstore.storage.confined import pread
+from trajstore.storage.confined import MAX_FILE_BYTES, pread
 from trajstore.storage.location import Location
 
 __all__ = ["LINK_MAGIC", "MAX_PACKS", "LinkedSegment", "crc_of_range", "is_pack_key", "link_pack", "linked_segment",
@@ -151,7 +151,7 @@ class LinkedSegment:
     def _bytes(self, lo: int, hi: int) -> bytes:
         try:
             return _read(self.loc, self.pack_key, lo, hi, self.b)
-        except ValueError as e:
+        except (ValueError, DamagedStoreError) as e:  # (the confined open refusing a link or special file)
             raise DamagedStoreError(f"{self.where}: {e}") from None
 
     def packets(self, i: int, j: int) -> list[np.ndarray]:
@@ -169,13 +169,15 @@ class LinkedSegment:
 
 
 def open_linked(loc: Location, array_path: str, buf: np.ndarray, rows: int, where: str,
-                check_bytes: bool = True) -> LinkedSegment:
+                check_bytes: bool = True, limit: int = MAX_FILE_BYTES) -> LinkedSegment:
     """The linked segment ``buf`` (uint8: its file's bytes) of field ``array_path``, holding the
     ``rows`` frames the index gives it; its pack holds ``[a, b)`` and (``check_bytes``) those
-    bytes match their crc32c.
+    bytes match their crc32c.  ``[a, b)`` may hold at most ``limit`` bytes (what a plain segment
+    of those rows may: a hostile pack, sparse and huge, never makes a read allocate more).
 
     Raises ValueError naming what is wrong in the segment itself (magic, size, checksum, count, a
-    pack number out of range, a packet outside ``[a, b)``, a first frame that is no keyframe);
+    pack number or byte range out of range, a packet outside ``[a, b)``, a first frame that is no
+    keyframe);
     DamagedStoreError naming ``where`` for its pack (missing, a link or special file, shorter
     than ``b``, bytes that do not match)."""
     n = len(buf)
@@ -188,8 +190,9 @@ def open_linked(loc: Location, array_path: str, buf: np.ndarray, rows: int, wher
     count = struct.unpack("<Q", body[-8:])[0]
     if count != rows:
         raise ValueError(f"the segment holds {count} frames; the index gives it {rows}")
-    if pack >= MAX_PACKS or not a <= b < 1 << 62:
-        raise ValueError(f"pack number {pack} or byte range [{a}, {b}) out of range (packs 0..{MAX_PACKS - 1})")
+    if pack >= MAX_PACKS or not a <= b <= a + limit:
+        raise ValueError(f"pack number {pack} or byte range [{a}, {b}) out of range (packs 0..{MAX_PACKS - 1}, at "
+                         f"most {limit} bytes)")
     table = np.frombuffer(body[_HEAD.size : -8], "<u8").reshape(rows, 3)
     off, size, key = table[:, 0], table[:, 1], table[:, 2]
     bad = (off < a) | (off > b) | (size == 0) | (size > np.uint64(b) - np.minimum(off, np.uint64(b))) | (key > 1)
