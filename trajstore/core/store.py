@@ -40,7 +40,7 @@ from trajstore.spaces import space_from_json
 from trajstore.storage.array_meta import array_rows, read_root
 from trajstore.storage.confined import OPEN_FLAGS
 from trajstore.storage.fields.layout import FieldSpec, create_codecs, open_field
-from trajstore.storage.fields.video import linked_copy
+from trajstore.storage.fields.video_copy import linked_copy
 from trajstore.storage.fields.video_pack import is_pack_key
 from trajstore.storage.head import (
     FORMAT_VERSION,
@@ -499,7 +499,7 @@ class Store(StoreCommits):
     def data_keys(self) -> list[str]:
         """Every key a copy of this store takes: all but the commit record (written last), the
         previous record, locks, leases, temp or staging files and video packs (a linked segment is
-        copied as the plain segment of its packets: :func:`~trajstore.storage.fields.video.linked_copy`).
+        copied as the plain segment of its packets: :func:`~trajstore.storage.fields.video_copy.linked_copy`).
         Node metadata comes first, parents before children: a transactional target (icechunk)
         takes a chunk only into an array it knows."""
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record

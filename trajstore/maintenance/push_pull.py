@@ -37,7 +37,7 @@ from trajstore.maintenance.where import compile_where, where_fields
 from trajstore.spaces.leaves import leaves
 from trajstore.spaces.values import ValuePlan
 from trajstore.storage.array_meta import read_root
-from trajstore.storage.fields.video import linked_copy
+from trajstore.storage.fields.video_copy import linked_copy
 from trajstore.storage.head import write_head
 from trajstore.storage.icechunk_store import CHECK_BLOCK_BYTES, block_digests
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY

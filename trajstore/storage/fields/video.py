@@ -28,7 +28,6 @@ and index bytes are read through the store's confined, bounded reader and checke
 
 from __future__ import annotations
 
-import os
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +38,7 @@ import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, ForeignFileError, TrajstoreError
-from trajstore.storage.confined import MAX_FILE_BYTES, full_disk, pread
+from trajstore.storage.confined import MAX_FILE_BYTES, full_disk
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.chunked import map_file
 from trajstore.storage.fields.image import parallel
@@ -49,8 +48,7 @@ from trajstore.storage.fields.video_pack import LINK_MAGIC, LinkedSegment, open_
 from trajstore.storage.location import Location
 from trajstore.storage.spans import PutData
 
-__all__ = ["MAX_RUN_ROWS", "AnySegment", "Segment", "VideoField", "index_key", "linked_copy", "load_segment", "plain_bytes",
-           "plain_segment",
+__all__ = ["MAX_RUN_ROWS", "AnySegment", "Segment", "VideoField", "index_key", "load_segment", "plain_bytes",
            "read_index", "read_segment", "segment_frame", "segment_key", "write_index", "write_segment"]
 
 SEG_MAGIC, IDX_MAGIC = b"TSVSEG01", b"TSVIDX01"
@@ -154,43 +152,6 @@ def plain_bytes(seg: AnySegment) -> bytes:
     if isinstance(seg, Segment):
         return seg.buf.tobytes()
     return write_segment([p.tobytes() for p in seg.packets(0, len(seg.offsets))], seg.keyframe_flags())
-
-
-def linked_copy(loc: Location, key: str) -> bytes | None:
-    """What a key-by-key copy writes under ``key`` when it is a linked segment
-    (:func:`plain_segment`: the plain segment of its packets); None for any other key (copied as
-    it is).  A pack (:func:`~.video_pack.is_pack_key`) is never copied: no copy needs it."""
-    head, _, lo = key.rpartition("/video/")
-    if not head or not lo.isdigit():
-        return None
-    if loc.is_local:
-        try:
-            fd = loc.open_inside(key, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            if pread(fd, len(LINK_MAGIC), 0) != LINK_MAGIC:
-                return None
-        finally:
-            os.close(fd)
-    data = loc.get(key)
-    return None if data is None or data[: len(LINK_MAGIC)] != LINK_MAGIC else plain_segment(loc, key, data)
-
-
-def plain_segment(loc: Location, key: str, data: bytes) -> bytes:
-    """``data``, the bytes stored under the segment key ``key`` (``<field>/video/<lo>``), as a copy
-    writes them: a linked segment as the plain segment of its packets (checked against their
-    crc32c; DamagedStoreError naming the key otherwise), anything else unchanged."""
-    if data[: len(LINK_MAGIC)] != LINK_MAGIC:
-        return data
-    rows, rest = divmod(len(data) - 52, 24)
-    array_path = key.rpartition("/video/")[0]
-    try:
-        if rest or rows < 0:
-            raise ValueError(f"{len(data)} bytes are no linked segment (size)")
-        return plain_bytes(open_linked(loc, array_path, np.frombuffer(data, np.uint8), rows, f"{loc.url}: {key}"))
-    except ValueError as e:
-        raise DamagedStoreError(f"{loc.url}: {key}: a damaged linked video segment ({e})") from None
 
 
 def write_index(bounds: Sequence[int]) -> bytes:
