@@ -16,8 +16,14 @@ codec is AV1 or H.264 and the episode starts on a keyframe; any other episode is
 encoded again (counted in the result's ``transcoded``).  AV1 packets are copied file to file when
 the segment is written (:mod:`trajstore.storage.spans`), so each MP4 stays open until the commit
 after its last episode.  The store is verified before it is renamed into place as ``trajstore
-verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video.check_video`).  ``video="png"`` (or any other
+verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video_check.check_video`).  ``video="png"`` (or any other
 ``compressor`` value) stores decoded frames with that codec instead.
+
+``link=True`` copies no packets: each AV1 MP4 is hard-linked into the store as a pack (from the
+file the foreign gate opened, the inodes compared: :func:`~trajstore.storage.fields.video_pack.link_pack`)
+and each episode's segment is a *linked segment* naming its packets' bytes there with their
+crc32c, computed from bounded reads of the open file (the one read of the packets); where no link
+can be made the packets are copied as without it (``link_fallbacks`` in the result).
 """
 
 from __future__ import annotations
