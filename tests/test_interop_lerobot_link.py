@@ -295,3 +295,27 @@ def test_a_linked_store_uploaded_as_files_reads_through_byte_ranges(v3: Path, tm
         assert {f.rows for f in verify_store(f"memory://{name}").faults} == {(0, 6), (6, 14), (14, 18)}
     finally:
         fs.rm(name, recursive=True)
+
+
+def test_link_pack_links_the_file_opened_never_another(tmp_path: Path) -> None:
+    """link_pack is given the open file and the name it was opened by, and that name now holds
+    another file (replaced after the open): the pack is the file opened (linked through
+    /proc/self/fd) or there is none (linked by name, the inodes differ, the link removed)."""
+    from trajstore.storage.fields.video_pack import link_pack
+    from trajstore.storage.location import resolve_location
+
+    (tmp_path / "opened").write_bytes(b"the file the gate checked")
+    (tmp_path / "other").write_bytes(b"a file swapped in later")
+    loc = resolve_location(str(tmp_path / "store"), read_only=False, must_exist=False)
+    try:
+        with open(tmp_path / "opened", "rb", buffering=0) as f:
+            why = link_pack(loc, "f/video/pack/0", f, str(tmp_path / "other"))
+            pack = tmp_path / "store/f/video/pack/0"
+            if why:
+                assert "not the one opened" in why or "EXDEV" in why or "EPERM" in why, why
+                assert not pack.exists() and not pack.parent.exists()
+            else:
+                assert pack.stat().st_ino == os.fstat(f.fileno()).st_ino
+        assert (tmp_path / "other").stat().st_nlink == 1
+    finally:
+        loc.close()

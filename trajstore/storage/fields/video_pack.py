@@ -255,18 +255,18 @@ def link_pack(loc: Location, key: str, fileobj: Any, path: str | None = None) ->
     dest = loc.path(key)
     os.makedirs(dest.parent, exist_ok=True)
     why = _link(fd, path, dest)
-    if why:
-        with contextlib.suppress(OSError):  # no empty folder left (a later pack may still be linked there)
-            os.rmdir(dest.parent)
-        return why
-    src = os.fstat(fd)
-    try:
-        got, st = loc.open_inside(key, os.O_RDONLY, with_stat=True)
-        os.close(got)
-        same = (st.st_dev, st.st_ino) == (src.st_dev, src.st_ino)
-    except (DamagedStoreError, FileNotFoundError):  # a link was linked: not the file opened
-        same = False
-    if not same:
+    if not why:
+        src = os.fstat(fd)
+        try:
+            got, st = loc.open_inside(key, os.O_RDONLY, with_stat=True)
+            os.close(got)
+            same = (st.st_dev, st.st_ino) == (src.st_dev, src.st_ino)
+        except (DamagedStoreError, FileNotFoundError):  # a link was linked: not the file opened
+            same = False
+        if same:
+            return ""
         loc.delete(key)
-        return f"the file linked from {path} is not the one opened (replaced during the import)"
-    return ""
+        why = f"the file linked from {path} is not the one opened (replaced during the import)"
+    with contextlib.suppress(OSError):  # no empty folder left (a later pack may still be linked there)
+        os.rmdir(dest.parent)
+    return why
