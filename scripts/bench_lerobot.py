@@ -49,6 +49,13 @@ def folder_bytes(path: Path, part: str = "") -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and part in str(p.relative_to(path)))
 
 
+def own_bytes(path: Path, part: str = "") -> int:
+    """:func:`folder_bytes`, less files with other hard links (a linked store's packs are the
+    source's MP4s: they add no bytes to the disk)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*")
+               if p.is_file() and p.stat().st_nlink == 1 and part in str(p.relative_to(path)))
+
+
 def read_once(path: Path) -> float:
     """Seconds to read every file under ``path`` once."""
     t = time.perf_counter()
@@ -86,10 +93,12 @@ def read_checksummed(path: Path) -> float:
 
 def import_rounds(src: Path, tmp: Path, rounds: int) -> tuple[dict[str, list[float]], dict[str, object]]:
     """``rounds`` rounds of: read the files once, read the MP4s with a crc32c, copy the folder,
-    import it (each round in that order, so a loaded machine's drift falls on all alike).  Returns
-    the seconds per measurement and the last import's result with ``bytes_before``,
-    ``bytes_after``, ``video_ratio`` added."""
-    times: dict[str, list[float]] = {"import": [], "read": [], "read+crc32c": [], "copy": []}
+    import it, import it linked (``link=True``) (each round in that order, so a loaded machine's
+    drift falls on all alike).  Returns the seconds per measurement and the last import's result
+    with ``bytes_before``, ``bytes_after``, ``video_ratio``, ``linked_bytes`` (the linked store's
+    own bytes: its packs are hard links of the MP4s) and the linked import's ``linked`` and
+    ``link_fallbacks`` added."""
+    times: dict[str, list[float]] = {"import": [], "import --link": [], "read": [], "read+crc32c": [], "copy": []}
     out: dict[str, object] = {}
     for _ in range(rounds):
         times["read"].append(read_once(src))
@@ -102,6 +111,12 @@ def import_rounds(src: Path, tmp: Path, rounds: int) -> tuple[dict[str, list[flo
         out["bytes_before"], out["bytes_after"] = folder_bytes(src), folder_bytes(tmp / "store")
         out["video_ratio"] = folder_bytes(tmp / "store", "/video/") / max(folder_bytes(src, "videos"), 1)
         shutil.rmtree(tmp / "store")
+        t = time.perf_counter()
+        linked = import_lerobot(src, tmp / "linked", link=True)
+        times["import --link"].append(time.perf_counter() - t)
+        out["linked_bytes"] = own_bytes(tmp / "linked")
+        out["linked"], out["link_fallbacks"] = linked["linked"], linked["link_fallbacks"]
+        shutil.rmtree(tmp / "linked")
     return times, out
 
 
@@ -117,9 +132,11 @@ def import_only(args: argparse.Namespace) -> str:
     lines = [f"{src}: {out['episodes']} episodes, {out['steps']} steps; adopted {out['adopted']}, "
              f"transcoded {out['transcoded']}",
              f"bytes before {out['bytes_before']}, after {out['bytes_after']}, video after / before "
-             f"{out['video_ratio']:.4f}"]
+             f"{out['video_ratio']:.4f}",
+             f"linked import: linked {out['linked']}, link fallbacks {out['link_fallbacks']}, bytes the store adds "
+             f"{out['linked_bytes']} (its packs are hard links of the MP4s: no bytes)"]
     for k, v in times.items():
-        lines.append(f"{k:12s} median {float(np.median(v)):.3f} s  (min {min(v):.3f}, max {max(v):.3f}, "
+        lines.append(f"{k:13s} median {float(np.median(v)):.3f} s  (min {min(v):.3f}, max {max(v):.3f}, "
                      f"{len(v)} rounds)")
     lines.append(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return "\n".join(lines)
@@ -282,10 +299,18 @@ def main(argv: list[str] | None = None) -> str:
         before, after = folder_bytes(src), folder_bytes(Path(tmp) / "store")
         v_before, v_after = folder_bytes(src, "videos"), folder_bytes(Path(tmp) / "store", "/video/")
         shutil.rmtree(Path(tmp) / "store")
+        t = time.perf_counter()
+        linked = import_lerobot(src, Path(tmp) / "linked", link=True)
+        dt_link = time.perf_counter() - t
+        after_link, v_link = own_bytes(Path(tmp) / "linked"), own_bytes(Path(tmp) / "linked", "/video/")
+        shutil.rmtree(Path(tmp) / "linked")
         (main_rate,) = window_rates([src], fps, 5 if args.quick else 10, 32, 1 if args.quick else 3,
                                     args.lerobot_python, args.lerobot_backend)
         rows = [f"| import_lerobot | {dt:.2f} s | {floor:.2f} s | {copy:.2f} s | {before / 1e6:.1f} MB | {after / 1e6:.1f} MB | "
-                f"{v_after / max(v_before, 1):.3f} |"]
+                f"{v_after / max(v_before, 1):.3f} |",
+                f"| import_lerobot(link=True) | {dt_link:.2f} s | {floor:.2f} s | {copy:.2f} s | {before / 1e6:.1f} MB | "
+                f"{after_link / 1e6:.1f} MB added | {v_link / max(v_before, 1):.3f} added |"]
+        fallbacks = linked["link_fallbacks"]
         shutil.rmtree(src)
         flat_rows, dirs, imports = [], [], []
         for count in flat:
@@ -308,7 +333,11 @@ of the dataset once and copying the folder (the files were just written: they ar
 cache). Bytes are allocated blocks on disk. Video ratio: the store's video segments' bytes over the
 MP4s' bytes. The import reads each MP4's packet index from its `moov` sample table, copies each
 episode's packets file to file into its segment (`copy_file_range`), commits per batch of episodes and
-verifies the store (segments' frame tables, not their packets) before renaming it.
+verifies the store (segments' frame tables, not their packets) before renaming it. The linked import
+(`link=True`) hard-links each MP4 into the store instead and writes linked segments naming the
+packets there, reading each episode's packets once for their crc32c; a hard link adds no bytes to
+the disk, so its bytes after are what the store adds beside the dataset (MP4s it could not link and
+copied: {fallbacks}).
 
 | what | time | read files once | copy files once | bytes before | bytes after | video after / before |
 |---|---|---|---|---|---|---|

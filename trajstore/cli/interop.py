@@ -38,8 +38,8 @@ def _bar(args: argparse.Namespace) -> bool | None:
 
 def _cmd_import(args: argparse.Namespace) -> int:
     convert: Any
-    if (args.video is not None or args.save_stats) and args.format != "lerobot":
-        raise CLIError("--video and --save-stats apply to lerobot imports only", code=2)
+    if (args.video is not None or args.save_stats or args.link) and args.format != "lerobot":
+        raise CLIError("--video, --save-stats and --link apply to lerobot imports only", code=2)
     if args.format == "d4rl":
         from trajstore.interop.d4rl import d4rl_to_store as convert
     elif args.format == "robomimic":
@@ -51,7 +51,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
         return _report_import(args, import_lerobot(args.src, args.dst, video=args.video or "keep",
                                                    save_stats=args.save_stats, tqdm=_bar(args),
-                                                   overwrite=args.overwrite))
+                                                   overwrite=args.overwrite, link=args.link))
     elif args.format == "sb3":
         from trajstore.interop.sb3_pickle import sb3_replay_buffer_to_store
 
@@ -72,6 +72,8 @@ def _report_import(args: argparse.Namespace, out: dict[str, Any]) -> int:
         print_json(out)
     else:
         extra = (f"; task {out['task']!r}" if out.get("task") else "") + ("; statistics stored" if out.get("stats") else "")
+        if "linked" in out:
+            extra += f"; {sum(out['linked'].values())} camera episodes linked, {out['link_fallbacks']} MP4s copied"
         print(f"imported {out['source']} ({args.format}): {out['steps']} steps, {out['episodes']} episodes -> "
               f"{out['destination']}{extra}; verified")
     return 0
@@ -137,6 +139,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="lerobot: store the cameras' decoded frames with this compressor (png, jpeg:90, h264...) "
                         "instead of keeping the MP4s' packets")
     p.add_argument("--save-stats", action="store_true", help="lerobot: store every episode's statistics")
+    p.add_argument("--link", action="store_true",
+                   help="lerobot: hard-link each AV1 MP4 into the store and read its packets there instead of "
+                        "copying them (same filesystem; editing a source MP4 in place then changes the store, "
+                        "which `trajstore verify` reports; else copied)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     p.add_argument("--stats", action="store_true",
                    help="store every episode's statistics, computed at import (buf.stats(), docs/robot.md)")

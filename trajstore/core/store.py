@@ -40,6 +40,8 @@ from trajstore.spaces import space_from_json
 from trajstore.storage.array_meta import array_rows, read_root
 from trajstore.storage.confined import OPEN_FLAGS
 from trajstore.storage.fields.layout import FieldSpec, create_codecs, open_field
+from trajstore.storage.fields.video_copy import linked_copy
+from trajstore.storage.fields.video_pack import is_pack_key
 from trajstore.storage.head import (
     FORMAT_VERSION,
     HEAD_KEY,
@@ -496,12 +498,13 @@ class Store(StoreCommits):
 
     def data_keys(self) -> list[str]:
         """Every key a copy of this store takes: all but the commit record (written last), the
-        previous record, locks, leases and temp or staging files.  Node metadata comes first,
-        parents before children: a transactional target (icechunk) takes a chunk only into an
-        array it knows."""
+        previous record, locks, leases, temp or staging files and video packs (a linked segment is
+        copied as the plain segment of its packets: :func:`~trajstore.storage.fields.video_copy.linked_copy`).
+        Node metadata comes first, parents before children: a transactional target (icechunk)
+        takes a chunk only into an array it knows."""
         skip = (LOCK_KEY, MPLOCK_KEY, LEASE_KEY, HEAD_KEY, PREV_KEY)  # the copy's writer keeps its own previous record
-        keys = [k for k in self.loc.list_prefix("")
-                if k not in skip and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
+        keys = [k for k in self.loc.list_prefix("") if k not in skip and not is_pack_key(k)
+                and not k.startswith((TMP_DIR, STAGING_DIR, BROKEN_DIR + "/"))]
         meta = sorted((k for k in keys if k == "zarr.json" or k.endswith("/zarr.json")), key=lambda k: k.count("/"))
         return meta + [k for k in keys if k not in set(meta)]
 
@@ -511,7 +514,10 @@ class Store(StoreCommits):
         bar = progress_bar(len(keys), f"copy to {target.url}", progress)
         try:
             for key in keys:
-                if self.loc.is_local and target.is_local:
+                plain = linked_copy(self.loc, key)  # a linked video segment: its packets, held
+                if plain is not None:
+                    target.put(key, plain)
+                elif self.loc.is_local and target.is_local:
                     dest = target.path(key)
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     # Never through a link: the source by a checked descriptor, the copy replacing

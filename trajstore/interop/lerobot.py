@@ -16,8 +16,14 @@ codec is AV1 or H.264 and the episode starts on a keyframe; any other episode is
 encoded again (counted in the result's ``transcoded``).  AV1 packets are copied file to file when
 the segment is written (:mod:`trajstore.storage.spans`), so each MP4 stays open until the commit
 after its last episode.  The store is verified before it is renamed into place as ``trajstore
-verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video.check_video`).  ``video="png"`` (or any other
+verify`` checks one (segments' frame tables; :func:`~trajstore.storage.fields.video_check.check_video`).  ``video="png"`` (or any other
 ``compressor`` value) stores decoded frames with that codec instead.
+
+``link=True`` copies no packets: each AV1 MP4 is hard-linked into the store as a pack (from the
+file the foreign gate opened, the inodes compared: :func:`~trajstore.storage.fields.video_pack.link_pack`)
+and each episode's segment is a *linked segment* naming its packets' bytes there with their
+crc32c, computed from bounded reads of the open file (the one read of the packets); where no link
+can be made the packets are copied as without it (``link_fallbacks`` in the result).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from trajstore.interop.lerobot_video import ADOPTABLE, Mp4Index, av_module, epis
 from trajstore.maintenance.staged import StagedFolders, local_path, verify_written
 from trajstore.storage.fields.video import VideoField
 from trajstore.storage.fields.video_codec import VideoCodec
+from trajstore.storage.fields.video_pack import crc_of_range, link_pack, linked_segment, pack_key
 from trajstore.storage.publish import destination_full
 from trajstore.storage.robot_files import RobotInfo
 from trajstore.storage.spans import FileSpan, PutData
@@ -111,8 +118,9 @@ def _same(blob: PutData) -> PutData:
 class _Importer:
     """The store being written and the per-episode steps (one instance per import)."""
 
-    def __init__(self, lay: LeRobotLayout, buf: TrajectoryReplayBuffer, adopt: dict[str, str | None]) -> None:
-        self.lay, self.buf, self.adopt = lay, buf, adopt
+    def __init__(self, lay: LeRobotLayout, buf: TrajectoryReplayBuffer, adopt: dict[str, str | None],
+                 link: bool = False) -> None:
+        self.lay, self.buf, self.adopt, self.link = lay, buf, adopt, link
         self.fields = {f.spec.array_path: f for f in buf.rows_table.fields if f.spec.layout == "video"}
         self.transcoded = {k: 0 for k in lay.videos}
         self.mp4: dict[str, tuple[str, Mp4Index]] = {}
@@ -120,6 +128,11 @@ class _Importer:
         self.held, self.pending = 0, 0  # bytes held for the next flush (segments, raw frames), episodes
         self.adopted = {k: 0 for k in lay.videos}
         self.blank: dict[tuple[int, int], np.ndarray] = {}  # one black (H, W, 3) frame per camera size
+        # Linked imports: (camera, MP4 key) -> its pack number (-1: not linked, copied), and per camera
+        # the episodes whose segment is linked; MP4s that could not be linked (and the last reason).
+        self.packs: dict[tuple[str, str], int] = {}
+        self.linked = {k: 0 for k in lay.videos}
+        self.link_fallbacks, self.link_why = 0, ""
 
     def _video_field(self, key: str) -> VideoField | None:
         for path, f in self.fields.items():
@@ -164,6 +177,38 @@ class _Importer:
         self.mp4.clear()
         self.retired.clear()
 
+    def _pack(self, key: str, path: str, idx: Mp4Index, field: VideoField) -> int:
+        """The pack number of camera ``key``'s MP4 ``path`` in the store, hard-linked into it from the
+        file the index holds open on its first episode; -1 when no link can be made (counted)."""
+        k = self.packs.get((key, path))
+        if k is not None:
+            return k
+        k = sum(1 for (c, _p), n in self.packs.items() if c == key and n >= 0)
+        local = None if self.lay.source.fs is not None else os.path.join(self.lay.root, path)
+        why = link_pack(field.loc, pack_key(field.spec.array_path, k), idx.fileobj, local)
+        if why:
+            k, self.link_why = -1, why
+            self.link_fallbacks += 1
+        self.packs[(key, path)] = k
+        return k
+
+    def _linked(self, key: str, path: str, idx: Mp4Index, field: VideoField, ep: Episode) -> bytes | None:
+        """Episode ``ep``'s linked segment for camera ``key`` (its packets named in the MP4's pack,
+        their crc32c computed from bounded reads of the file: the one read of them), or None
+        where it cannot be linked (H.264, a remote file, no link made: the packets are copied)."""
+        _c, _f, t0, t1 = ep.videos[key]
+        got = idx.in_place(t0, t1, self.lay.fps, ep.length)
+        if got is None:
+            return None
+        k = self._pack(key, path, idx, field)
+        if k < 0:
+            return None
+        pos, size, keys = got
+        a, b = int(pos.min()), int((pos + size).max())
+        crc = crc_of_range(idx.fileobj.fileno(), a, b, idx.where)
+        self.linked[key] += 1
+        return linked_segment(k, a, b, crc, pos, size, keys)
+
     def _camera(self, key: str, ep: Episode, start: int) -> np.ndarray:
         """Frames of camera ``key`` for ``ep``: placeholders when its packets are adopted as the
         segment of rows ``[start, start + length)``, else decoded."""
@@ -177,7 +222,8 @@ class _Importer:
             idx = self._index(key, path, (h, w))
             lo, hi = idx.range(t0, t1, lay.fps)
             if idx.codec == want and hi - lo == ep.length and not idx.adoptable(lo, hi):
-                blob = idx.segment(t0, t1, lay.fps, ep.length)
+                linked = self._linked(key, path, idx, field, ep) if self.link else None
+                blob: PutData = linked if linked is not None else idx.segment(t0, t1, lay.fps, ep.length)
                 field.adopt(start, ep.length, functools.partial(_same, blob))
                 self.held += len(blob) if isinstance(blob, (bytes, bytearray)) else sum(
                     len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
@@ -273,7 +319,7 @@ def _episodes(lay: LeRobotLayout, imp: _Importer, bar: Any) -> int:
 
 def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats: bool = False,
                    storage_options: dict[str, Any] | None = None, tqdm: bool | None = None, overwrite: bool = False,
-                   **create_kwargs: Any) -> dict[str, Any]:
+                   link: bool = False, **create_kwargs: Any) -> dict[str, Any]:
     """Import a LeRobot dataset folder (v3.0, or v2.1: one file per episode) as a new trajectory store.
 
     Parameters
@@ -298,6 +344,15 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         Progress bar (None: when stderr is a terminal).
     overwrite : bool
         Replace what is at ``cache_path``.
+    link : bool
+        Hard-link each AV1 MP4 into the store (``<camera>/video/pack/<k>``) and keep each episode
+        as a *linked segment* naming its packets there, instead of copying them: the import reads
+        the packets once (their crc32c) and writes no video bytes.  Where no link can be made
+        (another filesystem, a refusal, no ``/proc``, a URL source) the packets are copied
+        (counted in ``link_fallbacks``).  The store then shares those files with the dataset:
+        editing a source MP4 in place changes the store, which ``trajstore verify`` and reads of
+        the rows report (DamagedStoreError); deleting or renaming it does not.  Copies of the
+        store hold their own packets.
     **create_kwargs
         Passed to :meth:`~trajstore.TrajectoryReplayBuffer.create` (``chunk_rows``, ...).
 
@@ -305,7 +360,9 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
     -------
     dict
         ``destination``, ``steps``, ``episodes``, ``version``, ``adopted`` and ``transcoded``
-        (episodes per camera whose packets were kept / encoded again), ``verified``.
+        (episodes per camera whose packets were kept / encoded again), ``linked`` (episodes per
+        camera kept as linked segments), ``link_fallbacks`` (MP4s copied because no link could be
+        made; ``link_fallback_why``: the last reason), ``verified``.
 
     Raises
     ------
@@ -334,7 +391,7 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
     try:
         tmp = staged.new(out_path)
         buf = TrajectoryReplayBuffer.create(lerobot_space(lay), cache_path=tmp, compressor=comp, **create_kwargs)
-        imp = _Importer(lay, buf, adopt)
+        imp = _Importer(lay, buf, adopt, link)
         bar = progress_bar(len(lay.episodes), f"{_WHAT} into {os.path.basename(out_path)}", tqdm, unit="episode")
         try:
             steps = _episodes(lay, imp, bar)
@@ -347,7 +404,7 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
             buf.save_stats()
         buf.close()
         buf = None
-        verify_written(tmp)
+        verify_written(tmp, packs=not link)  # a linked import has just checksummed its packs' bytes
         staged.commit(overwrite)
     except BaseException as e:
         if buf is not None:
@@ -360,4 +417,5 @@ def import_lerobot(src: Any, cache_path: Any, *, video: Any = "keep", save_stats
         if bar is not None:
             bar.close()
     return {"source": root, "destination": out_path, "steps": steps, "episodes": len(lay.episodes), "version": lay.version,
-            "adopted": imp.adopted, "transcoded": imp.transcoded, "verified": True}
+            "adopted": imp.adopted, "transcoded": imp.transcoded, "linked": imp.linked,
+            "link_fallbacks": imp.link_fallbacks, "link_fallback_why": imp.link_why, "verified": True}

@@ -290,6 +290,16 @@ class Mp4Index:
             raise ForeignFileError(f"{self.where}: the file ends before the packets its index names")
         return head + blob + tail
 
+    def in_place(self, t0: float, t1: float, fps: float, length: int) -> tuple[np.ndarray, ...] | None:
+        """``(pos, size, keys)`` (int64, int64, bool; (length,) each) of the ``length`` frames in ``[t0,
+        t1)`` when a linked segment can name them where they lie (AV1 packets of a local file, as
+        they are); None otherwise (H.264 samples are rewritten, a remote file cannot be linked).
+        Raises as :meth:`episode`."""
+        lo, hi = self._checked(t0, t1, fps, length)
+        if self.codec != "av1" or not isinstance(self.fileobj, io.FileIO):
+            return None
+        return self.pos[lo:hi], self.size[lo:hi], self.keys[lo:hi]
+
     def close(self) -> None:
         """Close the file."""
         self.fileobj.close()

@@ -63,7 +63,7 @@ def check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool,
                 bad.append((0, st.count))
                 continue
             if path in videos:
-                _check_video(loc, rep, a, st.end, deep, bad)
+                _check_video(loc, rep, a, st.end, deep, bad, sc.pack_bytes)
                 continue
             check = _FieldRows(loc, rep, name, st, cap, a, sc.chunks.get(path, {}), pending.get("prefix"), bad, deep)
             check.run(sc, staged.get(path, set()))
@@ -73,16 +73,17 @@ def check_rows(loc: Location, sc: Scan, rep: VerifyReport, deep: bool,
 
 
 def _check_video(loc: Location, rep: VerifyReport, a: StoredArray, end: int, deep: bool,
-                 bad: list[tuple[int, int]]) -> None:
+                 bad: list[tuple[int, int]], packs: bool) -> None:
     """A video field's committed rows (an unbounded table: physical rows are absolute) against
-    its segment index and segments (:func:`trajstore.storage.fields.video.check_video`)."""
-    from trajstore.storage.fields.video import check_video
+    its segment index and segments (:func:`trajstore.storage.fields.video_check.check_video`;
+    ``packs``: linked segments' bytes read and checksummed)."""
+    from trajstore.storage.fields.video_check import check_video
     from trajstore.storage.fields.video_codec import VIDEO_ATTR
 
     meta, _why = read_json_key(loc, f"{a.path}/zarr.json")  # (checked by the scan before)
     attrs = meta.get("attributes") if isinstance(meta, dict) else None
     settings = attrs.get(VIDEO_ATTR) if isinstance(attrs, dict) else None
-    faults, decoded, extra = check_video(loc, a.path, a.shape[1:], settings, end, deep)
+    faults, decoded, extra = check_video(loc, a.path, a.shape[1:], settings, end, deep, packs)
     for kind, key, msg, lo, hi in faults:
         rep.faults.append(Fault(kind, key, f"{msg} (table {a.table!r})", a.table, (lo, hi)))
         bad.append((lo, hi))

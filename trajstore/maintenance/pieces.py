@@ -147,6 +147,7 @@ class Scan:
         self.root_missing = False
         self.stale: dict[str, int] = {}  # array path -> rows its zarr.json shape should record
         self.unlistable: set[str] = set()  # arrays whose chunk folder is a link or special file
+        self.pack_bytes = True  # linked video segments: their packs' bytes read and checksummed
 
 
 def scan_orphans(loc: Location, keys: list[str], head: Head | None, rep: VerifyReport) -> None:

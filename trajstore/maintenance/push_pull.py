@@ -37,6 +37,7 @@ from trajstore.maintenance.where import compile_where, where_fields
 from trajstore.spaces.leaves import leaves
 from trajstore.spaces.values import ValuePlan
 from trajstore.storage.array_meta import read_root
+from trajstore.storage.fields.video_copy import linked_copy
 from trajstore.storage.head import write_head
 from trajstore.storage.icechunk_store import CHECK_BLOCK_BYTES, block_digests
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
@@ -170,7 +171,7 @@ def _upload(src: Store, target: Location, progress: bool | None) -> dict[str, An
     bar = progress_bar(len(keys), f"push to {target.url}", progress)
     try:
         for key in keys:
-            data = src.loc.get(key)
+            data = linked_copy(src.loc, key) or src.loc.get(key)  # a linked video segment: its packets, held
             if data is None:
                 continue
             sums[key] = digest = hashlib.sha256(data).hexdigest()

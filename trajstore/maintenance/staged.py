@@ -103,7 +103,7 @@ def not_a_source(dst: str, sources: Sequence[Any]) -> None:
 
 
 def verify_written(path: str, storage_options: dict[str, Any] | None = None, *,
-                   error: Callable[[str], Exception] | None = None) -> None:
+                   error: Callable[[str], Exception] | None = None, packs: bool = True) -> None:
     """Raise an error naming the first fault if the store just written at ``path`` does not verify
     (:func:`~trajstore.maintenance.verify.verify_store`).
 
@@ -117,13 +117,16 @@ def verify_written(path: str, storage_options: dict[str, Any] | None = None, *,
         Builds the exception raised from the first fault's message.  Default: a
         :class:`DamagedStoreError` ``"<path>: the written store does not verify: <fault>"``; the
         CLI's ``copy`` raises its own one-line error instead (``trajstore.cli.shards.verify_copy``).
+    packs : bool
+        As :func:`~trajstore.maintenance.verify.verify_store` takes it (False: a linked import,
+        which has just checksummed its packs' bytes, does not read them again).
 
     Raises
     ------
     DamagedStoreError
         The store has a fault (or what ``error`` builds).
     """
-    rep = verify_store(path, storage_options=storage_options)
+    rep = verify_store(path, storage_options=storage_options, packs=packs)
     if not rep.ok:
         fault = rep.faults[0].message
         raise (error(fault) if error is not None else

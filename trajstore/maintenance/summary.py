@@ -84,10 +84,10 @@ def _array_sizes(store: Store, present: dict[str, set[int]] | None = None) -> di
     path, the row-chunk numbers of its chunk keys."""
     sizes: dict[str, tuple[int, int]] = {}
     for key, n in store.loc.iter_sizes(""):
-        if "/video/" in key:  # a video field's segments (and index): its stored bytes, each segment a "chunk"
-            top = key.rpartition("/video/")[0]
+        if "/video/" in key:  # a video field's segments, index and packs: its stored bytes, each segment a "chunk"
+            top = key.partition("/video/")[0]
             b, c = sizes.get(top, (0, 0))
-            sizes[top] = (b + n, c + (not key.endswith("/index")))
+            sizes[top] = (b + n, c + (not key.endswith("/index") and "/video/pack/" not in key))
         elif "/c/" in key or key.startswith("c/"):
             top, _, rest = key.rpartition("/c/") if "/c/" in key else ("", "", key[2:])
             b, c = sizes.get(top, (0, 0))

@@ -59,15 +59,16 @@ __all__ = ["Fault", "VerifyReport", "verify_store", "scan_store", "probe_head", 
 
 
 def scan_store(loc: Location, deep: bool, progress: Callable[[int, str], Any] | None,
-               storage_options: dict[str, Any] | None = None) -> tuple[VerifyReport, Scan]:
+               storage_options: dict[str, Any] | None = None, packs: bool = True) -> tuple[VerifyReport, Scan]:
     """Verify the store at ``loc``: the report, and the :class:`Scan` of what was learned (which
-    repair reuses).  ``progress`` as :func:`verify_store` takes it.
+    repair reuses).  ``progress`` and ``packs`` as :func:`verify_store` takes them.
 
     The steps, in order: list the keys, read the root metadata and its schema (a store without
     them stops there), each array's metadata, the commit record, each array's chunk listing, then
     the committed rows, the episodes and the files no record names."""
     rep = VerifyReport(str(loc.url), deep)
     sc = Scan()
+    sc.pack_bytes = packs
     keys = _list_keys(loc, rep)
     root = _read_root(loc, keys, rep, sc)
     if root is None or not _check_root(loc, root, rep, sc):
@@ -360,11 +361,13 @@ def _check_runs(loc: Location, sc: Scan, rep: VerifyReport, head: Head, ids: np.
 
 
 def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, deep: bool = False,
-                 progress: Callable[[int, str], Any] | None = None) -> VerifyReport:
+                 progress: Callable[[int, str], Any] | None = None, packs: bool = True) -> VerifyReport:
     """Check the store at ``path`` (read-only; nothing is written).
 
     ``progress(total, description)``, if given, returns a bar with ``update(n)`` and ``close()``
-    (used for the deep decode).
+    (used for the deep decode).  ``packs=False`` reads no linked video segment's packets to
+    compare their crc32c (each pack is still checked to be a regular file holding them): for an
+    import that has just computed those checksums from the same bytes.
 
     Raises
     ------
@@ -373,7 +376,7 @@ def verify_store(path: Any, *, storage_options: dict[str, Any] | None = None, de
     """
     loc = locate(path, storage_options, read_only=True)
     try:
-        rep, sc = scan_store(loc, deep, progress, storage_options)
+        rep, sc = scan_store(loc, deep, progress, storage_options, packs)
         faults, notes = check_sidecar(loc, sc.head, storage_options, deep, verify_store)  # prioritized replay's
         rep.faults += [Fault(*f) for f in faults]
         rep.notes += notes

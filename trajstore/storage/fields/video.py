@@ -6,6 +6,9 @@ attribute :data:`~.video_codec.VIDEO_ATTR`, and no chunks):
 - ``<field>/video/<lo>``: one *segment*, the stream of physical rows ``[lo, hi)``: the magic
   ``TSVSEG01``, the packets (one per frame, display order), then a table of ``(offset, size,
   keyframe)`` u64 triples (one per frame), the frame count (u64) and the crc32c of table and count;
+- or a *linked segment* (magic ``TSVLNK01``, :mod:`.video_pack`): the same table, naming bytes of
+  a pack ``<field>/video/pack/<k>`` (a file shared with an import's source through a hard link)
+  instead of holding the packets;
 - ``<field>/video/index``: the magic ``TSVIDX01``, a count ``m`` (u64), the segment bounds
   ``0 = b0 < b1 < ... < b(m-1)`` (u64: segment ``i`` holds rows ``[b(i), b(i+1))``) and their crc32c.
 
@@ -28,24 +31,25 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Union
 
 import google_crc32c
 import numpy as np
 import zarr
 
 from trajstore.errors import BadOptionError, DamagedStoreError, ForeignFileError, TrajstoreError
-from trajstore.storage.confined import full_disk
+from trajstore.storage.confined import MAX_FILE_BYTES, full_disk
 from trajstore.storage.fields.base import gather_windows_by_rows
 from trajstore.storage.fields.chunked import map_file
 from trajstore.storage.fields.image import parallel
 from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.fields.video_codec import VIDEO_ATTR, VideoCodec, codec_from_attrs
+from trajstore.storage.fields.video_pack import LINK_MAGIC, LinkedSegment, open_linked
 from trajstore.storage.location import Location
 from trajstore.storage.spans import PutData
 
-__all__ = ["MAX_RUN_ROWS", "Segment", "VideoField", "index_key", "read_index", "read_segment", "segment_frame",
-           "segment_key", "write_index", "write_segment"]
+__all__ = ["MAX_RUN_ROWS", "AnySegment", "Segment", "VideoField", "index_key", "load_segment", "plain_bytes",
+           "read_index", "read_segment", "segment_frame", "segment_key", "write_index", "write_segment"]
 
 SEG_MAGIC, IDX_MAGIC = b"TSVSEG01", b"TSVIDX01"
 #: A run (episode) longer than this many frames is cut into segments of this many: the writer
@@ -129,6 +133,27 @@ def read_segment(buf: np.ndarray, rows: int, owner: object) -> Segment:
     return Segment(buf, off.astype(np.int64), size.astype(np.int64), np.flatnonzero(key).astype(np.int64), owner)
 
 
+#: A segment as read: its packets held (mapped or fetched), or read from a pack when asked for.
+AnySegment = Union[Segment, LinkedSegment]
+
+
+def load_segment(loc: Location, array_path: str, buf: np.ndarray, rows: int, owner: object, where: str,
+                 check_bytes: bool = True, limit: int = MAX_FILE_BYTES) -> AnySegment:
+    """The segment whose file holds ``buf`` (uint8), plain (:func:`read_segment`) or linked
+    (:func:`~.video_pack.open_linked`, ``check_bytes`` and ``limit`` as there); raises as they do."""
+    if buf[: len(LINK_MAGIC)].tobytes() == LINK_MAGIC:
+        return open_linked(loc, array_path, buf, rows, where, check_bytes, limit)
+    return read_segment(buf, rows, owner)
+
+
+def plain_bytes(seg: AnySegment) -> bytes:
+    """``seg`` as a plain segment's bytes (a linked one's packets read from its pack): what a copy
+    writes, so that every copy holds its own packets."""
+    if isinstance(seg, Segment):
+        return seg.buf.tobytes()
+    return write_segment([p.tobytes() for p in seg.packets(0, len(seg.offsets))], seg.keyframe_flags())
+
+
 def write_index(bounds: Sequence[int]) -> bytes:
     """The index's bytes for segment bounds ``bounds`` (``[0, hi0, hi1, ...]``)."""
     body = np.asarray(bounds, "<u8").tobytes()
@@ -169,7 +194,7 @@ class VideoField:
             raise DamagedStoreError(f"{loc.url}: {spec.array_path}: video settings are not ones this version "
                                     f"reads ({e})") from None
         self._bounds = np.zeros(1, np.int64)  # segment bounds as last read or written
-        self._segments: OrderedDict[int, Segment] = OrderedDict()
+        self._segments: OrderedDict[int, AnySegment] = OrderedDict()
         self._limit = 2 * spec.row_bytes + 64  # per frame: plausible encoded bytes, at most
         # Writer: frames of rows [open_lo, open_lo + held) not yet in a segment, and episode ends.
         self._open_lo, self._held = 0, 0
@@ -204,7 +229,7 @@ class VideoField:
         except ValueError as e:
             raise DamagedStoreError(f"{where} is damaged ({e})") from None
 
-    def _segment(self, i: int) -> Segment:
+    def _segment(self, i: int) -> AnySegment:
         lo, hi = int(self._bounds[i]), int(self._bounds[i + 1])
         seg = self._segments.get(lo)
         if seg is not None and len(seg.offsets) == hi - lo:
@@ -223,7 +248,7 @@ class VideoField:
                 buf, owner = (None, None) if data is None else (np.frombuffer(data, np.uint8), data)
             if buf is None:
                 raise DamagedStoreError(f"{where} are committed, but the segment file is missing; run `trajstore verify`")
-            seg = read_segment(buf, hi - lo, owner)
+            seg = load_segment(self.loc, self.spec.array_path, buf, hi - lo, owner, where, limit=limit)
         except ForeignFileError:
             raise  # a foreign file served as a segment (open_lerobot's MP4s): its message names it
         except (ValueError, DamagedStoreError) as e:
@@ -271,7 +296,7 @@ class VideoField:
         self._decode(out, segs, list(jobs.items()))
         return out
 
-    def _decode(self, out: np.ndarray, segs: dict[int, Segment],
+    def _decode(self, out: np.ndarray, segs: dict[int, AnySegment],
                 jobs: list[tuple[tuple[int, int], list[tuple[int, int]]]]) -> None:
         """Decode each GOP of ``jobs`` (``((segment, keyframe), [(frame, out position)...])``) once,
         from its keyframe to its last frame asked for, on the decode threads."""
@@ -405,11 +430,12 @@ class VideoField:
         return [(a, c) for a, c in zip(b[:-1], b[1:]) if a >= lo and c <= hi]
 
     def segment_bytes(self, lo: int, hi: int) -> bytes:
-        """The bytes of the segment of rows ``[lo, hi)`` (one of :meth:`segments_within`), checked."""
+        """The bytes of the segment of rows ``[lo, hi)`` (one of :meth:`segments_within`), checked; a
+        linked segment as the plain segment of its packets (:func:`plain_bytes`)."""
         i = int(np.searchsorted(self._bounds, lo))
         if i >= len(self._bounds) - 1 or int(self._bounds[i]) != lo or int(self._bounds[i + 1]) != hi:
             raise DamagedStoreError(self._where(f"rows {lo}..{hi - 1} are no longer one video segment"))
-        return self._segment(i).buf.tobytes()
+        return plain_bytes(self._segment(i))
 
     def adopt(self, lo: int, n: int, fetch: Callable[[], PutData]) -> None:
         """Rows ``[lo, lo + n)``, about to be written with the frames a segment of another field with
@@ -452,82 +478,3 @@ class VideoField:
         """Release segments and held frames."""
         self._segments.clear()
         self._blocks, self._held = [], 0
-
-
-def _segment_buffer(loc: Location, key: str, limit: int) -> tuple[np.ndarray | None, object]:
-    """Segment ``key``'s bytes (uint8) and their owner, ``(None, None)`` when it is missing; a
-    file larger than ``limit`` raises DamagedStoreError.  A local file is mapped, not read: what
-    :func:`read_segment` checks (the magic, the frame table at the end, the file's size) touches
-    its first and last pages only, so checking a store costs its frame tables, not its video bytes
-    (the packets themselves are checked by decoding them: ``deep``)."""
-    if not loc.is_local:
-        data = loc.get(key, limit=limit)
-        return (None, None) if data is None else (np.frombuffer(data, np.uint8), data)
-    buf, owner = map_file(loc, key, limit)
-    if buf is None:
-        if loc.exists(key):
-            raise DamagedStoreError(f"{key}: the segment file is empty or larger than the {limit} bytes its rows allow")
-        return None, None
-    if len(buf) > limit:
-        raise DamagedStoreError(f"{key}: {len(buf)} bytes; its rows allow at most {limit}")
-    return buf, owner
-
-
-def check_video(loc: Location, array_path: str, row_shape: tuple[int, ...], settings: Any, end: int,
-                deep: bool) -> tuple[list[tuple[str, str, str, int, int]], int, list[str]]:
-    """Verify a video field's committed rows ``[0, end)``: the index covers them, every segment of
-    them is there and its frame table checks; ``deep``: every frame decodes, of ``row_shape``.
-
-    Returns ``(faults, segments decoded, keys holding no committed row)``, each fault
-    ``(kind, key, message, first row, end row)`` with kind ``missing-chunk``, ``bad-chunk`` or
-    ``undecodable-chunk``.  Reads go through the confined, bounded reader; sizes are checked first.
-    """
-    faults: list[tuple[str, str, str, int, int]] = []
-    ikey = index_key(array_path)
-    row_bytes = int(np.prod(row_shape, dtype=np.int64))
-    try:
-        codec = codec_from_attrs(settings)
-        data = loc.get(ikey, limit=8 * (end + 2) + 64 + (1 << 20))
-        bounds = read_index(data, 1 << 62) if data is not None else np.zeros(1, np.int64)
-    except (ValueError, DamagedStoreError) as e:
-        return [("bad-chunk", ikey, f"{ikey}: the video settings or segment index are damaged ({e}); rows "
-                 f"[0, {end}) are unreadable", 0, end)], 0, []
-    if int(bounds[-1]) < end:
-        lo = int(bounds[-1])
-        faults.append(("missing-chunk", ikey, f"{ikey}: the video segments end at row {lo} but {end} rows are "
-                       f"committed; rows [{lo}, {end}) are lost", lo, end))
-    decoded = 0
-    named = {segment_key(array_path, int(b)) for b in bounds[:-1] if int(b) < end} | {ikey}
-    try:  # segments of rows no record counts (a writer killed before its record, cleared rows)
-        extra = [k for k in loc.list_prefix(f"{array_path}/video") if k not in named]
-    except DamagedStoreError:
-        extra = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        if lo >= end:
-            break
-        key = segment_key(array_path, lo)
-        try:
-            buf, owner = _segment_buffer(loc, key, (hi - lo) * (2 * row_bytes + 88) + 4096)
-            if buf is None:
-                faults.append(("missing-chunk", key, f"{key}: video segment missing; rows [{lo}, {hi}) are lost",
-                               lo, hi))
-                continue
-            seg = read_segment(buf, hi - lo, owner)
-        except (ValueError, DamagedStoreError) as e:
-            faults.append(("bad-chunk", key, f"{key}: damaged video segment ({e}); rows [{lo}, {hi}) are unreadable",
-                           lo, hi))
-            continue
-        if not deep:
-            continue
-        out = np.empty((1, *row_shape), np.uint8)
-        try:
-            starts = seg.keys.tolist() + [hi - lo]
-            for a, b in zip(starts[:-1], starts[1:]):
-                codec.decode(seg.packets(a, b), b - a, {}, out)
-            decoded += 1
-        except TrajstoreError:
-            raise
-        except Exception as e:  # the packets are input
-            faults.append(("undecodable-chunk", key, f"{key}: video segment does not decode ({type(e).__name__}: "
-                           f"{e}); rows [{lo}, {hi}) are damaged", lo, hi))
-    return faults, decoded, extra
