@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,8 @@ _WHAT = "import_lerobot"
 #: The import commits once this many bytes of segments or raw frames are held, or episodes appended.
 FLUSH_BYTES = 64 << 20
 FLUSH_EPISODES = 256
+#: Bytes a linked segment holds per frame (its frame table), counted toward FLUSH_BYTES.
+LINKED_FRAME_BYTES = 24
 #: MP4s read to their end are kept open (their packets are copied at the next commit) up to this many.
 MAX_RETIRED = 64
 
@@ -115,6 +119,12 @@ def _same(blob: PutData) -> PutData:
     return blob
 
 
+def _linked_bytes(pack: int, a: int, b: int, crc: Future[int], pos: np.ndarray, size: np.ndarray,
+                  keys: np.ndarray) -> bytes:
+    """A linked segment's bytes once the crc32c of its packets is known (the flush asks)."""
+    return linked_segment(pack, a, b, crc.result(), pos, size, keys)
+
+
 class _Importer:
     """The store being written and the per-episode steps (one instance per import)."""
 
@@ -133,6 +143,9 @@ class _Importer:
         self.packs: dict[tuple[str, str], int] = {}
         self.linked = {k: 0 for k in lay.videos}
         self.link_fallbacks, self.link_why = 0, ""
+        # The packets' crc32c are read on one thread beside the appends (pread and crc32c release the
+        # GIL): the import then takes about the longer of the two, not their sum.
+        self.crcs: ThreadPoolExecutor | None = None
 
     def _video_field(self, key: str) -> VideoField | None:
         for path, f in self.fields.items():
@@ -171,7 +184,11 @@ class _Importer:
 
     def close(self) -> None:
         """Close the MP4s held open (after :meth:`flush`: a segment not yet written that names a
-        span of a closed MP4 fails to write, ValueError, instead of reading another file)."""
+        span of a closed MP4 fails to write, ValueError, instead of reading another file), once no
+        crc32c is being read from them (a descriptor closed under a read could be reused by
+        another file)."""
+        if self.crcs is not None:
+            self.crcs.shutdown(wait=True, cancel_futures=True)
         for idx in self.retired + [idx for _path, idx in self.mp4.values()]:
             idx.close()
         self.mp4.clear()
@@ -192,10 +209,12 @@ class _Importer:
         self.packs[(key, path)] = k
         return k
 
-    def _linked(self, key: str, path: str, idx: Mp4Index, field: VideoField, ep: Episode) -> bytes | None:
+    def _linked(self, key: str, path: str, idx: Mp4Index, field: VideoField,
+                ep: Episode) -> Callable[[], bytes] | None:
         """Episode ``ep``'s linked segment for camera ``key`` (its packets named in the MP4's pack,
-        their crc32c computed from bounded reads of the file: the one read of them), or None
-        where it cannot be linked (H.264, a remote file, no link made: the packets are copied)."""
+        their crc32c computed from bounded reads of the file: the one read of them, on the crc
+        thread), as the call that returns its bytes at the flush, or None where it cannot be
+        linked (H.264, a remote file, no link made: the packets are copied)."""
         _c, _f, t0, t1 = ep.videos[key]
         got = idx.in_place(t0, t1, self.lay.fps, ep.length)
         if got is None:
@@ -205,9 +224,11 @@ class _Importer:
             return None
         pos, size, keys = got
         a, b = int(pos.min()), int((pos + size).max())
-        crc = crc_of_range(idx.fileobj.fileno(), a, b, idx.where)
+        if self.crcs is None:
+            self.crcs = ThreadPoolExecutor(1, thread_name_prefix="trajstore-import-crc")
+        crc = self.crcs.submit(crc_of_range, idx.fileobj.fileno(), a, b, idx.where)
         self.linked[key] += 1
-        return linked_segment(k, a, b, crc, pos, size, keys)
+        return functools.partial(_linked_bytes, k, a, b, crc, pos, size, keys)
 
     def _camera(self, key: str, ep: Episode, start: int) -> np.ndarray:
         """Frames of camera ``key`` for ``ep``: placeholders when its packets are adopted as the
@@ -223,10 +244,14 @@ class _Importer:
             lo, hi = idx.range(t0, t1, lay.fps)
             if idx.codec == want and hi - lo == ep.length and not idx.adoptable(lo, hi):
                 linked = self._linked(key, path, idx, field, ep) if self.link else None
-                blob: PutData = linked if linked is not None else idx.segment(t0, t1, lay.fps, ep.length)
-                field.adopt(start, ep.length, functools.partial(_same, blob))
-                self.held += len(blob) if isinstance(blob, (bytes, bytearray)) else sum(
-                    len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
+                if linked is not None:
+                    field.adopt(start, ep.length, linked)
+                    self.held += LINKED_FRAME_BYTES * ep.length
+                else:
+                    blob = idx.segment(t0, t1, lay.fps, ep.length)
+                    field.adopt(start, ep.length, functools.partial(_same, blob))
+                    self.held += len(blob) if isinstance(blob, (bytes, bytearray)) else sum(
+                        len(p) for p in blob if not isinstance(p, FileSpan))  # a span's packets are not held
                 self.adopted[key] += 1
                 # placeholders, one frame of memory: the segment is the MP4's packets, nothing is encoded
                 blank = self.blank.get((h, w))
