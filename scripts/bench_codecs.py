@@ -16,7 +16,8 @@ training loop calls; no warm-up batches): the store with 1 decode thread, then w
 (``trajstore.images.set_decode_threads``), then the codec's own loop (the library the store decodes
 with, one thread, decoding the same 256 frames (the same seeded draws) from the same shard files
 into a preallocated array), then raw rows (a raw store of the same frames).  Each is opened fresh per run: "cold" is
-the first block after opening (page cache warm, recycled batches released: ``trajstore.images.release_recycled_batches``), "steady" the median of the blocks after it; each
+the first block after opening (page cache warm; no batch memory recycled from the system before:
+``trajstore.images.release_recycled_batches``), "steady" the median of the blocks after it; each
 number is the median over ``--runs`` runs.  The DataLoader rows read a ``TransitionDataset`` of
 the 480x640 JPEG store with 0 and 2 workers (fork), ``--loader-batch`` frames per batch.
 
