@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> str:
                                + ([] if len(sources) > 1 else [render_note])) + f". {n:,} frames per store "
         f"(a pool of {min(n, 2000):,} distinct frames repeated). Reads: `sample({BATCH})`, {blocks} blocks of "
         f"{per_block} consecutive calls per system and run, one system at a time, no warm-up; cold = the first block "
-        f"after opening (page cache warm), steady = the median of the other blocks; medians over {runs} run(s). "
+        f"after opening (page cache warm, no batch memory recycled from the system before), steady = the median of the other blocks; medians over {runs} run(s). "
         f"{time.strftime('%Y-%m-%d')}, imagecodecs {imagecodecs.__version__}, {os.cpu_count()} cores, took "
         f"{took:.0f} s; load average {load0:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (a machine "
         "shared with other jobs: frames/s are those of the CPU time this process got).",
