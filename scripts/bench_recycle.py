@@ -7,8 +7,9 @@ threshold: what it must not slow down).
 Each block: 2 untimed calls (a loop's steady state: the recycler holds the batches it cycles
 through; off, glibc and the kernel do what they do on every call), then ``--calls`` timed calls
 ``batch = ro.sample(256)`` as a training loop makes them.  Variants per round, in rotating order:
-recycling off / on with 1 and 2 decode threads, and the own loop.  Ratios are medians over the
-rounds of the per-round ratios.
+recycling off / on with 1 and 2 decode threads, and the own loop.  Then "cold" rounds: the store
+opened afresh and recycled memory released before each variant, its first ``--calls`` calls timed
+(no untimed ones).  Ratios are medians over the rounds of the per-round ratios.
 
     python scripts/bench_recycle.py --sizes 84,480 --frames 1000 --rounds 7
     python scripts/bench_recycle.py --vectors-only   # the raw-vector timing alone (compare trees)
@@ -75,7 +76,26 @@ def frames_bench(shape: tuple[int, int, int], n: int, rounds: int, calls: int, t
     def ratio(a: str, b: str) -> float:  # frames/s of a over frames/s of b, per round
         return statistics.median(y / x for x, y in zip(per[a], per[b]))
 
-    return {"ms_off1": 1e3 * statistics.median(per["off1"]), "ms_on1": 1e3 * statistics.median(per["on1"]),
+    # Cold: the first ``calls`` calls after opening the store, recycled memory released before.
+    cold: dict[str, list[float]] = {v: [] for v in variants[:4]}
+    for r in range(rounds):
+        for v in variants[r % 4 : 4] + variants[: r % 4]:
+            ti.set_batch_recycling(v.startswith("on"))
+            ti.release_recycled_batches()
+            ti.set_decode_threads(int(v[-1]))
+            with ReplayBuffer.load_from(str(path), read_only=True) as ro:
+                t = time.perf_counter()
+                for _ in range(calls):
+                    batch = ro.sample(BATCH, rng=g)
+                cold[v].append((time.perf_counter() - t) / calls)
+                del batch
+    ti.set_decode_threads(None)
+    ti.set_batch_recycling(True)
+    per |= {f"cold {v}": c for v, c in cold.items()}
+
+    return {"cold off 2v1": ratio("cold off2", "cold off1"), "cold on 2v1": ratio("cold on2", "cold on1"),
+            "cold off1/own": ratio("cold off1", "own"), "cold on1/own": ratio("cold on1", "own"),
+            "ms_off1": 1e3 * statistics.median(per["off1"]), "ms_on1": 1e3 * statistics.median(per["on1"]),
             "ms_own": 1e3 * statistics.median(per["own"]),
             "off1/own": ratio("off1", "own"), "on1/own": ratio("on1", "own"),
             "off 2v1": ratio("off2", "off1"), "on 2v1": ratio("on2", "on1")}
