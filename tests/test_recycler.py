@@ -18,6 +18,7 @@ import trajstore.images as ti
 from trajstore import ReplayBuffer
 from trajstore.errors import BadOptionError
 from trajstore.storage.fields import recycler
+from trajstore.storage.fields.out import new_rows
 
 pytestmark = pytest.mark.skipif(not recycler.available(), reason="recycling needs CPython with the GIL")
 
@@ -144,6 +145,15 @@ def test_small_batches_are_left_to_numpy(tmp_path: Path) -> None:
                              capacity=1000) as w:
         w.extend(np.zeros((1000, 17), np.float32))
         assert w.sample(256).base is None and recycler.held() == (0, 0)
+
+
+def test_only_plain_dtypes_are_recycled() -> None:
+    a = new_rows((256, 2048), np.dtype([("a", "f4"), ("b", "i8")]))  # structured: a view of recycled memory
+    assert a.shape == (256, 2048) and a.base is not None and a.flags.c_contiguous
+    assert new_rows((256, 2048), np.dtype(("f4", (3,)))).shape == (256, 2048, 3)  # a subarray dtype: numpy's
+    assert new_rows((256, 2048), object)[0, 0] is None  # objects: numpy's (None-filled)
+    assert new_rows((16, 17), np.float32).base is None  # small: numpy's
+    assert recycler.held()[0] == 1
 
 
 def test_threads_never_share_a_batch(rb: ReplayBuffer) -> None:

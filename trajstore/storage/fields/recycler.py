@@ -146,12 +146,12 @@ def take(nbytes: int) -> np.ndarray | None:
 def recycled(shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
     """An uninitialised C-contiguous array of ``shape`` / ``dtype`` on recycled memory (a view of
     an array of :func:`take`), or None where the recycler does not serve it (see :func:`take`;
-    dtypes holding Python objects never)."""
+    dtypes holding Python objects or of subarrays never)."""
     if not _on:
         return None
     dt = np.dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
-    if nbytes < MIN_BYTES or dt.hasobject:
+    if nbytes < MIN_BYTES or dt.hasobject or dt.subdtype is not None:  # (np.empty expands a subarray dtype's shape)
         return None
     got = _recycler.take(nbytes)
     return None if got is None else got.view(dt).reshape(shape)
