@@ -16,13 +16,15 @@ training loop calls; no warm-up batches): the store with 1 decode thread, then w
 (``trajstore.images.set_decode_threads``), then the codec's own loop (the library the store decodes
 with, one thread, decoding the same 256 frames (the same seeded draws) from the same shard files
 into a preallocated array), then raw rows (a raw store of the same frames).  Each is opened fresh per run: "cold" is
-the first block after opening (page cache warm), "steady" the median of the blocks after it; each
+the first block after opening (page cache warm; no batch memory recycled from the system before:
+``trajstore.images.release_recycled_batches``), "steady" the median of the blocks after it; each
 number is the median over ``--runs`` runs.  The DataLoader rows read a ``TransitionDataset`` of
 the 480x640 JPEG store with 0 and 2 workers (fork), ``--loader-batch`` frames per batch.
 
     python scripts/bench_codecs.py                  # 20,000 frames per store (raw 480x640: 18 GB of disk)
     python scripts/bench_codecs.py --quick          # 128 frames, 1 run, small blocks (a smoke test, seconds)
     python scripts/bench_codecs.py --sizes 84       # the 84x84 rows only (no 480x640 stores)
+    python scripts/bench_codecs.py --sources renders --frames 1000 --runs 3   # the gymnasium renders only
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def reads(path: Path, raw: Path, n: int, codec: str, runs: int, blocks: int, per
     for run in range(runs):
         for name in ("store1", "store2", "own", "raw"):
             seed = 1000 + run
+            ti.release_recycled_batches()  # (each system starts cold: no batch memory recycled from the one before)
             if name == "own":
                 if codec == "raw":
                     continue
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> str:
                     "encode at 0.1-0.2 s a frame there)")
     ap.add_argument("--loader-batch", type=int, default=32, help="DataLoader batch size (480x640 frames)")
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default a temp folder)")
+    ap.add_argument("--sources", default="photos,renders", help="comma-separated frame sources to run: photos "
+                    "and/or renders (the gymnasium renders, where their renderer is importable)")
     ap.add_argument("--sizes", default="84,480", help="frame sizes to run: 84 (84x84x3) and/or 480 (480x640x3; "
                     "its raw store takes 0.92 MB a frame of disk)")
     a = ap.parse_args(argv)
@@ -356,6 +361,8 @@ def main(argv: list[str] | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="bench_codecs_", dir=a.dir) as d:
         tmp = Path(d)
         for label, _, make in sources:
+            if label not in a.sources.split(","):
+                continue
             for shape, codecs in (((84, 84, 3), a.codecs), ((480, 640, 3), a.big_codecs)):
                 if str(shape[0]) not in a.sizes.split(","):
                     continue
@@ -379,10 +386,11 @@ def main(argv: list[str] | None = None) -> str:
     took = time.perf_counter() - t0
     big = next((r for r in sizes if r["frame"] == "480x640x3" and r["codec"].startswith("jpeg")), None)
     lines = [
-        f"Frames: {source}" + ("" if len(sources) > 1 else f"; {render_note}") + f". {n:,} frames per store "
+        "Frames: " + "; ".join([note for label, note, _ in sources if label in a.sources.split(",")]
+                               + ([] if len(sources) > 1 else [render_note])) + f". {n:,} frames per store "
         f"(a pool of {min(n, 2000):,} distinct frames repeated). Reads: `sample({BATCH})`, {blocks} blocks of "
         f"{per_block} consecutive calls per system and run, one system at a time, no warm-up; cold = the first block "
-        f"after opening (page cache warm), steady = the median of the other blocks; medians over {runs} run(s). "
+        f"after opening (page cache warm, no batch memory recycled from the system before), steady = the median of the other blocks; medians over {runs} run(s). "
         f"{time.strftime('%Y-%m-%d')}, imagecodecs {imagecodecs.__version__}, {os.cpu_count()} cores, took "
         f"{took:.0f} s; load average {load0:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (a machine "
         "shared with other jobs: frames/s are those of the CPU time this process got).",

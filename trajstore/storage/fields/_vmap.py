@@ -131,8 +131,8 @@ class VirtualArray:
         if phys.dtype != np.int64:
             phys = phys.astype(np.int64)  # (units below overflow 32 bits)
         if self.array is not None:
-            if allocating() and len(phys) and phys.min() >= 0 and phys.max() < len(self.array):
-                # Into the memory rows_into provides; the rows are in range, so "clip" never clips
+            if allocating(len(phys) * self.row_bytes) and len(phys) and phys.min() >= 0 and phys.max() < len(self.array):
+                # Into new_rows' memory (rows_into's, or recycled); the rows are in range, so "clip" never clips
                 # (and, unlike "raise", does not gather into a temporary first).
                 out = new_rows((len(phys), *self.row_shape), self.dtype)
                 return np.take(self.array, phys, axis=0, out=out, mode="clip")

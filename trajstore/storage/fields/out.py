@@ -1,4 +1,4 @@
-"""Where the arrays a read returns are allocated: ``np.empty``, or memory a caller provides.
+"""Where the arrays a read returns are allocated: recycled memory, ``np.empty``, or memory a caller provides.
 
 A DataLoader worker of ``trajstore.torch`` hands every batch to the main process in one
 shared-memory buffer.  When the fields decode (or gather) the batch's rows straight into that
@@ -13,6 +13,11 @@ context only):
   so nothing long-lived ever lands in memory the caller reuses.
 
 An allocator may return None (no room left): ``np.empty`` then.
+
+Without an allocator, arrays of at least ``recycler.MIN_BYTES`` come from
+:mod:`trajstore.storage.fields.recycler`: the memory of a batch returned earlier that nothing
+references any more (a fresh large array costs page faults and the kernel zeroing its pages on
+every call; see there), else ``np.empty``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.storage.fields import recycler
+
 __all__ = ["Allocator", "allocating", "new_rows", "returned_rows", "rows_into", "temporary_rows"]
 
 #: ``(shape, dtype) -> array`` of that shape and dtype (C-contiguous, uninitialised), or None.
@@ -33,21 +40,24 @@ _offered: contextvars.ContextVar[Allocator | None] = contextvars.ContextVar("tra
 _active: contextvars.ContextVar[Allocator | None] = contextvars.ContextVar("trajstore_rows_active", default=None)
 
 
-def allocating() -> bool:
-    """Whether :func:`new_rows` allocates from an allocator here (reads that would otherwise let
-    numpy allocate may then take the route through :func:`new_rows`)."""
-    return _active.get() is not None
+def allocating(nbytes: int = 0) -> bool:
+    """Whether :func:`new_rows` allocates rows of ``nbytes`` in all otherwise than numpy would: from
+    an allocator here, or from the recycler (reads that would otherwise let numpy allocate may
+    then take the route through :func:`new_rows`)."""
+    return _active.get() is not None or (nbytes >= recycler.MIN_BYTES and recycler.batch_recycling())
 
 
 def new_rows(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` / ``dtype`` for rows a read returns: from
-    the allocator offered by :func:`rows_into` inside :func:`returned_rows`, else ``np.empty``."""
+    the allocator offered by :func:`rows_into` inside :func:`returned_rows`, else (at least
+    ``recycler.MIN_BYTES``) on recycled memory, else ``np.empty``."""
     alloc = _active.get()
     if alloc is not None:
         got = alloc(tuple(int(n) for n in shape), np.dtype(dtype))
         if got is not None:
             return got
-    return np.empty(shape, dtype)
+    got = recycler.recycled(shape, dtype)
+    return np.empty(shape, dtype) if got is None else got
 
 
 @contextlib.contextmanager
