@@ -64,6 +64,9 @@ _WHAT = "import_lerobot"
 #: The import commits once this many bytes of segments or raw frames are held, or episodes appended.
 FLUSH_BYTES = 64 << 20
 FLUSH_EPISODES = 256
+#: Threads reading the linked packets' crc32c beside the appends (pread and crc32c release the GIL;
+#: two read the page cache about twice as fast as one where two CPUs are free).
+CRC_THREADS = 2
 #: Bytes a linked segment holds per frame (its frame table), counted toward FLUSH_BYTES.
 LINKED_FRAME_BYTES = 24
 #: MP4s read to their end are kept open (their packets are copied at the next commit) up to this many.
@@ -143,8 +146,8 @@ class _Importer:
         self.packs: dict[tuple[str, str], int] = {}
         self.linked = {k: 0 for k in lay.videos}
         self.link_fallbacks, self.link_why = 0, ""
-        # The packets' crc32c are read on one thread beside the appends (pread and crc32c release the
-        # GIL): the import then takes about the longer of the two, not their sum.
+        # The packets' crc32c are read on CRC_THREADS threads beside the appends (pread and crc32c
+        # release the GIL): the import then takes about the longer of the two, not their sum.
         self.crcs: ThreadPoolExecutor | None = None
 
     def _video_field(self, key: str) -> VideoField | None:
@@ -225,7 +228,7 @@ class _Importer:
         pos, size, keys = got
         a, b = int(pos.min()), int((pos + size).max())
         if self.crcs is None:
-            self.crcs = ThreadPoolExecutor(1, thread_name_prefix="trajstore-import-crc")
+            self.crcs = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="trajstore-import-crc")
         crc = self.crcs.submit(crc_of_range, idx.fileobj.fileno(), a, b, idx.where)
         self.linked[key] += 1
         return functools.partial(_linked_bytes, k, a, b, crc, pos, size, keys)

@@ -365,7 +365,9 @@ class VideoField:
             same = data.ndim and data.strides[0] == 0 and data.dtype == self.spec.dtype
             self._blocks.append(data if same else np.array(data, dtype=self.spec.dtype, copy=True))
             self._held += len(data)
-        if self._held >= 2 * MAX_RUN_ROWS:  # a long episode and rare commits: bound the frames held
+        # A long episode and rare commits: bound the frames held (an adopted segment's placeholder
+        # rows hold one frame, not one per row, and its bytes are written at the next commit).
+        if self._held >= 2 * MAX_RUN_ROWS and sum(len(b) for b in self._blocks if b.strides[0]) >= 2 * MAX_RUN_ROWS:
             self.flush(False)
 
     def _held_rows(self, a: int, b: int) -> np.ndarray:
