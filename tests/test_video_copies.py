@@ -172,14 +172,18 @@ def test_copy_to_zip_names_a_per_frame_codec_for_one_field(tmp_path):
 def test_sigkill_during_a_transcoding_copy_leaves_no_partial_destination(tmp_path, src_comp, arg):
     """``trajstore copy --compressor obs=...`` SIGKILLed at several instants after it started its build
     folder: the destination is absent or a whole verified store, the source is intact, and a new
-    copy succeeds and removes what the killed one left (as tests/test_cli_shards.py's kill)."""
+    copy succeeds and removes what the killed one left (as tests/test_cli_shards.py's kill).
+
+    Every copy passes ``--overwrite``: a copy killed after it verified its store and journaled the
+    publish, before the rename, is published by the next command's recovery (PublishRecoveredWarning),
+    after which a copy without ``--overwrite`` rightly finds the destination taken."""
     lengths = [25] * 40
     source(tmp_path / "s", lengths, src_comp)
     dst = tmp_path / "d"
     absent = 0
     for delay in (0.0, 0.3, 1.0):
         proc = subprocess.Popen([sys.executable, "-m", "trajstore", "copy", str(tmp_path / "s"), str(dst),
-                                 "--compressor", arg], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 "--compressor", arg, "--overwrite"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": ROOT})
         mine = f"-{proc.pid}-"
         try:
@@ -204,7 +208,7 @@ def test_sigkill_during_a_transcoding_copy_leaves_no_partial_destination(tmp_pat
     print(f"kills: {absent} before the publish, {3 - absent} after")
     assert absent >= 1, "no kill fell before the publish"
     assert verify_store(str(tmp_path / "s"), deep=True).ok
-    out = run_cli("copy", str(tmp_path / "s"), str(dst), "--compressor", arg, "--json")
+    out = run_cli("copy", str(tmp_path / "s"), str(dst), "--compressor", arg, "--overwrite", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == sum(lengths)
     assert [p for p in os.listdir(tmp_path) if p.startswith(".d.")] == []  # the killed copies' folders removed
