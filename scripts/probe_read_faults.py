@@ -6,7 +6,9 @@ the page-cache folios the files were written into.
 Stores are built as scripts/bench_peers.py builds them (65,536-row ``extend`` calls; page cache warm),
 under ``--dir`` (kept: later runs reuse them).  ``raw-1write`` is the raw store with every chunk file
 rewritten by one ``write`` each (same bytes): its page cache holds a 2 MiB folio per chunk, which a
-reader maps with one fault and one TLB entry.  Each round opens every system in a fresh process
+reader maps with one fault and one TLB entry.  ``raw-nofill`` is the raw store written with
+``trajstore.storage.fields.mapped.FILL_FOLIOS`` off (the writer's blocks without the zeros that
+fill each 2 MiB piece of a new chunk file: what the writer did before 2026-12-06).  Each round opens every system in a fresh process
 (who goes first rotates); times are the thread's CPU time (not wall time: the machine is shared),
 cold = mean of the first 200 calls, steady = median of 25-call blocks after those.
 
@@ -34,26 +36,31 @@ from typing import Any, Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("raw", "lz4", "mm", "raw-1write")
+SYSTEMS = ("raw", "lz4", "mm", "raw-1write", "raw-nofill")
 COLD, BLOCK = 200, 25
 
 
 def build(d: Path, n: int) -> None:
-    """``d/raw``, ``d/lz4``, ``d/mm.npy`` and ``d/raw-1write`` of the same ``n`` rows (kept if there)."""
+    """``d/raw``, ``d/lz4``, ``d/raw-nofill``, ``d/mm.npy`` and ``d/raw-1write`` of the same ``n``
+    rows (kept if there)."""
     import gymnasium as gym
 
     from trajstore import ReplayBuffer
+    from trajstore.storage.fields import mapped
 
     if not (d / "mm.npy").exists():
         d.mkdir(parents=True, exist_ok=True)
         box = gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)
         rbs = [ReplayBuffer.create(box, cache_path=d / "raw", capacity=n, overwrite=True),
-               ReplayBuffer.create(box, cache_path=d / "lz4", capacity=n, compressor="lz4", overwrite=True)]
+               ReplayBuffer.create(box, cache_path=d / "lz4", capacity=n, compressor="lz4", overwrite=True),
+               ReplayBuffer.create(box, cache_path=d / "raw-nofill", capacity=n, overwrite=True)]
         mm = np.lib.format.open_memmap(d / "mm.part.npy", mode="w+", dtype=np.float32, shape=(n, 17))
         for lo in range(0, n, 65536):
             x = np.random.default_rng(lo).standard_normal((min(65536, n - lo), 17), dtype=np.float32)
             for rb in rbs:
+                mapped.FILL_FOLIOS = rb is not rbs[2]
                 rb.extend(x)
+            mapped.FILL_FOLIOS = True
             mm[lo : lo + len(x)] = x
         for rb in rbs:
             rb.close()

@@ -352,7 +352,8 @@ def test_residency_probe_sees_a_range_out_of_the_page_cache(tmp_path: Path, drop
     """``VirtualArray.resident`` probes one page per PROBE_BYTES of a block (and its last page),
     not every page: a block with 1 MiB of its middle or of its end out of the page cache is still
     seen as not resident (staged), a block wholly in it as resident.  (Pages leave the page cache
-    in whole folios: a single page of a large folio cannot be dropped alone.)"""
+    in whole folios: a single page of a large folio cannot be dropped alone, so the middle's whole
+    2 MiB piece is dropped: the writer fills such pieces as one folio.)"""
     with StoreBuffer.create(IMAGE, cache_path=tmp_path / "rb", capacity=512) as rb:
         rb.extend(np.zeros((512, *IMAGE.shape), np.uint8))
     os.sync()
@@ -371,8 +372,8 @@ def test_residency_probe_sees_a_range_out_of_the_page_cache(tmp_path: Path, drop
             assert va.resident(lo, hi)
             start, end = va._page_range(lo, hi)
             if dropped == "middle":
-                at = ((start + end) // 2 - va.base) & ~(_syscalls.PAGE - 1)
-                os.posix_fadvise(fd, at, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
+                at = ((start + end) // 2 - va.base) & ~(_syscalls.HUGE - 1)
+                os.posix_fadvise(fd, at, _syscalls.HUGE, os.POSIX_FADV_DONTNEED)
             elif dropped == "end":
                 os.posix_fadvise(fd, end - va.base - _vmap.PROBE_BYTES, _vmap.PROBE_BYTES, os.POSIX_FADV_DONTNEED)
         finally:

@@ -218,7 +218,7 @@ class Store(StoreCommits):
                 fields = []
                 for fs in tspec.fields:
                     spec = FieldSpec(fs.path, fs.shape, fs.dtype, fs.chunk_rows, fs.layout)
-                    fields.append(open_field(loc, spec, group, st.allocated, writable))
+                    fields.append(open_field(loc, spec, group, st.allocated, writable, sole=not multiprocessing))
                 self.tables[name] = Table(self, name, tspec.capacity, fields, TableState(st.start, st.end, st.allocated))
         except BaseException as e:
             for t in self.tables.values():

@@ -104,12 +104,14 @@ def mapping_ok(loc: Location) -> bool:
     return ok and _syscalls.AVAILABLE
 
 
-def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool) -> Field:
+def open_field(loc: Location, spec: FieldSpec, group: zarr.Group, allocated: int, writable: bool,
+               sole: bool = False) -> Field:
     """The right reader/writer for ``spec`` on ``loc``: the mapped engine for raw fields of a local
-    store whose chunk bytes tile pages (where :func:`mapping_ok`), else ``ChunkedField``."""
+    store whose chunk bytes tile pages (where :func:`mapping_ok`), else ``ChunkedField``.  ``sole``:
+    this process is the store's only writer (not ``multiprocessing=True``)."""
     tiles_pages = spec.row_bytes > 0 and (spec.chunk_rows * spec.row_bytes) % _syscalls.PAGE == 0
     if spec.layout == "raw" and loc.is_local and tiles_pages and mapping_ok(loc):
-        return MappedField(loc, spec, allocated, writable)
+        return MappedField(loc, spec, allocated, writable, sole)
     # Sized from the commit record's allocation: the shape in zarr.json is the published rows.
     zarray = sized_array(group[spec.array_path], allocated).with_config({"write_empty_chunks": True})  # type: ignore[arg-type]
     if spec.layout == "image":
