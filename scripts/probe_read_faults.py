@@ -7,7 +7,7 @@ Stores are built as scripts/bench_peers.py builds them (65,536-row ``extend`` ca
 under ``--dir`` (kept: later runs reuse them).  ``raw-1write`` is the raw store with every chunk file
 rewritten by one ``write`` each (same bytes): its page cache holds a 2 MiB folio per chunk, which a
 reader maps with one fault and one TLB entry.  ``raw-nofill`` is the raw store written with
-``trajstore.storage.fields.mapped.FILL_FOLIOS`` off (the writer's blocks without the zeros that
+``trajstore.storage.fields.folios.FILL_FOLIOS`` off (the writer's blocks without the zeros that
 fill each 2 MiB piece of a new chunk file: what the writer did before 2026-12-06).  Each round opens every system in a fresh process
 (who goes first rotates); times are the thread's CPU time (not wall time: the machine is shared),
 cold = mean of the first 200 calls, steady = median of 25-call blocks after those.
@@ -46,7 +46,7 @@ def build(d: Path, n: int) -> None:
     import gymnasium as gym
 
     from trajstore import ReplayBuffer
-    from trajstore.storage.fields import mapped
+    from trajstore.storage.fields import folios as filling
 
     if not (d / "mm.npy").exists():
         d.mkdir(parents=True, exist_ok=True)
@@ -58,9 +58,9 @@ def build(d: Path, n: int) -> None:
         for lo in range(0, n, 65536):
             x = np.random.default_rng(lo).standard_normal((min(65536, n - lo), 17), dtype=np.float32)
             for rb in rbs:
-                mapped.FILL_FOLIOS = rb is not rbs[2]
+                filling.FILL_FOLIOS = rb is not rbs[2]
                 rb.extend(x)
-            mapped.FILL_FOLIOS = True
+            filling.FILL_FOLIOS = True
             mm[lo : lo + len(x)] = x
         for rb in rbs:
             rb.close()

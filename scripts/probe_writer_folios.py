@@ -1,5 +1,5 @@
 """What filling the 2 MiB pieces of new chunk files with zeros costs the writer: ``extend`` of a
-ring with ``trajstore.storage.fields.mapped.FILL_FOLIOS`` on and off, in one process, the two in
+ring with ``trajstore.storage.fields.folios.FILL_FOLIOS`` on and off, in one process, the two in
 turn (who goes first alternates), each build timed from ``create`` to ``close``; with
 ``--drop-caches`` (root) the page cache is emptied before each (``sync``, ``/proc/sys/vm/drop_caches``),
 so that neither build meets the other's dirty pages.  The read side of the same change: scripts/probe_read_faults.py
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gymnasium.spaces import Box  # noqa: E402
 
 from trajstore import ReplayBuffer  # noqa: E402
-from trajstore.storage.fields import mapped  # noqa: E402
+from trajstore.storage.fields import folios  # noqa: E402
 
 #: (rows, rows per extend, row shape): a 1e7 ring filled by 65,536-row extends (bench_peers.py's
 #: build; the ring writes 4,096-row blocks), 1,000-row extends, and frames in 256-row extends.
@@ -51,7 +51,7 @@ def build_time(root: Path, n: int, block: int, shape: tuple[int, ...], fill: boo
     space = Box(0, 255, shape, np.uint8) if frames else Box(-np.inf, np.inf, shape, np.float32)
     x = np.random.default_rng(0).standard_normal((block, *shape)).astype(np.uint8 if frames else np.float32)
     path = root / ("fill" if fill else "nofill")
-    mapped.FILL_FOLIOS = fill
+    folios.FILL_FOLIOS = fill
     if drop:
         _drop_caches()
     try:
@@ -61,7 +61,7 @@ def build_time(root: Path, n: int, block: int, shape: tuple[int, ...], fill: boo
                 rb.extend(x[: min(block, n - lo)])
         return time.perf_counter() - t
     finally:
-        mapped.FILL_FOLIOS = True
+        folios.FILL_FOLIOS = True
         shutil.rmtree(path, ignore_errors=True)
 
 

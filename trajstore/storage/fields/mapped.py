@@ -33,6 +33,7 @@ from trajstore.errors import DamagedStoreError, MappingLimitError
 from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.storage.fields import _syscalls, _vmap
 from trajstore.storage.fields.base import edit_chunk
+from trajstore.storage.fields.folios import PieceFiller, zero_piece
 from trajstore.storage.fields.spec import (
     PWRITE_BYTES,
     FieldSpec,
@@ -40,7 +41,7 @@ from trajstore.storage.fields.spec import (
 )
 from trajstore.storage.location import Location, fsync_dir
 
-__all__ = ["FILL_FOLIOS", "GROW_FIRST_BYTES", "GROW_MAX_STEP_BYTES", "MappedField", "in_place_writes_work", "mapped_rows"]
+__all__ = ["GROW_FIRST_BYTES", "GROW_MAX_STEP_BYTES", "MappedField", "in_place_writes_work", "mapped_rows"]
 
 #: Bytes of a new chunk file allocated when it is created (the rest is a hole until rows reach it):
 #: a small store's field takes this much, not a whole chunk (2 MiB).
@@ -48,9 +49,6 @@ GROW_FIRST_BYTES = 16 << 10
 #: Each later allocation doubles what a chunk file has, by at most this many bytes: a few
 #: ``fallocate`` calls per chunk file (8 for a 2 MiB chunk), never more than this ahead of the rows.
 GROW_MAX_STEP_BYTES = 1 << 20
-#: Whether a sole writer's blocks fill the 2 MiB pieces of new chunk files with zeros around them
-#: (:meth:`MappedField._zeros_around`); scripts/probe_writer_folios.py times writes both ways.
-FILL_FOLIOS = True
 
 
 class MappedField:
@@ -65,9 +63,6 @@ class MappedField:
 
     def __init__(self, loc: Location, spec: FieldSpec, allocated: int, writable: bool, sole: bool = False):
         self.loc, self.spec, self.writable = loc, spec, writable
-        # The only writer process (not multiprocessing=True): what it has not written in a chunk
-        # file it made holds only zeros, which _zeros_around relies on.
-        self._sole = sole and writable
         self.C = spec.chunk_rows
         self._ndim = len(spec.row_shape) + 1
         self._synced: set[int] = set()  # chunks written since the last fsync
@@ -82,10 +77,10 @@ class MappedField:
         # were just made), where a pwrite takes 10-20 us; an import of 3,000 one-chunk fields
         # spent most of its time there.
         self._fresh: set[int] = set()
-        # Writer: chunk files this process created -> bytes at their start it may have written;
-        # past that they hold only zeros (see _zeros_around).
-        self._zeros_from: dict[int, int] = {}
         self._va = self._reserve(allocated)
+        # Writer: the 2 MiB pieces of the chunk files it makes, filled with zeros as rows reach them
+        # (only the store's only writer: not multiprocessing=True).
+        self._pieces = PieceFiller(self.C, self._va.row_bytes, self._va.chunk_bytes, sole and writable)
         self.allocated = allocated
 
     def _reserve(self, allocated: int) -> _vmap.VirtualArray:
@@ -133,8 +128,7 @@ class MappedField:
                     raise DamagedStoreError(f"chunk file {self._path(k)} vanished right after it was created")
                 self._room[k] = room
                 self._fresh.add(k)
-                if self._sole:
-                    self._zeros_from[k] = 0
+                self._pieces.made(k)
 
     def _create_chunk_file(self, path: str) -> int:
         """Create chunk file ``path``: full size, zero-filled, its first :data:`GROW_FIRST_BYTES`
@@ -258,7 +252,7 @@ class MappedField:
         for k in ks:
             self._room.pop(k, None)  # a new file: its blocks are not known
             self._fresh.discard(k)
-            self._zeros_from.pop(k, None)
+            self._pieces.forget(k)
             if not ((prefix and self._map(k, prefix)) or self._map(k)) and self._va.mapped[k]:
                 self._va.unmap_chunk(k)
 
@@ -283,7 +277,7 @@ class MappedField:
             return None
         self.ensure_mapped(phys_lo, phys_hi, create=True)
         self._make_room(phys_lo, phys_hi)  # before the caller stores rows into the view
-        self._not_zeros(phys_lo, phys_hi)  # the caller stores rows there before write() sees them
+        self._pieces.hi_row = max(self._pieces.hi_row, phys_hi)  # the caller stores rows there next
         if not self._va.resident(phys_lo, phys_hi):
             return None  # stores would read the pages from disk first (a new chunk file, or a ring larger than RAM)
         try:
@@ -314,14 +308,18 @@ class MappedField:
             # Closed again after: one descriptor per new file would pile up over thousands of fields.
             opened = [k for k in range(k_lo, k_hi + 1) if k not in self._fds]
             try:
+                if phys_lo + n > self._pieces.next_row:
+                    self._fill_pieces(phys_lo, phys_lo + n)
                 self._pwrite(phys_lo, data)
             finally:
                 self._close_fds(opened)
             self._fresh.difference_update(range(k_lo, k_hi + 1))
         else:
+            if phys_lo + n > self._pieces.next_row:
+                self._fill_pieces(phys_lo, phys_lo + n)
             self._va.put(phys_lo, data)
-        if self._zeros_from:
-            self._not_zeros(phys_lo, phys_lo + n)
+        if phys_lo + n > self._pieces.hi_row:
+            self._pieces.hi_row = phys_lo + n
         if k_lo != self._last_k or k_hi != k_lo:  # per-step appends stay in one chunk: skip the set update
             self._synced.update(range(k_lo, k_hi + 1))
             self._last_k = k_hi
@@ -329,8 +327,8 @@ class MappedField:
     def _pwrite(self, phys_lo: int, data: np.ndarray, widen: bool = False) -> None:
         """Large blocks go through ``pwrite`` into the page cache: first writes to a fresh page of
         a mapping fault one page at a time, which costs more than the copy itself.  With ``widen``
-        the block is written with zeros around it out to the edges of the huge pieces of a new
-        chunk file that it starts and ends in (:meth:`_zeros_around`)."""
+        the block is written with zeros around it out to the edges of the 2 MiB pieces of a new
+        chunk file that it starts and ends in (:meth:`.folios.PieceFiller.around`)."""
         buf = np.ascontiguousarray(data, dtype=self._va.dtype).reshape(-1).view(np.uint8)
         row_bytes = self._va.row_bytes
         pos, n = 0, len(data)
@@ -340,10 +338,13 @@ class MappedField:
             fd = self._fd(k)
             a, b = off * row_bytes, (off + take) * row_bytes
             rows = buf[pos * row_bytes : (pos + take) * row_bytes]
-            lead, pad = self._zeros_around(k, fd, a, b) if widen and FILL_FOLIOS else (0, 0)
+            lead, pad = self._pieces.around(k, a, b) if widen else (0, 0)
+            if pad and not self._reserve_to(k, b + pad):
+                self._pieces.not_filled(k)
+                pad = 0
             try:  # (numpy's stubs give ndarray __buffer__ only from Python 3.12 on: the ignores)
                 if lead or pad:
-                    zeros = _zero_piece()
+                    zeros = zero_piece()
                     os.pwritev(fd, [zeros[:lead], rows, zeros[:pad]], a - lead)  # type: ignore[list-item]
                 else:
                     os.pwrite(fd, rows, a)  # type: ignore[arg-type]
@@ -351,46 +352,33 @@ class MappedField:
                 raise _full_disk(e, self._path(k), f"write rows into chunk {k}")
             pos += take
 
-    def _not_zeros(self, phys_lo: int, phys_hi: int) -> None:
-        """Rows ``[phys_lo, phys_hi)`` are (about to be) written: :meth:`_zeros_around` keeps off them."""
-        zf, C, rb = self._zeros_from, self.C, self._va.row_bytes
-        for k in range(phys_lo // C, (phys_hi - 1) // C + 1):
-            if k in zf:
-                zf[k] = max(zf[k], (min(phys_hi - k * C, C)) * rb)
-
-    def _zeros_around(self, k: int, fd: int, a: int, b: int) -> tuple[int, int]:
-        """Zero bytes to write before and after a block of rows at bytes ``[a, b)`` of chunk file
-        ``k``: out to the edges of the huge pieces (:data:`_syscalls.HUGE`, 2 MiB) that ``a`` and
-        ``b`` fall in, for each such piece that lies whole in the file and still holds only zeros
-        (this process, the only writer, made the file and wrote nothing there yet); else 0.
-        The zeros after the block are allocated on disk first (a full disk: no zeros).
-
-        Why: the page cache keeps a write in folios as large as the write allows (ext4, XFS), and
-        a reader maps a 2 MiB folio with one fault and one TLB entry, 4 KiB pages one by one.  A
-        ring's blocks (``Table.guard`` rows, about 278 KiB of (17,) float32 rows) left folios of
-        at most 64 pages: a reader paid 2.5x a memmap's faults on its first calls and more page
-        walks after (docs/performance-notes.md, "Vector reads at 1e7 rows").  Written with the
-        block, the zeros make that piece one folio; the piece is past every row written, so no
-        byte anyone reads changes, and its disk blocks are the coming rows' (at most one piece
-        per chunk file is allocated ahead of its rows).
-        """
-        huge, zf = _syscalls.HUGE, self._zeros_from
-        start = zf.get(k)
-        if start is None:
-            return 0, 0
-        size = self._va.chunk_bytes
-        qa, qb = a - a % huge, b - b % huge  # the pieces the block starts and ends in
-        lead = a - qa if a != qa and qa >= start and qa + huge <= size else 0
-        pad = qb + huge - b if b != qb and qb >= start and qb + huge <= size else 0
-        have = self._room.get(k, 0)
-        if pad and have < b + pad:
+    def _fill_pieces(self, phys_lo: int, phys_hi: int) -> None:
+        """Before rows ``[phys_lo, phys_hi)`` are stored through the mapping (or by a small
+        ``pwrite``): zeros over each whole 2 MiB piece they reach that holds nothing yet
+        (:mod:`.folios`), then the piece mapped writable in one call (``populate``), so the
+        stores land in one folio without a fault per page."""
+        for k, q in self._pieces.pieces_to_fill(phys_lo, phys_hi):
+            if not self._reserve_to(k, q + _syscalls.HUGE):
+                self._pieces.not_filled(k)
+                continue
             try:
-                if _syscalls.reserve_range(fd, have, b + pad - have):
-                    self._room[k] = b + pad
+                os.pwrite(self._fd(k), zero_piece(), q)  # type: ignore[arg-type]
+                self._va.populate(*self._pieces.piece_rows(k, q))
             except OSError:
-                pad = 0  # a full disk: the rows' own room was made before (_make_room)
-        zf[k] = max(start, b + pad)
-        return lead, pad
+                self._pieces.not_filled(k)  # the rows' own room was made before (_make_room)
+
+    def _reserve_to(self, k: int, upto: int) -> bool:
+        """Allocate chunk file ``k``'s disk blocks up to byte ``upto`` (zeros about to be written
+        there); False where that fails (a full disk: the zeros are left out, never the rows)."""
+        have = self._room.get(k, 0)
+        if have >= upto:
+            return True
+        try:
+            if _syscalls.reserve_range(self._fd(k), have, upto - have):
+                self._room[k] = upto
+        except OSError:
+            return False
+        return True
 
     def _fd(self, k: int) -> int:
         """This writer's open descriptor of chunk file ``k`` (for ``pwrite`` and ``fallocate``)."""
@@ -477,17 +465,6 @@ class MappedField:
     def close(self) -> None:
         self._close_fds()
         self._va.close()
-
-
-_ZEROS: list[np.ndarray] = []  # (one array, made on first use)
-
-
-def _zero_piece() -> np.ndarray:
-    """:data:`_syscalls.HUGE` zero bytes, allocated once and never written: the allocator maps them
-    untouched, so ``pwrite`` reads the kernel's one zero page over and over (cache-resident)."""
-    if not _ZEROS:
-        _ZEROS.append(np.zeros(_syscalls.HUGE, np.uint8))
-    return _ZEROS[0]
 
 
 def in_place_writes_work() -> bool:
