@@ -217,7 +217,7 @@ class ZarrRolloutMixin(ZarrBufferMixin):
         per-step RAM arrays of this step are the caller's to write.  At a ``pos`` set by hand the
         step goes where SB3 puts it: over the row held there, or after rows of zeros."""
         values = self._layout.row_values(obs)  # leaves in the order of layout.leaves("obs")
-        held = len(self._rb)
+        held = self._held()
         if self.pos < held:
             names = [name for name, _ in self._layout.leaves("obs")]
             self._rb.set_at(np.array([self.pos]), {name: v[None] for name, v in zip(names, values)})
@@ -230,6 +230,15 @@ class ZarrRolloutMixin(ZarrBufferMixin):
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
+
+    def _held(self) -> int:
+        """Rows the rollout store holds, counting rows still staged (``len`` would hand them to the
+        store first: one table write per step and env, which made PPO with 8 envs 1.14x SB3's time;
+        staged, they go a block at a time)."""
+        st = self._rb.row_stager()
+        if st is None or not st.pending:
+            return len(self._rb)
+        return self._rb.rows_table.count + st.n  # (a rollout never laps its ring: reset() clears it)
 
     def compute_returns_and_advantage(self, last_values: Any, dones: np.ndarray) -> None:
         """SB3's GAE(lambda) (its own code); then, with ``keep_history``, the rollout is recorded."""
