@@ -215,21 +215,20 @@ class LinkedSegment:
             raise DamagedStoreError(f"{self.where}: {e}") from None
 
     def _local(self, lo: int, hi: int, check: bool) -> bytes:
-        now = time.time_ns()  # (before the fstat: the stamp's age is never overstated)
         try:
             fd, st = self.loc.open_inside(self.pack_key, os.O_RDONLY, with_stat=True)
         except FileNotFoundError:
             raise ValueError(f"its pack {self.pack_key} is missing") from None
         try:
-            stamp = _stamp(st)
-            if not check and stamp == self.stamp:
+            stamp = self.stamp
+            if not check and stamp is not None and _stamp(st) == stamp:
                 got = _pread_all(fd, lo, hi, self.pack_key, self.b)
-                if _stamp(os.fstat(fd)) == stamp:
+                if _stamp(os.fstat(fd)) == stamp:  # (no write during the read either)
                     return got
-                stamp = _stamp(os.fstat(fd))  # written to during the read: checked again below
+            now = time.time_ns()  # (before the fstat: the stamp's age is never overstated)
+            stamp = _stamp(os.fstat(fd))
             got = self._verify(lambda pos, end: _pread_all(fd, pos, end, self.pack_key, self.b), stamp, lo, hi)
-            after = _stamp(os.fstat(fd))
-            self.stamp = stamp if after == stamp and now - stamp[2] >= SETTLE_NS else None
+            self.stamp = stamp if _stamp(os.fstat(fd)) == stamp and now - stamp[2] >= SETTLE_NS else None
             return got
         finally:
             os.close(fd)
