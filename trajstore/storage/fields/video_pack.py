@@ -15,7 +15,9 @@ regular file inside the store: a link or special file is refused), never mapped:
 in place (the source MP4 edited) is a short read, a :class:`~trajstore.errors.DamagedStoreError`,
 never a SIGBUS.  Opening one (:func:`open_linked`) checks the pack holds ``[a, b)`` and, unless
 told not to, the crc32c of those bytes, read in bounded blocks; a GOP's packets are then read
-one GOP at a time (:meth:`LinkedSegment.packets`).  Copies write a linked segment as a plain one
+one GOP at a time (:meth:`LinkedSegment.packets`), each read comparing the pack's ``fstat`` with
+the one of the last check and checking the bytes again when it moved (a source edited in place
+while a reader holds the segment: :class:`LinkedSegment`).  Copies write a linked segment as a plain one
 (:meth:`LinkedSegment.keyframe_flags` and the packets), so a copy holds no pack.
 """
 
@@ -26,6 +28,9 @@ import errno
 import os
 import re
 import struct
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import google_crc32c
@@ -35,8 +40,8 @@ from trajstore.errors import DamagedStoreError, ForeignFileError
 from trajstore.storage.confined import MAX_FILE_BYTES, pread
 from trajstore.storage.location import Location
 
-__all__ = ["LINK_MAGIC", "MAX_PACKS", "LinkedSegment", "crc_of_range", "is_pack_key", "link_pack", "linked_segment",
-           "open_linked", "pack_key"]
+__all__ = ["LINK_MAGIC", "MAX_PACKS", "SETTLE_NS", "LinkedSegment", "Stamp", "checks_done", "crc_of_range",
+           "is_pack_key", "link_pack", "linked_segment", "open_linked", "pack_key"]
 
 LINK_MAGIC = b"TSVLNK01"
 #: Packs one field may have (a pack number at or above it is damage).
@@ -74,6 +79,19 @@ def linked_segment(pack: int, a: int, b: int, crc: int, offsets: np.ndarray, siz
     return LINK_MAGIC + body + _crc(body).to_bytes(4, "little")
 
 
+def _pread_all(fd: int, lo: int, hi: int, key: str, need: int) -> bytes:
+    """Bytes ``[lo, hi)`` of the open pack ``fd`` (``key``, which must hold ``need`` bytes): a
+    short read is a ValueError."""
+    parts, pos = [], lo
+    while pos < hi:
+        got = pread(fd, min(BLOCK << 4, hi - pos), pos)
+        if not got:
+            raise ValueError(f"its pack {key} ends at byte {pos}; the segment needs {need}")
+        parts.append(got)
+        pos += len(got)
+    return b"".join(parts)
+
+
 def _read(loc: Location, key: str, lo: int, hi: int, need: int) -> bytes:
     """Bytes ``[lo, hi)`` of the pack ``key``, once the pack is seen to hold at least ``need``
     bytes; ValueError naming what is wrong (missing, too short, a short read)."""
@@ -86,14 +104,7 @@ def _read(loc: Location, key: str, lo: int, hi: int, need: int) -> bytes:
             if st.st_size < need:
                 raise ValueError(f"its pack {key} holds {st.st_size} bytes; the segment needs {need} (the source "
                                  "file was truncated or replaced)")
-            parts, pos = [], lo
-            while pos < hi:
-                got = pread(fd, min(BLOCK << 4, hi - pos), pos)
-                if not got:
-                    raise ValueError(f"its pack {key} ends at byte {pos}; the segment needs {need}")
-                parts.append(got)
-                pos += len(got)
-            return b"".join(parts)
+            return _pread_all(fd, lo, hi, key, need)
         finally:
             os.close(fd)
     from zarr.abc.store import RangeByteRequest
@@ -129,12 +140,55 @@ def crc_of_range(fd: int, a: int, b: int, where: str) -> int:
     return crc
 
 
+#: A pack as an ``fstat`` shows it: ``(st_size, st_mtime_ns, st_ctime_ns, st_ino, st_dev)``.
+Stamp = tuple[int, int, int, int, int]
+#: A stamp is trusted (no checksum pass while the pack's ``fstat`` still shows it) only when the
+#: pack's last change (its ctime) was at least this long before the stamp was taken: a write in
+#: the same timestamp tick (the kernel's coarse clock, a few ms) as the change before it may
+#: leave every field of the stamp as it was.  Until then each read checks the bytes again.
+SETTLE_NS = 1_000_000_000
+_checks = [0]
+_checks_lock = threading.Lock()
+
+
+def checks_done() -> int:
+    """Checksum passes over a linked segment's ``[a, b)`` this process has made (first opens and
+    checks again after a pack's ``fstat`` changed): what a test counts."""
+    return _checks[0]
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+
+
 class LinkedSegment:
     """A checked linked segment: per frame ``offsets`` (into the pack) and ``sizes`` (int64),
     ``keys`` (int64 positions of the keyframes, the first 0); the packets are read from pack
-    ``pack_key`` of ``loc`` when asked for (``where`` names the field and rows in errors)."""
+    ``pack_key`` of ``loc`` when asked for (``where`` names the field and rows in errors).
 
-    __slots__ = ("a", "b", "crc", "flags", "keys", "loc", "offsets", "pack_key", "sizes", "where")
+    A local pack is opened through the store's confined open for each read, and the ``fstat``
+    taken there is compared with the :data:`Stamp` of the pack when its bytes last matched their
+    crc32c (``stamp``): the same, the GOP's bytes are read with ``pread`` and the pack's
+    ``fstat`` is compared once more after the read (a write during it); different (or no trusted
+    stamp: :data:`SETTLE_NS`), ``[a, b)`` is read and checked again and the GOP served from those
+    very bytes.  So every write to the pack after the check -- ``write``, ``pwrite``,
+    ``truncate``, ``fallocate``, ``utime`` (any of them changes the ctime, even a rewrite that
+    keeps size and mtime), a file renamed over the pack's name (its inode) -- makes the next read
+    check the bytes: a change is a DamagedStoreError naming the field and rows, a change that
+    leaves the bytes as they were (a ``touch``) costs a checksum pass per read until it is
+    :data:`SETTLE_NS` old, then one more.  Not seen: writes through
+    a shared writable mapping to pages already dirty when the stamp was taken (the kernel updates
+    the times at a page's first write fault only), a filesystem whose times do not move (some
+    network or FUSE filesystems, a clock set back past the stamp) and a pack on a non-local store
+    (its size only is checked per read: objects there are replaced whole, not edited).  Nothing
+    decoded is kept between reads (a video field caches segments, never frames), so no frame of a
+    changed pack is ever served from memory.  The stamp is a plain attribute: threads reading one
+    segment at once may both check the bytes again (the same answer), and a forked worker keeps
+    its parent's stamp and compares it with its own ``fstat``; no descriptor is held between
+    reads.
+    """
+
+    __slots__ = ("a", "b", "crc", "flags", "keys", "loc", "offsets", "pack_key", "sizes", "stamp", "where")
 
     def __init__(self, loc: Location, pack: str, head: tuple[int, int, int], table: np.ndarray, where: str):
         self.loc, self.pack_key, self.where = loc, pack, where
@@ -142,25 +196,63 @@ class LinkedSegment:
         self.offsets, self.sizes = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
         self.flags = table[:, 2].astype(bool)
         self.keys = np.flatnonzero(self.flags).astype(np.int64)
+        self.stamp: Stamp | None = None  # the pack when ``[a, b)`` last matched ``crc`` (None: check first)
 
     def check_bytes(self) -> None:
         """Read ``[a, b)`` of the pack in blocks and compare its crc32c (DamagedStoreError naming
         the field and rows: the source file was edited in place after the import)."""
-        crc, pos = 0, self.a
-        while pos < self.b:
-            hi = min(pos + (BLOCK << 4), self.b)
-            crc = int(google_crc32c.extend(crc, self._bytes(pos, hi)))
-            pos = hi
-        if crc != self.crc:
-            raise DamagedStoreError(f"{self.where}: the packets in {self.pack_key} [{self.a}, {self.b}) do not match "
-                                    "their checksum (the file the store shares with its import source was changed "
-                                    "in place)")
+        self._bytes(self.a, self.a, check=True)
 
-    def _bytes(self, lo: int, hi: int) -> bytes:
+    def _bytes(self, lo: int, hi: int, check: bool = False) -> bytes:
+        """Bytes ``[lo, hi)`` of the pack (inside ``[a, b)``); ``check``: ``[a, b)`` checked first."""
         try:
+            if self.loc.is_local:
+                return self._local(lo, hi, check)
+            if check:  # (lo == hi) where the segment is opened
+                return self._verify(lambda pos, end: _read(self.loc, self.pack_key, pos, end, self.b), None, lo, hi)
             return _read(self.loc, self.pack_key, lo, hi, self.b)
         except (ValueError, DamagedStoreError) as e:  # (the confined open refusing a link or special file)
             raise DamagedStoreError(f"{self.where}: {e}") from None
+
+    def _local(self, lo: int, hi: int, check: bool) -> bytes:
+        try:
+            fd, st = self.loc.open_inside(self.pack_key, os.O_RDONLY, with_stat=True)
+        except FileNotFoundError:
+            raise ValueError(f"its pack {self.pack_key} is missing") from None
+        try:
+            stamp = self.stamp
+            if not check and stamp is not None and _stamp(st) == stamp:
+                got = _pread_all(fd, lo, hi, self.pack_key, self.b)
+                if _stamp(os.fstat(fd)) == stamp:  # (no write during the read either)
+                    return got
+            now = time.time_ns()  # (before the fstat: the stamp's age is never overstated)
+            stamp = _stamp(os.fstat(fd))
+            got = self._verify(lambda pos, end: _pread_all(fd, pos, end, self.pack_key, self.b), stamp, lo, hi)
+            self.stamp = stamp if _stamp(os.fstat(fd)) == stamp and now - stamp[2] >= SETTLE_NS else None
+            return got
+        finally:
+            os.close(fd)
+
+    def _verify(self, read: Callable[[int, int], bytes], stamp: Stamp | None, lo: int, hi: int) -> bytes:
+        """Read ``[a, b)`` with ``read(pos, end)`` in blocks, compare its crc32c, and return the
+        bytes ``[lo, hi)`` of what was read (ValueError: short, or not matching)."""
+        if stamp is not None and stamp[0] < self.b:
+            raise ValueError(f"its pack {self.pack_key} holds {stamp[0]} bytes; the segment needs {self.b} (the "
+                             "source file was truncated or replaced)")
+        with _checks_lock:
+            _checks[0] += 1
+        crc, pos, keep = 0, self.a, []
+        while pos < self.b:
+            end = min(pos + (BLOCK << 4), self.b)
+            got = read(pos, end)
+            crc = int(google_crc32c.extend(crc, got))
+            if lo < end and hi > pos:
+                keep.append(got[max(lo, pos) - pos : min(hi, end) - pos])
+            pos = end
+        if crc != self.crc:
+            raise ValueError(f"the packets in {self.pack_key} [{self.a}, {self.b}) do not match their checksum (the "
+                             "file the store shares with its import source was changed in place)")
+        return b"".join(keep)
 
     def packets(self, i: int, j: int) -> list[np.ndarray]:
         """The packets of frames ``[i, j)``, read from the pack with one ``pread`` of their span."""
