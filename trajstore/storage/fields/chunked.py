@@ -2,7 +2,8 @@
 
 Compressed layouts, and every non-local store.  The writer keeps the chunks it is filling in RAM
 and writes them out complete on ``flush``; decoded chunks are cached (bounded) and dropped
-whenever another process may have changed them.
+whenever another process may have changed them (fetching, decoding and caching whole chunks:
+its base class, :class:`~trajstore.storage.fields.decoded.DecodedChunks`).
 
 Random rows of blosc-compressed chunks are not decoded a chunk at a time: a blosc frame is a
 header, a table of block offsets and independently compressed blocks (a shard with its index in
@@ -16,26 +17,22 @@ them: a hostile frame raises DamagedStoreError.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import mmap
 import os
-from collections import OrderedDict, deque
-from collections.abc import Iterator
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.sync import sync
 
-from trajstore.errors import DamagedStoreError, TrajstoreError
+from trajstore.errors import DamagedStoreError
 from trajstore.storage.confined import full_disk as _full_disk
 from trajstore.storage.fields._blosc import GETITEM as _GETITEM
 from trajstore.storage.fields._blosc import Frame as _Frame
 from trajstore.storage.fields._rowblocks import FrameCache as _FrameCache
 from trajstore.storage.fields._rowblocks import small_blocks as _small_blocks
 from trajstore.storage.fields.base import edit_chunk, gather_windows_by_rows
+from trajstore.storage.fields.decoded import DecodedChunks, cached_split
 from trajstore.storage.fields.out import new_rows, temporary_rows
 from trajstore.storage.fields.ranges import dense_runs, get_ranges, raw_dtype
 from trajstore.storage.fields.spec import (
@@ -64,22 +61,6 @@ MAX_ENCODED = 4096
 ENCODED_BYTES = CACHE_BYTES
 
 
-T = TypeVar("T")
-
-
-def cached_split(cache: OrderedDict[int, T], ks: list[int]) -> tuple[dict[int, T], list[int]]:
-    """``({k: cache[k]} for the ``ks`` held (marked recently used), [the others])``."""
-    out: dict[int, T] = {}
-    missing = []
-    for k in ks:
-        if k in cache:
-            cache.move_to_end(k)
-            out[k] = cache[k]
-        else:
-            missing.append(k)
-    return out, missing
-
-
 def map_file(loc: Location, key: str, nbytes: int, populate: bool = False) -> tuple[np.ndarray | None, object]:
     """The file ``key`` of local store ``loc`` memory-mapped read-only, as a uint8 array, and the
     map that owns it; ``(None, None)`` when it is missing, empty, or larger than about ``nbytes``
@@ -103,9 +84,10 @@ def map_file(loc: Location, key: str, nbytes: int, populate: bool = False) -> tu
     return np.frombuffer(mm, np.uint8), mm
 
 
-class ChunkedField:
+class ChunkedField(DecodedChunks):
     """A field read and written through zarr-python, whole chunks at a time (a
-    :class:`~trajstore.storage.fields.base.Field`)."""
+    :class:`~trajstore.storage.fields.base.Field`; whole chunks decoded and cached by
+    :class:`~trajstore.storage.fields.decoded.DecodedChunks`)."""
 
     keeps_partial_chunk = True  # the chunk being filled stays in memory until flush writes it whole
     open_from: int | None = None  # every row written goes out at flush
@@ -114,15 +96,8 @@ class ChunkedField:
         """Episodes are not this engine's concern (video fields encode them)."""
 
     def __init__(self, loc: Location, spec: FieldSpec, zarray: zarr.Array[Any], writable: bool):
-        self.loc, self.spec, self.writable = loc, spec, writable
-        self.C = spec.chunk_rows
-        self.z = zarray
-        self.allocated = int(zarray.shape[0])
-        self._ndim = len(spec.row_shape) + 1
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._dirty: set[int] = set()
+        super().__init__(loc, spec, zarray, writable)
         self._written: set[str] = set()  # keys written since the last fsync (local stores)
-        self._override: dict[int, str] = {}  # chunk -> staging prefix it is read from (pending rewrite)
         self._rb = spec.row_bytes
         # chunk -> encoded frame (None: decode whole); mapped (local: the process-wide MAPS bound)
         # or fetched (MAX_ENCODED / ENCODED_BYTES)
@@ -136,9 +111,6 @@ class ChunkedField:
         self._raw = raw_dtype(zarray) if ranged and spec.layout != "foreign" else None
         self._small_blocks = self._partial and _small_blocks(self.z.metadata.codecs[1])  # type: ignore[union-attr]
         self.stats = {"gets": 0, "in_flight_max": 0}  # encoded chunk fetches (non-local stores)
-        # Physical row runs the commit record counts, as the table last named them (a ring: at most
-        # two runs; ensure_mapped): a chunk of them that is missing is damage, not fill values.
-        self._committed: deque[tuple[int, int]] = deque(maxlen=2)
 
     def _row_reads_possible(self) -> bool:
         """Rows can be decoded alone: the array's codecs (its zarr.json, not the spec) are
@@ -154,143 +126,23 @@ class ChunkedField:
         endian = getattr(codecs[0].endian, "value", codecs[0].endian)  # None for one-byte dtypes
         return endian in (None, "little") and isinstance(codecs[1], zarr.codecs.BloscCodec)
 
-    def grow(self, allocated: int) -> None:
-        """Size the handle to ``allocated`` rows (in memory: the allocation is the commit record's)."""
-        self.z = sized_array(self.z, allocated)
-        self.allocated = allocated
-
-    def _where(self, key: str) -> str:
-        """A path (local) or URL naming ``key`` of this field, for error messages."""
-        full = f"{self.spec.array_path}/{key}"
-        return str(self.loc.path(full)) if self.loc.is_local else f"{self.loc.url}/{full}"
-
-    def ensure_mapped(self, phys_lo: int, phys_hi: int, create: bool) -> None:
-        """Nothing to map: chunks are fetched on demand.  A reader's call names committed rows
-        (``create`` False): a chunk of them fetched later must exist (:meth:`_check_present`)."""
-        # (Not for arrays trajstore did not write: their writers may leave chunks of fill values out.)
-        if not create and phys_hi > phys_lo and self.spec.layout != "foreign":
-            self._committed.append((phys_lo, phys_hi))
-
-    def _check_present(self, ks: list[int]) -> None:
-        """Raise DamagedStoreError if a chunk of ``ks`` holding committed rows has no key: zarr would
-        read it as fill values (zeros), silently.  One existence check per chunk fetched (all of a
-        batch's concurrently on a remote store); chunks are fetched once, then cached."""
-        runs = list(self._committed)
-        keys = {k: chunk_key(self.spec.array_path, k, self._ndim) for k in ks
-                if k not in self._dirty and any(lo < (k + 1) * self.C and k * self.C < hi for lo, hi in runs)}
-        if not keys:
-            return
-        if self.loc.is_local or len(keys) == 1:
-            found = [self.loc.exists(key) for key in keys.values()]
-        else:
-            async def every() -> list[bool]:
-                return list(await asyncio.gather(*(self.loc.zstore.exists(key) for key in keys.values())))
-            found = sync(every())
-        gone = [k for k, ok in zip(keys, found) if not ok]
-        if gone:
-            k = gone[0]
-            lo, hi = next((max(a, k * self.C), min(b, (k + 1) * self.C)) for a, b in runs
-                          if a < (k + 1) * self.C and k * self.C < b)
-            raise DamagedStoreError(f"{self.spec.array_path}: rows {lo}..{hi - 1} (physical) are committed, but "
-                                    f"their chunk {self._where(chunk_key('', k, self._ndim).lstrip('/'))} is missing "
-                                    f"({len(gone)} chunk(s) of this read); run `trajstore verify`")
-
-    def _empty_chunk(self) -> np.ndarray:
-        return np.zeros((self.C, *self.spec.row_shape), dtype=self.spec.dtype)
-
-    def _fetch(self, ks: list[int]) -> dict[int, np.ndarray]:
-        """Decode whole chunks ``ks`` (one concurrent zarr read for all of them)."""
-        out: dict[int, np.ndarray] = {}
-        plain = []
-        for k in ks:
-            staged = self._read_staged(k) if k in self._override else None
-            if staged is None:
-                plain.append(k)
-            else:
-                out[k] = staged
-        if plain:
-            out.update(self._decode_chunks(plain))
-        return out
-
     def _decode_chunks(self, plain: list[int]) -> dict[int, np.ndarray]:
-        """Decode whole chunks ``plain`` from their files (one concurrent zarr read for all of them)."""
+        """Decode whole chunks ``plain`` from their files: blosc frames (rows decodable alone)
+        here, the others through zarr (:meth:`DecodedChunks._decode_chunks`)."""
+        if not self._partial:
+            return super()._decode_chunks(plain)
         out: dict[int, np.ndarray] = {}
-        if self._partial:
-            # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
-            frames = self._get_frames(plain, keep=False)
-            for k in plain:
-                f = frames[k]
-                if f is not None:
-                    chunk = self._empty_chunk()
-                    self._decode_rows(f, k, 0, self.C, chunk.ctypes.data)
-                    out[k] = chunk
-            plain = [k for k in plain if k not in out]
-        if plain:
-            self._check_present(plain)
-            shape0 = self.z.shape[0]
-            rows = np.concatenate([np.arange(k * self.C, min((k + 1) * self.C, shape0)) for k in plain])
-            with self._decoding(plain):
-                data = cast(np.ndarray, self.z.oindex[rows] if len(plain) > 1 else self.z[rows[0] : rows[-1] + 1])
-            pos = 0
-            for k in plain:
-                n = min((k + 1) * self.C, shape0) - k * self.C
+        # Blosc frames are fetched together (concurrently on a remote store) and decoded here.
+        frames = self._get_frames(plain, keep=False)
+        for k in plain:
+            f = frames[k]
+            if f is not None:
                 chunk = self._empty_chunk()
-                chunk[:n] = data[pos : pos + n]
+                self._decode_rows(f, k, 0, self.C, chunk.ctypes.data)
                 out[k] = chunk
-                pos += n
+        out.update(super()._decode_chunks([k for k in plain if k not in out]))
         return out
 
-    @contextlib.contextmanager
-    def _decoding(self, ks: list[int]) -> Iterator[None]:
-        """Chunk files are input: whatever a garbage chunk makes a codec raise (RuntimeError from
-        lz4, ValueError from a short buffer...) becomes a DamagedStoreError naming the chunks."""
-        try:
-            yield
-        except (TrajstoreError, FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
-            raise
-        except Exception as e:
-            raise DamagedStoreError(f"{self.loc.url}: {self.spec.array_path}: chunk(s) {ks[:8]} (rows {ks[0] * self.C}.."
-                                    f"{(ks[0] + 1) * self.C - 1}, physical, of the first) do not decode "
-                                    f"({type(e).__name__}: {e})") from None
-
-    def _read_staged(self, k: int) -> np.ndarray | None:
-        """Chunk ``k`` from its staging area, or None once it has been moved into place.
-
-        The staged key is checked before and after the read: a rename is one-way, so if it
-        still exists afterwards the read saw the staged bytes.
-        """
-        prefix = self._override[k]
-        key = f"{prefix}/{chunk_key(self.spec.array_path, k, self._ndim)}"
-        if not self.loc.exists(key):
-            return None
-        try:
-            with self._decoding([k]):
-                z = sized_array(zarr.open_array(self.loc.zstore, path=f"{prefix}/{self.spec.array_path}", mode="r"),
-                                self.allocated)
-                chunk = self._empty_chunk()
-                hi = min((k + 1) * self.C, z.shape[0])
-                chunk[: hi - k * self.C] = z[k * self.C : hi]
-        except (FileNotFoundError, KeyError, zarr.errors.ArrayNotFoundError):
-            return None
-        return chunk if self.loc.exists(key) else None
-
-    def _chunks(self, ks: list[int]) -> dict[int, np.ndarray]:
-        missing = [k for k in ks if k not in self._cache]
-        if missing:
-            self._cache.update(self._fetch(missing))
-        for k in ks:
-            self._cache.move_to_end(k)
-        got = {k: self._cache[k] for k in ks}
-        self._evict()
-        return got
-
-    def _evict(self) -> None:
-        nbytes = self.C * self.spec.row_bytes
-        while len(self._cache) * nbytes > CACHE_BYTES and len(self._cache) > len(self._dirty) + 1:
-            for k in self._cache:
-                if k not in self._dirty:
-                    del self._cache[k]
-                    break
 
     def write(self, phys_lo: int, data: np.ndarray) -> None:
         n, pos = len(data), 0
@@ -371,19 +223,6 @@ class ChunkedField:
             _u, inv, counts = np.unique(ks, return_inverse=True, return_counts=True)
             keep &= counts[inv] <= most
         return np.flatnonzero(keep)
-
-    def _gather_whole(self, phys: np.ndarray, ks: np.ndarray) -> np.ndarray:
-        """Rows ``phys`` (chunks ``ks``) through whole decoded chunks."""
-        uniq = sorted(set(ks.tolist()))  # (a first np.unique in a process imports numpy.ma: 40-60 ms)
-        chunks = self._chunks(uniq)
-        out = new_rows((len(phys), *self.spec.row_shape), self.spec.dtype)
-        if len(uniq) == 1:
-            out[:] = chunks[uniq[0]][phys - uniq[0] * self.C]
-            return out
-        for k in uniq:
-            sel = ks == k
-            out[sel] = chunks[k][phys[sel] - k * self.C]
-        return out
 
     # -- encoded frames (row reads) ------------------------------------------------------------
     def _decode_rows(self, frame: _Frame, k: int, off: int, n: int, dest: int) -> None:
