@@ -7,7 +7,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,21 +32,50 @@ def frames_of(ep: int, n: int, size: tuple[int, int] = (H, W)) -> np.ndarray:
     return np.stack([frame_of(ep, t, size) for t in range(n)])
 
 
+#: Seconds one encoding attempt may take before it counts as hung (the largest fixture takes a few).
+ENCODE_LIMIT_S = 180.0
+
+
 def _encode(path: str, episodes: Callable[[], Iterable[Iterable[np.ndarray]]], fps: int, codec: str,
             force_key: bool = True) -> None:
     """Encode the frames of ``episodes()`` (an iterable per episode) into one MP4 at ``path``.
 
-    One retry from scratch: CI once saw libsvtav1's packet refused by the MP4 muxer (EINVAL) in a
-    1,000-episode file that 60 runs here encoded cleanly; the packets around the refusal are
-    printed so a second sighting says which timestamps were wrong.
+    Each attempt runs in a forked child given :data:`ENCODE_LIMIT_S`; a hung or failed attempt is
+    killed and made again from scratch, three attempts in all.  Why: libsvtav1 (the AV1 encoder in
+    PyAV's FFmpeg) once deadlocked in the suite (2026-12-06, under load: every one of its threads
+    waiting on a futex inside ``svt_av1_enc_send_picture``, no CPU used, until the test's time limit;
+    upstream reports hangs of SVT-AV1 3.1.x), and CI once saw one of its packets refused by the MP4
+    muxer (EINVAL) in a 1,000-episode file that 60 runs here encoded cleanly (the packets around a
+    refusal are printed, so a second sighting says which timestamps were wrong).
     """
-    import av
-
-    try:
-        _encode_once(path, episodes(), fps, codec, force_key)
-    except av.error.FFmpegError as e:
-        print(f"lerobot_fixture: encoding {path} failed ({e}); encoding it again", file=sys.stderr)
-        _encode_once(path, episodes(), fps, codec, force_key)
+    for attempt in range(1, 4):
+        pid = os.fork()
+        if pid == 0:  # the child: encode, then leave without running the parent's exit handlers
+            code = 1
+            try:
+                _encode_once(path, episodes(), fps, codec, force_key)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        deadline, pause, status = time.monotonic() + ENCODE_LIMIT_S, 0.001, None
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(st)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        if status == 0:
+            return
+        why = f"hung for {ENCODE_LIMIT_S:.0f} s" if status is None else f"failed (exit {status})"
+        print(f"lerobot_fixture: encoding {path} {why} (attempt {attempt} of 3)", file=sys.stderr)
+    raise RuntimeError(f"lerobot_fixture: encoding {path} failed three times (see stderr)")
 
 
 def _encode_once(path: str, episodes: Iterable[Iterable[np.ndarray]], fps: int, codec: str, force_key: bool) -> None:
