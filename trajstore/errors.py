@@ -43,6 +43,7 @@ __all__ = [
     "ResumeStateError",
     "UnknownTaskError",
     "TimeOrderError",
+    "EncoderError",
 ]
 
 
@@ -145,6 +146,14 @@ class ConcurrentWriteError(TrajstoreError, RuntimeError):
     """A reader could not get one consistent result: the writer kept evicting or rewriting the
     rows it read (retried many times first); or, on an icechunk location, another writer committed
     changes to the same keys since this writer's session began (nothing of it was published)."""
+
+
+class EncoderError(TrajstoreError, RuntimeError):
+    """A video encoder failed on an episode: it stalled (no frame encoded for the watchdog's limit)
+    or its process exited or reported an error, on every attempt (each with a fresh encoder).  The
+    message names the encoder, the field and rows, and what happened each time; nothing of the
+    episode was committed, its frames are still held, and the store stays writable (the next
+    commit tries them again)."""
 
 
 class VersionNotFoundError(TrajstoreError, LookupError):

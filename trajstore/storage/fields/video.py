@@ -44,6 +44,7 @@ from trajstore.storage.fields.chunked import map_file
 from trajstore.storage.fields.image import parallel
 from trajstore.storage.fields.spec import FieldSpec
 from trajstore.storage.fields.video_codec import VIDEO_ATTR, VideoCodec, codec_from_attrs
+from trajstore.storage.fields.video_guard import GuardedEncoder
 from trajstore.storage.fields.video_pack import LINK_MAGIC, LinkedSegment, open_linked
 from trajstore.storage.location import Location
 from trajstore.storage.spans import PutData
@@ -203,6 +204,7 @@ class VideoField:
         self._started = False
         # Rows lo -> (n, fetch): a copy's pass-through of an encoded segment (:meth:`adopt`).
         self._adopted: dict[int, tuple[int, Callable[[], PutData]]] = {}
+        self.encoder = GuardedEncoder()  # AV1 episodes in a child process under a watchdog (no process until one)
 
     @property
     def open_from(self) -> int | None:
@@ -409,7 +411,8 @@ class VideoField:
                 if adopted is not None and adopted[0] == b - a:  # the copy's segment, byte for byte
                     blob = adopted[1]()
                 else:
-                    blob = write_segment(*self.codec.encode(self._held_rows(a, b)))
+                    frames = self._held_rows(a, b)
+                    blob = write_segment(*self.encoder.encode(self.codec, frames, self._where(f"rows {a}..{b - 1}")))
                 self.loc.put(segment_key(self.spec.array_path, a), blob, fsync=fsync)
                 bounds.append(b)
             self.loc.put(index_key(self.spec.array_path), write_index(bounds), fsync=fsync)
@@ -477,6 +480,7 @@ class VideoField:
         self._bounds = self._bounds[:1] if not self.writable else self._bounds
 
     def close(self) -> None:
-        """Release segments and held frames."""
+        """Release segments and held frames; stop the encoder child."""
         self._segments.clear()
         self._blocks, self._held = [], 0
+        self.encoder.close()

@@ -29,15 +29,15 @@ conversion.  The planes layout is the setting ``planes`` (absent: pixels; -1: th
 
 from __future__ import annotations
 
-import os
 import re
-from fractions import Fraction
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from trajstore.errors import BadOptionError, MissingDependencyError
+from trajstore.errors import BadOptionError, EncoderError, MissingDependencyError
 from trajstore.storage.fields.image_codecs import MAX_PLANES, default_planes
+from trajstore.storage.fields.video_worker import encode_stream
 
 __all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "VideoCodec", "codec_from_attrs", "parse_video_compressor"]
 
@@ -193,44 +193,55 @@ class VideoCodec:
                                  f"per-frame image codec such as 'png')")
 
     # -- encoding and decoding -----------------------------------------------------------------
+    def job(self, row_shape: tuple[int, ...], n: int) -> dict[str, Any]:
+        """The encoding settings for ``n`` frames of ``row_shape`` as :func:`.video_worker.encode_stream`
+        takes them (JSON-able): FFmpeg's encoder, coded size, pixel format, keyframe interval,
+        options, and the pictures it is fed (``src``: ``rgb24`` (H, W, 3), ``gray`` (H, W) or
+        ``yuv420p`` (H*3/2, W) with flat chroma; ``shape``), one per frame (:meth:`source`)."""
+        ch, cw = self.coded(row_shape)
+        if not self.is_grey(row_shape):
+            src, shape = "rgb24", [ch, cw, 3]
+        elif self.pix_fmt == "gray":  # 4:0:0: the picture is the luma
+            src, shape = "gray", [ch, cw]
+        else:  # the picture as luma, chroma flat (no colour conversion: the luma is coded as it is)
+            src, shape = "yuv420p", [ch * 3 // 2, cw]
+        return {"encoder": VIDEO_CODECS[self.codec][0], "width": cw, "height": ch, "pix_fmt": self.pix_fmt,
+                "gop": self.gop, "options": {"crf": str(self.crf), "preset": self.preset}, "src": src,
+                "shape": shape, "frames": int(n)}
+
+    def sources(self, frames: np.ndarray) -> Iterator[np.ndarray]:
+        """Each of ``frames`` (n, \\*row_shape) uint8 as the contiguous picture the encoder is fed
+        (:meth:`job`'s ``src`` and ``shape``); a grey picture in 4:2:0 reuses one buffer."""
+        row_shape = tuple(frames.shape[1:])
+        if not self.is_grey(row_shape):
+            for f in frames:
+                yield np.ascontiguousarray(f)
+            return
+        ch, cw = self.coded(row_shape)
+        i420 = np.full((ch * 3 // 2, cw), 128, np.uint8) if self.pix_fmt == "yuv420p" else None
+        for f in frames:
+            if i420 is None:
+                yield np.ascontiguousarray(self._to_picture(f))
+            else:
+                i420[:ch] = self._to_picture(f)
+                yield i420
+
     def encode(self, frames: np.ndarray) -> tuple[list[bytes], list[bool]]:
-        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags.
+        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags,
+        encoded in this process (:mod:`.video_guard` encodes in a child process under a watchdog).
 
         Raises
         ------
         MissingDependencyError
             PyAV is not installed.
-        RuntimeError
+        EncoderError
             The encoder gave a packet count other than n (it would break the frame index).
         """
         av = _av()
-        enc_name, *_ = VIDEO_CODECS[self.codec]
-        if self.codec == "av1":
-            os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr unless told not to
-        row_shape = tuple(frames.shape[1:])
-        grey = self.is_grey(row_shape)
-        ch, cw = self.coded(row_shape)
-        ctx = av.CodecContext.create(enc_name, "w")
-        ctx.width, ctx.height = cw, ch
-        ctx.pix_fmt, ctx.time_base, ctx.framerate = self.pix_fmt, Fraction(1, 30), Fraction(30)
-        ctx.gop_size, ctx.max_b_frames = self.gop, 0  # no B-frames: packet i is frame i
-        ctx.options = {"crf": str(self.crf), "preset": self.preset}
-        packets = []
-        i420 = np.full((ch * 3 // 2, cw), 128, np.uint8) if grey and self.pix_fmt == "yuv420p" else None
-        for i, f in enumerate(frames):
-            if not grey:
-                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24").reformat(format=self.pix_fmt)
-            elif i420 is None:  # 4:0:0: the picture is the luma
-                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(self._to_picture(f)), format="gray")
-            else:  # the picture as luma, chroma flat (no colour conversion: the luma is coded as it is)
-                i420[:ch] = self._to_picture(f)
-                vf = av.VideoFrame.from_ndarray(i420, format="yuv420p")
-            vf.pts = i
-            packets += ctx.encode(vf)
-        packets += ctx.encode(None)
-        if len(packets) != len(frames):
-            raise RuntimeError(f"{enc_name} gave {len(packets)} packets for {len(frames)} frames")
-        return [bytes(p) for p in packets], [bool(p.is_keyframe) for p in packets]
+        got = list(encode_stream(av, self.job(tuple(frames.shape[1:]), len(frames)), self.sources(frames)))
+        if len(got) != len(frames):
+            raise EncoderError(f"{VIDEO_CODECS[self.codec][0]} gave {len(got)} packets for {len(frames)} frames")
+        return [p for p, _ in got], [k for _, k in got]
 
     def decode(self, packets: list[Any], n: int, dest: dict[int, list[int]], out: np.ndarray) -> None:
         """Decode ``packets`` (bytes-like, the first a keyframe; ``n`` of them) with a fresh decoder,
