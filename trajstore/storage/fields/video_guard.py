@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -235,23 +236,27 @@ class GuardedEncoder:
             return codec.encode(frames)
         enc = VIDEO_CODECS[codec.codec][0]
         job = codec.job(tuple(frames.shape[1:]), len(frames))
-        whys = []
+        whys: list[str] = []
         with self._lock:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
                     packets, keys = self._attempt(codec, frames, job)
                     if len(packets) == len(frames):
                         return packets, keys
-                    whys.append(f"attempt {attempt}: gave {len(packets)} packets for {len(frames)} frames")
+                    whys.append(f"gave {len(packets)} packets for {len(frames)} frames")
                 except _Failed as e:
-                    whys.append(f"attempt {attempt}: {e}")
+                    whys.append(str(e))
                 except OSError as e:  # the child could not be started (no memory, no processes left)
-                    whys.append(f"attempt {attempt}: {type(e).__name__}: {e}")
+                    whys.append(f"could not start ({type(e).__name__}: {e})")
                 self._stop()
-                print(f"trajstore: {where}: the {enc} encoder {whys[-1]}; "
-                      f"{'trying again with a fresh one' if attempt < ATTEMPTS else 'giving up'}", file=sys.stderr)
+                if attempt < ATTEMPTS:
+                    warnings.warn(f"{where}: the {enc} encoder {whys[-1]} (attempt {attempt} of {ATTEMPTS}); "
+                                  "encoding the episode again with a fresh one", RuntimeWarning, stacklevel=2)
+        told = "; ".join(f"attempt {i + 1}: {w}" if i == 0 or w != whys[i - 1] else f"attempt {i + 1}: the same"
+                         for i, w in enumerate(whys))
         raise EncoderError(f"{where}: the {enc} encoder ({codec.label}) failed {ATTEMPTS} times on an episode of "
-                           f"{len(frames)} frames ({'; '.join(whys)}); nothing of it was written")
+                           f"{len(frames)} frames, each time with a fresh encoder process ({told}); nothing of the "
+                           "episode was written")
 
     def _attempt(self, codec: VideoCodec, frames: np.ndarray, job: dict[str, Any]) -> tuple[list[bytes], list[bool]]:
         child = self._child
