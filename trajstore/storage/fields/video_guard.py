@@ -232,7 +232,7 @@ class GuardedEncoder:
         MissingDependencyError
             PyAV is not installed.
         """
-        if codec.codec not in GUARDED:
+        if codec.codec not in GUARDED or getattr(sys, "frozen", False):  # a frozen app's executable runs no script
             return codec.encode(frames)
         enc = VIDEO_CODECS[codec.codec][0]
         job = codec.job(tuple(frames.shape[1:]), len(frames))
@@ -265,6 +265,8 @@ class GuardedEncoder:
             child = None
         if child is None:
             child = self._child = _Child()
+        if job["src"] == "rgb24" and frames.flags.c_contiguous:  # the frames are the pictures: sent as they lie
+            return child.run(job, iter([frames]))
         return child.run(job, codec.sources(frames))
 
     def _stop(self) -> None:

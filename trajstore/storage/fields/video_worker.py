@@ -76,9 +76,10 @@ def encode_stream(av: Any, job: dict[str, Any], pictures: Iterable[np.ndarray],
         yield bytes(p), bool(p.is_keyframe)
 
 
-def _read_exact(f: Any, n: int) -> bytearray | None:
-    """``n`` bytes of the raw file ``f``; None at its end (before or inside them)."""
-    buf = bytearray(n)
+def _read_exact(f: Any, n: int, buf: bytearray | None = None) -> bytearray | None:
+    """``n`` bytes of the raw file ``f`` (into ``buf``, of ``n`` bytes, when given); None at its end
+    (before or inside them)."""
+    buf = bytearray(n) if buf is None else buf
     view, got = memoryview(buf), 0
     while got < n:
         k = f.readinto(view[got:])
@@ -102,13 +103,15 @@ def _watch_parent(stdin_fd: int, parent: int) -> None:
 
 
 def _pictures(f: Any, job: dict[str, Any]) -> Iterator[np.ndarray]:
+    """The job's pictures as they arrive, each in the same buffer (the encoder copies a picture in)."""
     shape = tuple(int(x) for x in job["shape"])
     size = int(np.prod(shape))
+    buf = bytearray(size)
+    pic = np.frombuffer(buf, np.uint8).reshape(shape)
     for _ in range(int(job["frames"])):
-        buf = _read_exact(f, size)
-        if buf is None:
+        if _read_exact(f, size, buf) is None:
             raise EOFError("the writer's frames end early")
-        yield np.frombuffer(buf, np.uint8).reshape(shape)
+        yield pic
 
 
 def serve() -> None:
