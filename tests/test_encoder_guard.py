@@ -79,22 +79,33 @@ def alive(pid: int) -> bool:
 
 
 class Hitter(threading.Thread):
-    """Sends ``sig`` to each of the first ``times`` encoder children of ``parent`` seen encoding
-    (an SVT-AV1 encoder open), once each."""
+    """Sends ``sig`` (0: none) to each of the first ``times`` encoder children of ``parent`` seen
+    encoding (an SVT-AV1 encoder open), once each.  One thread scans /proc for children (slow),
+    this one watches their thread counts closely (an encode of small frames is short)."""
 
     def __init__(self, sig: int, times: int, parent: int | None = None) -> None:
         super().__init__(daemon=True)
         self.sig, self.times, self.parent = sig, times, parent or os.getpid()
         self.hit: list[int] = []
+        self.known: list[int] = []
         self.stop = threading.Event()
 
+    def busy(self) -> bool:
+        return not self.stop.is_set() and len(self.hit) < self.times
+
+    def scan(self) -> None:
+        while self.busy():
+            self.known += [p for p in encoders_of(self.parent) if p not in self.known]
+            time.sleep(0.002)
+
     def run(self) -> None:
-        while not self.stop.is_set() and len(self.hit) < self.times:
-            for pid in encoders_of(self.parent):
-                if pid not in self.hit and threads(pid) >= ENCODING_THREADS:
+        threading.Thread(target=self.scan, daemon=True).start()
+        while self.busy():
+            for pid in [p for p in self.known if p not in self.hit]:
+                if threads(pid) >= ENCODING_THREADS:
                     os.kill(pid, self.sig)
                     self.hit.append(pid)
-            time.sleep(0.001)
+            time.sleep(0.0002)
 
 
 def append_episodes(tb: TrajectoryReplayBuffer, lengths: list[int], t0: int = 0) -> np.ndarray:
@@ -203,11 +214,11 @@ def test_sigkill_of_the_writer_leaves_no_encoder_and_the_last_commit(tmp_path):
     code = _WRITER.format(tests=str(Path(__file__).parent), store=str(store))
     p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT})
     try:
-        deadline, child = time.monotonic() + 60, None
-        while child is None and p.poll() is None and time.monotonic() < deadline:
-            child = next((c for c in encoders_of(p.pid) if threads(c) >= ENCODING_THREADS), None)
-            time.sleep(0.001)
-        assert child is not None, "the writer's encoder never started"
+        seen = Hitter(0, 1, parent=p.pid)  # signal 0: only find the child while it encodes
+        seen.start()
+        seen.join(60)
+        assert seen.hit, "the writer's encoder never started"
+        child = seen.hit[0]
         p.send_signal(signal.SIGKILL)
     finally:
         p.kill()
@@ -226,3 +237,50 @@ def test_sigkill_of_the_writer_leaves_no_encoder_and_the_last_commit(tmp_path):
         assert psnr(got["obs"][10:], frames(64)[np.arange(10, n) % 64]) >= 30 if n > 10 else True
     report = verify_store(str(store), deep=True)
     assert report.ok, report
+
+
+def _camera_store(path: Path, lengths: list[int]) -> np.ndarray:
+    """A store whose camera (raw 96x128 frames) export_lerobot writes as an MP4; its frames."""
+    from gymnasium.spaces import Box, Dict
+
+    space = Dict({"cam": Box(0, 255, (96, 128, 3), np.uint8)})
+    allf = np.concatenate([frames(n, seed=e) for e, n in enumerate(lengths)]).repeat(2, 1).repeat(2, 2)
+    with TrajectoryReplayBuffer.create(space, cache_path=str(path), commit_interval=3600) as tb:
+        for e, n in enumerate(lengths):
+            a = sum(lengths[:e])
+            tb.extend({"cam": allf[a : a + n]})
+            tb.mark_episode_end()
+    return allf
+
+
+def test_export_lerobot_encodes_a_piece_again_after_a_stall(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    from trajstore.interop import export_lerobot
+    from trajstore.interop.lerobot_video import episode_frames
+
+    allf = _camera_store(tmp_path / "s", [100, 100, 100])
+    monkeypatch.setattr(video_guard, "STALL_LIMIT_S", 2.0)
+    hitter = Hitter(signal.SIGSTOP, 1)
+    hitter.start()
+    with pytest.warns(RuntimeWarning, match=r"export_lerobot: .* libsvtav1 encoder stalled"):
+        export_lerobot(tmp_path / "s", tmp_path / "ex", fps=10)
+    hitter.stop.set()
+    assert len(hitter.hit) == 1 and not alive(hitter.hit[0]) and encoders_of(os.getpid()) == []
+    with open(tmp_path / "ex" / "videos" / "cam" / "chunk-000" / "file-000.mp4", "rb") as f:
+        got = episode_frames(f, "ex", 0.0, 30.0, 10, 300, (96, 128))
+    assert psnr(got, allf) >= 30
+
+
+def test_export_lerobot_raises_encoder_error_after_three_stalls_and_leaves_nothing(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    from trajstore.interop import export_lerobot
+
+    _camera_store(tmp_path / "s", [250])
+    monkeypatch.setattr(video_guard, "STALL_LIMIT_S", 1.0)
+    hitter = Hitter(signal.SIGSTOP, 3)
+    hitter.start()
+    with pytest.warns(RuntimeWarning), pytest.raises(EncoderError, match="export_lerobot: .*failed 3 times"):
+        export_lerobot(tmp_path / "s", tmp_path / "ex2", fps=10)
+    hitter.stop.set()
+    assert len(hitter.hit) == 3 and not any(alive(p) for p in hitter.hit) and encoders_of(os.getpid()) == []
+    assert not (tmp_path / "ex2").exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]

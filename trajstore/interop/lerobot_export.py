@@ -192,7 +192,7 @@ def _write(buf: TrajectoryReplayBuffer, tmp: str, fps: float, video: str, robot_
                                   int(round(fps)) if float(fps).is_integer() else fps, shape[:2], video)  # type: ignore[arg-type]
     data_writer: Any = None
     episodes: list[dict[str, Any]] = []
-    index, frame, last = 0, 0, None
+    index, frame, last, done = 0, 0, None, False
     try:
         for arrays, eids in step_blocks(buf, None):
             cuts = np.flatnonzero(eids[1:] != eids[:-1]) + 1
@@ -224,11 +224,18 @@ def _write(buf: TrajectoryReplayBuffer, tmp: str, fps: float, video: str, robot_
                 frame += m
         if episodes:
             episodes[-1]["to"] = index
+        done = True
     finally:
         if data_writer is not None:
             data_writer.close()
-        for w in writers.values():
-            w.close()
+        failed: list[BaseException] = []
+        for w in writers.values():  # each closed (its encoder stopped) even when another raises
+            try:
+                w.close(finish=done and not failed)  # after an error: no more encoding (the files are removed)
+            except BaseException as e:  # noqa: BLE001  # re-raised below, once every writer is closed
+                failed.append(e)
+        if failed and done:
+            raise failed[0]
     _meta(tmp, buf, episodes, tasks, tab, cams, fps, video, robot_type, pq)
     return {"episodes": len(episodes), "steps": index, "cameras": sorted(cams)}
 

@@ -39,7 +39,9 @@ import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
 from trajstore.interop.mp4_table import SampleTable, plain_table
-from trajstore.storage.fields.video import segment_frame, write_segment
+from trajstore.storage.fields.video import MAX_RUN_ROWS, segment_frame, write_segment
+from trajstore.storage.fields.video_codec import VideoCodec
+from trajstore.storage.fields.video_guard import GuardedEncoder
 from trajstore.storage.spans import FileSpan, PutData
 
 __all__ = ["episode_frames", "Mp4Writer", "Mp4Index", "index_packets", "ADOPTABLE",
@@ -52,6 +54,8 @@ ADOPTABLE = {"av1": "av1", "libdav1d": "av1", "h264": "h264"}
 MAX_EPISODE_PACKETS = 1 << 20
 #: Bytes of one episode's packets read at most.
 MAX_SEGMENT_BYTES = 1 << 32
+#: Bytes of frames an :class:`Mp4Writer` holds at most before it encodes them (a piece of an episode).
+PIECE_BYTES = 64 << 20
 
 
 def av_module(what: str) -> Any:
@@ -158,42 +162,73 @@ def episode_frames(fileobj: Any, where: str, t0: float, t1: float, fps: float, l
 
 
 class Mp4Writer:
-    """An MP4 of one camera, episodes appended one after another (frames encoded here, each
-    episode starting on a keyframe); :meth:`close` finishes the file.  ``codec``: ``"av1"``
-    (libsvtav1, LeRobot's default: crf 30, g 2) or ``"h264"`` (libx264)."""
+    """An MP4 of one camera, episodes appended one after another; :meth:`close` finishes the file.
+    ``codec``: ``"av1"`` (libsvtav1, LeRobot's default: crf 30, g 2) or ``"h264"`` (libx264).
 
-    def __init__(self, path: str, fps: int, shape: tuple[int, int], codec: str = "av1", crf: int | None = None,
+    Each episode is encoded on its own, as LeRobot encodes its episodes before concatenating
+    them, so it starts on a keyframe: its frames are held until it ends, or in pieces of at most
+    :data:`PIECE_BYTES` of frames (a whole number of keyframe intervals, at least one), each a
+    fresh encoder's stream; the packets are then muxed.  The encoding goes through a
+    :class:`~trajstore.storage.fields.video_guard.GuardedEncoder` (AV1 in a child process under a
+    watchdog: an encoder that hangs is killed and the piece encoded again, and
+    :class:`~trajstore.errors.EncoderError` after three failures)."""
+
+    def __init__(self, path: str, fps: float, shape: tuple[int, int], codec: str = "av1", crf: int | None = None,
                  gop: int = 2) -> None:
         av = av_module(f"export_lerobot: {path}")
-        if codec == "av1":
-            os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr unless told not to
+        self.path, self.shape = path, (int(shape[0]), int(shape[1]))
+        self.codec = VideoCodec(codec, crf, gop, "yuv420p", "12" if codec == "av1" else "veryfast")
+        self.rate = Fraction(fps).limit_denominator(1 << 16)
         self.c = av.open(path, "w", format="mp4")
-        self.s = self.c.add_stream("libsvtav1" if codec == "av1" else "libx264", rate=fps)
-        self.s.height, self.s.width = shape
-        self.s.pix_fmt = "yuv420p"
-        crf = (30 if codec == "av1" else 23) if crf is None else crf
-        self.s.options = {"crf": str(crf), "g": str(gop), "preset": "12" if codec == "av1" else "veryfast"}
-        if codec == "h264":
-            self.s.codec_context.max_b_frames = 0
+        self.s = self.c.add_mux_stream(codec, rate=self.rate, width=self.shape[1], height=self.shape[0])
         self.av = av
+        self.encoder = GuardedEncoder()
+        frame_bytes = self.shape[0] * self.shape[1] * 3
+        self.piece = max(1, min(MAX_RUN_ROWS, PIECE_BYTES // frame_bytes) // gop) * gop
+        self.held: list[np.ndarray] = []
+        self.n_held = 0
         self.frames = 0
 
     def add(self, frames: np.ndarray, new_episode: bool) -> None:
-        """Append (n, H, W, 3) uint8 frames; with ``new_episode`` the first is forced to a keyframe."""
-        for i, f in enumerate(frames):
-            vf = self.av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            vf.pts = self.frames
-            if i == 0 and new_episode:
-                vf.pict_type = self.av.video.frame.PictureType.I
-            self.frames += 1
-            for p in self.s.encode(vf):
-                self.c.mux(p)
+        """Append (n, H, W, 3) uint8 frames; with ``new_episode`` they start an episode (a keyframe)."""
+        if new_episode:
+            self._encode_held()
+        i = 0
+        while i < len(frames):
+            take = min(len(frames) - i, self.piece - self.n_held)
+            self.held.append(np.array(frames[i : i + take], np.uint8, copy=True))
+            self.n_held += take
+            i += take
+            if self.n_held == self.piece:
+                self._encode_held()
 
-    def close(self) -> None:
-        """Flush the encoder and finish the file."""
-        for p in self.s.encode(None):
+    def _encode_held(self) -> None:
+        """Encode the held frames (one piece of an episode) with a fresh encoder and mux the packets."""
+        if not self.n_held:
+            return
+        frames = self.held[0] if len(self.held) == 1 else np.concatenate(self.held)
+        self.held, self.n_held = [], 0
+        where = f"export_lerobot: {self.path}: frames {self.frames}..{self.frames + len(frames) - 1}"
+        packets, keys = self.encoder.encode(self.codec, frames, where)
+        tb = 1 / self.rate
+        for i, (data, key) in enumerate(zip(packets, keys)):
+            p = self.av.Packet(data)
+            p.stream, p.time_base = self.s, tb
+            p.pts = p.dts = self.frames + i
+            p.is_keyframe = key
             self.c.mux(p)
-        self.c.close()
+        self.frames += len(frames)
+
+    def close(self, finish: bool = True) -> None:
+        """Encode the frames still held and finish the file (``finish=False``: drop them, stop the
+        encoder and close the file as it is, to be removed)."""
+        try:
+            if finish:
+                self._encode_held()
+        finally:
+            self.held, self.n_held = [], 0
+            self.encoder.close()
+            self.c.close()
 
 
 class Mp4Index:
