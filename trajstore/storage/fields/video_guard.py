@@ -182,7 +182,7 @@ class _Child:
             if not pending:
                 pic = next(pictures, None)
                 if pic is not None:
-                    pending.append(memoryview(pic).cast("B"))
+                    pending.append(memoryview(pic.data).cast("B"))
             wrote = self._pump(STALL_LIMIT_S, pending[0] if pending else None)
             if wrote:
                 pending[0] = pending[0][wrote:]
