@@ -39,7 +39,7 @@ import numpy as np
 
 from trajstore.errors import ForeignFileError, MissingDependencyError
 from trajstore.interop.mp4_table import SampleTable, plain_table
-from trajstore.storage.fields.video import MAX_RUN_ROWS, segment_frame, write_segment
+from trajstore.storage.fields.video import segment_frame, write_segment
 from trajstore.storage.fields.video_codec import VideoCodec
 from trajstore.storage.fields.video_guard import GuardedEncoder
 from trajstore.storage.spans import FileSpan, PutData
@@ -54,8 +54,9 @@ ADOPTABLE = {"av1": "av1", "libdav1d": "av1", "h264": "h264"}
 MAX_EPISODE_PACKETS = 1 << 20
 #: Bytes of one episode's packets read at most.
 MAX_SEGMENT_BYTES = 1 << 32
-#: Bytes of frames an :class:`Mp4Writer` holds at most before it encodes them (a piece of an episode).
-PIECE_BYTES = 64 << 20
+#: Bytes of frames an :class:`Mp4Writer` holds at most before it encodes them (a piece: episodes, or
+#: part of a long one).
+PIECE_BYTES = 256 << 20
 
 
 def av_module(what: str) -> Any:
@@ -165,10 +166,11 @@ class Mp4Writer:
     """An MP4 of one camera, episodes appended one after another; :meth:`close` finishes the file.
     ``codec``: ``"av1"`` (libsvtav1, LeRobot's default: crf 30, g 2) or ``"h264"`` (libx264).
 
-    Each episode is encoded on its own, as LeRobot encodes its episodes before concatenating
-    them, so it starts on a keyframe: its frames are held until it ends, or in pieces of at most
-    :data:`PIECE_BYTES` of frames (a whole number of keyframe intervals, at least one), each a
-    fresh encoder's stream; the packets are then muxed.  The encoding goes through a
+    Frames are held until :data:`PIECE_BYTES` of them are (or the file is closed), then encoded
+    as one *piece* by a fresh encoder, each episode's first frame forced to a keyframe, and the
+    packets muxed: a piece ends at an episode start when it can, else (an episode longer than a
+    piece) on the keyframe interval of its episode, so every episode starts on a keyframe and the
+    intervals run on from it as in one stream.  Pieces are encoded through a
     :class:`~trajstore.storage.fields.video_guard.GuardedEncoder` (AV1 in a child process under a
     watchdog: an encoder that hangs is killed and the piece encoded again, and
     :class:`~trajstore.errors.EncoderError` after three failures)."""
@@ -176,55 +178,68 @@ class Mp4Writer:
     def __init__(self, path: str, fps: float, shape: tuple[int, int], codec: str = "av1", crf: int | None = None,
                  gop: int = 2) -> None:
         av = av_module(f"export_lerobot: {path}")
-        self.path, self.shape = path, (int(shape[0]), int(shape[1]))
+        self.path, self.shape, self.gop = path, (int(shape[0]), int(shape[1])), gop
         self.codec = VideoCodec(codec, crf, gop, "yuv420p", "12" if codec == "av1" else "veryfast")
         self.rate = Fraction(fps).limit_denominator(1 << 16)
         self.c = av.open(path, "w", format="mp4")
         self.s = self.c.add_mux_stream(codec, rate=self.rate, width=self.shape[1], height=self.shape[0])
         self.av = av
         self.encoder = GuardedEncoder()
-        frame_bytes = self.shape[0] * self.shape[1] * 3
-        self.piece = max(1, min(MAX_RUN_ROWS, PIECE_BYTES // frame_bytes) // gop) * gop
+        self.piece = max(gop, PIECE_BYTES // (self.shape[0] * self.shape[1] * 3))
         self.held: list[np.ndarray] = []
+        self.starts: list[int] = []  # held frames that start an episode
         self.n_held = 0
+        self.offset = 0  # the first held frame's place in its episode
         self.frames = 0
 
     def add(self, frames: np.ndarray, new_episode: bool) -> None:
         """Append (n, H, W, 3) uint8 frames; with ``new_episode`` they start an episode (a keyframe)."""
-        if new_episode:
-            self._encode_held()
-        i = 0
-        while i < len(frames):
-            take = min(len(frames) - i, self.piece - self.n_held)
-            self.held.append(np.array(frames[i : i + take], np.uint8, copy=True))
-            self.n_held += take
-            i += take
-            if self.n_held == self.piece:
-                self._encode_held()
-
-    def _encode_held(self) -> None:
-        """Encode the held frames (one piece of an episode) with a fresh encoder and mux the packets."""
-        if not self.n_held:
+        if not len(frames):
             return
-        frames = self.held[0] if len(self.held) == 1 else np.concatenate(self.held)
-        self.held, self.n_held = [], 0
-        where = f"export_lerobot: {self.path}: frames {self.frames}..{self.frames + len(frames) - 1}"
-        packets, keys = self.encoder.encode(self.codec, frames, where)
+        if new_episode:
+            if self.n_held and self.n_held + len(frames) > self.piece:
+                self._encode(self.n_held)  # the piece ends where this episode starts
+            self.starts.append(self.n_held)
+        self.held.append(np.array(frames, np.uint8, copy=True))
+        self.n_held += len(frames)
+        while self.n_held > self.piece:
+            self._encode(self._cut())
+
+    def _cut(self) -> int:
+        """The most held frames, at most a piece, after which a frame on its episode's keyframe
+        interval follows (the next piece's first frame, a keyframe, keeps the cadence)."""
+        for k in range(self.piece, 0, -1):
+            start = max((s for s in self.starts if s <= k), default=-self.offset)
+            if k in self.starts or (k - start) % self.gop == 0:
+                return k
+        return self.piece
+
+    def _encode(self, k: int) -> None:
+        """Encode the first ``k`` held frames with a fresh encoder and mux their packets."""
+        held = self.held[0] if len(self.held) == 1 else np.concatenate(self.held)
+        frames, rest = held[:k], held[k:]
+        start = max((s for s in self.starts if s <= k), default=-self.offset)
+        keys = tuple(s for s in self.starts if 0 < s < k)
+        self.held, self.n_held = ([rest] if len(rest) else []), len(rest)
+        self.offset = k - start if k not in self.starts else 0
+        self.starts = [s - k for s in self.starts if s >= k]
+        where = f"export_lerobot: {self.path}: frames {self.frames}..{self.frames + k - 1}"
+        packets, flags = self.encoder.encode(self.codec, frames, where, keys)
         tb = 1 / self.rate
-        for i, (data, key) in enumerate(zip(packets, keys)):
+        for i, (data, key) in enumerate(zip(packets, flags)):
             p = self.av.Packet(data)
             p.stream, p.time_base = self.s, tb
             p.pts = p.dts = self.frames + i
             p.is_keyframe = key
             self.c.mux(p)
-        self.frames += len(frames)
+        self.frames += k
 
     def close(self, finish: bool = True) -> None:
         """Encode the frames still held and finish the file (``finish=False``: drop them, stop the
         encoder and close the file as it is, to be removed)."""
         try:
-            if finish:
-                self._encode_held()
+            if finish and self.n_held:
+                self._encode(self.n_held)
         finally:
             self.held, self.n_held = [], 0
             self.encoder.close()

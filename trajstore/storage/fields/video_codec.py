@@ -193,11 +193,12 @@ class VideoCodec:
                                  f"per-frame image codec such as 'png')")
 
     # -- encoding and decoding -----------------------------------------------------------------
-    def job(self, row_shape: tuple[int, ...], n: int) -> dict[str, Any]:
+    def job(self, row_shape: tuple[int, ...], n: int, keys: tuple[int, ...] = ()) -> dict[str, Any]:
         """The encoding settings for ``n`` frames of ``row_shape`` as :func:`.video_worker.encode_stream`
         takes them (JSON-able): FFmpeg's encoder, coded size, pixel format, keyframe interval,
-        options, and the pictures it is fed (``src``: ``rgb24`` (H, W, 3), ``gray`` (H, W) or
-        ``yuv420p`` (H*3/2, W) with flat chroma; ``shape``), one per frame (:meth:`source`)."""
+        options, the pictures it is fed (``src``: ``rgb24`` (H, W, 3), ``gray`` (H, W) or
+        ``yuv420p`` (H*3/2, W) with flat chroma; ``shape``), one per frame (:meth:`sources`), and
+        the frames ``keys`` forced to keyframes."""
         ch, cw = self.coded(row_shape)
         if not self.is_grey(row_shape):
             src, shape = "rgb24", [ch, cw, 3]
@@ -207,7 +208,7 @@ class VideoCodec:
             src, shape = "yuv420p", [ch * 3 // 2, cw]
         return {"encoder": VIDEO_CODECS[self.codec][0], "width": cw, "height": ch, "pix_fmt": self.pix_fmt,
                 "gop": self.gop, "options": {"crf": str(self.crf), "preset": self.preset}, "src": src,
-                "shape": shape, "frames": int(n)}
+                "shape": shape, "frames": int(n), "keys": [int(k) for k in keys]}
 
     def sources(self, frames: np.ndarray) -> Iterator[np.ndarray]:
         """Each of ``frames`` (n, \\*row_shape) uint8 as the contiguous picture the encoder is fed
@@ -226,9 +227,10 @@ class VideoCodec:
                 i420[:ch] = self._to_picture(f)
                 yield i420
 
-    def encode(self, frames: np.ndarray) -> tuple[list[bytes], list[bool]]:
+    def encode(self, frames: np.ndarray, keys: tuple[int, ...] = ()) -> tuple[list[bytes], list[bool]]:
         """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags,
-        encoded in this process (:mod:`.video_guard` encodes in a child process under a watchdog).
+        encoded in this process (:mod:`.video_guard` encodes in a child process under a watchdog);
+        ``keys``: frames forced to keyframes besides the first.
 
         Raises
         ------
@@ -238,7 +240,7 @@ class VideoCodec:
             The encoder gave a packet count other than n (it would break the frame index).
         """
         av = _av()
-        got = list(encode_stream(av, self.job(tuple(frames.shape[1:]), len(frames)), self.sources(frames)))
+        got = list(encode_stream(av, self.job(tuple(frames.shape[1:]), len(frames), keys), self.sources(frames)))
         if len(got) != len(frames):
             raise EncoderError(f"{VIDEO_CODECS[self.codec][0]} gave {len(got)} packets for {len(frames)} frames")
         return [p for p, _ in got], [k for _, k in got]

@@ -220,8 +220,10 @@ class GuardedEncoder:
         child = self._child
         return None if child is None else child.pid
 
-    def encode(self, codec: VideoCodec, frames: np.ndarray, where: str) -> tuple[list[bytes], list[bool]]:
-        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags.
+    def encode(self, codec: VideoCodec, frames: np.ndarray, where: str,
+               keys: tuple[int, ...] = ()) -> tuple[list[bytes], list[bool]]:
+        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags
+        (``keys``: frames forced to keyframes besides the first, e.g. episode starts).
 
         Raises
         ------
@@ -233,9 +235,9 @@ class GuardedEncoder:
             PyAV is not installed.
         """
         if codec.codec not in GUARDED or getattr(sys, "frozen", False):  # a frozen app's executable runs no script
-            return codec.encode(frames)
+            return codec.encode(frames, keys)
         enc = VIDEO_CODECS[codec.codec][0]
-        job = codec.job(tuple(frames.shape[1:]), len(frames))
+        job = codec.job(tuple(frames.shape[1:]), len(frames), keys)
         whys: list[str] = []
         with self._lock:
             for attempt in range(1, ATTEMPTS + 1):

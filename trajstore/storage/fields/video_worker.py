@@ -12,7 +12,8 @@ The child's protocol, on its stdin (jobs) and stdout (replies); no pickle:
 
 - a job: a u32 (little-endian) length and that many bytes of JSON: ``encoder`` (FFmpeg's name),
   ``width``, ``height``, ``pix_fmt``, ``gop``, ``options`` (strings), ``src`` (the pictures'
-  format), ``shape`` (a picture's shape) and ``frames`` (n); then the n pictures' bytes;
+  format), ``shape`` (a picture's shape), ``frames`` (n) and optionally ``keys`` (frames forced to
+  keyframes); then the n pictures' bytes;
 - a reply message: a kind byte and a u32 length (:data:`HEAD`), then that many bytes.  Kinds:
   :data:`READY` (once, when started), :data:`BEAT` (frames are going in), :data:`PACKET` /
   :data:`KEY_PACKET` (a packet, display order), :data:`DONE` (JSON ``{"packets": n}``: the job
@@ -52,7 +53,8 @@ BEAT_EVERY_S = 0.1
 def encode_stream(av: Any, job: dict[str, Any], pictures: Iterable[np.ndarray],
                   fed: Callable[[int], None] | None = None) -> Iterator[tuple[bytes, bool]]:
     """Encode ``pictures`` with the settings of ``job`` (as a job's JSON: ``encoder``, ``width``,
-    ``height``, ``pix_fmt``, ``gop``, ``options``, ``src``); yields ``(packet, keyframe)`` in
+    ``height``, ``pix_fmt``, ``gop``, ``options``, ``src``, and optionally ``keys``, the frames
+    forced to keyframes (episode starts)); yields ``(packet, keyframe)`` in
     display order as the encoder gives them (no B-frames: packet i is frame i).  ``fed(i)`` is
     called once picture i has gone into the encoder.  Raises what PyAV raises."""
     if job["encoder"] == "libsvtav1":
@@ -63,11 +65,14 @@ def encode_stream(av: Any, job: dict[str, Any], pictures: Iterable[np.ndarray],
     ctx.gop_size, ctx.max_b_frames = int(job["gop"]), 0
     ctx.options = {str(k): str(v) for k, v in job["options"].items()}
     src, pix = job["src"], job["pix_fmt"]
+    keys = frozenset(int(k) for k in job.get("keys", ()))
     for i, pic in enumerate(pictures):
         vf = av.VideoFrame.from_ndarray(pic, format=src)
         if src != pix:
             vf = vf.reformat(format=pix)
         vf.pts = i
+        if i in keys:
+            vf.pict_type = av.video.frame.PictureType.I
         for p in ctx.encode_lazy(vf):
             yield bytes(p), bool(p.is_keyframe)
         if fed is not None:
