@@ -193,14 +193,15 @@ class Mp4Writer:
         self.frames = 0
 
     def add(self, frames: np.ndarray, new_episode: bool) -> None:
-        """Append (n, H, W, 3) uint8 frames; with ``new_episode`` they start an episode (a keyframe)."""
+        """Append (n, H, W, 3) uint8 frames; with ``new_episode`` they start an episode (a keyframe).
+        The array is held as it is until its piece is encoded: it must not change meanwhile."""
         if not len(frames):
             return
         if new_episode:
             if self.n_held and self.n_held + len(frames) > self.piece:
                 self._encode(self.n_held)  # the piece ends where this episode starts
             self.starts.append(self.n_held)
-        self.held.append(np.array(frames, np.uint8, copy=True))
+        self.held.append(np.asarray(frames, np.uint8))  # held as given (not copied) until encoded
         self.n_held += len(frames)
         while self.n_held > self.piece:
             self._encode(self._cut())
@@ -216,15 +217,25 @@ class Mp4Writer:
 
     def _encode(self, k: int) -> None:
         """Encode the first ``k`` held frames with a fresh encoder and mux their packets."""
-        held = self.held[0] if len(self.held) == 1 else np.concatenate(self.held)
-        frames, rest = held[:k], held[k:]
+        frames: list[np.ndarray] = []
+        rest: list[np.ndarray] = []
+        pos = 0
+        for b in self.held:  # split the blocks at frame k (views, no copy)
+            if pos + len(b) <= k:
+                frames.append(b)
+            elif pos >= k:
+                rest.append(b)
+            else:
+                frames.append(b[: k - pos])
+                rest.append(b[k - pos :])
+            pos += len(b)
         start = max((s for s in self.starts if s <= k), default=-self.offset)
         keys = tuple(s for s in self.starts if 0 < s < k)
-        self.held, self.n_held = ([rest] if len(rest) else []), len(rest)
+        self.held, self.n_held = rest, self.n_held - k
         self.offset = k - start if k not in self.starts else 0
         self.starts = [s - k for s in self.starts if s >= k]
         where = f"export_lerobot: {self.path}: frames {self.frames}..{self.frames + k - 1}"
-        packets, flags = self.encoder.encode(self.codec, frames, where, keys)
+        packets, flags = self.encoder.encode(self.codec, frames, where, keys, self.rate)
         tb = 1 / self.rate
         for i, (data, key) in enumerate(zip(packets, flags)):
             p = self.av.Packet(data)

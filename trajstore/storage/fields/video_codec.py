@@ -30,8 +30,9 @@ conversion.  The planes layout is the setting ``planes`` (absent: pixels; -1: th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from fractions import Fraction
+from typing import Any, Union
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from trajstore.errors import BadOptionError, EncoderError, MissingDependencyErro
 from trajstore.storage.fields.image_codecs import MAX_PLANES, default_planes
 from trajstore.storage.fields.video_worker import encode_stream
 
-__all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "VideoCodec", "codec_from_attrs", "parse_video_compressor"]
+__all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "Frames", "VideoCodec", "as_blocks", "codec_from_attrs", "parse_video_compressor"]
 
 #: The zarr array attribute holding a video field's settings (:meth:`VideoCodec.to_dict`).
 VIDEO_ATTR = "trajstore_video"
@@ -55,6 +56,15 @@ _LUMA8 = frozenset({"gray", "yuv420p", "yuvj420p", "yuv422p", "yuvj422p", "yuv44
 #: Largest side of a coded picture, pixels.
 MAX_SIDE = 8192
 _EXTRA = "video fields need PyAV: pip install 'trajstore[video]'"
+
+
+#: Frames to encode: one (n, \\*row_shape) uint8 array, or a list of them (blocks, one after another).
+Frames = Union[np.ndarray, Sequence[np.ndarray]]
+
+
+def as_blocks(frames: Frames) -> list[np.ndarray]:
+    """``frames`` (:data:`Frames`) as a list of blocks."""
+    return [frames] if isinstance(frames, np.ndarray) else list(frames)
 
 
 def _av() -> Any:
@@ -193,12 +203,14 @@ class VideoCodec:
                                  f"per-frame image codec such as 'png')")
 
     # -- encoding and decoding -----------------------------------------------------------------
-    def job(self, row_shape: tuple[int, ...], n: int, keys: tuple[int, ...] = ()) -> dict[str, Any]:
+    def job(self, row_shape: tuple[int, ...], n: int, keys: tuple[int, ...] = (),
+            rate: Fraction = Fraction(30)) -> dict[str, Any]:
         """The encoding settings for ``n`` frames of ``row_shape`` as :func:`.video_worker.encode_stream`
         takes them (JSON-able): FFmpeg's encoder, coded size, pixel format, keyframe interval,
         options, the pictures it is fed (``src``: ``rgb24`` (H, W, 3), ``gray`` (H, W) or
         ``yuv420p`` (H*3/2, W) with flat chroma; ``shape``), one per frame (:meth:`sources`), and
-        the frames ``keys`` forced to keyframes."""
+        the frames ``keys`` forced to keyframes, at ``rate`` frames per second (a field's episodes:
+        30)."""
         ch, cw = self.coded(row_shape)
         if not self.is_grey(row_shape):
             src, shape = "rgb24", [ch, cw, 3]
@@ -208,29 +220,33 @@ class VideoCodec:
             src, shape = "yuv420p", [ch * 3 // 2, cw]
         return {"encoder": VIDEO_CODECS[self.codec][0], "width": cw, "height": ch, "pix_fmt": self.pix_fmt,
                 "gop": self.gop, "options": {"crf": str(self.crf), "preset": self.preset}, "src": src,
-                "shape": shape, "frames": int(n), "keys": [int(k) for k in keys]}
+                "shape": shape, "frames": int(n), "keys": [int(k) for k in keys],
+                "rate": f"{rate.numerator}/{rate.denominator}"}
 
-    def sources(self, frames: np.ndarray) -> Iterator[np.ndarray]:
-        """Each of ``frames`` (n, \\*row_shape) uint8 as the contiguous picture the encoder is fed
+    def sources(self, frames: Frames) -> Iterator[np.ndarray]:
+        """Each of ``frames`` (:data:`Frames`) as the contiguous picture the encoder is fed
         (:meth:`job`'s ``src`` and ``shape``); a grey picture in 4:2:0 reuses one buffer."""
-        row_shape = tuple(frames.shape[1:])
-        if not self.is_grey(row_shape):
-            for f in frames:
-                yield np.ascontiguousarray(f)
+        blocks = as_blocks(frames)
+        row_shape = tuple(blocks[0].shape[1:]) if blocks else ()
+        if not blocks or not self.is_grey(row_shape):
+            for b in blocks:
+                yield from (np.ascontiguousarray(f) for f in b)
             return
         ch, cw = self.coded(row_shape)
         i420 = np.full((ch * 3 // 2, cw), 128, np.uint8) if self.pix_fmt == "yuv420p" else None
-        for f in frames:
+        for f in (f for b in blocks for f in b):
             if i420 is None:
                 yield np.ascontiguousarray(self._to_picture(f))
             else:
                 i420[:ch] = self._to_picture(f)
                 yield i420
 
-    def encode(self, frames: np.ndarray, keys: tuple[int, ...] = ()) -> tuple[list[bytes], list[bool]]:
-        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags,
-        encoded in this process (:mod:`.video_guard` encodes in a child process under a watchdog);
-        ``keys``: frames forced to keyframes besides the first.
+    def encode(self, frames: Frames, keys: tuple[int, ...] = (),
+               rate: Fraction = Fraction(30)) -> tuple[list[bytes], list[bool]]:
+        """``frames`` (:data:`Frames`, n in all) as n packets (display order) and their keyframe
+        flags, encoded in this process (:mod:`.video_guard` encodes in a child process under a
+        watchdog); ``keys``: frames forced to keyframes besides the first; ``rate``: frames per
+        second.
 
         Raises
         ------
@@ -240,9 +256,11 @@ class VideoCodec:
             The encoder gave a packet count other than n (it would break the frame index).
         """
         av = _av()
-        got = list(encode_stream(av, self.job(tuple(frames.shape[1:]), len(frames), keys), self.sources(frames)))
-        if len(got) != len(frames):
-            raise EncoderError(f"{VIDEO_CODECS[self.codec][0]} gave {len(got)} packets for {len(frames)} frames")
+        blocks = as_blocks(frames)
+        n = sum(len(b) for b in blocks)
+        got = list(encode_stream(av, self.job(tuple(blocks[0].shape[1:]), n, keys, rate), self.sources(blocks)))
+        if len(got) != n:
+            raise EncoderError(f"{VIDEO_CODECS[self.codec][0]} gave {len(got)} packets for {n} frames")
         return [p for p, _ in got], [k for _, k in got]
 
     def decode(self, packets: list[Any], n: int, dest: dict[int, list[int]], out: np.ndarray) -> None:

@@ -39,13 +39,14 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
 from trajstore.errors import EncoderError
 from trajstore.storage.fields import video_worker as worker
-from trajstore.storage.fields.video_codec import VIDEO_CODECS, VideoCodec
+from trajstore.storage.fields.video_codec import VIDEO_CODECS, Frames, VideoCodec, as_blocks
 
 __all__ = ["ATTEMPTS", "GUARDED", "START_LIMIT_S", "STALL_LIMIT_S", "GuardedEncoder"]
 
@@ -220,10 +221,11 @@ class GuardedEncoder:
         child = self._child
         return None if child is None else child.pid
 
-    def encode(self, codec: VideoCodec, frames: np.ndarray, where: str,
-               keys: tuple[int, ...] = ()) -> tuple[list[bytes], list[bool]]:
-        """``frames`` (n, \\*row_shape) uint8 as n packets (display order) and their keyframe flags
-        (``keys``: frames forced to keyframes besides the first, e.g. episode starts).
+    def encode(self, codec: VideoCodec, frames: Frames, where: str, keys: tuple[int, ...] = (),
+               rate: Fraction = Fraction(30)) -> tuple[list[bytes], list[bool]]:
+        """``frames`` (:data:`~.video_codec.Frames`, n in all) as n packets (display order) and
+        their keyframe flags (``keys``: frames forced to keyframes besides the first, e.g. episode
+        starts; ``rate``: frames per second, which rate control takes into account).
 
         Raises
         ------
@@ -235,17 +237,19 @@ class GuardedEncoder:
             PyAV is not installed.
         """
         if codec.codec not in GUARDED or getattr(sys, "frozen", False):  # a frozen app's executable runs no script
-            return codec.encode(frames, keys)
+            return codec.encode(frames, keys, rate)
         enc = VIDEO_CODECS[codec.codec][0]
-        job = codec.job(tuple(frames.shape[1:]), len(frames), keys)
+        blocks = as_blocks(frames)
+        n = sum(len(b) for b in blocks)
+        job = codec.job(tuple(blocks[0].shape[1:]), n, keys, rate)
         whys: list[str] = []
         with self._lock:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
-                    packets, keys = self._attempt(codec, frames, job)
-                    if len(packets) == len(frames):
-                        return packets, keys
-                    whys.append(f"gave {len(packets)} packets for {len(frames)} frames")
+                    packets, flags = self._attempt(codec, blocks, job)
+                    if len(packets) == n:
+                        return packets, flags
+                    whys.append(f"gave {len(packets)} packets for {n} frames")
                 except _Failed as e:
                     whys.append(str(e))
                 except OSError as e:  # the child could not be started (no memory, no processes left)
@@ -257,19 +261,20 @@ class GuardedEncoder:
         told = "; ".join(f"attempt {i + 1}: {w}" if i == 0 or w != whys[i - 1] else f"attempt {i + 1}: the same"
                          for i, w in enumerate(whys))
         raise EncoderError(f"{where}: the {enc} encoder ({codec.label}) failed {ATTEMPTS} times on an episode of "
-                           f"{len(frames)} frames, each time with a fresh encoder process ({told}); nothing of the "
+                           f"{n} frames, each time with a fresh encoder process ({told}); nothing of the "
                            "episode was written")
 
-    def _attempt(self, codec: VideoCodec, frames: np.ndarray, job: dict[str, Any]) -> tuple[list[bytes], list[bool]]:
+    def _attempt(self, codec: VideoCodec, blocks: list[np.ndarray],
+                 job: dict[str, Any]) -> tuple[list[bytes], list[bool]]:
         child = self._child
         if child is not None and (child.owner != os.getpid() or child.proc.poll() is not None):
             self._stop()  # a forked copy of the writer, or a child that has gone: a fresh one
             child = None
         if child is None:
             child = self._child = _Child()
-        if job["src"] == "rgb24" and frames.flags.c_contiguous:  # the frames are the pictures: sent as they lie
-            return child.run(job, iter([frames]))
-        return child.run(job, codec.sources(frames))
+        if job["src"] == "rgb24":  # the frames are the pictures: each block sent as it lies
+            return child.run(job, (np.ascontiguousarray(b) for b in blocks if len(b)))
+        return child.run(job, codec.sources(blocks))
 
     def _stop(self) -> None:
         child, self._child = self._child, None

@@ -13,7 +13,7 @@ The child's protocol, on its stdin (jobs) and stdout (replies); no pickle:
 - a job: a u32 (little-endian) length and that many bytes of JSON: ``encoder`` (FFmpeg's name),
   ``width``, ``height``, ``pix_fmt``, ``gop``, ``options`` (strings), ``src`` (the pictures'
   format), ``shape`` (a picture's shape), ``frames`` (n) and optionally ``keys`` (frames forced to
-  keyframes); then the n pictures' bytes;
+  keyframes) and ``rate`` (frames per second); then the n pictures' bytes;
 - a reply message: a kind byte and a u32 length (:data:`HEAD`), then that many bytes.  Kinds:
   :data:`READY` (once, when started), :data:`BEAT` (frames are going in), :data:`PACKET` /
   :data:`KEY_PACKET` (a packet, display order), :data:`DONE` (JSON ``{"packets": n}``: the job
@@ -54,14 +54,16 @@ def encode_stream(av: Any, job: dict[str, Any], pictures: Iterable[np.ndarray],
                   fed: Callable[[int], None] | None = None) -> Iterator[tuple[bytes, bool]]:
     """Encode ``pictures`` with the settings of ``job`` (as a job's JSON: ``encoder``, ``width``,
     ``height``, ``pix_fmt``, ``gop``, ``options``, ``src``, and optionally ``keys``, the frames
-    forced to keyframes (episode starts)); yields ``(packet, keyframe)`` in
+    forced to keyframes (episode starts), and ``rate``, frames per second as ``"num/den"``, 30 if
+    absent); yields ``(packet, keyframe)`` in
     display order as the encoder gives them (no B-frames: packet i is frame i).  ``fed(i)`` is
     called once picture i has gone into the encoder.  Raises what PyAV raises."""
     if job["encoder"] == "libsvtav1":
         os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr unless told not to
     ctx = av.CodecContext.create(job["encoder"], "w")
     ctx.width, ctx.height = int(job["width"]), int(job["height"])
-    ctx.pix_fmt, ctx.time_base, ctx.framerate = job["pix_fmt"], Fraction(1, 30), Fraction(30)
+    rate = Fraction(str(job.get("rate", "30")))  # frames per second (rate control depends on it)
+    ctx.pix_fmt, ctx.time_base, ctx.framerate = job["pix_fmt"], 1 / rate, rate
     ctx.gop_size, ctx.max_b_frames = int(job["gop"]), 0
     ctx.options = {str(k): str(v) for k, v in job["options"].items()}
     src, pix = job["src"], job["pix_fmt"]
