@@ -68,10 +68,11 @@ def encode_stream(av: Any, job: dict[str, Any], pictures: Iterable[np.ndarray],
     ctx.options = {str(k): str(v) for k, v in job["options"].items()}
     src, pix = job["src"], job["pix_fmt"]
     keys = frozenset(int(k) for k in job.get("keys", ()))
+    reformatter = av.video.reformatter.VideoReformatter()  # one scaler for the stream (one per frame costs 3x)
     for i, pic in enumerate(pictures):
         vf = av.VideoFrame.from_ndarray(pic, format=src)
         if src != pix:
-            vf = vf.reformat(format=pix)
+            vf = reformatter.reformat(vf, format=pix)
         vf.pts = i
         if i in keys:
             vf.pict_type = av.video.frame.PictureType.I
