@@ -190,6 +190,24 @@ def test_bad_frames_are_refused_before_an_encoder_starts(tmp_path):
         assert len(ro) == 0
 
 
+def test_an_error_the_encoder_reports_is_tried_three_times_then_encoder_error():
+    from trajstore.storage.fields.video_codec import VideoCodec
+
+    enc = video_guard.GuardedEncoder()
+    try:  # a preset SVT-AV1 refuses when it opens (the settings check takes any short word)
+        with pytest.warns(RuntimeWarning, match=r"attempt [12] of 3"), pytest.raises(EncoderError) as e:
+            enc.encode(VideoCodec("av1", preset="zzz"), frames(4), "here")
+        assert enc.pid is None and encoders_of(os.getpid()) == []
+        msg = str(e.value)
+        assert msg.startswith("here: the libsvtav1 encoder (av1:crf=30:g=2:pix_fmt=yuv420p:preset=zzz) failed 3 times")
+        assert "attempt 1: reported ArgumentError" in msg and "attempt 3: the same" in msg, msg
+        packets, keys = enc.encode(VideoCodec("av1"), frames(4), "here")  # the same encoder goes on
+        assert len(packets) == 4 and keys[0] and enc.pid in encoders_of(os.getpid())
+    finally:
+        enc.close()
+    assert encoders_of(os.getpid()) == []
+
+
 _WRITER = """
 import os, sys, numpy as np
 sys.path.insert(0, {tests!r})

@@ -40,7 +40,8 @@ from trajstore.errors import BadOptionError, EncoderError, MissingDependencyErro
 from trajstore.storage.fields.image_codecs import MAX_PLANES, default_planes
 from trajstore.storage.fields.video_worker import encode_stream
 
-__all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "Frames", "VideoCodec", "as_blocks", "codec_from_attrs", "parse_video_compressor"]
+__all__ = ["VIDEO_ATTR", "VIDEO_CODECS", "Frames", "VideoCodec", "as_blocks", "codec_from_attrs", "load_av",
+           "parse_video_compressor"]
 
 #: The zarr array attribute holding a video field's settings (:meth:`VideoCodec.to_dict`).
 VIDEO_ATTR = "trajstore_video"
@@ -65,6 +66,11 @@ Frames = Union[np.ndarray, Sequence[np.ndarray]]
 def as_blocks(frames: Frames) -> list[np.ndarray]:
     """``frames`` (:data:`Frames`) as a list of blocks."""
     return [frames] if isinstance(frames, np.ndarray) else list(frames)
+
+
+def load_av() -> Any:
+    """The ``av`` module (PyAV), or MissingDependencyError naming the ``video`` extra."""
+    return _av()
 
 
 def _av() -> Any:

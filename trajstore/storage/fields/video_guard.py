@@ -46,7 +46,7 @@ import numpy as np
 
 from trajstore.errors import EncoderError
 from trajstore.storage.fields import video_worker as worker
-from trajstore.storage.fields.video_codec import VIDEO_CODECS, Frames, VideoCodec, as_blocks
+from trajstore.storage.fields.video_codec import VIDEO_CODECS, Frames, VideoCodec, as_blocks, load_av
 
 __all__ = ["ATTEMPTS", "GUARDED", "START_LIMIT_S", "STALL_LIMIT_S", "GuardedEncoder"]
 
@@ -73,9 +73,9 @@ def _kill(proc: subprocess.Popen[bytes], owner: int) -> None:
         return
     try:
         proc.kill()
-    except OSError:
-        pass
-    proc.wait()
+        proc.wait(timeout=10)  # a SIGKILLed process goes at once (stopped or not), unless the kernel holds it
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # left to the kernel: never wait on it forever
     for f in (proc.stdin, proc.stdout):
         if f is not None:
             f.close()
@@ -238,6 +238,7 @@ class GuardedEncoder:
         """
         if codec.codec not in GUARDED or getattr(sys, "frozen", False):  # a frozen app's executable runs no script
             return codec.encode(frames, keys, rate)
+        load_av()  # MissingDependencyError naming the extra, here rather than three failed children
         enc = VIDEO_CODECS[codec.codec][0]
         blocks = as_blocks(frames)
         n = sum(len(b) for b in blocks)
