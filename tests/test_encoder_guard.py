@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +26,15 @@ from trajstore import TrajectoryReplayBuffer
 from trajstore.errors import EncoderError
 from trajstore.maintenance.verify import verify_store
 from trajstore.storage.fields import video_guard
+from trajstore.storage.fields.video import write_segment
+from trajstore.storage.fields.video_codec import parse_video_compressor
 
 pytest.importorskip("av")
 if not os.path.isdir("/proc/self/task"):
     pytest.skip("needs Linux's /proc", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_video_fields import SPACE, frames, psnr  # noqa: E402
+from test_video_fields import SPACE, H, W, frames, psnr  # noqa: E402
 
 ROOT = str(Path(__file__).resolve().parents[1])
 #: An encoder child with at least this many threads has an SVT-AV1 encoder open (idle: 3).
@@ -64,6 +67,14 @@ def encoders_of(parent: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return out
+
+
+@pytest.fixture
+def mine() -> Callable[[], set[int]]:
+    """The encoder children of this process started since the test began (others of this xdist
+    worker, from stores another test left to the garbage collector, are not this test's)."""
+    before = set(encoders_of(os.getpid()))
+    return lambda: set(encoders_of(os.getpid())) - before
 
 
 def threads(pid: int) -> int:
@@ -127,7 +138,7 @@ def check_store(path: Path, allf: np.ndarray) -> None:
     assert report.ok, report
 
 
-def test_a_stalled_encoder_is_killed_and_the_episode_encoded_again(tmp_path, monkeypatch):
+def test_a_stalled_encoder_is_killed_and_the_episode_encoded_again(tmp_path, monkeypatch, mine):
     monkeypatch.setattr(video_guard, "STALL_LIMIT_S", 2.0)
     hitter = Hitter(signal.SIGSTOP, 1)
     hitter.start()
@@ -138,10 +149,15 @@ def test_a_stalled_encoder_is_killed_and_the_episode_encoded_again(tmp_path, mon
             tb.flush()
             assert len(hitter.hit) == 1
             assert not alive(hitter.hit[0])  # killed and reaped, not left stopped
-            assert encoders_of(os.getpid()) not in ([], hitter.hit)  # a fresh child did the episode
+            assert mine() and not mine() & set(hitter.hit)  # a fresh child did the episode
     hitter.stop.set()
-    assert encoders_of(os.getpid()) == []  # closed with the store
+    assert not mine()  # closed with the store
     check_store(tmp_path / "s", allf)
+    codec = parse_video_compressor("av1", (H, W, 3), np.uint8)
+    assert codec is not None
+    for lo in (0, 150, 300):  # the encoder is deterministic: each segment is what an unguarded encode makes
+        seg = (tmp_path / "s" / "step_data" / "obs" / "video" / str(lo)).read_bytes()
+        assert seg == write_segment(*codec.encode(allf[lo : lo + 150]))
 
 
 def test_a_crashed_encoder_is_replaced_and_the_episode_encoded_again(tmp_path):
@@ -180,32 +196,32 @@ def test_three_stalls_raise_encoder_error_and_the_store_stays_at_its_last_commit
     check_store(path, np.concatenate([first, more, later]))
 
 
-def test_bad_frames_are_refused_before_an_encoder_starts(tmp_path):
+def test_bad_frames_are_refused_before_an_encoder_starts(tmp_path, mine):
     with TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "s"), compressor={"obs": "av1"}) as tb:
         with pytest.raises(Exception) as e:
             tb.append({"obs": np.zeros((8, 8, 3), np.uint8), "t": np.int64(0)})
         assert type(e.value).__module__ == "trajstore.errors"
-        assert encoders_of(os.getpid()) == []
+        assert not mine()
     with TrajectoryReplayBuffer.load_from(str(tmp_path / "s"), read_only=True) as ro:
         assert len(ro) == 0
 
 
-def test_an_error_the_encoder_reports_is_tried_three_times_then_encoder_error():
+def test_an_error_the_encoder_reports_is_tried_three_times_then_encoder_error(mine):
     from trajstore.storage.fields.video_codec import VideoCodec
 
     enc = video_guard.GuardedEncoder()
     try:  # a preset SVT-AV1 refuses when it opens (the settings check takes any short word)
         with pytest.warns(RuntimeWarning, match=r"attempt [12] of 3"), pytest.raises(EncoderError) as e:
             enc.encode(VideoCodec("av1", preset="zzz"), frames(4), "here")
-        assert enc.pid is None and encoders_of(os.getpid()) == []
+        assert enc.pid is None and not mine()
         msg = str(e.value)
         assert msg.startswith("here: the libsvtav1 encoder (av1:crf=30:g=2:pix_fmt=yuv420p:preset=zzz) failed 3 times")
         assert "attempt 1: reported ArgumentError" in msg and "attempt 3: the same" in msg, msg
         packets, keys = enc.encode(VideoCodec("av1"), frames(4), "here")  # the same encoder goes on
-        assert len(packets) == 4 and keys[0] and enc.pid in encoders_of(os.getpid())
+        assert len(packets) == 4 and keys[0] and mine() == {enc.pid}
     finally:
         enc.close()
-    assert encoders_of(os.getpid()) == []
+    assert not mine()
 
 
 _WRITER = """
@@ -271,7 +287,7 @@ def _camera_store(path: Path, lengths: list[int]) -> np.ndarray:
     return allf
 
 
-def test_export_lerobot_encodes_a_piece_again_after_a_stall(tmp_path, monkeypatch):
+def test_export_lerobot_encodes_a_piece_again_after_a_stall(tmp_path, monkeypatch, mine):
     pytest.importorskip("pyarrow")
     from trajstore.interop import export_lerobot
     from trajstore.interop.lerobot_video import episode_frames
@@ -283,13 +299,13 @@ def test_export_lerobot_encodes_a_piece_again_after_a_stall(tmp_path, monkeypatc
     with pytest.warns(RuntimeWarning, match=r"export_lerobot: .* libsvtav1 encoder stalled"):
         export_lerobot(tmp_path / "s", tmp_path / "ex", fps=10)
     hitter.stop.set()
-    assert len(hitter.hit) == 1 and not alive(hitter.hit[0]) and encoders_of(os.getpid()) == []
+    assert len(hitter.hit) == 1 and not alive(hitter.hit[0]) and not mine()
     with open(tmp_path / "ex" / "videos" / "cam" / "chunk-000" / "file-000.mp4", "rb") as f:
         got = episode_frames(f, "ex", 0.0, 30.0, 10, 300, (96, 128))
     assert psnr(got, allf) >= 30
 
 
-def test_export_lerobot_raises_encoder_error_after_three_stalls_and_leaves_nothing(tmp_path, monkeypatch):
+def test_export_lerobot_raises_encoder_error_after_three_stalls_and_leaves_nothing(tmp_path, monkeypatch, mine):
     pytest.importorskip("pyarrow")
     from trajstore.interop import export_lerobot
 
@@ -300,5 +316,5 @@ def test_export_lerobot_raises_encoder_error_after_three_stalls_and_leaves_nothi
     with pytest.warns(RuntimeWarning), pytest.raises(EncoderError, match="export_lerobot: .*failed 3 times"):
         export_lerobot(tmp_path / "s", tmp_path / "ex2", fps=10)
     hitter.stop.set()
-    assert len(hitter.hit) == 3 and not any(alive(p) for p in hitter.hit) and encoders_of(os.getpid()) == []
+    assert len(hitter.hit) == 3 and not any(alive(p) for p in hitter.hit) and not mine()
     assert not (tmp_path / "ex2").exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
