@@ -255,6 +255,9 @@ class GuardedEncoder:
                     whys.append(str(e))
                 except OSError as e:  # the child could not be started (no memory, no processes left)
                     whys.append(f"could not start ({type(e).__name__}: {e})")
+                except BaseException:  # KeyboardInterrupt, MemoryError...: the child is mid-job, never reused
+                    self._stop()
+                    raise
                 self._stop()
                 if attempt < ATTEMPTS:
                     warnings.warn(f"{where}: the {enc} encoder {whys[-1]} (attempt {attempt} of {ATTEMPTS}); "

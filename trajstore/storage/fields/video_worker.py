@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import struct
 import sys
 import threading
@@ -130,6 +131,7 @@ def serve() -> None:
     os.dup2(2, 1)  # what a library prints on stdout goes to stderr, not into the replies
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the writer's to handle: it stops us
     threading.Thread(target=_watch_parent, args=(inp.fileno(), os.getppid()), daemon=True).start()
     import av
 
