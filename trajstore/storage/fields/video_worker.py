@@ -20,7 +20,10 @@ The child's protocol, on its stdin (jobs) and stdout (replies); no pickle:
   is over) and :data:`FAILED` (a message; the child exits with code 1).
 
 The child exits when its stdin ends (the writer closed it) or when its parent process is gone
-(checked each :data:`PARENT_CHECK_S` by a thread): a writer killed with SIGKILL leaves no encoder.
+(checked each :data:`PARENT_CHECK_S` by a thread, which runs while PyAV waits in the encoder: PyAV
+releases the GIL there): a writer killed with SIGKILL leaves no encoder, even one whose encoder hangs.
+``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that started the child ends, and a
+writer may encode from a thread it then ends.  Ctrl-C (SIGINT) is ignored: the writer handles it.
 """
 
 from __future__ import annotations
