@@ -318,3 +318,54 @@ def test_export_lerobot_raises_encoder_error_after_three_stalls_and_leaves_nothi
     hitter.stop.set()
     assert len(hitter.hit) == 3 and not any(alive(p) for p in hitter.hit) and not mine()
     assert not (tmp_path / "ex2").exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+_FORKING_WRITER = """
+import os, sys, time, numpy as np
+sys.path.insert(0, {tests!r})
+from test_video_fields import frames
+from trajstore import TrajectoryReplayBuffer
+tb = TrajectoryReplayBuffer.load_from({store!r}, commit_interval=3600)
+imgs = frames(64)
+for t in range(10, 40):
+    tb.append({{"obs": imgs[t % 64], "t": np.int64(t)}})
+tb.mark_episode_end()
+tb.flush()  # the encoder child is started, and now idle
+pid = os.fork()  # a copy of the writer that holds the child's pipes open: no hang-up reaches it
+if pid == 0:
+    time.sleep(120)
+    os._exit(0)
+open({ready!r}, "w").write(str(pid))
+time.sleep(120)
+"""
+
+
+def test_an_idle_encoder_leaves_when_its_writer_is_killed_though_a_fork_holds_its_pipes(tmp_path):
+    """The child's thread checks its parent's pid: stdin's hang-up never comes while a forked copy
+    of the writer holds the pipe open."""
+    store, ready = tmp_path / "s", tmp_path / "ready"
+    with TrajectoryReplayBuffer.create(SPACE, cache_path=str(store), compressor={"obs": "av1"}) as tb:
+        append_episodes(tb, [10])
+    code = _FORKING_WRITER.format(tests=str(Path(__file__).parent), store=str(store), ready=str(ready))
+    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT})
+    fork = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fork = int(ready.read_text())
+        children = encoders_of(p.pid)
+        assert len(children) == 1
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        deadline = time.monotonic() + 30
+        while alive(children[0]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive(children[0]), "the encoder outlived its writer"
+    finally:
+        p.kill()
+        p.wait(30)
+        if fork is not None:
+            os.kill(fork, signal.SIGKILL)
+    with TrajectoryReplayBuffer.load_from(str(store), read_only=True) as ro:
+        assert len(ro) == 40
