@@ -1,5 +1,6 @@
 """The one way foreign bytes enter trajstore: every import (D4RL, robomimic, Minari, Diffusion
-Policy) and :func:`~trajstore.interop.open_diffusion_policy` open their sources here.
+Policy, LeRobot, SB3 replay-buffer pickles) and :func:`~trajstore.interop.open_diffusion_policy`
+open their sources here.
 
 A foreign file is input, as a store is (docs/design.md, invariants 7 and 10): nothing it says may make trajstore read a
 file outside it, block on a special file, allocate without bound, recurse without bound or raise
