@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 
 import _icechunk_workers as IW
 import _workers as W
+import gymnasium as gym
 import icechunk
 import numpy as np
 import pytest
@@ -23,11 +25,13 @@ from trajstore import ReplayBuffer, TrajectoryReplayBuffer, verify_store
 from trajstore.errors import (
     BadOptionError,
     ConcurrentWriteError,
+    DamagedStoreError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from trajstore.maintenance.versions import log as versions_log
 
 rows = IW.rows
 
@@ -245,6 +249,56 @@ def test_bad_icechunk_locations(tmp_path):
         ReplayBuffer.load_from(url, read_only=True, storage_options={"trajstore_version": "0" * 20})
     with pytest.raises(BadOptionError, match="read-only"):
         ReplayBuffer.load_from(url, storage_options={"trajstore_version": "v9"})
+
+
+def _opened_within(fn, limit_s: float = 60.0):
+    """``fn()``'s exception (None when it returned), failing the test if it is still blocked after
+    ``limit_s`` (icechunk's own open of a FIFO waits for a writer)."""
+    got: list = []
+
+    def run():
+        try:
+            fn().close()
+            got.append(None)
+        except BaseException as e:  # noqa: BLE001  # handed to the test thread
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), "blocked opening a repository that holds a FIFO"
+    return got[0]
+
+
+def test_links_and_special_files_in_a_local_repository_are_refused(tmp_path):
+    """A local repository's files are opened by icechunk, which follows links and blocks on a FIFO:
+    a link or a FIFO anywhere below the folder is refused (DamagedStoreError naming it) when the
+    store is opened, for readers, writers and the version listing, before icechunk reads it."""
+    space = gym.spaces.Box(0, 255, (64,), np.uint8)
+    data = (np.arange(4000 * 64) % 251).astype(np.uint8).reshape(4000, 64)
+    url = f"icechunk://{tmp_path / 'repo'}"
+    with ReplayBuffer.create(space, cache_path=url, capacity=4000, chunk_rows=1000) as rb:
+        rb.extend(data)  # chunks of 8 KiB and more: files under chunks/ (small ones are inlined)
+    chunks = sorted((tmp_path / "repo" / "chunks").iterdir())
+    assert chunks
+    outside = tmp_path / "outside"
+    outside.write_bytes(chunks[0].read_bytes())
+    for plant in ("fifo", "link"):
+        chunks[0].unlink(missing_ok=True)
+        if plant == "fifo":
+            os.mkfifo(chunks[0])
+        else:
+            chunks[0].symlink_to(outside)
+        for fn in (lambda: ReplayBuffer.load_from(url, read_only=True), lambda: ReplayBuffer.load_from(url)):
+            err = _opened_within(fn)
+            assert isinstance(err, DamagedStoreError), err
+            assert f"chunks/{chunks[0].name} is a {'FIFO' if plant == 'fifo' else 'symbolic link'}" in str(err)
+        with pytest.raises(DamagedStoreError, match="not a regular file"):
+            versions_log(url)
+        chunks[0].unlink()
+    chunks[0].write_bytes(outside.read_bytes())  # as it was: the store opens and reads again
+    with ReplayBuffer.load_from(url, read_only=True) as ro:
+        np.testing.assert_array_equal(ro[:], data)
 
 
 def test_one_writer_at_a_time_on_a_local_repository(tmp_path):

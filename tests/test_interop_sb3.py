@@ -6,7 +6,9 @@ without trust=True (a pickle that would run code is never opened)."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,12 @@ from stable_baselines3 import DQN, SAC  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 
 from trajstore.cli import main  # noqa: E402
-from trajstore.errors import BadOptionError, NotATrajstoreError, UnsupportedSpaceError  # noqa: E402
+from trajstore.errors import (  # noqa: E402
+    BadOptionError,
+    ForeignFileError,
+    NotATrajstoreError,
+    UnsupportedSpaceError,
+)
 from trajstore.interop import import_sb3_replay_buffer  # noqa: E402
 from trajstore.maintenance.verify import verify_store  # noqa: E402
 from trajstore.metadata import get_dataset_info  # noqa: E402
@@ -123,6 +130,31 @@ def test_refused_without_trust_and_nothing_runs(tmp_path: Path, cartpole: tuple[
         import_sb3_replay_buffer(tmp_path / "cut.pkl", tmp_path / "s", trust=True)
     assert not (tmp_path / "s").exists()
     assert not [p for p in tmp_path.iterdir() if "trajstore-partial" in p.name]
+
+
+def test_special_files_are_refused_before_any_read(tmp_path: Path) -> None:
+    """A FIFO or a device named as the pickle is refused by the foreign gate (ForeignFileError)
+    before a read: a plain ``open`` of a FIFO blocks until a writer appears (a hung import)."""
+    fifo = tmp_path / "buffer.pkl"
+    os.mkfifo(fifo)
+    got: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            import_sb3_replay_buffer(fifo, tmp_path / "s", trust=True)
+        except BaseException as e:  # noqa: BLE001  # handed to the test thread
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():  # blocked in open(): a writer releases it, and the test fails
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("import_sb3_replay_buffer blocked on a FIFO")
+    assert len(got) == 1 and isinstance(got[0], ForeignFileError) and "FIFO" in str(got[0])
+    with pytest.raises(ForeignFileError, match="device"):
+        import_sb3_replay_buffer("/dev/zero", tmp_path / "s", trust=True)
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("trust", ["no", "false", "False", "0", 1, np.True_, [True], "yes"])

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import socket
+import stat
+import threading
 import uuid
 
 import gymnasium as gym
@@ -294,3 +298,52 @@ def test_s3_local_chunk_cache(s3_options, monkeypatch, tmp_path):
         np.testing.assert_array_equal(ro[:], want)
     held = sum(p.stat().st_size for p in (tmp_path / "small").rglob("*") if p.is_file())
     assert held <= 64 << 10
+
+
+def test_s3_chunk_cache_entries_that_are_not_plain_files(s3_options, tmp_path):
+    """A cache folder is read like a store: an entry that is a FIFO (a plain open would block until
+    a writer came), or a link to a file outside the folder, is a miss (the chunk comes from S3) and
+    is never read; a link where an entry's folder belongs is never written through."""
+    space = gym.spaces.Box(0, 255, (8,), np.uint8)
+    data = np.random.default_rng(7).integers(0, 255, (400, 8), dtype=np.uint8)
+    url = f"s3://trajstore-test/{uuid.uuid4().hex}/planted"
+    with ReplayBuffer.create(space, cache_path=url, storage_options=s3_options, chunk_rows=100, capacity=400,
+                             compressor="lz4") as rb:
+        rb.extend(data)
+    folder = tmp_path / "cache"
+    opts = {**s3_options, "trajstore_chunk_cache": str(folder), "trajstore_chunk_cache_bytes": 10 << 20}
+    with ReplayBuffer.load_from(url, read_only=True, storage_options=opts) as ro:
+        np.testing.assert_array_equal(ro[:], data)
+    entries = sorted(p for p in folder.rglob("*") if p.is_file() and "/c/" in str(p))
+    assert len(entries) == 4, entries
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\0" * 64)
+    entries[0].unlink()
+    os.mkfifo(entries[0])
+    entries[1].unlink()
+    entries[1].symlink_to(outside)
+    moved = entries[2].parent
+    shutil.rmtree(moved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved.symlink_to(elsewhere, target_is_directory=True)
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            with ReplayBuffer.load_from(url, read_only=True, storage_options=opts) as again:
+                got.append(again[:])
+        except BaseException as e:  # noqa: BLE001  # handed to the test thread
+            got.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(120)
+    if t.is_alive():
+        os.close(os.open(entries[0], os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("a FIFO in the chunk cache blocked the reader")
+    assert len(got) == 1 and isinstance(got[0], np.ndarray), got
+    np.testing.assert_array_equal(got[0], data)
+    # the misses were cached again: a plain file replaced the FIFO and the link (not the file it named)
+    assert all(stat.S_ISREG(os.lstat(e).st_mode) for e in entries[:2]) and outside.read_bytes() == b"\0" * 64
+    assert list(elsewhere.iterdir()) == []  # nothing written through the link

@@ -194,8 +194,10 @@ def test_facade_full_and_size() -> None:
             assert f.full == (t == 3) and f.pos == t + 1
         f.buffers[0].reset()
         assert not f.full  # every sub-buffer must be full
-        f.full = True  # BaseBuffer assigns it: ignored
-        assert not f.full
+        f.full = True  # set by hand: every sub-buffer, as SB3 code expects to read it back
+        assert f.full and all(sub.full for sub in f.buffers)
+        f.full = False
+        assert not f.full and not any(sub.full for sub in f.buffers)
 
 
 def test_facade_validation() -> None:
@@ -353,28 +355,31 @@ def test_sb3_allocation_is_never_run(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         z.reset()
 
 
-@pytest.mark.parametrize("impl", ["zarr", "dummyvec"])
+@pytest.mark.parametrize("impl", ["zarr", "dummyvec", "dummyvec-sb3-subs"])
 def test_staged_steps_and_positions_set_by_hand_equal_sb3(tmp_path: Path, impl: str) -> None:
     """A rollout of 256 steps stages its observations in blocks (the store's ring step: 8 rows), so
     an ``add`` finds rows still staged; with ``pos`` set back (the step overwrites a held row) and
-    forward (zero rows in between) by hand mid-block (``ZarrRolloutBuffer``; the facade's
-    sub-buffers keep their own positions), every observation is where SB3 puts it."""
+    forward (zero rows in between) by hand mid-block (on the facade, its sub-buffers move with
+    it), every observation is where SB3 puts it."""
     steps = 256
     obs_space, act_space = OBS["image"]
     ref = RolloutBuffer(steps, obs_space, act_space, "cpu", gae_lambda=LAMBDA, gamma=GAMMA, n_envs=2)
     if impl == "zarr":
         ours: Any = ZarrRolloutBuffer(steps, obs_space, act_space, "cpu", gae_lambda=LAMBDA, gamma=GAMMA, n_envs=2,
                                       cache_path=tmp_path / "buf")
-    else:
+    elif impl == "dummyvec":
         ours = DummyVecRolloutBuffer(steps, obs_space, act_space, "cpu", n_envs=2, gamma=GAMMA, gae_lambda=LAMBDA,
                                      cache_path=tmp_path / "buf")
+    else:  # SB3's own one-env buffers under the facade
+        ours = DummyVecRolloutBuffer(steps, obs_space, act_space, "cpu", n_envs=2, gamma=GAMMA, gae_lambda=LAMBDA,
+                                     buffer_class=RolloutBuffer)
     rng = np.random.default_rng(3)
     try:
         for b in (ref, ours):
             b.reset()
         t = 0
         while not ref.full:
-            moves = {21: -5, 83: -5, 140: 6} if impl == "zarr" else {}  # 21: back inside a staged block
+            moves = {21: -5, 83: -5, 140: 6}  # 21: back inside a staged block
             for b in (ref, ours):
                 b.pos += moves.get(t, 0)
             args = (value(obs_space, 2, rng), value(act_space, 2, rng), rng.standard_normal(2).astype(np.float32),

@@ -1,5 +1,6 @@
 """The one way foreign bytes enter trajstore: every import (D4RL, robomimic, Minari, Diffusion
-Policy) and :func:`~trajstore.interop.open_diffusion_policy` open their sources here.
+Policy, LeRobot, SB3 replay-buffer pickles) and :func:`~trajstore.interop.open_diffusion_policy`
+open their sources here.
 
 A foreign file is input, as a store is (docs/design.md, invariants 7 and 10): nothing it says may make trajstore read a
 file outside it, block on a special file, allocate without bound, recurse without bound or raise
@@ -55,6 +56,7 @@ from trajstore.storage.schema import (
     MAX_ROW_ELEMENTS,
     load_json,
 )
+from trajstore.storage.tree_check import check_tree
 
 __all__ = ["open_file", "open_below", "check_folder", "h5py_module", "open_hdf5", "check_hdf5", "check_declared",
            "check_expansion", "zarr_stored_bytes",
@@ -153,20 +155,13 @@ def check_folder(root: str, what: str) -> None:
     ForeignFileError
         Naming the first link or special file found, or the count.
     """
-    count = 0
-    stack = [root]
-    while stack:
-        folder = stack.pop()
-        with os.scandir(folder) as entries:
-            for e in entries:
-                count += 1
-                if count > MAX_FOLDER_ENTRIES:
-                    raise ForeignFileError(f"{what}: {root} holds more than {MAX_FOLDER_ENTRIES} files and folders")
-                mode = e.stat(follow_symlinks=False).st_mode
-                if stat.S_ISDIR(mode):
-                    stack.append(e.path)
-                elif not stat.S_ISREG(mode):
-                    raise _not_regular(e.path, mode, what)
+
+    def refuse(path: str, mode: int | None) -> Exception:
+        if mode is None:
+            return ForeignFileError(f"{what}: {root} holds more than {MAX_FOLDER_ENTRIES} files and folders")
+        return _not_regular(path, mode, what)
+
+    check_tree(root, MAX_FOLDER_ENTRIES, refuse)
 
 
 def parse_json(raw: Any, where: str, key: str) -> Any:

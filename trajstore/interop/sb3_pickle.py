@@ -9,6 +9,7 @@ pickles load); the store is then written in bounded blocks.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -25,6 +26,7 @@ from trajstore.interop._common import (
     recorder_space,
     source_file,
 )
+from trajstore.interop.foreign_gate import open_file
 
 __all__ = ["import_sb3_replay_buffer", "sb3_replay_buffer_to_store"]
 
@@ -46,22 +48,24 @@ def _check_trust(trust: Any, src: Any) -> None:
 
 def _load(src: str, trust: bool) -> Any:
     _check_trust(trust, src)
-    with open(src, "rb") as fh:
-        head = fh.read(2)
-    if len(head) < 2 or head[0] != 0x80:
-        raise NotATrajstoreError(f"import_sb3_replay_buffer: {src} is not a pickle (it starts with {head!r}; "
-                                 "model.save_replay_buffer writes pickle protocol >= 2, starting with b'\\x80')")
-    try:
-        from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
-    except ImportError:
-        from trajstore._optional import missing
-
-        raise missing("stable_baselines3", "import_sb3_replay_buffer") from None
-    import pickle
-
-    with open(src, "rb") as fh:
+    # Opened through the foreign gate, once: a FIFO, a device or another special file is refused
+    # before any read (a plain open of a FIFO blocks until some writer appears).
+    with open_file(src, "import_sb3_replay_buffer") as raw:
+        head = raw.read(2)
+        if len(head) < 2 or head[0] != 0x80:
+            raise NotATrajstoreError(f"import_sb3_replay_buffer: {src} is not a pickle (it starts with {head!r}; "
+                                     "model.save_replay_buffer writes pickle protocol >= 2, starting with b'\\x80')")
         try:
-            obj = pickle.load(fh)  # noqa: S301  # only with trust=True, as documented
+            from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
+        except ImportError:
+            from trajstore._optional import missing
+
+            raise missing("stable_baselines3", "import_sb3_replay_buffer") from None
+        import pickle
+
+        raw.seek(0)
+        try:
+            obj = pickle.load(io.BufferedReader(raw, 1 << 20))  # noqa: S301  # only with trust=True, as documented
         except Exception as e:  # noqa: BLE001  # a truncated or foreign pickle fails in many ways
             raise NotATrajstoreError(f"import_sb3_replay_buffer: {src} cannot be unpickled ({type(e).__name__}: "
                                      f"{e}); expected a file written by model.save_replay_buffer") from None

@@ -230,7 +230,24 @@ class DummyVecRolloutBuffer(RolloutBuffer):
 
     @full.setter
     def full(self, value: bool) -> None:
-        """Ignored: fullness is the sub-buffers' (BaseBuffer assigns it)."""
+        """Set every sub-buffer's ``full`` (SB3 code assigns ``buffer.full`` by hand, as
+        ``BaseBuffer.__init__`` and ``reset`` do), so the facade reads back what was set."""
+        for sub in self.__dict__.get("_buffers", ()):
+            sub.full = value
+
+    @property
+    def pos(self) -> int:
+        """The next step each env's ``add`` writes (the same for every env)."""
+        return int(self.__dict__.get("_pos", 0))
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        """Move the facade and every sub-buffer to step ``value``: code that sets an SB3 buffer's
+        ``pos`` by hand (to overwrite or skip steps) gets every env's next ``add`` at that step,
+        observations included, as in SB3's ``RolloutBuffer(n_envs)``."""
+        self.__dict__["_pos"] = value
+        for sub in self.__dict__.get("_buffers", ()):
+            sub.pos = value
 
     def size(self) -> int:
         """Steps stored per env, as SB3's ``BaseBuffer.size``: ``buffer_size`` once every
@@ -404,6 +421,8 @@ class DummyVecRolloutBuffer(RolloutBuffer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "pos" in state:  # pickled before ``pos`` became a property
+            state["_pos"] = state.pop("pos")
         self.__dict__.update(state)
         if not self.generator_ready:  # pickling copied the shared arrays apart: share them again
             self._bind()

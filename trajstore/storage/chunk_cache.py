@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trajstore.errors import BadOptionError
-from trajstore.storage.confined import read_limit
+from trajstore.errors import BadOptionError, DamagedStoreError
+from trajstore.storage.confined import Confinement, read_limit
 from trajstore.storage.keys import HEAD_KEY
 
 if TYPE_CHECKING:
@@ -39,7 +39,12 @@ class ChunkCache:
     def __init__(self, folder: str | os.PathLike[str], max_bytes: int, url: str) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise BadOptionError(f"trajstore_chunk_cache_bytes must be a non-negative int; got {max_bytes!r}")
-        self.root = Path(folder).expanduser().absolute() / hashlib.sha1(url.encode()).hexdigest()[:20]
+        folder = Path(folder).expanduser().absolute()
+        self._prefix = hashlib.sha1(url.encode()).hexdigest()[:20]
+        self.root = folder / self._prefix
+        # Everything below the folder the user named is reached without following a link, and
+        # only regular files are read (a FIFO planted as an entry would block a plain open).
+        self._conf = Confinement(folder, f"chunk cache {folder}")
         self.max_bytes = max_bytes
         self._tag: str | None = None
         self._total: int | None = None
@@ -48,40 +53,42 @@ class ChunkCache:
         """The commit record may have changed: the next read fetches it again to find its entries."""
         self._tag = None
 
-    def _dir(self, loc: Location) -> Path:
+    def _key(self, loc: Location, key: str) -> str:
+        """``key``'s entry below the cache folder: ``<URL hash>/<commit record hash>/<key>``."""
         if self._tag is None:
             head = loc.get(HEAD_KEY)  # bounded like every read of the record
             self._tag = hashlib.sha1(b"" if head is None else head).hexdigest()[:20]
-        return self.root / self._tag
+        return f"{self._prefix}/{self._tag}/{key}"
 
     def get(self, loc: Location, key: str, limit: int | None) -> bytes | None:
         """The cached bytes of ``key`` under ``loc``'s current commit record, or None (not cached,
-        unreadable, or more than ``limit`` bytes: the key's read limit when None).  A hit
-        refreshes the entry's modification time, so it is evicted last."""
-        p = self._dir(loc) / key
+        unreadable, not a regular file, reached through a link, or more than ``limit`` bytes: the
+        key's read limit when None).  A hit refreshes the entry's modification time, so it is
+        evicted last."""
+        entry = self._key(loc, key)
         try:
-            with open(p, "rb") as f:
-                data = f.read((read_limit(key) if limit is None else limit) + 1)
-            os.utime(p)
-        except OSError:
+            data = self._conf.read(entry, read_limit(key) if limit is None else limit)
+        except (DamagedStoreError, OSError):
             return None
-        return None if len(data) > (read_limit(key) if limit is None else limit) else data
+        if data is not None:
+            with contextlib.suppress(OSError, NotImplementedError):
+                os.utime(self._conf.root / entry, follow_symlinks=False)
+        return data
 
     def put(self, loc: Location, key: str, data: bytes) -> None:
         """Cache ``data`` as ``key`` under ``loc``'s current commit record (atomically, by rename).
         Once the folder holds more than ``max_bytes``, the oldest entries are deleted down to
         three quarters of it.  Data larger than ``max_bytes`` is not cached; a full or read-only
-        cache folder only costs the cache."""
+        cache folder, or a link where one of its folders belongs, only costs the cache."""
         if len(data) > self.max_bytes:
             return
-        p = self._dir(loc) / key
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
+            p = self._conf.makedirs(self._key(loc, key))
             tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "xb") as f:
+            with open(tmp, "xb") as f:  # exclusive: never opens what stands there already
                 f.write(data)
             os.replace(tmp, p)
-        except OSError:  # a full or read-only cache folder only costs the cache
+        except (DamagedStoreError, OSError):  # a full or read-only cache folder only costs the cache
             return
         if self._total is None:
             self._total = sum(sz for _p, sz, _t in self._files())

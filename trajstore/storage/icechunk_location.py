@@ -35,15 +35,18 @@ from trajstore.errors import (
     BadOptionError,
     ChecksumError,
     ConcurrentWriteError,
+    DamagedStoreError,
     LockedError,
     NotATrajstoreError,
     ReadOnlyError,
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from trajstore.storage.confined import file_kind
 from trajstore.storage.icechunk_store import FILES_GROUP, SessionStore
 from trajstore.storage.keys import CHECKSUMS_KEY, HEAD_KEY
 from trajstore.storage.loop_exit import guard_zarr_loop
+from trajstore.storage.tree_check import check_tree
 
 __all__ = ["IcechunkSession", "SessionStore", "is_icechunk_url", "open_repository", "resolve_version",
            "branch_history", "FILES_GROUP", "BRANCH", "VERSION_OPTION"]
@@ -101,6 +104,28 @@ def _storage(url: str, options: dict[str, Any]) -> Any:
         force_path_style=bool(endpoint))
 
 
+def check_local_repository(url: str, folder: str) -> None:
+    """Refuse a local repository holding a link or a special file anywhere below its folder.
+
+    icechunk's local storage opens the repository's files itself: it follows links (reading a file
+    outside the repository as a chunk) and its open of a FIFO blocks until a writer comes, which
+    would hang every reader.  So the folder is walked once before icechunk reads anything
+    (``trajstore.storage.tree_check``; one ``scandir`` per folder).
+
+    Raises
+    ------
+    DamagedStoreError
+        Naming the first link or special file found.
+    """
+
+    def refuse(path: str, mode: int | None) -> Exception:
+        rel = os.path.relpath(path, folder)
+        return DamagedStoreError(f"{url}: {rel} is a {file_kind(mode or 0)}, not a regular file; trajstore never "
+                                 "follows links or opens special files inside a store")
+
+    check_tree(folder, None, refuse)
+
+
 def open_repository(url: str, options: dict[str, Any] | None, *, create: bool) -> Any:
     """The icechunk ``Repository`` at ``url`` (created when ``create`` and there is none).
 
@@ -122,6 +147,8 @@ def open_repository(url: str, options: dict[str, Any] | None, *, create: bool) -
         if os.path.isdir(folder) and os.listdir(folder) and not os.path.isdir(os.path.join(folder, "refs")):
             raise NotATrajstoreError(f"{url}: the folder holds files but no icechunk repository (expected refs/, "
                                      "snapshots/ ...); name an empty or new folder, or the repository's")
+        if os.path.isdir(folder):
+            check_local_repository(url, folder)
     storage = _storage(url, options or {})
     if ic.Repository.exists(storage):
         return ic.Repository.open(storage)
