@@ -22,12 +22,12 @@ at the first episode, reused for the next ones and closed with the field:
   killed with SIGKILL leaves no encoder behind.
 
 Codecs not in :data:`GUARDED` are encoded in the writer's process (docs/performance-notes.md
-"Guarded encoding" gives the cost of the child per episode, which decided it).
+"Guarded encoding" gives the cost of the child per episode, which decided it), and so is every
+codec where the child cannot run (:data:`CAN_GUARD`: Windows, a frozen application).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import select
@@ -48,7 +48,7 @@ from trajstore.errors import EncoderError
 from trajstore.storage.fields import video_worker as worker
 from trajstore.storage.fields.video_codec import VIDEO_CODECS, Frames, VideoCodec, as_blocks, load_av
 
-__all__ = ["ATTEMPTS", "GUARDED", "START_LIMIT_S", "STALL_LIMIT_S", "GuardedEncoder"]
+__all__ = ["ATTEMPTS", "CAN_GUARD", "GUARDED", "START_LIMIT_S", "STALL_LIMIT_S", "GuardedEncoder"]
 
 #: Codecs (:data:`~.video_codec.VIDEO_CODECS` names) encoded in a child process under the watchdog.
 GUARDED = frozenset({"av1"})
@@ -59,6 +59,11 @@ STALL_LIMIT_S = 120.0
 START_LIMIT_S = 120.0
 #: Attempts at one episode, each with a fresh child, before EncoderError.
 ATTEMPTS = 3
+#: Whether this process can run the encoder child: POSIX pipes that ``poll`` watches, and an
+#: interpreter to run it (a frozen application's executable runs no script).  Elsewhere (Windows)
+#: every codec is encoded in the writer's process, unguarded.
+CAN_GUARD = (hasattr(select, "poll") and os.name == "posix" and bool(sys.executable)
+             and not getattr(sys, "frozen", False))
 _F_SETPIPE_SZ = 1031  # Linux: a pipe's buffer size (fcntl)
 _PIPE_BYTES = 1 << 20
 
@@ -96,8 +101,10 @@ class _Child:
         for fd in (self.win, self.rin):
             os.set_blocking(fd, False)
             try:
+                import fcntl
+
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
-            except OSError:
+            except (ImportError, OSError):
                 pass  # not Linux, or above the system's pipe-max-size: the default buffer
         self.buf = bytearray()
         self.last = time.monotonic()
@@ -236,7 +243,7 @@ class GuardedEncoder:
         MissingDependencyError
             PyAV is not installed.
         """
-        if codec.codec not in GUARDED or getattr(sys, "frozen", False):  # a frozen app's executable runs no script
+        if codec.codec not in GUARDED or not CAN_GUARD:
             return codec.encode(frames, keys, rate)
         load_av()  # MissingDependencyError naming the extra, here rather than three failed children
         enc = VIDEO_CODECS[codec.codec][0]
