@@ -127,7 +127,8 @@ def main() -> None:
             g.close()
             a, b = statistics.median(inproc), statistics.median(guarded)
             print(f"{comp:5s} {h}x{w}x3 x {args.frames}: in process {a * 1e3:8.1f} ms, guarded {b * 1e3:8.1f} ms "
-                  f"(+{(b - a) * 1e3:6.1f} ms, {(b - a) / a * 100:+5.1f} %, {(b - a) / args.frames * 1e6:+7.1f} us/frame); "
+                  f"(+{(b - a) * 1e3:6.1f} ms, {(b - a) / a * 100:+5.1f} %, "
+                  f"{(b - a) / args.frames * 1e6:+7.1f} us/frame); "
                   f"first guarded episode {first * 1e3:.0f} ms (child start {max(first - b, 0) * 1e3:.0f} ms)")
     print(f"load average after: {os.getloadavg()}")
 
