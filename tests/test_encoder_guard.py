@@ -210,9 +210,11 @@ def test_an_error_the_encoder_reports_is_tried_three_times_then_encoder_error(mi
     from trajstore.storage.fields.video_codec import VideoCodec
 
     enc = video_guard.GuardedEncoder()
-    try:  # a preset SVT-AV1 refuses when it opens (the settings check takes any short word)
+    refused = VideoCodec("av1")
+    refused.preset = "zzz"  # past the settings check (which refuses it at create): SVT-AV1 refuses it when it opens
+    try:
         with pytest.warns(RuntimeWarning, match=r"attempt [12] of 3"), pytest.raises(EncoderError) as e:
-            enc.encode(VideoCodec("av1", preset="zzz"), frames(4), "here")
+            enc.encode(refused, frames(4), "here")
         assert enc.pid is None and not mine()
         msg = str(e.value)
         assert msg.startswith("here: the libsvtav1 encoder (av1:crf=30:g=2:pix_fmt=yuv420p:preset=zzz) failed 3 times")

@@ -151,7 +151,8 @@ def test_refused_where_there_are_no_episodes_or_rows_change(tmp_path):
         TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "t"), step_data_capacity=100,
                                       compressor={"obs": "av1"})
     for bad, match in [("h264:crf=99", "crf"), ("h264:q=3", "video setting"), ("av1:pix_fmt=yuv444p", "pixel"),
-                       ("h264:g=0", "keyframe")]:
+                       ("h264:g=0", "keyframe"), ("av1:preset=zzz", r"av1 preset must be one of \['0'"),
+                       ("av1:preset=14", "av1 preset"), ("h264:preset=quick", r"h264 preset must be one of \['ultrafast'")]:
         with pytest.raises(BadOptionError, match=match):
             TrajectoryReplayBuffer.create(SPACE, cache_path=str(tmp_path / "b"), compressor={"obs": bad})
     for shape, dtype in [((47, 64, 3), np.uint8), ((48, 64, 17), np.uint8), ((48, 64, 3), np.float32)]:

@@ -51,6 +51,13 @@ VIDEO_CODECS: dict[str, tuple[str, str, tuple[int, int], int, int, str, tuple[st
     "av1": ("libsvtav1", "libdav1d", (0, 63), 30, 2, "10", ("yuv420p",)),
 }
 _PRESETS = {"lerobot": ("av1", {"crf": 30, "g": 2, "pix_fmt": "yuv420p"})}
+#: Speed presets each encoder takes (checked at create: a wrong one would fail only when the first
+#: episode is encoded).
+ENCODER_PRESETS: dict[str, tuple[str, ...]] = {
+    "h264": ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+             "placebo"),
+    "av1": tuple(str(i) for i in range(14)),
+}
 _KEY = re.compile(r"^(crf|g|preset|pix_fmt)=([A-Za-z0-9_]{1,16})$")
 #: Pixel formats of a decoded frame whose first plane is 8-bit luma (a grey picture's pixels).
 _LUMA8 = frozenset({"gray", "yuv420p", "yuvj420p", "yuv422p", "yuvj422p", "yuv444p", "yuvj444p"})
@@ -119,8 +126,8 @@ class VideoCodec:
         if pix_fmt not in pix:
             raise BadOptionError(f"{codec} pixel format must be one of {list(pix)}; got {pix_fmt!r}")
         preset = dpreset if preset is None else preset
-        if not isinstance(preset, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,16}", preset):
-            raise BadOptionError(f"preset must be a short word (x264: 'veryfast'..., SVT-AV1: '0'..'13'); got {preset!r}")
+        if not isinstance(preset, str) or preset not in ENCODER_PRESETS[codec]:
+            raise BadOptionError(f"{codec} preset must be one of {list(ENCODER_PRESETS[codec])}; got {preset!r}")
         if planes not in (None, -1, 0) or isinstance(planes, bool):
             raise BadOptionError(f"planes must be None, -1 or 0; got {planes!r}")
         self.codec, self.crf, self.gop, self.pix_fmt, self.preset = codec, crf, gop, pix_fmt, preset
