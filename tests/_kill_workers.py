@@ -31,7 +31,7 @@ from gymnasium.spaces import Box, Dict
 from trajstore import ReplayBuffer, TrajectoryReplayBuffer
 
 EPISODE_SPACE = Dict({"ret": Box(-np.inf, np.inf, (), np.float64)})
-_DEADLINE_S = 30.0  # a child the parent forgot is gone after this
+_DEADLINE_S = 120.0  # a child the parent forgot is gone after this (30 s was reached once on cores loaded to 11)
 
 
 class _Log:

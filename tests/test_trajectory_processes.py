@@ -525,9 +525,15 @@ def test_reader_of_a_live_ring_with_episode_data(tmp_path, procs, monkeypatch, e
     checked, no_data = dict.fromkeys(READS, 0), 0
     rounds, held = 0, []
     with TrajectoryReplayBuffer.load_from(store, read_only=True) as ro:
-        # At least 4 s and 21 commits seen (a writer on loaded cores commits slower), at most 30 s.
+        # At least 4 s and 21 commits seen (a writer on loaded cores commits slower) and, with the
+        # small episode-data ring, more than twice its rows evicted; at most 30 s.
         t0 = time.monotonic()
-        while (elapsed := time.monotonic() - t0) < 4 or (ro._store.committed.generation <= 20 and elapsed < 30):
+
+        def more() -> bool:
+            head = ro._store.committed
+            return head.generation <= 20 or head.tables["episode_data"].start <= 2 * episode_capacity < 64
+
+        while (elapsed := time.monotonic() - t0) < 4 or (more() and elapsed < 30):
             if len(ro) < 64:
                 time.sleep(0.01)
                 continue
