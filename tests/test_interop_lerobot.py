@@ -264,6 +264,85 @@ def test_import_killed_midway_leaves_no_store(v3: Path, tmp_path: Path) -> None:
     assert verify_store(tmp_path / "s").ok
 
 
+_EXPORT_PROGRAM = """
+import sys
+from trajstore.interop import export_lerobot
+open(sys.argv[3], "w").close()
+export_lerobot(sys.argv[1], sys.argv[2], video="av1", robot_type=sys.argv[4], overwrite=True)
+"""
+
+
+def _encoders_of(parent: int) -> list[int]:
+    """Pids of the AV1 encoder children (video_worker.py) whose parent is ``parent``."""
+    out = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"video_worker.py" in cmd:
+            out.append(int(name))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_export_killed_at_random_instants_leaves_the_old_export_or_the_new(v3: Path, tmp_path: Path) -> None:
+    """SIGKILL of ``export_lerobot(..., overwrite=True)`` (AV1: its encoder child running) at random
+    instants: the destination is always a whole export, the old one or the new one, that imports
+    back; the killed export's encoder child leaves on its own; the next export completes and leaves
+    no partial folder."""
+    import_lerobot(v3, tmp_path / "s")
+    dst = tmp_path / "ex"
+    export_lerobot(tmp_path / "s", dst, video="h264", robot_type="old")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    rng = np.random.default_rng(6)
+    took, seen, killed, before, orphans = None, {"old": 0, "new": 0}, 0, "old", 0
+    for r in range(8):
+        ready = tmp_path / f"ready{r}"
+        child = subprocess.Popen([sys.executable, "-c", _EXPORT_PROGRAM, str(tmp_path / "s"), str(dst), str(ready),
+                                  f"r{r}"], env=env)
+        encoders: set[int] = set()
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            if took is None:  # the first round runs to its end: how long an export takes
+                child.wait(120)
+                took = time.monotonic() - t0
+            stop = t0 + rng.uniform(0.1, 1.0) * took
+            while time.monotonic() < stop and child.poll() is None:
+                encoders.update(_encoders_of(child.pid))
+                time.sleep(0.005)
+            was_killed = child.poll() is None
+            killed += was_killed
+            orphans += was_killed and bool(encoders)  # an encoder child was running when its export died
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            child.kill()
+            child.wait()
+        deadline = time.monotonic() + 30
+        while [p for p in encoders if os.path.exists(f"/proc/{p}")] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in encoders if os.path.exists(f"/proc/{p}")], "an encoder outlived its killed export"
+        now = json.loads((dst / "meta/info.json").read_text())["robot_type"]
+        assert now in (before, f"r{r}"), (now, before, r)
+        seen["old" if now == before else "new"] += 1
+        before = now
+        back = import_lerobot(dst, tmp_path / f"back{r}")
+        assert back["episodes"] == 3 and back["steps"] == 18
+        shutil.rmtree(tmp_path / f"back{r}")
+    assert killed >= 3 and seen["old"] and seen["new"] and orphans, (killed, seen, orphans)
+    export_lerobot(tmp_path / "s", dst, video="av1", robot_type="again", overwrite=True)
+    assert json.loads((dst / "meta/info.json").read_text())["robot_type"] == "again"
+    assert not [p.name for p in tmp_path.iterdir() if "partial" in p.name or ".trajstore-" in p.name]
+
+
 def test_cli_import_and_export(v3: Path, tmp_path: Path) -> None:
     run = [sys.executable, "-m", "trajstore"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
