@@ -89,6 +89,9 @@ def test_a_malformed_record_is_a_problem_of_the_folder(tmp_path: Path, capsys) -
     (root / "sb3.json").write_text('{"kind": "ZarrReplayBuffer"}')  # no trajstore_sb3 version
     rep = json.loads(cli(capsys, "verify", str(root), "--json")[1])
     assert rep["problems"] == ["sb3.json is not a trajstore stable-baselines3 record (no trajstore_sb3 and kind)"]
+    (root / "sb3.json").write_text("[" * 100_000 + "]" * 100_000)  # past JSON's depth: a RecursionError before
+    code, out, _ = cli(capsys, "verify", str(root))
+    assert code == 1 and "problem: sb3.json is not JSON" in out and f"OK: {root / 'transitions'}" in out
 
 
 def test_rollout_history_episodes_are_listed_per_env(tmp_path: Path, capsys) -> None:

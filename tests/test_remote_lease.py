@@ -118,9 +118,10 @@ def test_killed_s3_writer_lease_taken_over(s3_options, tmp_path, procs):  # noqa
 
 @pytest.mark.parametrize("bad", ['"pid": 1' + "0" * 400, '"pid": -1', '"pid": true', '"renewed": 1' + "0" * 400,
                                  '"renewed": NaN', '"renewed": Infinity', '"renewed": -5', '"started": -1',
-                                 '"started": 1' + "0" * 400, '"kernel": 7', '"kernel": "' + "k" * 300 + '"'],
+                                 '"started": 1' + "0" * 400, '"kernel": 7', '"kernel": "' + "k" * 300 + '"',
+                                 '"owner": ' + "[" * 1500 + "]" * 1500],
                          ids=["huge-pid", "negative-pid", "bool-pid", "huge-time", "nan-time", "inf-time", "negative-time",
-                              "negative-start", "huge-start", "int-kernel", "long-kernel"])
+                              "negative-start", "huge-start", "int-kernel", "long-kernel", "nested"])
 def test_hostile_lease_is_a_damaged_store(bad):
     """A lease is input: out-of-range numbers raise DamagedStoreError (not OverflowError from
     float() or os.kill), and NaN, which JSON allows and which would never be stale, is refused."""

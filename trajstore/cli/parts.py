@@ -124,7 +124,7 @@ def _read_record(loc: Location) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{SB3_RECORD} is gone"
     try:
         rec = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past the parser's depth
         return None, f"{SB3_RECORD} is not JSON ({e})"
     if not isinstance(rec, dict) or "trajstore_sb3" not in rec or not isinstance(rec.get("kind"), str):
         return None, f"{SB3_RECORD} is not a trajstore stable-baselines3 record (no trajstore_sb3 and kind)"

@@ -65,7 +65,7 @@ def _remote_checksums(target: Location) -> dict[str, str]:
     raw, head = target.get(CHECKSUMS_KEY, limit=256 << 20), target.get(HEAD_KEY)
     try:
         obj = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return {}
     if not isinstance(obj, dict) or head is None or obj.get("head") != hashlib.sha256(head).hexdigest():
         return {}

@@ -27,17 +27,21 @@ import gymnasium
 
 from trajstore.errors import (
     BadOptionError,
+    DamagedStoreError,
     FormatVersionError,
     NotATrajstoreError,
     SpaceMismatchError,
     StoreExistsError,
 )
 from trajstore.spaces import space_from_json, space_to_json
-from trajstore.storage.location import fsspec_options
+from trajstore.storage.location import fsspec_options, resolve_location
+from trajstore.storage.schema import load_json
 
 __all__ = ["StoreRoot", "NewBufferWarning", "building_algorithm", "record_path", "announce_new", "CONFIG_KEY", "register", "unregister", "lookup", "storage_split", "space_config"]
 
 CONFIG_KEY = "sb3.json"
+#: Bytes of an ``sb3.json`` record read at most (it holds two spaces and a few sizes).
+MAX_CONFIG_BYTES = 1 << 20
 CONFIG_VERSION = 1
 
 #: Open buffers of this process by root key (see :func:`register`).
@@ -153,10 +157,18 @@ class StoreRoot:
         p = self._fs_path(CONFIG_KEY)
         if not self.fs.exists(p):
             return None
+        # Read as a store's files are (a local link or FIFO refused, at most MAX_CONFIG_BYTES), and
+        # parsed with the store's own bounds: a record nested past JSON's depth is damage too.
+        loc = resolve_location(self.path, read_only=True, storage_options=self.storage_options, must_exist=False)
         try:
-            cfg = json.loads(self.fs.cat_file(p))
-        except (ValueError, OSError) as e:
+            raw = loc.get(CONFIG_KEY, limit=MAX_CONFIG_BYTES)
+            if raw is None:
+                return None
+            cfg = load_json(raw, self.path, CONFIG_KEY)
+        except (DamagedStoreError, OSError) as e:
             raise NotATrajstoreError(f"{self.path}: {CONFIG_KEY} cannot be read ({e})") from None
+        finally:
+            loc.close()
         if not isinstance(cfg, dict) or "trajstore_sb3" not in cfg:
             raise NotATrajstoreError(f"{self.path}: {CONFIG_KEY} is not a trajstore stable-baselines3 record")
         if not isinstance(cfg["trajstore_sb3"], int) or cfg["trajstore_sb3"] > CONFIG_VERSION:

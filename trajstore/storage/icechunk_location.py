@@ -271,7 +271,7 @@ class IcechunkSession:
             obj = json.loads(raw.to_bytes()) if raw is not None else None
             keys = obj.get("keys") if isinstance(obj, dict) else None
             ok = isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             obj, keys, ok = None, None, False
         if not ok or not isinstance(obj, dict) or not isinstance(keys, dict):
             self._refuse_foreign()
@@ -293,7 +293,7 @@ class IcechunkSession:
         raw = sync(self.zstore.get("zarr.json", default_buffer_prototype()))
         try:
             obj = json.loads(raw.to_bytes()) if raw is not None and len(raw) <= 1 << 20 else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             obj = None
         attrs = obj.get("attributes") if isinstance(obj, dict) else None
         if raw is not None and not (isinstance(attrs, dict) and "trajstore" in attrs):

@@ -95,7 +95,7 @@ def _file_size(meta: bytes, key: str) -> int:
         shape = obj.get("shape") if isinstance(obj, dict) else None
         if isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
             return int(shape[0])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         pass
     raise DamagedStoreError(f"{file_node(key)}/zarr.json: expected the one-axis uint8 array holding trajstore's file "
                             f"{key!r}; found {meta[:80]!r}")
@@ -137,7 +137,7 @@ def _at_least(value: Buffer, rows: int) -> Buffer:
         if meta.get("node_type") != "array" or meta["shape"][0] >= rows:
             return value
         meta["shape"][0] = rows
-    except (ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         return value
     return default_buffer_prototype().buffer.from_bytes(json.dumps(meta).encode())
 
@@ -323,7 +323,7 @@ class SessionStore(Store):
             meta = json.loads(raw.to_bytes()) if raw is not None else None
             index = [int(c) for c in coords.split("/")]
             chunks = meta["chunk_grid"]["configuration"]["chunk_shape"] if meta else None
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return False
         if not meta or not chunks or len(index) != len(chunks) or len(index) != len(meta["shape"]):
             return False

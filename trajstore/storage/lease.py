@@ -252,7 +252,7 @@ def _read_lease(loc: Location) -> dict[str, Any] | None:
 def _parse_lease(loc: Location, raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         obj = None
     if not (isinstance(obj, dict) and isinstance(obj.get("owner"), str) and isinstance(obj.get("host"), str)
             and type(obj.get("pid")) is int and 0 <= obj["pid"] < _MAX_PID
